@@ -1,0 +1,30 @@
+# make demo: venv, install, train the tiny model on the embedded corpus (CPU), generate.
+# make test: install the test extras and run the suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(VENV)/.installed $@
+
+demo: $(VENV)/.installed
+	rm -rf runs/demo
+	$(BIN)/hypertron train recipes/demo.yaml
+	$(BIN)/hypertron generate --checkpoint runs/demo --prompt "def " --max-new-tokens 160 --temperature 0.7 --top-k 40
+
+test: $(VENV)/.test-installed
+	$(BIN)/python -m pytest -n 2 --durations=15
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,88 @@
+"""Training throughput: tokens/s/device, TFLOP/s/device and MFU after warm-up.
+
+    python bench/train.py PRESET [key=value ...] [--steps N] [--warmup N]
+
+Runs the real sharded train step on synthetic data (so the data pipeline is
+not measured), skips the warm-up steps (compile included), then times
+``--steps`` steps with one device sync at the end. Prints the figures, the
+device, the versions and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("preset")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+
+    from hypertron.config import ConfigError, load_config, validate_for_devices
+    from hypertron.data import make_batches
+    from hypertron.models import count_params
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.flops import device_peak_flops, train_flops_per_token
+    from hypertron.train.step import global_batch, make_trainer
+
+    try:
+        cfg = load_config(None, [f"model={args.preset}", "data.source=synthetic", *args.overrides])
+        validate_for_devices(cfg, jax.device_count())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    t = cfg.train
+    mesh = make_mesh(cfg.mesh)
+    trainer = make_trainer(cfg, mesh)
+    state = trainer.init(jax.random.key(0))
+    data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
+                        vocab_size=cfg.model.vocab_size)
+    batches = [global_batch(next(data), trainer.batch_sharding) for _ in range(2)]
+
+    for i in range(args.warmup):
+        state, metrics = trainer.step(state, batches[i % 2])
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for i in range(args.steps):
+        state, metrics = trainer.step(state, batches[i % 2])
+    loss = float(metrics["loss"])  # the one sync: waits for every queued step
+    elapsed = time.perf_counter() - start
+
+    n_dev = jax.device_count()
+    tokens = t.global_batch * t.seq_len
+    step_time = elapsed / args.steps
+    flops = train_flops_per_token(cfg.model, t.seq_len) * tokens
+    tflops = flops / step_time / n_dev / 1e12
+    peak = device_peak_flops(t.peak_flops)
+    dev = jax.devices()[0]
+    rows = [
+        ("preset", f"{cfg.model.name} ({count_params(cfg.model) / 1e6:,.1f}M params)"),
+        ("device", f"{n_dev} x {getattr(dev, 'device_kind', dev.platform)}"),
+        ("batch x seq", f"{t.global_batch} x {t.seq_len}, grad_accum {t.grad_accum}, remat {cfg.model.remat}"),
+        ("dtype", f"params {cfg.model.param_dtype}, compute {cfg.model.dtype}"),
+        ("step time", f"{step_time * 1e3:.1f} ms (mean of {args.steps} after {args.warmup} warm-up)"),
+        ("tokens/s/device", f"{tokens / step_time / n_dev:,.0f}"),
+        ("TFLOP/s/device", f"{tflops:.4g}"),
+        ("MFU", "n/a (no peak known for this device)" if not peak else f"{100 * tflops * 1e12 / peak:.1f}%"),
+        ("final loss", f"{loss:.4f}"),
+        ("versions", f"python {platform.python_version()}, jax {jax.__version__}"),
+        ("command", "python bench/train.py " + " ".join(argv if argv is not None else sys.argv[1:])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0 if np.isfinite(loss) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The ``hypertron`` command: parse, then call one function.
+
+User mistakes (bad config, missing files, unusable checkpoints) end with one
+line on stderr naming the problem and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USER_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from hypertron.checkpoint import CheckpointError
+    from hypertron.config import ConfigError
+    from hypertron.data import DataError
+    from hypertron.models.hf import HFError
+
+    return (ConfigError, DataError, CheckpointError, HFError)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hypertron.config import load_config
+
+    recipe, overrides = None, list(args.overrides)
+    if overrides and "=" not in overrides[0]:
+        recipe = overrides.pop(0)
+    cfg = load_config(recipe, overrides)
+    from hypertron.train.loop import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hypertron.checkpoint import load_params
+    from hypertron.config import ConfigError
+    from hypertron.data import get_tokenizer
+    from hypertron.serve.generate import generate
+
+    if args.max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature={args.temperature}: must not be negative")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p={args.top_p}: must be in (0, 1]")
+    cfg, params = load_params(args.checkpoint)
+    tok = get_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError(
+            f"{args.checkpoint}: model vocab_size {cfg.model.vocab_size} is smaller than the "
+            f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}; its own tokenizer is not supported yet"
+        )
+    ids = [tok.bos_id] + tok.encode(args.prompt)
+    if len(ids) + args.max_new_tokens > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    (out,) = generate(
+        params, cfg.model, [ids], args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
+    )
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from hypertron.checkpoint import load_params, save_params
+    from hypertron.config import Config, ConfigError
+    from hypertron.models import hf
+
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
+    if args.from_hf:
+        model_cfg, params = hf.load_hf(args.from_hf)
+        import dataclasses
+
+        base = Config()
+        train = dataclasses.replace(base.train, seq_len=min(base.train.seq_len, model_cfg.max_seq_len))
+        cfg = Config(run_dir=args.out, model=model_cfg, train=train)
+        save_params(args.out, cfg, params)
+        print(f"wrote hypertron checkpoint {args.out} ({model_cfg.name})")
+    else:
+        if not args.checkpoint:
+            raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR")
+        cfg, params = load_params(args.checkpoint)
+        hf.save_hf(args.to_hf, cfg.model, params)
+        print(f"wrote Hugging Face checkpoint {args.to_hf}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hypertron", description="Train and serve LLMs in JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser(
+        "train", help="train a model",
+        description="Train a model. Arguments: an optional YAML recipe, then key=value overrides "
+        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.",
+    )
+    t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="run directory (latest checkpoint is used)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
+    c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
+    c.add_argument("--out", metavar="RUN_DIR", help="hypertron run directory to write (with --from-hf)")
+    c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
+    c.add_argument("--checkpoint", metavar="RUN_DIR", help="hypertron run directory to export")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "convert" and args.from_hf and not args.out:
+        print("error: convert --from-hf needs --out RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The decoder shared by every dense family (Llama 2/3, Mistral, Gemma).
+
+Reads top to bottom like the paper: ``forward -> layer -> attention / mlp``.
+Families differ only through :class:`~hypertron.config.ModelConfig` fields
+(GQA ratio, RoPE scaling, sliding window, GeGLU, tied and scaled embeddings,
+zero-centred RMSNorm). Layers are stacked along a leading ``layers`` axis and
+run with ``jax.lax.scan``, so compile time does not grow with depth.
+
+Naming: ``b`` batch, ``t`` query positions, ``s`` key positions, ``d`` embed,
+``n`` query heads, ``k`` KV heads, ``g`` queries per KV head, ``h`` head dim,
+``f`` MLP hidden, ``v`` vocabulary, ``l`` layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hypertron.config import ModelConfig
+from hypertron.models.params import ParamSpec, fan_in_normal, stack
+from hypertron.parallel.rules import constrain
+from hypertron.quant import einsum_for
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+
+# ---------------------------------------------------------------------------
+# Declarations
+
+
+def declare(cfg: ModelConfig) -> Params:
+    """The parameter tree of ``cfg`` as :class:`ParamSpec` leaves (no arrays)."""
+    d, n, k, h, f, v, L = (
+        cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+        cfg.vocab_size, cfg.num_layers,
+    )
+    norm_init = "zeros" if cfg.norm_zero_centered else "ones"
+    layer = {
+        "attn_norm": ParamSpec((d,), ("norm",), norm_init),
+        "wq": fan_in_normal((d, n, h), ("embed", "heads", "head_dim"), d),
+        "wk": fan_in_normal((d, k, h), ("embed", "kv_heads", "head_dim"), d),
+        "wv": fan_in_normal((d, k, h), ("embed", "kv_heads", "head_dim"), d),
+        "wo": fan_in_normal((n, h, d), ("heads", "head_dim", "embed"), n * h),
+        "mlp_norm": ParamSpec((d,), ("norm",), norm_init),
+        "w_gate": fan_in_normal((d, f), ("embed", "mlp"), d),
+        "w_up": fan_in_normal((d, f), ("embed", "mlp"), d),
+        "w_down": fan_in_normal((f, d), ("mlp", "embed"), f),
+    }
+    # Tied embeddings double as the output projection: keep their logits O(1).
+    embed_std = 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0
+    params: Params = {
+        "embed": ParamSpec((v, d), ("vocab", "embed"), "normal", embed_std),
+        "layers": {name: stack(s, L) for name, s in layer.items()},
+        "final_norm": ParamSpec((d,), ("norm",), norm_init),
+    }
+    if not cfg.tie_embeddings:
+        params["unembed"] = fan_in_normal((d, v), ("embed", "vocab"), d)
+    return params
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    """``auto`` is float32 on CPU and bfloat16 on accelerators."""
+    if name == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(name)
+
+
+# ---------------------------------------------------------------------------
+# Building blocks
+
+
+def rms_norm(x_btd: jax.Array, w_d: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm in float32; Gemma's variant scales by ``1 + w``."""
+    x = x_btd.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.norm_eps)
+    w = w_d.astype(jnp.float32)
+    scale = 1.0 + w if cfg.norm_zero_centered else w
+    return (x * scale).astype(x_btd.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [h/2], with Llama 3.1 scaling when configured."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face checkpoints."""
+    angles_bth = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [b, t, h/2]
+    cos = jnp.cos(angles_bth)[:, :, None, :]  # [b, t, 1, h/2]
+    sin = jnp.sin(angles_bth)[:, :, None, :]
+    x = x_btnh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+def attention_mask(
+    q_pos_bt: jax.Array,
+    kv_pos_bs: jax.Array,
+    cfg: ModelConfig,
+    q_seg_bt: jax.Array | None = None,
+    kv_seg_bs: jax.Array | None = None,
+    kv_valid_bs: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean mask [b, 1, t, s]: causal, same document, inside the sliding window."""
+    q = q_pos_bt[:, None, :, None]
+    kv = kv_pos_bs[:, None, None, :]
+    mask = kv <= q
+    if cfg.sliding_window is not None:
+        mask &= q - kv < cfg.sliding_window
+    if q_seg_bt is not None:
+        mask &= q_seg_bt[:, None, :, None] == kv_seg_bs[:, None, None, :]
+    if kv_valid_bs is not None:
+        mask &= kv_valid_bs[:, None, None, :]
+    return mask
+
+
+def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
+    """Reference attention in plain XLA ops (float32 softmax); GQA by grouping query heads."""
+    b, t, n, h = q_btnh.shape
+    kv_heads = k_bskh.shape[2]
+    q = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)  # [b, t, k, g, h]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    mask = mask_b1ts[:, :, None]  # [b, 1, 1, t, s]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def _attention_impl(cfg: ModelConfig, dtype) -> str:
+    if cfg.attention != "auto":
+        return cfg.attention
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "xla"
+
+
+def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
+    """Causal self-attention over one packed sequence, never across documents.
+
+    ``xla`` and ``cudnn`` go through ``jax.nn.dot_product_attention`` (cuDNN
+    flash attention on GPU); ``plain`` is the explicit-mask reference.
+    """
+    impl = _attention_impl(cfg, q_btnh.dtype)
+    if impl == "plain":
+        mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
+        return plain_attention(q_btnh, k_btkh, v_btkh, mask)
+    mask = None
+    if segment_ids_bt is not None:
+        mask = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
+    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
+        implementation=impl,
+    )
+
+
+def activation(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    if cfg.activation == "gelu":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def mlp(x_btd: jax.Array, p: Params, cfg: ModelConfig, einsum) -> jax.Array:
+    """Gated MLP: SwiGLU (silu) or GeGLU (gelu)."""
+    gate_btf = einsum("btd,df->btf", x_btd, p["w_gate"])
+    up_btf = einsum("btd,df->btf", x_btd, p["w_up"])
+    h_btf = constrain(activation(gate_btf, cfg) * up_btf, ("batch", "seq", "act_mlp"))
+    return einsum("btf,fd->btd", h_btf, p["w_down"])
+
+
+# ---------------------------------------------------------------------------
+# The layer and the model
+
+
+def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | None):
+    """One decoder block. With a cache, new K/V are written at ``positions`` and attention
+    reads the whole cache (generation); without one, attention is over ``x`` itself."""
+    with jax.named_scope("attention"):
+        h_btd = rms_norm(x_btd, p["attn_norm"], cfg)
+        q = einsum("btd,dnh->btnh", h_btd, p["wq"])
+        k = einsum("btd,dkh->btkh", h_btd, p["wk"])
+        v = einsum("btd,dkh->btkh", h_btd, p["wv"])
+        q = constrain(apply_rope(q, ctx["positions"], ctx["inv_freq"]), ("batch", "seq", "act_heads", "head_dim"))
+        k = constrain(apply_rope(k, ctx["positions"], ctx["inv_freq"]), ("batch", "seq", "act_kv_heads", "head_dim"))
+        if cache is None:
+            attn = self_attention(q, k, v, ctx["positions"], ctx["segment_ids"], cfg)
+        else:
+            cache = {
+                "k": _write_cache(cache["k"], k, ctx["positions"]),
+                "v": _write_cache(cache["v"], v, ctx["positions"]),
+            }
+            s = cache["k"].shape[1]
+            kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x_btd.shape[0], s))
+            mask = attention_mask(ctx["positions"], kv_pos, cfg)
+            attn = plain_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask)
+        x_btd = x_btd + einsum("btnh,nhd->btd", attn, p["wo"])
+    with jax.named_scope("mlp"):
+        x_btd = x_btd + mlp(rms_norm(x_btd, p["mlp_norm"], cfg), p, cfg, einsum)
+    return constrain(x_btd, ("batch", "seq", "act_embed")), cache
+
+
+def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array) -> jax.Array:
+    """Write each row's new K or V at its own start position (rows may differ in length)."""
+    def one(c_skh, n_tkh, pos_t):
+        return jax.lax.dynamic_update_slice(c_skh, n_tkh.astype(c_skh.dtype), (pos_t[0], 0, 0))
+
+    return jax.vmap(one)(cache_bskh, new_btkh, positions_bt)
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache):
+    dtype = resolve_dtype(cfg.dtype)
+    einsum = einsum_for("none", dtype)
+    b, t = tokens_bt.shape
+    if positions_bt is None:
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ctx = {"positions": positions_bt, "segment_ids": segment_ids_bt, "inv_freq": rope_frequencies(cfg)}
+
+    with jax.named_scope("embed"):
+        # Gather from a replicated table: a gather from an fsdp/tensor-sharded table
+        # makes the partitioner replicate its output anyway, less efficiently.
+        table_vd = constrain(params["embed"], (None, None))
+        x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dtype)
+        if cfg.embed_scale:
+            x_btd = x_btd * jnp.asarray(math.sqrt(cfg.embed_dim), dtype)
+        x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
+
+    def body(x, layer_in):
+        p, c = layer_in
+        return layer(x, p, ctx, cfg, einsum, c)
+
+    if cfg.remat != "none" and cache is None:
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+    if cfg.scan_layers:
+        x_btd, cache = jax.lax.scan(body, x_btd, (params["layers"], cache))
+    else:
+        new = []
+        for i in range(cfg.num_layers):
+            take = lambda a: a[i]
+            x_btd, c = body(x_btd, jax.tree.map(take, (params["layers"], cache)))
+            new.append(c)
+        cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+
+    with jax.named_scope("unembed"):
+        x_btd = rms_norm(x_btd, params["final_norm"], cfg)
+        if cfg.tie_embeddings:
+            logits = einsum("btd,vd->btv", x_btd, params["embed"])
+        else:
+            logits = einsum("btd,dv->btv", x_btd, params["unembed"])
+        logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+    return logits, cache
+
+
+def forward(
+    params: Params,
+    tokens_bt: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [b, t, vocab] (float32) for token ids [b, t].
+
+    ``positions`` [b, t] default to 0..t-1; ``segment_ids`` [b, t] keep packed
+    documents from attending to each other.
+    """
+    logits, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
+    return logits
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+    """Empty KV cache: ``k`` and ``v`` of shape [layers, batch, max_len, kv_heads, head_dim]."""
+    dtype = resolve_dtype(cfg.dtype) if dtype is None else dtype
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward_cached(
+    params: Params, tokens_bt: jax.Array, positions_bt: jax.Array, cache: Cache, cfg: ModelConfig
+) -> tuple[jax.Array, Cache]:
+    """Logits for new tokens at ``positions_bt``, attending to everything cached before them.
+
+    Writes the new keys and values into ``cache`` and returns it. Used for
+    prefill (t = prompt length) and for each decode step (t = 1).
+    """
+    return _decoder(params, tokens_bt, cfg, positions_bt, None, cache)

@@ -1,0 +1,491 @@
+"""Hugging Face interop: ``config.json`` + safetensors checkpoints to and from hypertron.
+
+Covers the dense families the shared decoder implements: Llama 2/3/3.1
+(``model_type: llama``, incl. ``rope_type: llama3``), Mistral (sliding window)
+and Gemma (GeGLU, zero-centred norms, scaled and tied embeddings). Anything
+else is refused with :class:`HFError` rather than loaded into a model that
+would compute something different.
+
+Only numpy, ``safetensors`` and ``ml_dtypes`` are needed at run time (no
+torch). The tensor mapping is a table (:data:`_LAYER_TENSORS`): each hypertron
+parameter, its HF name, and one of four layout rules. RoPE uses HF's
+"rotate_half" layout in both, so attention projections need no permutation,
+only a transpose and a split of the fused head axis; Gemma norms are stored
+zero-centred on both sides, so they are copied as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+# Registers bfloat16 with numpy, so safetensors' numpy API can read bf16 checkpoints.
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hypertron.config import ConfigError, ModelConfig, RopeScaling, validate_model
+from hypertron.models.decoder import declare
+
+Params = dict[str, Any]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class HFError(ValueError):
+    """A checkpoint or config this converter cannot read or write; the message is one line."""
+
+
+# ---------------------------------------------------------------------------
+# Configs
+
+# HF config-class defaults for keys a config.json may leave out (transformers 5).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
+                  hidden_act="silu", head_dim=None, sliding_window=None),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=False,
+                    hidden_act="silu", head_dim=None, sliding_window=4096),
+    "gemma": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
+                  hidden_act="gelu_pytorch_tanh", head_dim=256, sliding_window=None),
+}
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
+
+# Gemma's legacy ``gelu`` means the tanh approximation too (transformers rewrites it so).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu", "gelu_new")
+
+
+def _require(hf: dict, key: str) -> Any:
+    if hf.get(key) is None:
+        raise HFError(f"HF config: missing '{key}'")
+    return hf[key]
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+    # transformers itself lets a legacy ``rope_scaling`` win over ``rope_parameters``.
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise HFError(f"HF config: rope parameters {rope!r} are not a mapping")
+    if "rope_type" not in rope and "type" not in rope and any(isinstance(v, dict) for v in rope.values()):
+        raise HFError("HF config: per-layer-type RoPE parameters are not supported")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise HFError("HF config: partial_rotary_factor != 1 is not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise HFError(f"HF config: rope_type '{kind}' is not supported (only default and llama3)")
+    original = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return theta, RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position=int(original),
+    )
+
+
+def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF ``config.json`` dict (llama, mistral or gemma).
+
+    ``name`` defaults to the ``model_type``. Dtypes are left ``auto``: the
+    checkpoint's storage dtype is a property of the file, not the model.
+    Raises :class:`HFError` naming the first unsupported feature.
+    """
+    family = hf.get("model_type")
+    if family not in _FAMILY_DEFAULTS:
+        raise HFError(
+            f"HF config: model_type '{family}' is not supported (choose from {', '.join(_FAMILY_DEFAULTS)})"
+        )
+    get = lambda k: hf[k] if k in hf else _FAMILY_DEFAULTS[family][k]  # noqa: E731
+    for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
+        if hf.get(flag):
+            raise HFError(f"HF config: {flag}=true is not supported")
+
+    act = hf.get("hidden_activation") or get("hidden_act")  # Gemma 1 configs may use either key
+    if family == "gemma" and act in _GELU_TANH:
+        activation = "gelu"
+    elif family != "gemma" and act == "silu":
+        activation = "silu"
+    else:
+        raise HFError(f"HF config: hidden_act '{act}' is not supported for model_type {family}")
+
+    d = int(_require(hf, "hidden_size"))
+    n = int(_require(hf, "num_attention_heads"))
+    head_dim = get("head_dim") or d // n
+    theta, scaling = _rope_from_hf(hf)
+    gemma = family == "gemma"
+    # Only Mistral's attention reads sliding_window; a stray key elsewhere must not change the model.
+    window = get("sliding_window") if family == "mistral" else None
+    window = None if window is None else int(window)
+    cfg = ModelConfig(
+        name=name or family,
+        vocab_size=int(_require(hf, "vocab_size")),
+        embed_dim=d,
+        num_layers=int(_require(hf, "num_hidden_layers")),
+        num_heads=n,
+        num_kv_heads=int(hf.get("num_key_value_heads") or n),
+        head_dim=int(head_dim),
+        mlp_dim=int(_require(hf, "intermediate_size")),
+        activation=activation,
+        norm_eps=float(get("rms_norm_eps")),
+        norm_zero_centered=gemma,
+        embed_scale=gemma,
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_window=window,
+        max_seq_len=int(get("max_position_embeddings")),
+        param_dtype="auto",
+        dtype="auto",
+    )
+    try:
+        validate_model(cfg)
+    except ConfigError as e:
+        raise HFError(f"HF config: {e}") from None
+    return cfg
+
+
+def _family_of(cfg: ModelConfig) -> str:
+    """The HF model_type that computes exactly what ``cfg`` computes, or HFError."""
+    gemma_bits = (cfg.norm_zero_centered, cfg.embed_scale, cfg.activation == "gelu")
+    if any(gemma_bits) and not all(gemma_bits):
+        raise HFError(
+            "config_to_hf: norm_zero_centered, embed_scale and activation=gelu come together "
+            "(Gemma) in HF; this mix has no HF model_type"
+        )
+    if all(gemma_bits):
+        if cfg.sliding_window is not None or cfg.rope_scaling is not None:
+            raise HFError("config_to_hf: Gemma has no sliding_window or rope_scaling in HF")
+        return "gemma"
+    if cfg.sliding_window is not None:
+        if cfg.rope_scaling is not None:
+            raise HFError("config_to_hf: Mistral has no llama3 rope_scaling in HF")
+        return "mistral"
+    return "llama"
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """An HF ``config.json`` dict for ``cfg``; ``dtype`` is the checkpoint's storage dtype.
+
+    The model_type is gemma when norms are zero-centred, mistral when a sliding
+    window is set, else llama. RoPE is written both ways (``rope_parameters``
+    for transformers 5, ``rope_theta`` + ``rope_scaling`` for 4.x).
+    """
+    family = _family_of(cfg)
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position,
+        }
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "gelu_pytorch_tanh" if family == "gemma" else "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else dict(rope),
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if family == "gemma":
+        hf["hidden_activation"] = "gelu_pytorch_tanh"
+    if family != "mistral":
+        hf["attention_bias"] = False
+    if family == "llama":
+        hf["mlp_bias"] = False
+    if family == "mistral":
+        hf["sliding_window"] = cfg.sliding_window
+    return hf
+
+
+# ---------------------------------------------------------------------------
+# Tensor layouts
+#
+# ``same``:      stored identically (embeddings, norms).
+# ``linear``:    HF Linear weight [out, in]  <->  ours [in, out].
+# ``heads_in``:  HF [heads*head_dim, D]      <->  ours [D, heads, head_dim] (q, k, v).
+# ``heads_out``: HF [D, heads*head_dim]      <->  ours [heads, head_dim, D] (o).
+
+
+def _ours_from_hf(rule: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if rule == "same":
+        return w
+    return w.T.reshape(shape)  # linear: [in, out]; heads_in: [D, n, h]; heads_out: [n, h, D]
+
+
+def _hf_from_ours(rule: str, w: np.ndarray) -> np.ndarray:
+    if rule == "same":
+        return w
+    if rule == "heads_in":
+        w = w.reshape(w.shape[0], -1)  # [D, n*h]
+    elif rule == "heads_out":
+        w = w.reshape(-1, w.shape[-1])  # [n*h, D]
+    return w.T
+
+
+def _hf_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if rule == "same":
+        return shape
+    if rule == "linear":
+        return shape[::-1]
+    if rule == "heads_in":
+        return (math.prod(shape[1:]), shape[0])
+    return (shape[-1], math.prod(shape[:-1]))
+
+
+_TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "same"),
+    "final_norm": ("model.norm.weight", "same"),
+    "unembed": ("lm_head.weight", "linear"),
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", "same"),
+    "wq": ("self_attn.q_proj.weight", "heads_in"),
+    "wk": ("self_attn.k_proj.weight", "heads_in"),
+    "wv": ("self_attn.v_proj.weight", "heads_in"),
+    "wo": ("self_attn.o_proj.weight", "heads_out"),
+    "mlp_norm": ("post_attention_layernorm.weight", "same"),
+    "w_gate": ("mlp.gate_proj.weight", "linear"),
+    "w_up": ("mlp.up_proj.weight", "linear"),
+    "w_down": ("mlp.down_proj.weight", "linear"),
+}
+
+# Non-persistent buffers some older exports still carry; they are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _layer_name(i: int, suffix: str) -> str:
+    return f"model.layers.{i}.{suffix}"
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
+
+
+def _check_shape(name: str, w: np.ndarray, rule: str, ours: tuple[int, ...]) -> None:
+    want = _hf_shape(rule, ours)
+    if tuple(w.shape) != want:
+        raise HFError(f"tensor {name}: shape {tuple(w.shape)}, config expects {want}")
+
+
+def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: Any = None) -> Params:
+    """hypertron parameters from HF-named tensors (a dict, or a lazy mapping over files).
+
+    Per-layer tensors ``model.layers.{i}.*`` are stacked on a leading layer
+    axis: e.g. ``q_proj.weight`` [N*H, D] x L -> ``layers/wq`` [L, D, N, H].
+    ``dtype`` None keeps each tensor's dtype. Tensors are read one at a time,
+    so a lazy mapping never holds more than the output plus one tensor.
+    Missing, misshapen or unexpected tensors raise :class:`HFError`.
+    """
+    specs = declare(cfg)
+    names = set(tensors.keys())
+    expected = {hf for key, (hf, _) in _TOP_TENSORS.items() if key in specs}
+    expected |= {_layer_name(i, s) for i in range(cfg.num_layers) for s, _ in _LAYER_TENSORS.values()}
+    # Tied checkpoints sometimes store lm_head anyway; accept it if it really is the embedding.
+    allowed = expected | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    unexpected = sorted(n for n in names - allowed if not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise HFError(f"unexpected tensor {unexpected[0]} ({len(unexpected)} in all) for {cfg.name}")
+    missing = sorted(expected - names)
+    if missing:
+        raise HFError(f"missing tensor {missing[0]} ({len(missing)} in all) for {cfg.name}")
+
+    def read(name: str, rule: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = np.asarray(tensors[name])
+        _check_shape(name, w, rule, shape)
+        w = _ours_from_hf(rule, w, shape)
+        return w if dtype is None else w.astype(_np_dtype(dtype))
+
+    params: Params = {"layers": {}}
+    for key, (hf, rule) in _TOP_TENSORS.items():
+        if key in specs:
+            params[key] = np.ascontiguousarray(read(hf, rule, specs[key].shape))
+    for key, (suffix, rule) in _LAYER_TENSORS.items():
+        shape = specs["layers"][key].shape  # [L, ...]
+        first = read(_layer_name(0, suffix), rule, shape[1:])
+        out = np.empty(shape, first.dtype)
+        out[0] = first
+        for i in range(1, cfg.num_layers):
+            out[i] = read(_layer_name(i, suffix), rule, shape[1:])
+        params["layers"][key] = out
+    if cfg.tie_embeddings and "lm_head.weight" in names:
+        lm = np.asarray(tensors["lm_head.weight"])
+        if lm.shape != params["embed"].shape or not np.array_equal(lm.astype(params["embed"].dtype), params["embed"]):
+            raise HFError("tensor lm_head.weight differs from the embedding, but the config ties them")
+    return params
+
+
+def to_hf_tensors(cfg: ModelConfig, params: Params, dtype: Any = None) -> dict[str, np.ndarray]:
+    """HF-named, C-contiguous numpy tensors of hypertron ``params`` (the inverse of
+    :func:`from_hf_tensors`); ``dtype`` None keeps each parameter's dtype.
+
+    Tied models write no ``lm_head.weight``, as transformers does.
+    """
+    specs = declare(cfg)
+
+    def out(w: Any, rule: str) -> np.ndarray:
+        w = _hf_from_ours(rule, np.asarray(w))
+        return np.ascontiguousarray(w if dtype is None else w.astype(_np_dtype(dtype)))
+
+    _check_ours("embed", params["embed"], specs["embed"].shape)
+    tensors = {"model.embed_tokens.weight": out(params["embed"], "same")}
+    for i in range(cfg.num_layers):
+        for key, (suffix, rule) in _LAYER_TENSORS.items():
+            w = params["layers"][key][i]
+            _check_ours(f"layers/{key}[{i}]", w, specs["layers"][key].shape[1:])
+            tensors[_layer_name(i, suffix)] = out(w, rule)
+    tensors["model.norm.weight"] = out(params["final_norm"], "same")
+    if not cfg.tie_embeddings:
+        _check_ours("unembed", params["unembed"], specs["unembed"].shape)
+        tensors["lm_head.weight"] = out(params["unembed"], "linear")
+    return tensors
+
+
+def _check_ours(key: str, w: Any, shape: tuple[int, ...]) -> None:
+    if tuple(w.shape) != tuple(shape):
+        raise HFError(f"parameter {key}: shape {tuple(w.shape)}, config declares {tuple(shape)}")
+
+
+# ---------------------------------------------------------------------------
+# Files
+
+
+class _SafetensorsFiles(Mapping):
+    """Read-only name -> numpy array view over one or more open safetensors files."""
+
+    def __init__(self, files: list[Path], stack: contextlib.ExitStack):
+        self._where: dict[str, Any] = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="np"))
+            for name in handle.keys():
+                if name in self._where:
+                    raise HFError(f"{f}: tensor {name} is also in another shard")
+                self._where[name] = handle
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    single, index = path / SINGLE_FILE, path / INDEX_FILE
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise HFError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise HFError(f"{index}: not a safetensors index (no weight_map)") from None
+    files = [path / f for f in dict.fromkeys(weight_map.values())]
+    for f in files:
+        if not f.is_file():
+            raise HFError(f"{f}: shard named in {INDEX_FILE} is missing")
+    return files
+
+
+def load_hf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
+    """Read an HF checkpoint directory: ``config.json`` and ``model.safetensors``
+    (or ``model.safetensors.index.json`` and its shards).
+
+    Returns ``(cfg, params)`` with params as numpy arrays in ``dtype``
+    (float32 when None; ``"bfloat16"`` keeps bf16 checkpoints at half the memory).
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HFError(f"{config_file}: not found")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"{config_file}: invalid JSON ({e.msg})") from None
+    cfg = config_from_hf(hf, name=path.resolve().name)
+    files = _checkpoint_files(path)
+    with contextlib.ExitStack() as stack:
+        tensors = _SafetensorsFiles(files, stack)
+        params = from_hf_tensors(cfg, tensors, np.float32 if dtype is None else dtype)
+    return cfg, params
+
+
+def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names, in order, into shards of at most ``max_shard_bytes``
+    (a single larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += w.nbytes
+    return shards
+
+
+def save_hf(
+    path: str | Path,
+    cfg: ModelConfig,
+    params: Params,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: Any = None,
+) -> None:
+    """Write ``params`` as an HF checkpoint directory that ``from_pretrained`` loads.
+
+    One ``model.safetensors`` when it fits in ``max_shard_bytes``, else
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+    ``dtype`` None keeps the parameters' dtype. Refuses to write into an existing
+    non-empty directory.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise HFError(f"{path}: exists and is not an empty directory; refusing to overwrite")
+    tensors = to_hf_tensors(cfg, params, dtype)
+    stored = tensors["model.embed_tokens.weight"].dtype
+    hf = config_to_hf(cfg, dtype=stored.name)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    # transformers checks this metadata key before loading a safetensors file.
+    meta = {"format": "pt"}
+    shards = _plan_shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, path / SINGLE_FILE, metadata=meta)
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, path / fname, metadata=meta)
+        weight_map.update({n: fname for n in names})
+    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,21 @@
+"""The device mesh, built from :class:`~hypertron.config.MeshConfig`."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from hypertron.config import MeshConfig
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor); one configured size may be -1 (the rest).
+
+    ``tensor`` varies fastest, so tensor-parallel groups sit on neighbouring
+    devices (same host, fastest links); ``data`` varies slowest.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = cfg.shape(len(devices))
+    grid = np.array(devices, dtype=object).reshape([shape[a] for a in MeshConfig.AXES])
+    return Mesh(grid, MeshConfig.AXES)

@@ -1,0 +1,117 @@
+"""Logical-axis sharding rules: the one table that maps model axis names to mesh axes.
+
+Model code names logical axes only (``batch``, ``embed``, ``heads``...). This
+module turns those names into ``PartitionSpec``s for a given mesh, and lets
+model code pin activations with :func:`constrain`, which is a no-op unless a
+mesh and rules are active (so the model runs unchanged on one device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Logical axis -> mesh axis (or axes). Parameters are sharded over fsdp on their
+# embed axis and over tensor on heads / mlp / vocab (Megatron style); batches over
+# data and fsdp. ``act_*`` axes are activations; ``layers`` and ``head_dim`` stay whole.
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    "cache_seq": None,
+}
+
+
+class RulesError(ValueError):
+    pass
+
+
+def spec_for(
+    axes: tuple[str | None, ...],
+    rules: dict[str, MeshAxes],
+    mesh: Mesh,
+    shape: tuple[int, ...] | None = None,
+) -> P:
+    """``PartitionSpec`` for an array whose dimensions have these logical names.
+
+    Mesh axes of size 1 are dropped. When ``shape`` is given, a dimension that
+    the mesh axes do not divide is replicated instead (e.g. 1 KV head over
+    ``tensor=2``). Two logical axes of one array that map to the same mesh axis
+    are an error: the array would be sharded twice over one device set.
+    """
+    used: dict[str, str] = {}
+    out: list[MeshAxes] = []
+    for i, name in enumerate(axes):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise RulesError(f"no sharding rule for logical axis '{name}'")
+        target = rules[name]
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape.get(a, 1) > 1)
+        for a in mesh_axes:
+            if a in used:
+                raise RulesError(
+                    f"logical axes '{used[a]}' and '{name}' of one array both map to mesh axis '{a}'"
+                )
+        if shape is not None and mesh_axes:
+            n = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+            if shape[i] % n:
+                mesh_axes = ()
+        for a in mesh_axes:
+            used[a] = name
+        out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return P(*out)
+
+
+def shardings_for(axes_tree: Any, shapes_tree: Any, mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES) -> Any:
+    """``NamedSharding`` tree for a tree of logical axes and a matching tree of shapes/arrays."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+    axes_leaves, treedef = jax.tree.flatten(axes_tree, is_leaf=is_axes)
+    shape_leaves = treedef.flatten_up_to(shapes_tree)
+    out = [NamedSharding(mesh, spec_for(a, rules, mesh, tuple(s.shape))) for a, s in zip(axes_leaves, shape_leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, MeshAxes]] | None] = contextvars.ContextVar(
+    "hypertron_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES) -> Iterator[None]:
+    """Within this block (while tracing), :func:`constrain` pins activations on ``mesh``."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint by logical axis names; identity when no rules are active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, rules, mesh, x.shape)))

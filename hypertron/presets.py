@@ -1,0 +1,118 @@
+"""Model presets as data: each family is the shared decoder plus the fields that differ.
+
+Presets live beside :mod:`hypertron.config` (not under ``models/``) because the
+config loader resolves ``model=NAME`` and the config layer may not import
+upward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypertron.config import ModelConfig, RopeScaling
+
+_LLAMA2_7B = ModelConfig(
+    name="llama2-7b",
+    vocab_size=32000,
+    embed_dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    mlp_dim=11008,
+    norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_seq_len=4096,
+)
+
+_LLAMA3_8B = replace(
+    _LLAMA2_7B,
+    name="llama3-8b",
+    vocab_size=128256,
+    num_kv_heads=8,
+    mlp_dim=14336,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+)
+
+_LLAMA3_70B = replace(
+    _LLAMA3_8B,
+    name="llama3-70b",
+    embed_dim=8192,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    mlp_dim=28672,
+)
+
+_GEMMA = dict(
+    activation="gelu",
+    norm_eps=1e-6,
+    norm_zero_centered=True,
+    embed_scale=True,
+    tie_embeddings=True,
+    head_dim=256,
+    vocab_size=256000,
+    max_seq_len=8192,
+)
+
+_TINY = ModelConfig(
+    name="tiny",
+    vocab_size=259,
+    embed_dim=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    max_seq_len=2048,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": _LLAMA2_7B,
+    "llama2-13b": replace(
+        _LLAMA2_7B, name="llama2-13b", embed_dim=5120, num_layers=40, num_heads=40,
+        num_kv_heads=40, mlp_dim=13824,
+    ),
+    "llama2-70b": replace(
+        _LLAMA2_7B, name="llama2-70b", embed_dim=8192, num_layers=80, num_heads=64,
+        num_kv_heads=8, mlp_dim=28672,
+    ),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_70B,
+    "llama3.1-8b": replace(
+        _LLAMA3_8B, name="llama3.1-8b", rope_scaling=RopeScaling(), max_seq_len=131072
+    ),
+    "llama3.1-70b": replace(
+        _LLAMA3_70B, name="llama3.1-70b", rope_scaling=RopeScaling(), max_seq_len=131072
+    ),
+    "mistral-7b": replace(
+        _LLAMA3_8B, name="mistral-7b", vocab_size=32000, rope_theta=10000.0,
+        sliding_window=4096, max_seq_len=32768,
+    ),
+    "gemma-2b": replace(
+        _LLAMA2_7B, name="gemma-2b", embed_dim=2048, num_layers=18, num_heads=8,
+        num_kv_heads=1, mlp_dim=16384, **_GEMMA,
+    ),
+    "gemma-7b": replace(
+        _LLAMA2_7B, name="gemma-7b", embed_dim=3072, num_layers=28, num_heads=16,
+        num_kv_heads=16, mlp_dim=24576, **_GEMMA,
+    ),
+    # About 1.1B parameters, Llama architecture: the single-GPU MFU benchmark.
+    "llama-1b": replace(
+        _LLAMA3_8B, name="llama-1b", vocab_size=32000, embed_dim=2048, num_layers=22,
+        num_heads=16, num_kv_heads=4, head_dim=128, mlp_dim=5632, rope_theta=10000.0,
+        max_seq_len=4096,
+    ),
+    # Tiny presets for tests and the demo (byte-level vocabulary).
+    "tiny": _TINY,
+    "tiny-llama3": replace(
+        _TINY, name="tiny-llama3", rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=8.0, original_max_position=64),
+    ),
+    "tiny-mistral": replace(_TINY, name="tiny-mistral", sliding_window=64),
+    "tiny-gemma": replace(
+        _TINY, name="tiny-gemma", activation="gelu", norm_eps=1e-6, norm_zero_centered=True,
+        embed_scale=True, tie_embeddings=True, num_kv_heads=1,
+    ),
+}

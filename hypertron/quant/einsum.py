@@ -1,0 +1,32 @@
+"""The einsum hook.
+
+Model code never calls ``jnp.einsum`` on weights directly: it asks
+:func:`einsum_for` for the einsum of its precision mode once, then calls that
+for every projection. Quantised training (fp8, int8) replaces the function
+returned here; the model file does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+def einsum_for(mode: str, compute_dtype) -> Einsum:
+    """The einsum for precision ``mode`` ("none" only, for now), computing in ``compute_dtype``.
+
+    Both operands are cast to the compute dtype; accumulation is in float32
+    where the backend allows, and the result is returned in the compute dtype.
+    """
+    dtype = jnp.dtype(compute_dtype)
+    if mode != "none":
+        raise ValueError(f"quantization mode {mode!r} is not implemented")
+
+    def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.einsum(subscripts, x.astype(dtype), w.astype(dtype), preferred_element_type=dtype)
+
+    return einsum

@@ -1,0 +1,104 @@
+"""Simple batched generation with a KV cache: prefill once, then one jitted decode loop.
+
+This is the plain generator behind ``hypertron generate`` and the parity tests;
+the continuous-batching engine with a paged cache is a separate module.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypertron.config import ModelConfig
+from hypertron.models import forward_cached, init_cache
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Next token ids [b] from logits [b, v]: greedy when ``temperature == 0``,
+    else temperature, then top-k (0 = off), then nucleus top-p (1.0 = off)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv.astype(jnp.float32) / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p < 1.0:
+        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep = before < top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature", "top_k", "top_p"))
+def _generate(params, tokens_bt, lengths_b, key, *, cfg, max_new_tokens, temperature, top_k, top_p):
+    b, t = tokens_bt.shape
+    cache = init_cache(cfg, b, t + max_new_tokens)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits_btv, cache = forward_cached(params, tokens_bt, positions, cache, cfg)
+    last_bv = jnp.take_along_axis(logits_btv, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = sample(last_bv, sub, temperature, top_k, top_p)
+
+    def step(carry, _):
+        cache, tok_b, pos_b, key = carry
+        logits, cache = forward_cached(params, tok_b[:, None], pos_b[:, None], cache, cfg)
+        key, sub = jax.random.split(key)
+        nxt = sample(logits[:, 0], sub, temperature, top_k, top_p)
+        return (cache, nxt, pos_b + 1, key), nxt
+
+    _, rest = jax.lax.scan(step, (cache, first, lengths_b, key), None, length=max_new_tokens - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)  # [b, max_new_tokens]
+
+
+def _bucket(n: int, multiple: int = 16) -> int:
+    """Round prompt lengths up so different prompts share compiled programs."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def generate(
+    params,
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[list[int]]:
+    """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
+
+    Prompts of different lengths are batched together (right-padded). Returns
+    the new tokens of each prompt, cut after the first ``eos_id`` when given.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    t = _bucket(int(lengths.max()))
+    if t + max_new_tokens > cfg.max_seq_len:
+        t = int(lengths.max())
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    out = _generate(
+        params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), cfg=cfg,
+        max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
+        top_p=float(top_p),
+    )
+    result = []
+    for row in np.asarray(out).tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id) + 1]
+        result.append(row)
+    return result

@@ -1,0 +1,57 @@
+"""Model FLOPs per token and the peak table used for MFU.
+
+Counted from the config, matmuls only (as MaxText and the PaLM paper do):
+QKV and output projections, the gated MLP, the unembedding, and causal
+attention (QK^T and PV over on average half the sequence, or the window).
+Training costs 3x the forward pass (forward + two backward matmuls).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from hypertron.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device (no sparsity).
+PEAK_FLOPS = {
+    "h100": 989e12,
+    "h200": 989e12,
+    "a100": 312e12,
+    "tpu v5p": 459e12,
+    "tpu v5 lite": 197e12,
+    "tpu v5e": 197e12,
+    "tpu v6": 918e12,
+}
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward matmul FLOPs for one token at sequence length ``seq_len`` (2 per multiply-add)."""
+    d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
+    proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
+    mlp = 3 * 2 * d * f
+    # Causal: on average a query sees (seq_len + 1) / 2 keys; a window caps that.
+    keys = (seq_len + 1) / 2
+    if cfg.sliding_window is not None and cfg.sliding_window < seq_len:
+        w = cfg.sliding_window
+        keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+    attn = 2 * 2 * n * h * keys
+    return cfg.num_layers * (proj + mlp + attn) + 2 * d * v
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 3 * forward_flops_per_token(cfg, seq_len)
+
+
+def device_peak_flops(override: float = 0.0, device=None) -> float | None:
+    """Peak bf16 FLOP/s of ``device`` (default: the first device), or ``override`` when set.
+
+    Returns None when unknown (CPU), in which case MFU is not reported.
+    """
+    if override > 0:
+        return override
+    device = device or jax.devices()[0]
+    kind = getattr(device, "device_kind", "").lower()
+    for name, peak in PEAK_FLOPS.items():
+        if name in kind:
+            return peak
+    return None

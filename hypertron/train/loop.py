@@ -1,0 +1,121 @@
+"""The training loop behind ``hypertron train``.
+
+Order matters for users: every check that can fail on their input (config,
+data paths, mesh against devices, an existing run of another model) runs
+before anything is compiled or written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from hypertron.checkpoint import Checkpointer, write_run_config
+from hypertron.config import Config, validate_for_devices
+from hypertron.data import check_source, make_batches
+from hypertron.parallel.mesh import make_mesh
+from hypertron.train.flops import device_peak_flops, train_flops_per_token
+from hypertron.train.metrics import MetricsLog, Throughput, format_row, is_interactive
+from hypertron.train.step import global_batch, make_trainer
+
+
+@dataclass
+class TrainResult:
+    first_step: int
+    last_step: int
+    losses: list[float]
+    rows: list[dict]
+
+
+def batches_for(cfg: Config) -> Iterator[dict]:
+    """This process's share of each global batch, from the configured source."""
+    d, t = cfg.data, cfg.train
+    per_process = t.global_batch // jax.process_count()
+    return make_batches(
+        source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
+        seq_len=t.seq_len, batch_size=per_process, seed=d.seed, shuffle=d.shuffle,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        vocab_size=cfg.model.vocab_size,
+    )
+
+
+def train(cfg: Config, console: Console | None = None) -> TrainResult:
+    """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest checkpoint if there is one."""
+    console = console or Console(stderr=True)
+    check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field)
+    devices = jax.devices()
+    validate_for_devices(cfg, len(devices))
+    run_dir = Path(cfg.run_dir)
+    write_run_config(run_dir, cfg)
+
+    mesh = make_mesh(cfg.mesh, devices)
+    trainer = make_trainer(cfg, mesh)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
+    start = ckpt.latest_step() if ckpt else None
+    if start is not None:
+        console.print(f"resuming from step {start} in {run_dir}")
+        state = ckpt.restore(start, trainer.abstract_state())
+        state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
+    else:
+        start = 0
+        state = trainer.init(jax.random.key(cfg.train.seed))
+
+    data = batches_for(cfg)
+    # Without a checkpointed iterator position, skip what earlier steps consumed
+    # so a resumed run does not see the same batches again.
+    for _ in range(start):
+        next(data)
+
+    t = cfg.train
+    tokens = t.global_batch * t.seq_len
+    log = MetricsLog(
+        run_dir / "metrics.jsonl" if jax.process_index() == 0 else None,
+        Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, len(devices),
+                   device_peak_flops(t.peak_flops)),
+    )
+    result = TrainResult(start, start, [], [])
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(), console=console, disable=not is_interactive(),
+    )
+    with progress:
+        task = progress.add_task("train", total=t.steps, completed=start, info="compiling")
+        for step in range(start + 1, t.steps + 1):
+            batch = global_batch(next(data), trainer.batch_sharding)
+            state, metrics = trainer.step(state, batch)
+            log.add(step, metrics)
+            if step == start + 1:
+                # The first step carries the compile; time the rest from here.
+                rows = log.flush()
+                log.restart_clock()
+            elif step % t.log_every == 0 or step == t.steps:
+                rows = log.flush()
+            else:
+                rows = []
+            for row in rows:
+                result.losses.append(row["loss"])
+                result.rows.append(row)
+            if rows and (step == start + 1 or step % t.log_every == 0 or step == t.steps):
+                console.print(format_row(rows[-1]), highlight=False)
+                progress.update(task, info=f"loss {rows[-1]['loss']:.3f}")
+            progress.update(task, completed=step)
+            if ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps):
+                ckpt.save(step, state)
+            result.last_step = step
+    if ckpt:
+        ckpt.close()
+        if result.last_step > start:
+            console.print(f"saved checkpoint at step {result.last_step} in {run_dir / 'checkpoints'}")
+    return result
+
+
+def steps_per_second(result: TrainResult) -> float:
+    times = [r["step_time"] for r in result.rows[1:]]
+    return 1.0 / float(np.mean(times)) if times else float("nan")

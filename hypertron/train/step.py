@@ -1,0 +1,148 @@
+"""The training step: loss, gradient accumulation, the optimiser update, all sharded by the rules.
+
+The train state is a plain dict ``{"params", "opt_state", "step"}``. Its
+shardings come from the parameter declarations through the logical-axis
+rules; the optimiser state mirrors the parameters' shardings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hypertron.config import Config
+from hypertron.models import declare, forward, resolve_dtype
+from hypertron.models import params as param_lib
+from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
+from hypertron.train.optimizer import make_optimizer, schedule
+
+State = dict[str, Any]
+Batch = dict[str, jax.Array]
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
+
+
+def loss_terms(params, batch: Batch, cfg: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Summed (not averaged) token losses of one micro-batch, so micro-batches add up exactly.
+
+    Returns ``(objective_sum, aux)`` where ``aux`` holds ``nll_sum``,
+    ``z_sum`` and ``weight`` (the number of target tokens counted).
+    """
+    logits_btv = forward(
+        params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=batch["segment_ids"]
+    )
+    logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, batch["targets"][..., None], axis=-1)[..., 0]
+    w_bt = batch["loss_weights"].astype(jnp.float32)
+    nll_sum = jnp.sum((logz_bt - target_logit_bt) * w_bt)
+    z_sum = jnp.sum(jnp.square(logz_bt) * w_bt)
+    objective = nll_sum + cfg.train.z_loss * z_sum
+    return objective, {"nll_sum": nll_sum, "z_sum": z_sum, "weight": jnp.sum(w_bt)}
+
+
+def _accumulate_grads(params, batch: Batch, cfg: Config):
+    """Gradients of the summed objective over ``grad_accum`` micro-batches (a scan)."""
+    grad_fn = jax.grad(loss_terms, has_aux=True)
+    n = cfg.train.grad_accum
+    if n == 1:
+        return grad_fn(params, batch, cfg)
+
+    micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    aux0 = {"nll_sum": 0.0, "z_sum": 0.0, "weight": 0.0}
+    aux0 = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), aux0)
+
+    def body(carry, mb):
+        g_acc, a_acc = carry
+        g, a = grad_fn(params, mb, cfg)
+        g_acc = jax.tree.map(lambda x, y: x + y.astype(jnp.float32), g_acc, g)
+        a_acc = jax.tree.map(jnp.add, a_acc, a)
+        return (g_acc, a_acc), None
+
+    (grads, aux), _ = jax.lax.scan(body, (zeros, aux0), micro)
+    return grads, aux
+
+
+def train_step(state: State, batch: Batch, cfg: Config, optimizer: optax.GradientTransformation):
+    """One optimiser step on a global batch; returns the new state and device-side metrics."""
+    grads, aux = _accumulate_grads(state["params"], batch, cfg)
+    weight = jnp.maximum(aux["weight"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {
+        "loss": aux["nll_sum"] / weight,
+        "z_loss": aux["z_sum"] / weight,
+        "grad_norm": optax.global_norm(grads),
+        "lr": schedule(cfg.train)(state["step"]),
+        "tokens": aux["weight"],
+    }
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+@dataclass
+class Trainer:
+    """Jitted, sharded init and step for one config on one mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    state_shardings: State
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], State]
+    step: Callable[[State, Batch], tuple[State, dict]]
+
+    def abstract_state(self) -> State:
+        """Shapes, dtypes and shardings of the train state (for restoring a checkpoint)."""
+        shapes = jax.eval_shape(self.init, jax.random.key(0))
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+
+def param_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
+    specs = declare(cfg.model)
+    abstract = param_lib.abstract(specs, resolve_dtype(cfg.model.param_dtype))
+    return shardings_for(param_lib.logical_axes(specs), abstract, mesh, rules), abstract
+
+
+def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
+    """Build the sharded init and step functions. Nothing is compiled until first called."""
+    optimizer = make_optimizer(cfg.train)
+    p_shard, p_abstract = param_shardings(cfg, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    opt_abstract = jax.eval_shape(optimizer.init, p_abstract)
+    opt_shard = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated
+    )
+    state_shardings = {"params": p_shard, "opt_state": opt_shard, "step": replicated}
+    specs = declare(cfg.model)
+    dtype = resolve_dtype(cfg.model.param_dtype)
+
+    def init_fn(key):
+        params = param_lib.initialize(specs, key, dtype)
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def step_fn(state, batch):
+        with use_rules(mesh, rules):
+            return train_step(state, batch, cfg, optimizer)
+
+    batch_sharding = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
+    init = jax.jit(init_fn, out_shardings=state_shardings)
+    step = jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step)
+
+
+def global_batch(local: dict, sharding: NamedSharding) -> Batch:
+    """Assemble this process's rows into global arrays laid out as ``sharding``."""
+    return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in BATCH_KEYS}
