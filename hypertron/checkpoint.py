@@ -18,13 +18,14 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from hypertron.errors import UserError
 from hypertron.config import Config, ConfigError, dump_yaml, from_dict, to_dict
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message names it."""
 
 
@@ -62,10 +63,12 @@ def write_run_config(run_dir: str | Path, cfg: Config) -> None:
 class Checkpointer:
     """Orbax ``CheckpointManager`` over ``run_dir/checkpoints`` with async saves and keep-last-N."""
 
-    def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, create: bool = True):
         self.directory = Path(run_dir).absolute() / CHECKPOINTS
+        if not create and not self.directory.is_dir():
+            raise CheckpointError(f"{run_dir} holds no checkpoint yet")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep, create=create, enable_async_checkpointing=async_save
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("params", "opt_state", "meta")
@@ -73,6 +76,10 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def has_train_state(self, step: int) -> bool:
+        """Whether ``step`` holds optimiser state (a converted model holds parameters only)."""
+        return (self.directory / str(step) / "opt_state").exists()
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Start saving ``state`` at ``step``; training continues while it is written."""
@@ -86,10 +93,10 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
         """Restore params and optimiser state into the shardings of ``abstract_state``."""
-        if not (self.directory / str(step) / "opt_state").exists():
+        if not self.has_train_state(step):
             raise CheckpointError(
-                f"{self.directory / str(step)} holds parameters only (a converted model?); "
-                "train from it with a new run_dir and train.init_from"
+                f"{self.directory.parent} holds parameters only (a converted model); to train from it, "
+                f"use a new run_dir and train.init_from={self.directory.parent}"
             )
         out = self.manager.restore(
             step,
@@ -131,21 +138,30 @@ def save_params(run_dir: str | Path, cfg: Config, params: Any, step: int = 0) ->
     ckpt.close()
 
 
-def load_params(run_dir: str | Path, step: int | None = None, dtype=None) -> tuple[Config, Any]:
-    """``(config, params)`` of a run directory's latest (or given) checkpoint, on the default device."""
+def load_params(
+    run_dir: str | Path, step: int | None = None, dtype=None, shardings: Any = None
+) -> tuple[Config, Any]:
+    """``(config, params)`` of a run directory's latest (or given) checkpoint.
+
+    Parameters land on the default device in ``dtype`` (default: the run's), or
+    as ``shardings`` says (a tree of ``jax.ShapeDtypeStruct`` with shardings).
+    """
     from hypertron.models import declare, resolve_dtype
     from hypertron.models import params as param_lib
 
     cfg = read_run_config(run_dir)
-    ckpt = Checkpointer(run_dir, async_save=False)
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    if shardings is None:
         dtype = resolve_dtype(cfg.model.param_dtype) if dtype is None else dtype
         abstract = param_lib.abstract(declare(cfg.model), dtype)
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract)
+    else:
+        abstract = shardings
+    ckpt = Checkpointer(run_dir, async_save=False, create=False)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{run_dir} holds no checkpoint yet")
         return cfg, ckpt.restore_params(step, abstract)
     finally:
         ckpt.close()

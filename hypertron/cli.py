@@ -10,17 +10,7 @@ import argparse
 import os
 import sys
 
-USER_ERRORS: tuple[type[BaseException], ...] = ()
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from hypertron.checkpoint import CheckpointError
-    from hypertron.config import ConfigError
-    from hypertron.data import DataError
-    from hypertron.models.hf import HFError
-
-    return (ConfigError, DataError, CheckpointError, HFError)
-
+from hypertron.errors import UserError
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hypertron.config import load_config
@@ -130,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except _user_errors() as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

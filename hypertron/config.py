@@ -21,8 +21,10 @@ from typing import Any
 
 import yaml
 
+from hypertron.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line naming the key."""
 
 
@@ -138,6 +140,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     peak_flops: float = 0.0  # per-device bf16 peak; 0 = look it up from the device kind
+    init_from: str = ""  # a run directory (e.g. a converted HF model) whose parameters start this run
 
 
 @dataclass(frozen=True, kw_only=True)

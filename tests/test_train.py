@@ -33,6 +33,11 @@ def test_loss_falls_on_embedded_corpus_and_checkpoint_is_saved(tmp_path):
     assert cfg_saved.model == cfg.model
     assert params["layers"]["wq"].shape == (2, 64, 4, 32)
 
+    # A new run can start from these parameters (fine-tuning): its first loss is the trained one.
+    tuned = train(load_config(run / "config.yaml", [f"run_dir={tmp_path / 'ft'}", "train.steps=1",
+                                                    f"train.init_from={run}"]))
+    assert tuned.losses[0] < first - 1.5
+
 
 def test_resume_continues_exactly(tmp_path):
     """6 steps straight equal 3 steps, a restart from the checkpoint, then 3 more."""

@@ -27,13 +27,15 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from hypertron.errors import UserError
+
 SOURCES = ("stdlib", "synthetic", "text", "jsonl")
 _SUFFIXES = {"text": (".txt", ".md", ".py"), "jsonl": (".jsonl",), "stdlib": (".py",)}
 # Third-party packages installed into the interpreter are not the standard library.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A user mistake in the data settings; its message is one line naming the key."""
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from hypertron.errors import UserError
 from hypertron.config import ConfigError, ModelConfig, RopeScaling, validate_model
 from hypertron.models.decoder import declare
 
@@ -38,7 +39,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class HFError(ValueError):
+class HFError(UserError):
     """A checkpoint or config this converter cannot read or write; the message is one line."""
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hypertron.checkpoint import Checkpointer, write_run_config
+from hypertron.checkpoint import CheckpointError, Checkpointer, load_params, read_run_config, write_run_config
 from hypertron.config import Config, validate_for_devices
 from hypertron.data import check_source, make_batches
 from hypertron.parallel.mesh import make_mesh
@@ -46,19 +46,41 @@ def batches_for(cfg: Config) -> Iterator[dict]:
     )
 
 
+def check_init_from(cfg: Config) -> None:
+    """``train.init_from`` must name a run with a checkpoint of the same parameter shapes."""
+    if not cfg.train.init_from:
+        return
+    from hypertron.models import declare
+    from hypertron.models.params import abstract
+
+    src = read_run_config(cfg.train.init_from)
+    ckpts = Path(cfg.train.init_from) / "checkpoints"
+    if not ckpts.is_dir() or not any(p.name.isdigit() for p in ckpts.iterdir()):
+        raise CheckpointError(f"train.init_from={cfg.train.init_from} holds no checkpoint")
+    shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
+    if shapes(src.model) != shapes(cfg.model):
+        raise CheckpointError(
+            f"train.init_from={cfg.train.init_from} holds a {src.model.name} model whose parameter "
+            f"shapes differ from model={cfg.model.name}; set model to match it"
+        )
+
+
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
     """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest checkpoint if there is one."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field)
     devices = jax.devices()
     validate_for_devices(cfg, len(devices))
     run_dir = Path(cfg.run_dir)
+    check_init_from(cfg)
     write_run_config(run_dir, cfg)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
+    start = ckpt.latest_step() if ckpt else None
+    if start is not None and not ckpt.has_train_state(start):
+        ckpt.restore(start, {})  # raises the one-line CheckpointError that says what to do
 
     mesh = make_mesh(cfg.mesh, devices)
     trainer = make_trainer(cfg, mesh)
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
-    start = ckpt.latest_step() if ckpt else None
     if start is not None:
         console.print(f"resuming from step {start} in {run_dir}")
         state = ckpt.restore(start, trainer.abstract_state())
@@ -66,6 +88,9 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     else:
         start = 0
         state = trainer.init(jax.random.key(cfg.train.seed))
+        if cfg.train.init_from:
+            console.print(f"starting from the parameters in {cfg.train.init_from}")
+            _, state["params"] = load_params(cfg.train.init_from, shardings=trainer.abstract_state()["params"])
 
     data = batches_for(cfg)
     # Without a checkpointed iterator position, skip what earlier steps consumed
@@ -109,6 +134,12 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             if ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps):
                 ckpt.save(step, state)
             result.last_step = step
+    if len(result.losses) > 1:
+        tail = result.losses[-max(1, len(result.losses) // 10):]
+        console.print(
+            f"loss {result.losses[0]:.3f} at step {start + 1} -> {np.mean(tail):.3f} "
+            f"(mean of the last {len(tail)} steps)", highlight=False,
+        )
     if ckpt:
         ckpt.close()
         if result.last_step > start:
