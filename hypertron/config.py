@@ -62,8 +62,10 @@ class ModelConfig:
     attention: str = "auto"  # auto | cudnn | xla | plain
     remat: str = "full"  # none | full | dots
     scan_layers: bool = True
-    param_dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
-    dtype: str = "auto"  # compute dtype, same rule
+    # Master weights stay float32 by default: in bfloat16, AdamW updates much smaller
+    # than a weight round away. "auto" means the compute rule below.
+    param_dtype: str = "float32"
+    dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on accelerators
 
     @property
     def q_per_kv(self) -> int:

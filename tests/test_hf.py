@@ -127,7 +127,7 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 def test_config_fields(case):
     cfg = case.cfg
     assert cfg.name == case.path.name
-    assert (cfg.param_dtype, cfg.dtype) == ("auto", "auto")
+    assert (cfg.param_dtype, cfg.dtype) == ("float32", "auto")  # the defaults, as for presets
     assert cfg.max_seq_len == 64
     if case.family == "llama3":
         assert cfg.rope_theta == 500000.0

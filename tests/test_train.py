@@ -46,6 +46,8 @@ def test_resume_continues_exactly(tmp_path):
     first = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}", "train.steps=3"]))
     resumed = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}"]))
     assert resumed.first_step == 3
+    done = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}"]))
+    assert done.losses == [] and done.last_step == 6  # already finished: nothing runs, nothing is lost
     np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
 
 
@@ -89,3 +91,13 @@ def test_schedule_warms_up_then_decays(kind):
     assert float(lr(10)) == pytest.approx(1.0)
     end = float(lr(100))
     assert end == pytest.approx(1.0 if kind == "constant" else 0.1, rel=1e-5)
+
+
+def test_bfloat16_compute_tracks_float32():
+    """The accelerator default (bf16 compute, float32 master weights) trains like float32."""
+    _, f32 = _one_step(["model.dtype=float32"])
+    _, bf16 = _one_step(["model.dtype=bfloat16"])
+    _, all_bf16 = _one_step(["model.dtype=bfloat16", "model.param_dtype=bfloat16"])
+    for m in (bf16, all_bf16):
+        assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+        np.testing.assert_allclose(m["loss"], f32["loss"], rtol=2e-2)

@@ -270,11 +270,12 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
 
     with jax.named_scope("unembed"):
         x_btd = rms_norm(x_btd, params["final_norm"], cfg)
+        # Logits leave the matmul in float32: the loss's logsumexp needs the precision.
         if cfg.tie_embeddings:
-            logits = einsum("btd,vd->btv", x_btd, params["embed"])
+            logits = einsum("btd,vd->btv", x_btd, params["embed"], jnp.float32)
         else:
-            logits = einsum("btd,dv->btv", x_btd, params["unembed"])
-        logits = constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+            logits = einsum("btd,dv->btv", x_btd, params["unembed"], jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "act_vocab"))
     return logits, cache
 
 

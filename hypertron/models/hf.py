@@ -144,8 +144,6 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
         rope_scaling=scaling,
         sliding_window=window,
         max_seq_len=int(get("max_position_embeddings")),
-        param_dtype="auto",
-        dtype="auto",
     )
     try:
         validate_model(cfg)

@@ -20,13 +20,15 @@ def einsum_for(mode: str, compute_dtype) -> Einsum:
     """The einsum for precision ``mode`` ("none" only, for now), computing in ``compute_dtype``.
 
     Both operands are cast to the compute dtype; accumulation is in float32
-    where the backend allows, and the result is returned in the compute dtype.
+    where the backend allows, and the result is returned in the compute dtype
+    or in ``out_dtype`` (the unembedding asks for float32 logits).
     """
     dtype = jnp.dtype(compute_dtype)
     if mode != "none":
         raise ValueError(f"quantization mode {mode!r} is not implemented")
 
-    def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        return jnp.einsum(subscripts, x.astype(dtype), w.astype(dtype), preferred_element_type=dtype)
+    def einsum(subscripts: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+        out = dtype if out_dtype is None else jnp.dtype(out_dtype)
+        return jnp.einsum(subscripts, x.astype(dtype), w.astype(dtype), preferred_element_type=out)
 
     return einsum

@@ -81,6 +81,11 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
 
     mesh = make_mesh(cfg.mesh, devices)
     trainer = make_trainer(cfg, mesh)
+    if start is not None and start >= cfg.train.steps:
+        console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): nothing to do; "
+                      "raise train.steps to train further", highlight=False)
+        ckpt.close()
+        return TrainResult(start, start, [], [])
     if start is not None:
         console.print(f"resuming from step {start} in {run_dir}")
         state = ckpt.restore(start, trainer.abstract_state())

@@ -33,9 +33,10 @@ def loss_terms(params, batch: Batch, cfg: Config) -> tuple[jax.Array, dict[str, 
     Returns ``(objective_sum, aux)`` where ``aux`` holds ``nll_sum``,
     ``z_sum`` and ``weight`` (the number of target tokens counted).
     """
-    logits_btv = forward(
-        params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=batch["segment_ids"]
-    )
+    # Synthetic rows are one document each: no segment mask, so GPU attention
+    # takes the plain causal flash path.
+    segment_ids = None if cfg.data.source == "synthetic" else batch["segment_ids"]
+    logits_btv = forward(params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=segment_ids)
     logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit_bt = jnp.take_along_axis(logits_btv, batch["targets"][..., None], axis=-1)[..., 0]
     w_bt = batch["loss_weights"].astype(jnp.float32)
