@@ -42,13 +42,23 @@ def read_run_config(run_dir: str | Path) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+# Model fields that change neither the weights nor what they compute.
+_EXECUTION_FIELDS = ("name", "attention", "remat", "scan_layers", "dtype", "param_dtype", "max_seq_len")
+
+
+def _weights_view(cfg: Config) -> dict:
+    model = to_dict(cfg.model)
+    return {k: v for k, v in model.items() if k not in _EXECUTION_FIELDS}
+
+
 def write_run_config(run_dir: str | Path, cfg: Config) -> None:
-    """Write ``config.yaml`` unless it exists; an existing one must describe the same model."""
+    """Write ``config.yaml`` unless it exists; an existing one must describe the same model
+    (execution choices such as remat, attention kernel or compute dtype may change on resume)."""
     run_dir = Path(run_dir)
     path = run_dir / CONFIG_FILE
     if path.is_file():
         saved = read_run_config(run_dir)
-        if to_dict(saved.model) != to_dict(cfg.model):
+        if _weights_view(saved) != _weights_view(cfg):
             raise ConfigError(
                 f"run_dir={run_dir} already holds a run of a different model ({saved.model.name}); "
                 "choose a new run_dir"
@@ -153,7 +163,7 @@ def load_params(
     if shardings is None:
         dtype = resolve_dtype(cfg.model.param_dtype) if dtype is None else dtype
         abstract = param_lib.abstract(declare(cfg.model), dtype)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract)
     else:
         abstract = shardings

@@ -35,6 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
     if args.temperature < 0:
         raise ConfigError(f"--temperature={args.temperature}: must not be negative")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k}: must not be negative (0 = off)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p}: must be in (0, 1]")
     cfg, params = load_params(args.checkpoint)

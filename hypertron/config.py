@@ -285,8 +285,6 @@ def _resolve_model(raw: Any) -> ModelConfig:
         raw = {"preset": raw}
     raw = dict(raw)
     preset = raw.pop("preset", None)
-    if "rope_scaling" in raw and isinstance(raw["rope_scaling"], dict):
-        raw["rope_scaling"] = _build(RopeScaling, raw["rope_scaling"], "model.rope_scaling.")
     if preset is None:
         base = PRESETS["tiny"]
     else:
@@ -295,6 +293,11 @@ def _resolve_model(raw: Any) -> ModelConfig:
                 f"model={preset}: unknown preset (choose from {', '.join(sorted(PRESETS))})"
             )
         base = PRESETS[str(preset)]
+    if isinstance(raw.get("rope_scaling"), dict):
+        # Changing one field keeps the preset's others.
+        raw["rope_scaling"] = _build(
+            RopeScaling, raw["rope_scaling"], "model.rope_scaling.", base=base.rope_scaling or RopeScaling()
+        )
     return _build(ModelConfig, raw, "model.", base=base)
 
 
@@ -386,7 +389,18 @@ def validate_model(m: ModelConfig) -> None:
     _check_choice("model.attention", m.attention, ("auto", "cudnn", "xla", "plain"))
     _check_choice("model.remat", m.remat, ("none", "full", "dots"))
     for k in ("param_dtype", "dtype"):
-        _check_choice(f"model.{k}", getattr(m, k), ("auto", "float32", "bfloat16", "float16"))
+        # No float16: training it needs loss scaling, which hypertron does not do.
+        _check_choice(f"model.{k}", getattr(m, k), ("auto", "float32", "bfloat16"))
+    if m.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps}: must be positive")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta}: must be positive")
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        if rs.factor <= 0 or rs.original_max_position <= 0:
+            raise ConfigError("model.rope_scaling: factor and original_max_position must be positive")
+        if not 0 < rs.low_freq_factor < rs.high_freq_factor:
+            raise ConfigError("model.rope_scaling: need 0 < low_freq_factor < high_freq_factor")
     if m.sliding_window is not None and m.sliding_window <= 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window}: must be positive")
 
@@ -403,6 +417,12 @@ def validate(cfg: Config) -> None:
     if t.lr <= 0:
         raise ConfigError(f"train.lr={t.lr}: must be positive")
     _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio}: must be between 0 and 1")
+    if t.clip_norm < 0 or t.weight_decay < 0 or t.z_loss < 0:
+        raise ConfigError("train.clip_norm, train.weight_decay and train.z_loss must not be negative")
+    if not cfg.run_dir.strip():
+        raise ConfigError("run_dir: must not be empty")
     if t.global_batch % t.grad_accum:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
@@ -425,6 +445,10 @@ def validate(cfg: Config) -> None:
 
 def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks for training on these devices; returns the resolved mesh shape."""
+    import jax
+
+    if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
     if cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 259:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size}: the byte tokenizer needs at least 259"

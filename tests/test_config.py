@@ -31,6 +31,12 @@ def test_overrides_after_model_key_order_does_not_matter():
     assert a == b and a.model.num_layers == 3 and a.model.tie_embeddings
 
 
+def test_rope_scaling_override_keeps_the_presets_other_fields():
+    cfg = load_config(None, ["model=tiny-llama3", "model.rope_scaling.factor=4"])
+    assert cfg.model.rope_scaling.factor == 4.0
+    assert cfg.model.rope_scaling.original_max_position == 64
+
+
 def test_dump_and_reload_is_identity():
     import yaml
 
@@ -48,6 +54,10 @@ def test_dump_and_reload_is_identity():
         (["train.schedule=exp"], "train.schedule=exp"),
         (["model=nope"], "unknown preset"),
         (["train.seq_len=99999"], "exceeds model.max_seq_len"),
+        (["train.min_lr_ratio=-0.5"], "train.min_lr_ratio"),
+        (["model.norm_eps=-1"], "model.norm_eps"),
+        (["model.dtype=float16"], "model.dtype=float16"),
+        (["run_dir="], "run_dir"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -97,6 +97,12 @@ def test_rules_refuse_two_axes_on_one_mesh_axis():
         spec_for(("embed", "mlp"), rules, mesh)
 
 
+def test_batch_keeps_the_mesh_axes_that_divide_it():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    assert tuple(spec_for(("batch", "seq"), DEFAULT_RULES, mesh, (8, 16))) == (("data", "fsdp"), None)
+    assert tuple(spec_for(("batch", "seq"), DEFAULT_RULES, mesh, (6, 16))) == ("data", None)
+
+
 def test_indivisible_dimension_is_replicated():
     mesh = Mesh(np.array(jax.devices()).reshape(1, 4, 2), ("data", "fsdp", "tensor"))
     # One KV head cannot be split over tensor=2: that dimension stays whole.

@@ -44,11 +44,12 @@ def test_resume_continues_exactly(tmp_path):
     common = TINY + ["train.steps=6", "checkpoint.every=3", "data.source=stdlib", "train.warmup_steps=2"]
     straight = train(load_config(None, common + [f"run_dir={tmp_path / 'a'}"]))
     first = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}", "train.steps=3"]))
-    resumed = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}"]))
+    # Execution choices (here the remat policy) may change on resume; the math does not.
+    resumed = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}", "model.remat=dots"]))
     assert resumed.first_step == 3
     done = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}"]))
     assert done.losses == [] and done.last_step == 6  # already finished: nothing runs, nothing is lost
-    np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
+    np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-5)
 
 
 def _one_step(overrides):

@@ -147,10 +147,23 @@ def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
-def _attention_impl(cfg: ModelConfig, dtype) -> str:
+def _attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
+    """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape, else XLA.
+
+    cuDNN's flash kernel needs bf16/fp16, a head dim that is a multiple of 8 and
+    at most 128 (256 on Hopper only, which we cannot tell apart here), and an
+    even sequence length; anything else would fail at compile time.
+    """
     if cfg.attention != "auto":
         return cfg.attention
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if (
+        jax.default_backend() == "gpu"
+        and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        and cfg.head_dim % 8 == 0
+        and cfg.head_dim <= 128
+        and seq_len % 2 == 0
+    ):
         return "cudnn"
     return "xla"
 
@@ -161,7 +174,7 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
     ``xla`` and ``cudnn`` go through ``jax.nn.dot_product_attention`` (cuDNN
     flash attention on GPU); ``plain`` is the explicit-mask reference.
     """
-    impl = _attention_impl(cfg, q_btnh.dtype)
+    impl = _attention_impl(cfg, q_btnh.dtype, q_btnh.shape[1])
     if impl == "plain":
         mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
         return plain_attention(q_btnh, k_btkh, v_btkh, mask)
@@ -245,8 +258,8 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
     with jax.named_scope("embed"):
         # Gather from a replicated table: a gather from an fsdp/tensor-sharded table
         # makes the partitioner replicate its output anyway, less efficiently.
-        table_vd = constrain(params["embed"], (None, None))
-        x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dtype)
+        table_vd = constrain(params["embed"].astype(dtype), (None, None))
+        x_btd = jnp.take(table_vd, tokens_bt, axis=0)
         if cfg.embed_scale:
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.embed_dim), dtype)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))

@@ -74,10 +74,10 @@ def spec_for(
                 raise RulesError(
                     f"logical axes '{used[a]}' and '{name}' of one array both map to mesh axis '{a}'"
                 )
-        if shape is not None and mesh_axes:
-            n = int(np.prod([mesh.shape[a] for a in mesh_axes]))
-            if shape[i] % n:
-                mesh_axes = ()
+        # Drop trailing mesh axes until the dimension divides (e.g. a batch that
+        # divides by data but not by data x fsdp stays sharded over data).
+        while shape is not None and mesh_axes and shape[i] % int(np.prod([mesh.shape[a] for a in mesh_axes])):
+            mesh_axes = mesh_axes[:-1]
         for a in mesh_axes:
             used[a] = name
         out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)

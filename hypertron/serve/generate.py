@@ -23,7 +23,7 @@ def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int,
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits = logits_bv.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
-    if top_k > 0:
+    if 0 < top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, neg, logits)
     if top_p < 1.0:

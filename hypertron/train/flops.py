@@ -13,7 +13,10 @@ import jax
 from hypertron.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (no sparsity).
+# Matched in order against the lower-cased device kind: specific names first.
 PEAK_FLOPS = {
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
     "h100": 989e12,
     "h200": 989e12,
     "a100": 312e12,

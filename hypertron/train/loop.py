@@ -71,43 +71,59 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field)
     devices = jax.devices()
     validate_for_devices(cfg, len(devices))
-    run_dir = Path(cfg.run_dir)
     check_init_from(cfg)
+    run_dir = Path(cfg.run_dir)
     write_run_config(run_dir, cfg)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
-    start = ckpt.latest_step() if ckpt else None
-    if start is not None and not ckpt.has_train_state(start):
-        ckpt.restore(start, {})  # raises the one-line CheckpointError that says what to do
+    try:
+        start = ckpt.latest_step() if ckpt else None
+        if start is not None and not ckpt.has_train_state(start):
+            ckpt.restore(start, {})  # raises the one-line CheckpointError that says what to do
+        if start is not None and start >= cfg.train.steps:
+            console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): "
+                          "nothing to do; raise train.steps to train further", highlight=False)
+            return TrainResult(start, start, [], [])
+        trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
+        state, start = _initial_state(cfg, trainer, ckpt, start, console)
+        result = _run_steps(cfg, trainer, state, start, ckpt, console)
+    finally:
+        if ckpt:
+            ckpt.close()  # waits for an async save in flight, also on Ctrl-C
+    if len(result.losses) > 1:
+        tail = result.losses[-max(1, len(result.losses) // 10):]
+        console.print(f"loss {result.losses[0]:.3f} at step {start + 1} -> {np.mean(tail):.3f} "
+                      f"(mean of the last {len(tail)} steps)", highlight=False)
+    if ckpt and result.last_step > start:
+        console.print(f"saved checkpoint at step {result.last_step} in {run_dir / 'checkpoints'}")
+    return result
 
-    mesh = make_mesh(cfg.mesh, devices)
-    trainer = make_trainer(cfg, mesh)
-    if start is not None and start >= cfg.train.steps:
-        console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): nothing to do; "
-                      "raise train.steps to train further", highlight=False)
-        ckpt.close()
-        return TrainResult(start, start, [], [])
+
+def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int | None, console):
+    """The state to start from: the latest checkpoint, else ``train.init_from``'s parameters, else random."""
     if start is not None:
-        console.print(f"resuming from step {start} in {run_dir}")
+        console.print(f"resuming from step {start} in {cfg.run_dir}")
         state = ckpt.restore(start, trainer.abstract_state())
         state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
-    else:
-        start = 0
-        state = trainer.init(jax.random.key(cfg.train.seed))
-        if cfg.train.init_from:
-            console.print(f"starting from the parameters in {cfg.train.init_from}")
-            _, state["params"] = load_params(cfg.train.init_from, shardings=trainer.abstract_state()["params"])
+        return state, start
+    state = trainer.init(jax.random.key(cfg.train.seed))
+    if cfg.train.init_from:
+        console.print(f"starting from the parameters in {cfg.train.init_from}")
+        _, state["params"] = load_params(cfg.train.init_from, shardings=trainer.abstract_state()["params"])
+    return state, 0
 
+
+def _run_steps(cfg: Config, trainer, state, start: int, ckpt: Checkpointer | None, console) -> TrainResult:
+    """Steps ``start + 1 .. train.steps``: feed batches, log at intervals, save on schedule."""
+    t = cfg.train
     data = batches_for(cfg)
     # Without a checkpointed iterator position, skip what earlier steps consumed
     # so a resumed run does not see the same batches again.
     for _ in range(start):
         next(data)
-
-    t = cfg.train
     tokens = t.global_batch * t.seq_len
     log = MetricsLog(
-        run_dir / "metrics.jsonl" if jax.process_index() == 0 else None,
-        Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, len(devices),
+        Path(cfg.run_dir) / "metrics.jsonl" if jax.process_index() == 0 else None,
+        Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
                    device_peak_flops(t.peak_flops)),
     )
     result = TrainResult(start, start, [], [])
@@ -118,37 +134,21 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     with progress:
         task = progress.add_task("train", total=t.steps, completed=start, info="compiling")
         for step in range(start + 1, t.steps + 1):
-            batch = global_batch(next(data), trainer.batch_sharding)
-            state, metrics = trainer.step(state, batch)
+            state, metrics = trainer.step(state, global_batch(next(data), trainer.batch_sharding))
             log.add(step, metrics)
-            if step == start + 1:
-                # The first step carries the compile; time the rest from here.
-                rows = log.flush()
-                log.restart_clock()
-            elif step % t.log_every == 0 or step == t.steps:
-                rows = log.flush()
-            else:
-                rows = []
-            for row in rows:
-                result.losses.append(row["loss"])
-                result.rows.append(row)
-            if rows and (step == start + 1 or step % t.log_every == 0 or step == t.steps):
+            first = step == start + 1
+            if first or step % t.log_every == 0 or step == t.steps:
+                rows = log.flush()  # the only host-device sync of an interval
+                if first:
+                    log.restart_clock()  # the first step carries the compile
+                result.losses += [r["loss"] for r in rows]
+                result.rows += rows
                 console.print(format_row(rows[-1]), highlight=False)
                 progress.update(task, info=f"loss {rows[-1]['loss']:.3f}")
             progress.update(task, completed=step)
             if ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps):
                 ckpt.save(step, state)
             result.last_step = step
-    if len(result.losses) > 1:
-        tail = result.losses[-max(1, len(result.losses) // 10):]
-        console.print(
-            f"loss {result.losses[0]:.3f} at step {start + 1} -> {np.mean(tail):.3f} "
-            f"(mean of the last {len(tail)} steps)", highlight=False,
-        )
-    if ckpt:
-        ckpt.close()
-        if result.last_step > start:
-            console.print(f"saved checkpoint at step {result.last_step} in {run_dir / 'checkpoints'}")
     return result
 
 

@@ -53,7 +53,9 @@ def _accumulate_grads(params, batch: Batch, cfg: Config):
     if n == 1:
         return grad_fn(params, batch, cfg)
 
-    micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+    # Micro-batch i takes rows i, i+n, i+2n...: every device keeps its own rows
+    # (a plain [n, b/n] split would move rows between devices each micro-step).
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     aux0 = {"nll_sum": 0.0, "z_sum": 0.0, "weight": 0.0}
     aux0 = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), aux0)
