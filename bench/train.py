@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hypertron.config import ConfigError, load_config, validate_for_devices
     from hypertron.data import make_batches
-    from hypertron.models import count_params
+    from hypertron.models import count_params, resolve_dtype
     from hypertron.parallel.mesh import make_mesh
     from hypertron.train.flops import device_peak_flops, train_flops_per_token
     from hypertron.train.step import global_batch, make_trainer
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ("preset", f"{cfg.model.name} ({count_params(cfg.model) / 1e6:,.1f}M params)"),
         ("device", f"{n_dev} x {getattr(dev, 'device_kind', dev.platform)}"),
         ("batch x seq", f"{t.global_batch} x {t.seq_len}, grad_accum {t.grad_accum}, remat {cfg.model.remat}"),
-        ("dtype", f"params {cfg.model.param_dtype}, compute {cfg.model.dtype}"),
+        ("dtype", f"params {resolve_dtype(cfg.model.param_dtype)}, compute {resolve_dtype(cfg.model.dtype)}"),
         ("step time", f"{step_time * 1e3:.1f} ms (mean of {args.steps} after {args.warmup} warm-up)"),
         ("tokens/s/device", f"{tokens / step_time / n_dev:,.0f}"),
         ("TFLOP/s/device", f"{tflops:.4g}"),
