@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from hypertron.errors import UserError
 from hypertron.config import Config, ConfigError, dump_yaml, from_dict, to_dict
+from hypertron.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -87,9 +87,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def has_train_state(self, step: int) -> bool:
-        """Whether ``step`` holds optimiser state (a converted model holds parameters only)."""
-        return (self.directory / str(step) / "opt_state").exists()
+    def require_train_state(self, step: int) -> None:
+        """Refuse a step without optimiser state (a converted model holds parameters only)."""
+        if not (self.directory / str(step) / "opt_state").exists():
+            raise CheckpointError(
+                f"{self.directory.parent} holds parameters only (a converted model); to train from it, "
+                f"use a new run_dir and train.init_from={self.directory.parent}"
+            )
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         """Start saving ``state`` at ``step``; training continues while it is written."""
@@ -103,11 +107,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
         """Restore params and optimiser state into the shardings of ``abstract_state``."""
-        if not self.has_train_state(step):
-            raise CheckpointError(
-                f"{self.directory.parent} holds parameters only (a converted model); to train from it, "
-                f"use a new run_dir and train.init_from={self.directory.parent}"
-            )
+        self.require_train_state(step)
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -148,6 +148,18 @@ def save_params(run_dir: str | Path, cfg: Config, params: Any, step: int = 0) ->
     ckpt.close()
 
 
+def latest_step(run_dir: str | Path) -> int:
+    """The newest checkpoint step of a run directory; refuses one without checkpoints."""
+    ckpt = Checkpointer(run_dir, async_save=False, create=False)
+    try:
+        step = ckpt.latest_step()
+    finally:
+        ckpt.close()
+    if step is None:
+        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    return step
+
+
 def load_params(
     run_dir: str | Path, step: int | None = None, dtype=None, shardings: Any = None
 ) -> tuple[Config, Any]:
@@ -167,11 +179,9 @@ def load_params(
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract)
     else:
         abstract = shardings
+    step = latest_step(run_dir) if step is None else step
     ckpt = Checkpointer(run_dir, async_save=False, create=False)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"{run_dir} holds no checkpoint yet")
         return cfg, ckpt.restore_params(step, abstract)
     finally:
         ckpt.close()

@@ -12,6 +12,7 @@ import sys
 
 from hypertron.errors import UserError
 
+
 def cmd_train(args: argparse.Namespace) -> int:
     from hypertron.config import load_config
 

@@ -29,8 +29,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hypertron.errors import UserError
 from hypertron.config import ConfigError, ModelConfig, RopeScaling, validate_model
+from hypertron.errors import UserError
 from hypertron.models.decoder import declare
 
 Params = dict[str, Any]

@@ -17,7 +17,14 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hypertron.checkpoint import CheckpointError, Checkpointer, load_params, read_run_config, write_run_config
+from hypertron.checkpoint import (
+    CheckpointError,
+    Checkpointer,
+    latest_step,
+    load_params,
+    read_run_config,
+    write_run_config,
+)
 from hypertron.config import Config, validate_for_devices
 from hypertron.data import check_source, make_batches
 from hypertron.parallel.mesh import make_mesh
@@ -54,9 +61,7 @@ def check_init_from(cfg: Config) -> None:
     from hypertron.models.params import abstract
 
     src = read_run_config(cfg.train.init_from)
-    ckpts = Path(cfg.train.init_from) / "checkpoints"
-    if not ckpts.is_dir() or not any(p.name.isdigit() for p in ckpts.iterdir()):
-        raise CheckpointError(f"train.init_from={cfg.train.init_from} holds no checkpoint")
+    latest_step(cfg.train.init_from)  # refuses a run without checkpoints, before compiling
     shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
     if shapes(src.model) != shapes(cfg.model):
         raise CheckpointError(
@@ -77,8 +82,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
     try:
         start = ckpt.latest_step() if ckpt else None
-        if start is not None and not ckpt.has_train_state(start):
-            ckpt.restore(start, {})  # raises the one-line CheckpointError that says what to do
+        if start is not None:
+            ckpt.require_train_state(start)  # before compiling: a converted model cannot be resumed
         if start is not None and start >= cfg.train.steps:
             console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): "
                           "nothing to do; raise train.steps to train further", highlight=False)
