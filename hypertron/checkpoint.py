@@ -3,8 +3,11 @@
 A run directory holds::
 
     config.yaml          the run's config (written once, never overwritten)
-    checkpoints/<step>/  Orbax steps, items "params", "opt_state" and "meta"
-    metrics.jsonl        one JSON line per training step
+    checkpoints/<step>/  Orbax steps: items "params", "opt_state", "meta", "data",
+                         and hypertron_manifest.json (file sizes, written when final)
+    metrics.jsonl        one JSON line per training step (and per evaluation)
+    events.jsonl         job events (see hypertron.train.events)
+    tensorboard/         the same scalars for TensorBoard
 
 Converted Hugging Face models use the same layout with only the ``params``
 item, so ``hypertron generate`` and ``hypertron train`` read both alike.
@@ -12,9 +15,14 @@ item, so ``hypertron generate`` and ``hypertron train`` read both alike.
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import grain
+import grain.checkpoint
 import jax
 import orbax.checkpoint as ocp
 
@@ -23,6 +31,8 @@ from hypertron.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
+MANIFEST = "hypertron_manifest.json"
+ITEMS = ("params", "opt_state", "meta", "data")
 
 
 class CheckpointError(UserError):
@@ -51,9 +61,10 @@ def _weights_view(cfg: Config) -> dict:
     return {k: v for k, v in model.items() if k not in _EXECUTION_FIELDS}
 
 
-def write_run_config(run_dir: str | Path, cfg: Config) -> None:
+def write_run_config(run_dir: str | Path, cfg: Config, write: bool = True) -> None:
     """Write ``config.yaml`` unless it exists; an existing one must describe the same model
-    (execution choices such as remat, attention kernel or compute dtype may change on resume)."""
+    (execution choices such as remat, attention kernel or compute dtype may change on resume).
+    With ``write=False`` (processes other than 0) only the check is made."""
     run_dir = Path(run_dir)
     path = run_dir / CONFIG_FILE
     if path.is_file():
@@ -64,6 +75,8 @@ def write_run_config(run_dir: str | Path, cfg: Config) -> None:
                 "choose a new run_dir"
             )
         return
+    if not write:
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(dump_yaml(cfg))
@@ -71,21 +84,67 @@ def write_run_config(run_dir: str | Path, cfg: Config) -> None:
 
 
 class Checkpointer:
-    """Orbax ``CheckpointManager`` over ``run_dir/checkpoints`` with async saves and keep-last-N."""
+    """Orbax ``CheckpointManager`` over ``run_dir/checkpoints``: async saves, keep-last-N, verified restores.
 
-    def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, create: bool = True):
+    Each step holds the items ``params``, ``opt_state``, ``meta`` (JSON: step
+    and the data settings) and ``data`` (the Grain iterator state of every
+    process, one JSON file each, via Grain's own Orbax handler). A converted
+    model holds ``params`` and ``meta`` only.
+
+    Orbax makes a save atomic (written to a temporary directory, renamed when
+    complete), so a save cut off by a kill never looks finished. Damage after
+    that (a truncated or deleted file) is caught by a manifest: when a save is
+    final, process 0 records the size of every file of the step in
+    ``hypertron_manifest.json``; a step whose files no longer match, or that
+    has no manifest, is never restored.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, create: bool = True,
+                 events=None):
         self.directory = Path(run_dir).absolute() / CHECKPOINTS
         if not create and not self.directory.is_dir():
             raise CheckpointError(f"{run_dir} holds no checkpoint yet")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=create, enable_async_checkpointing=async_save
         )
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("params", "opt_state", "meta")
-        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self.async_save = async_save
+        self.events = events
+        self._finisher: threading.Thread | None = None
 
     def latest_step(self) -> int | None:
+        """The newest step Orbax finished, verified or not (see :meth:`usable_steps`)."""
         return self.manager.latest_step()
+
+    def problem(self, step: int) -> str | None:
+        """Why ``step`` cannot be restored (a missing manifest, a missing or resized file), or None."""
+        return _manifest_problem(self.directory / str(step))
+
+    def usable_steps(self) -> tuple[list[int], dict[int, str]]:
+        """Finished steps newest first, split into usable ones and ``{step: problem}`` for the rest."""
+        usable, broken = [], {}
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            problem = self.problem(step)
+            if problem:
+                broken[step] = problem
+            else:
+                usable.append(step)
+        return usable, broken
+
+    def set_aside(self, steps: list[int]) -> Path:
+        """Move unusable steps out of the way (to ``run_dir/unusable_checkpoints``) rather than delete them.
+
+        Only process 0 moves; every process then re-reads the step list.
+        """
+        target = self.directory.parent / "unusable_checkpoints"
+        if jax.process_index() == 0:
+            target.mkdir(exist_ok=True)
+            for step in steps:
+                dest = target / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                (self.directory / str(step)).rename(dest)
+        _sync("hypertron_set_aside")
+        self.manager.reload()
+        return target
 
     def require_train_state(self, step: int) -> None:
         """Refuse a step without optimiser state (a converted model holds parameters only)."""
@@ -95,15 +154,52 @@ class Checkpointer:
                 f"use a new run_dir and train.init_from={self.directory.parent}"
             )
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
-        """Start saving ``state`` at ``step``; training continues while it is written."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
+             data_iterator=None, reason: str = "interval") -> None:
+        """Start saving ``state`` (and the data iterator's position) at ``step``.
+
+        With async saves this returns once the arrays are copied off the
+        devices; training continues while they are written, and the manifest is
+        written (and ``checkpoint_save_end`` emitted) when the step is final.
+        """
+        self._join_finisher()
+        if self.events:
+            self.events.emit("checkpoint_save_start", step, reason=reason)
+        started = time.time()
         items = {
             "params": ocp.args.StandardSave(state["params"]),
             "meta": ocp.args.JsonSave({"step": int(step), **(meta or {})}),
         }
         if "opt_state" in state:
             items["opt_state"] = ocp.args.StandardSave(state["opt_state"])
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        blocking = time.time() - started
+        if self.async_save:
+            self._finisher = threading.Thread(
+                target=self._finish, args=(step, started, blocking), name=f"checkpoint-{step}", daemon=True
+            )
+            self._finisher.start()
+        else:
+            self._finish(step, started, blocking)
+
+    def _finish(self, step: int, started: float, blocking: float) -> None:
+        self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            _write_manifest(self.directory / str(step))
+        if self.events:
+            self.events.emit("checkpoint_save_end", step, seconds=time.time() - started,
+                             blocking_seconds=blocking)
+
+    def _join_finisher(self) -> None:
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+
+    def meta(self, step: int) -> dict[str, Any]:
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
         """Restore params and optimiser state into the shardings of ``abstract_state``."""
@@ -118,6 +214,13 @@ class Checkpointer:
         )
         return {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
 
+    def restore_data(self, step: int, data_iterator) -> None:
+        """Move ``data_iterator`` to where it was when ``step`` was saved."""
+        self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
+
+    def has_data(self, step: int) -> bool:
+        return (self.directory / str(step) / "data").is_dir()
+
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         out = self.manager.restore(
             step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))
@@ -126,10 +229,59 @@ class Checkpointer:
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._join_finisher()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
+        self._join_finisher()
         self.manager.close()
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _step_files(step_dir: Path) -> dict[str, int]:
+    return {
+        str(path.relative_to(step_dir)): path.stat().st_size
+        for path in sorted(step_dir.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def _write_manifest(step_dir: Path) -> None:
+    tmp = step_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": _step_files(step_dir)}, indent=1))
+    tmp.replace(step_dir / MANIFEST)
+
+
+def _manifest_problem(step_dir: Path) -> str | None:
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        return "it was never verified as complete (no manifest)"
+    try:
+        expected = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    found = _step_files(step_dir)
+    for name, size in expected.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name] != size:
+            return f"{name} has {found[name]} bytes, {size} when saved"
+    return None
+
+
+def require_new_run_dir(run_dir: str | Path) -> None:
+    """Refuse a directory that already holds a run or checkpoints (nothing saved is overwritten)."""
+    run_dir = Path(run_dir)
+    if (run_dir / CHECKPOINTS).exists() and any((run_dir / CHECKPOINTS).iterdir()):
+        raise CheckpointError(f"{run_dir} already holds checkpoints; choose a new directory")
+    if (run_dir / CONFIG_FILE).exists():
+        raise CheckpointError(f"{run_dir} already holds a run; choose a new directory")
 
 
 def save_params(run_dir: str | Path, cfg: Config, params: Any, step: int = 0) -> None:
@@ -137,22 +289,39 @@ def save_params(run_dir: str | Path, cfg: Config, params: Any, step: int = 0) ->
 
     Refuses a directory that already holds checkpoints, so nothing saved is overwritten.
     """
-    run_dir = Path(run_dir)
-    if (run_dir / CHECKPOINTS).exists() and any((run_dir / CHECKPOINTS).iterdir()):
-        raise CheckpointError(f"{run_dir} already holds checkpoints; choose a new directory")
-    if (run_dir / CONFIG_FILE).exists():
-        raise CheckpointError(f"{run_dir} already holds a run; choose a new directory")
+    require_new_run_dir(run_dir)
     write_run_config(run_dir, cfg)
     ckpt = Checkpointer(run_dir, keep=1, async_save=False)
     ckpt.save(step, {"params": params})
     ckpt.close()
 
 
+def newest_usable_step(ckpt: Checkpointer, report=None) -> int | None:
+    """The newest step that passes its manifest check; None if the run has no checkpoint at all.
+
+    ``report(step, problem)`` is called for each newer step that is skipped. A
+    run whose checkpoints are all unusable is refused rather than started over.
+    """
+    usable, broken = ckpt.usable_steps()
+    newest = usable[0] if usable else None
+    for step, problem in sorted(broken.items(), reverse=True):
+        if newest is None or step > newest:
+            if report:
+                report(step, problem)
+    if newest is None and broken:
+        details = "; ".join(f"step {s}: {p}" for s, p in sorted(broken.items(), reverse=True))
+        raise CheckpointError(
+            f"{ckpt.directory} holds no usable checkpoint ({details}); move the checkpoints "
+            "directory away to start over"
+        )
+    return newest
+
+
 def latest_step(run_dir: str | Path) -> int:
-    """The newest checkpoint step of a run directory; refuses one without checkpoints."""
+    """The newest usable checkpoint step of a run directory; refuses one without any."""
     ckpt = Checkpointer(run_dir, async_save=False, create=False)
     try:
-        step = ckpt.latest_step()
+        step = newest_usable_step(ckpt)
     finally:
         ckpt.close()
     if step is None:
@@ -182,6 +351,9 @@ def load_params(
     step = latest_step(run_dir) if step is None else step
     ckpt = Checkpointer(run_dir, async_save=False, create=False)
     try:
+        problem = ckpt.problem(step)
+        if problem:
+            raise CheckpointError(f"{run_dir}: checkpoint {step} is unusable: {problem}")
         return cfg, ckpt.restore_params(step, abstract)
     finally:
         ckpt.close()

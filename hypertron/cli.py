@@ -45,9 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(
             f"{args.checkpoint}: model vocab_size {cfg.model.vocab_size} is smaller than the "
-            f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}; its own tokenizer is not supported yet"
+            f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}; set data.tokenizer in its config.yaml "
+            "to the model's own tokenizer"
         )
-    ids = [tok.bos_id] + tok.encode(args.prompt)
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
     if len(ids) + args.max_new_tokens > cfg.model.max_seq_len:
         raise ConfigError(
             f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={cfg.model.max_seq_len}"
@@ -61,19 +62,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from hypertron.checkpoint import load_params, save_params
+    from hypertron.checkpoint import load_params, require_new_run_dir, save_params
     from hypertron.config import Config, ConfigError
     from hypertron.models import hf
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
     if args.from_hf:
+        require_new_run_dir(args.out)
         model_cfg, params = hf.load_hf(args.from_hf)
         import dataclasses
 
         base = Config()
         train = dataclasses.replace(base.train, seq_len=min(base.train.seq_len, model_cfg.max_seq_len))
-        cfg = Config(run_dir=args.out, model=model_cfg, train=train)
+        data = dataclasses.replace(base.data, tokenizer=_copy_tokenizer(args.from_hf, args.out))
+        cfg = Config(run_dir=args.out, model=model_cfg, train=train, data=data)
         save_params(args.out, cfg, params)
         print(f"wrote hypertron checkpoint {args.out} ({model_cfg.name})")
     else:
@@ -81,8 +84,65 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR")
         cfg, params = load_params(args.checkpoint)
         hf.save_hf(args.to_hf, cfg.model, params)
-        print(f"wrote Hugging Face checkpoint {args.to_hf}")
+        copied = _export_tokenizer(cfg.data.tokenizer, args.to_hf)
+        print(f"wrote Hugging Face checkpoint {args.to_hf}" + (" with its tokenizer" if copied else ""))
     return 0
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def _copy_tokenizer(hf_dir: str, run_dir: str) -> str:
+    """Copy an HF model's tokenizer files into ``run_dir/tokenizer``; returns the ``data.tokenizer``
+    value for them ("byte" if the model came without a tokenizer)."""
+    import shutil
+    from pathlib import Path
+
+    found = [Path(hf_dir) / f for f in _TOKENIZER_FILES if (Path(hf_dir) / f).is_file()]
+    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in found):
+        return "byte"
+    target = Path(run_dir).absolute() / "tokenizer"
+    target.mkdir(parents=True, exist_ok=True)
+    for f in found:
+        shutil.copyfile(f, target / f.name)
+    return str(target)
+
+
+def _export_tokenizer(tokenizer: str, hf_dir: str) -> bool:
+    """Copy a run's tokenizer files (if it has a file tokenizer) beside an exported HF model."""
+    import os
+    import shutil
+
+    from hypertron.data.tokenizer import tokenizer_file
+
+    if tokenizer == "byte":
+        return False
+    kind, path = tokenizer_file(tokenizer)
+    folder = os.path.dirname(path)
+    names = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(folder, f))]
+    if kind == "sentencepiece" and os.path.basename(path) != "tokenizer.model":
+        shutil.copyfile(path, os.path.join(hf_dir, "tokenizer.model"))
+    for name in names:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(hf_dir, name))
+    return True
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from hypertron.data.pretokenize import tokenize_corpus
+
+    metadata = tokenize_corpus(
+        source=args.source, paths=tuple(args.paths), text_field=args.text_field,
+        tokenizer=args.tokenizer, out=args.out, log=lambda line: print(line, file=sys.stderr),
+    )
+    print(f"wrote {metadata['num_documents']} documents, {metadata['num_tokens']} tokens in "
+          f"{len(metadata['shards'])} shards to {args.out} (train with data.source=tokens)")
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from hypertron.launch import launch_local
+
+    return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +173,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
     c.add_argument("--checkpoint", metavar="RUN_DIR", help="hypertron run directory to export")
     c.set_defaults(func=cmd_convert)
+
+    la = sub.add_parser("launch", help="run a command as several cooperating processes")
+    where = la.add_subparsers(dest="where", required=True)
+    lo = where.add_parser(
+        "local", help="N processes on this machine (jax.distributed over 127.0.0.1)",
+        description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
+        "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.",
+    )
+    lo.add_argument("--processes", type=int, required=True, metavar="N")
+    lo.add_argument("--cpu-devices", type=int, default=None, metavar="K",
+                    help="run on the CPU with K simulated devices per process")
+    lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    lo.set_defaults(func=cmd_launch)
+
+    k = sub.add_parser(
+        "tokenize", help="pre-tokenise a corpus for data.source=tokens",
+        description="Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with "
+        "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
+        "must be new or an empty directory.",
+    )
+    k.add_argument("--source", required=True, help="stdlib, text, jsonl, parquet, hf or arrayrecord")
+    k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
+    k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
+    k.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json (or its directory) "
+                   "or a SentencePiece .model")
+    k.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    k.set_defaults(func=cmd_tokenize)
     return p
 
 

@@ -23,6 +23,9 @@ import yaml
 
 from hypertron.errors import UserError
 
+# The names hypertron.data.sources.SOURCES accepts (kept here so config imports no data libraries).
+DATA_SOURCES = ("stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens")
+
 
 class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line naming the key."""
@@ -113,12 +116,13 @@ class MeshConfig:
 class DataConfig:
     """Where training text comes from and how it is tokenised."""
 
-    source: str = "stdlib"  # stdlib | synthetic | text | jsonl
+    source: str = "stdlib"  # stdlib | synthetic | text | jsonl | parquet | hf | arrayrecord | tokens
     paths: tuple[str, ...] = ()
     text_field: str = "text"
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"  # byte | a tokenizer.json (or its directory) | a SentencePiece .model
     shuffle: bool = True
     seed: int = 0
+    eval_fraction: float = 0.0  # documents held out of training for train.eval_every (0 = none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +147,8 @@ class TrainConfig:
     log_every: int = 10
     peak_flops: float = 0.0  # per-device bf16 peak; 0 = look it up from the device kind
     init_from: str = ""  # a run directory (e.g. a converted HF model) whose parameters start this run
+    eval_every: int = 0  # steps between eval-loss measurements on the held-out split (0 = off)
+    eval_batches: int = 4  # global batches per evaluation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +156,19 @@ class CheckpointConfig:
     enabled: bool = True
     every: int = 100  # steps; a checkpoint is also written at the end
     keep: int = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-process runs (``jax.distributed``). Empty values fall back to the environment:
+    ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (what ``hypertron launch``
+    sets); under Slurm or Open MPI with several tasks JAX finds them itself."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0 = from the environment (1 if unset)
+    process_id: int = -1  # -1 = from the environment
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+    heartbeat_timeout: int = 100  # seconds without a heartbeat before a process is presumed dead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +181,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +443,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.clip_norm, train.weight_decay and train.z_loss must not be negative")
     if not cfg.run_dir.strip():
         raise ConfigError("run_dir: must not be empty")
+    if t.eval_every < 0 or t.eval_batches <= 0:
+        raise ConfigError("train.eval_every must not be negative and train.eval_batches must be positive")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
+    if t.eval_every and cfg.data.source != "synthetic" and cfg.data.eval_fraction == 0:
+        raise ConfigError(
+            f"train.eval_every={t.eval_every} needs a held-out split: set data.eval_fraction (e.g. 0.01)"
+        )
     if t.global_batch % t.grad_accum:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
@@ -431,12 +459,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
         )
-    _check_choice("data.source", cfg.data.source, ("stdlib", "synthetic", "text", "jsonl"))
-    _check_choice("data.tokenizer", cfg.data.tokenizer, ("byte",))
-    if cfg.data.source in ("text", "jsonl") and not cfg.data.paths:
+    _check_choice("data.source", cfg.data.source, DATA_SOURCES)
+    if not cfg.data.tokenizer.strip():
+        raise ConfigError("data.tokenizer: must be 'byte' or a path to a tokenizer")
+    if cfg.data.source not in ("stdlib", "synthetic") and not cfg.data.paths:
         raise ConfigError(f"data.paths: data.source={cfg.data.source} needs at least one path")
     if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+    d = cfg.distributed
+    if d.num_processes < 0 or d.process_id < -1 or (d.num_processes and d.process_id >= d.num_processes):
+        raise ConfigError(
+            f"distributed.process_id={d.process_id} must be in 0..num_processes-1 (num_processes={d.num_processes})"
+        )
+    if d.initialization_timeout <= 0 or d.heartbeat_timeout <= 0:
+        raise ConfigError("distributed.initialization_timeout and distributed.heartbeat_timeout must be positive")
     for a in MeshConfig.AXES:
         s = getattr(cfg.mesh, a)
         if s == 0 or s < -1:
@@ -449,10 +485,15 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
 
     if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
-    if cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 259:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size}: the byte tokenizer needs at least 259"
-        )
+    if cfg.data.source != "synthetic":
+        from hypertron.data import get_tokenizer
+
+        tok = get_tokenizer(cfg.data.tokenizer)
+        if cfg.model.vocab_size < tok.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size}: the tokenizer {cfg.data.tokenizer} needs at least "
+                f"{tok.vocab_size}"
+            )
     shape = cfg.mesh.shape(num_devices)
     data_shards = shape["data"] * shape["fsdp"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
@@ -461,4 +502,16 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
             f"train.global_batch={cfg.train.global_batch} (micro-batch {micro}) is not divisible "
             f"by the {data_shards} data shards (mesh data x fsdp)"
         )
+    processes = jax.process_count()
+    if processes > 1:
+        # Each process feeds its own rows, so the batch axes must split over the processes and a
+        # tensor-parallel group must not span two of them (its devices would get different rows).
+        if data_shards % processes:
+            raise ConfigError(
+                f"mesh: the {data_shards} data shards (data x fsdp) do not divide over {processes} processes"
+            )
+        if jax.local_device_count() % shape["tensor"]:
+            raise ConfigError(
+                f"mesh.tensor={shape['tensor']} does not divide the {jax.local_device_count()} devices of a process"
+            )
     return shape

@@ -36,15 +36,22 @@ def test_convert_round_trip(tmp_path):
     from safetensors.numpy import load_file
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    from test_tokenizers import train_bpe
+
+    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    train_bpe(tmp_path / "hf" / "tokenizer.json")  # a model comes with its tokenizer: 400 ids
     r = run("convert", "--from-hf", "hf", "--out", "imported", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    g = run("generate", "--checkpoint", "imported", "--prompt", "x", "--max-new-tokens", "4", cwd=tmp_path)
+    assert (tmp_path / "imported" / "tokenizer" / "tokenizer.json").is_file()
+    g = run("generate", "--checkpoint", "imported", "--prompt", "hello world", "--max-new-tokens", "4",
+            cwd=tmp_path)
     assert g.returncode == 0, g.stderr
+    assert g.stdout.startswith("hello world")  # encoded and decoded with the model's own tokenizer
     e = run("convert", "--checkpoint", "imported", "--to-hf", "exported", cwd=tmp_path)
     assert e.returncode == 0, e.stderr
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:

@@ -327,6 +327,20 @@ def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
         # The first bare word is taken as the recipe; the error still names it.
         "first_word_without_equals": Case(
             ["train", "stepz", f"run_dir={runs / 'first_word_without_equals'}"], ("stepz",)),
+        # tokenisers and multi-process settings
+        "missing_tokenizer": Case(train("missing_tokenizer", *SMALL, "data.tokenizer=/nonexistent/tok.json"),
+                                  ("data.tokenizer", "/nonexistent/tok.json")),
+        "tokenizer_not_a_tokenizer": Case(train("tokenizer_not_a_tokenizer", *SMALL,
+                                                f"data.tokenizer={empty_file}"), ("data.tokenizer", str(empty_file))),
+        "process_id_out_of_range": Case(
+            train("process_id_out_of_range", *SMALL, "distributed.num_processes=2", "distributed.process_id=2"),
+            ("distributed.process_id=2",)),
+        "processes_without_coordinator": Case(
+            train("processes_without_coordinator", *SMALL, "distributed.num_processes=2",
+                  "distributed.process_id=0"), ("coordinator",)),
+        "launch_zero_processes": Case(["launch", "local", "--processes", "0", "--", "train", "model=tiny"],
+                                      ("--processes=0",)),
+        "launch_without_command": Case(["launch", "local", "--processes", "2"], ("launch local",)),
         # 8. generate / convert pointed at the wrong directory
         "generate_not_a_run": Case(["generate", "--checkpoint", str(not_a_run), "--prompt", "hi"],
                                    (str(not_a_run),)),
@@ -423,6 +437,8 @@ _CASE_NAMES = [
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",
+    "missing_tokenizer", "tokenizer_not_a_tokenizer", "process_id_out_of_range",
+    "processes_without_coordinator", "launch_zero_processes", "launch_without_command",
     "generate_not_a_run", "generate_missing_dir",
     "convert_from_hf_without_config", "convert_from_hf_without_out",
     "convert_to_hf_not_a_run",

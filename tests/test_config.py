@@ -58,8 +58,17 @@ def test_dump_and_reload_is_identity():
         (["model.norm_eps=-1"], "model.norm_eps"),
         (["model.dtype=float16"], "model.dtype=float16"),
         (["run_dir="], "run_dir"),
+        (["train.eval_every=10"], "needs a held-out split: set data.eval_fraction"),
+        (["data.eval_fraction=1.5"], "data.eval_fraction=1.5"),
     ],
 )
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, overrides)
+
+
+def test_config_knows_every_data_source():
+    from hypertron.config import DATA_SOURCES
+    from hypertron.data.sources import SOURCES
+
+    assert DATA_SOURCES == SOURCES

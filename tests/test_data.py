@@ -22,6 +22,7 @@ from hypertron.data import (
     make_batches,
     stdlib_paths,
 )
+from hypertron.data.pipeline import held_out
 
 TOKENIZER = ByteTokenizer()
 FIELDS = {
@@ -198,18 +199,36 @@ def test_determinism_and_seeds(text_corpus):
     assert not all(np.array_equal(a, b) for a, b in zip(first_batches(1), first_batches(2)))
 
 
-def test_iterator_state_resumes_the_stream(text_corpus):
+@pytest.mark.parametrize("consumed", [1, 3, 4])
+def test_iterator_state_resumes_the_stream_after_a_json_round_trip(text_corpus, consumed):
+    """Checkpoints store the state as JSON (tuples become lists); the stream must still resume exactly."""
     def make():
         return make_batches(source="text", paths=(str(text_corpus),), seq_len=16, batch_size=2, seed=5)
 
     batches = make()
-    for _ in range(3):
+    for _ in range(consumed):
         next(batches)
-    state = batches.get_state()
+    state = json.loads(json.dumps(batches.get_state()))
     expected = [next(batches)["inputs"] for _ in range(3)]
     resumed = make()
     resumed.set_state(state)
     assert all(np.array_equal(next(resumed)["inputs"], e) for e in expected)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_eval_split_is_held_out_of_training(text_corpus, fraction):
+    mask = held_out(1000, fraction)
+    assert abs(mask.mean() - fraction) < 0.01
+    assert mask[:10].any() and mask[-100:].any()  # spread through the corpus, not taken from one end
+
+    def docs(split):
+        batches = make_batches(source="text", paths=(str(text_corpus),), seq_len=512, batch_size=2,
+                               shuffle=False, split=split, eval_fraction=fraction)
+        return set(_whole_documents(_rows(batches, 6)))
+
+    train_docs, eval_docs = docs("train"), docs("eval")
+    assert train_docs and eval_docs and not train_docs & eval_docs
+    assert train_docs | eval_docs == set(DOCUMENTS)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -248,7 +267,7 @@ def test_missing_path(tmp_path):
 
 def test_unknown_source_and_no_paths():
     with pytest.raises(DataError, match="data.source"):
-        check_source("parquet", (), "text")
+        check_source("csv", (), "text")
     with pytest.raises(DataError, match="data.paths"):
         check_source("text", (), "text")
 

@@ -102,3 +102,17 @@ def test_bfloat16_compute_tracks_float32():
     for m in (bf16, all_bf16):
         assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
         np.testing.assert_allclose(m["loss"], f32["loss"], rtol=2e-2)
+
+
+@pytest.mark.parametrize("source", ["stdlib", "synthetic"])
+def test_periodic_eval_on_the_held_out_split(tmp_path, source):
+    run = tmp_path / "run"
+    result = train(load_config(None, TINY + [f"run_dir={run}", f"data.source={source}", "train.steps=4",
+                                             "train.eval_every=2", "train.eval_batches=2",
+                                             "data.eval_fraction=0.05", "checkpoint.enabled=false"]))
+    assert [r["step"] for r in result.eval_rows] == [2, 4]
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] == 2 * 8 * 32 for r in result.eval_rows)
+    assert result.eval_rows[0]["eval_loss"] != result.eval_rows[1]["eval_loss"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]

@@ -33,7 +33,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, WindowShuffleIterDataset
 
 from hypertron.data.sources import DataError, load_documents
-from hypertron.data.tokenizer import ByteTokenizer, get_tokenizer
+from hypertron.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 # Threads that read and tokenise documents ahead of packing. Reading is I/O and
 # numpy, so a couple of threads keep up with training without multiprocessing.
@@ -58,6 +58,8 @@ def make_batches(
     process_index: int = 0,
     process_count: int = 1,
     vocab_size: int = 259,
+    split: str = "train",
+    eval_fraction: float = 0.0,
 ) -> Iterator[dict[str, np.ndarray]]:
     """An endless, deterministic stream of packed batches for this process.
 
@@ -74,18 +76,25 @@ def make_batches(
     ``source="synthetic"`` gives uniform random ids in [3, vocab_size), one
     document per row, reading no files.
 
+    ``split`` is ``"train"`` or ``"eval"``: a fraction ``eval_fraction`` of the
+    documents, spread evenly through the corpus (see :func:`held_out`), is
+    held out of training and makes up the eval split. For synthetic data the
+    eval split is an independent random stream.
+
     Raises :class:`DataError` for bad settings or an empty corpus, before any
     batch is made.
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size, process_index=process_index,
                  process_count=process_count, seed=seed)
+    if split not in ("train", "eval"):
+        raise DataError(f"split={split!r}: expected 'train' or 'eval'")
     if source == "synthetic":
         if vocab_size <= ByteTokenizer.eos_id + 1:
             raise DataError(f"model.vocab_size={vocab_size}: synthetic data needs more than 3 ids")
         rows = _synthetic_rows(seq_len=seq_len, vocab_size=vocab_size, seed=seed,
-                               process_index=process_index)
+                               process_index=process_index, stream=int(split == "eval"))
     else:
-        documents = load_documents(source, paths, text_field)  # validates like check_source
+        documents = _split(load_documents(source, paths, text_field, tokenizer=tokenizer), split, eval_fraction)
         text_tokenizer = get_tokenizer(tokenizer)
         if vocab_size < text_tokenizer.vocab_size:
             raise DataError(
@@ -94,7 +103,68 @@ def make_batches(
             )
         rows = _packed_rows(documents, text_tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
                             process_index=process_index, process_count=process_count)
-    return iter(rows.batch(batch_size, drop_remainder=True))
+    return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True)))
+
+
+class _JsonStateIterator(grain.DatasetIterator):
+    """The pipeline's iterator, with a state that survives a JSON round trip.
+
+    Grain's checkpoint handler stores iterator states as JSON, which turns
+    tuples into lists; ``ConcatThenSplitIterDataset.set_state`` then compares
+    its ``remainder_slices`` to the tuple ``(-1, -1)`` and takes every list for
+    a remainder, so a restored stream goes wrong (grain 0.2.18). This wrapper
+    turns those slices back into tuples before restoring.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator):
+        super().__init__(parent)
+
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(_slices_as_tuples(state))
+
+    def start_prefetch(self) -> None:
+        self._parent.start_prefetch()
+
+
+def _slices_as_tuples(state):
+    if isinstance(state, dict):
+        return {k: ({f: tuple(v) for f, v in val.items()} if k == "remainder_slices" else _slices_as_tuples(val))
+                for k, val in state.items()}
+    return state
+
+
+def held_out(num_documents: int, eval_fraction: float) -> np.ndarray:
+    """Boolean mask [num_documents]: which documents form the eval split.
+
+    Document ``i`` is held out when the fractional part of ``i * 0.618...``
+    (the golden ratio's) is below ``eval_fraction``: about that fraction of
+    the documents, spread evenly over a corpus sorted by path rather than
+    taken from its end, and the same on every machine.
+    """
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    return np.modf(np.arange(num_documents) * golden)[0] < eval_fraction
+
+
+def _split(documents: grain.MapDataset, split: str, eval_fraction: float) -> grain.MapDataset:
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"data.eval_fraction={eval_fraction}: must be in [0, 1)")
+    if eval_fraction == 0.0:
+        if split == "eval":
+            raise DataError("data.eval_fraction=0 holds out no documents for evaluation")
+        return documents
+    mask = held_out(len(documents), eval_fraction)
+    indices = np.flatnonzero(mask if split == "eval" else ~mask)
+    if len(indices) == 0:
+        raise DataError(
+            f"data.eval_fraction={eval_fraction} leaves no {split} documents of {len(documents)}"
+        )
+    return grain.MapDataset.source(indices).map(lambda i: documents[int(i)])
 
 
 def _check_sizes(*, seq_len: int, batch_size: int, process_index: int, process_count: int,
@@ -111,7 +181,7 @@ def _check_sizes(*, seq_len: int, batch_size: int, process_index: int, process_c
 
 def _packed_rows(
     documents: grain.MapDataset,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     *,
     seq_len: int,
     seed: int,
@@ -181,13 +251,28 @@ class _ShuffledEpochs(grain.MapDataset):
         return self._parent[int(self._epoch_order(epoch)[index_in_epoch])]
 
 
-def _document_example(tokenizer: ByteTokenizer, text: str) -> dict[str, np.ndarray]:
-    """One document as aligned ``inputs`` / ``targets``, each of shape [num_tokens + 1]."""
-    tokens = np.concatenate([
-        np.array([tokenizer.bos_id], np.int32),
-        tokenizer.encode_array(text),
-        np.array([tokenizer.eos_id], np.int32),
-    ])
+def _document_example(tokenizer: Tokenizer, document: str | np.ndarray) -> dict[str, np.ndarray]:
+    """One document as aligned ``inputs`` / ``targets``, each of shape [num_tokens + 1].
+
+    ``document`` is text, or ids tokenised already (an integer array of shape
+    [num_tokens], from the ``tokens`` source), which are framed the same way
+    without encoding: ``[bos] + ids + [eos]``. A special token the tokenizer
+    does not have is left out (shapes [num_tokens]; an empty document then
+    adds nothing to the rows).
+    """
+    if isinstance(document, str):
+        ids = tokenizer.encode_array(document)
+    else:
+        ids = np.asarray(document)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(f"data: pre-tokenised documents must be 1-D integer ids, not {ids.dtype} "
+                            f"of shape {ids.shape}")
+        if ids.size and int(ids.max()) >= tokenizer.vocab_size:
+            raise DataError(f"data.tokenizer: a pre-tokenised document has id {int(ids.max())}, "
+                            f"beyond the {tokenizer.vocab_size} ids of {tokenizer.name}")
+    bos = [np.array([tokenizer.bos_id], np.int32)] if tokenizer.bos_id is not None else []
+    eos = [np.array([tokenizer.eos_id], np.int32)] if tokenizer.eos_id is not None else []
+    tokens = np.concatenate([*bos, ids.astype(np.int32, copy=False), *eos])
     return {"inputs": tokens[:-1], "targets": tokens[1:]}
 
 
@@ -204,19 +289,22 @@ def _training_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def _synthetic_rows(*, seq_len: int, vocab_size: int, seed: int, process_index: int) -> grain.IterDataset:
+def _synthetic_rows(*, seq_len: int, vocab_size: int, seed: int, process_index: int,
+                    stream: int = 0) -> grain.IterDataset:
     """Endless rows of random ids, one document per row, each array of shape [seq_len]."""
     row_ids = grain.MapDataset.range(sys.maxsize)
     make_row = functools.partial(_synthetic_row, seq_len=seq_len, vocab_size=vocab_size,
-                                 seed=seed, process_index=process_index)
+                                 seed=seed, process_index=process_index, stream=stream)
     return row_ids.map(make_row).to_iter_dataset(_READ_OPTIONS)
 
 
 def _synthetic_row(row_id: int, *, seq_len: int, vocab_size: int, seed: int,
-                   process_index: int) -> dict[str, np.ndarray]:
+                   process_index: int, stream: int) -> dict[str, np.ndarray]:
     # Seeding by (seed, process, row) makes every row reproducible on its own,
     # so a restored iterator gives the same rows without replaying the stream.
-    rng = np.random.default_rng((seed, process_index, row_id))
+    # The eval stream (1) appends a key, leaving the train stream (0) unchanged.
+    key = (seed, process_index, row_id) + ((stream,) if stream else ())
+    rng = np.random.default_rng(key)
     tokens = rng.integers(ByteTokenizer.eos_id + 1, vocab_size, size=seq_len + 1, dtype=np.int32)
     return {
         "inputs": tokens[:-1],

@@ -1,16 +1,22 @@
 """The training loop behind ``hypertron train``.
 
 Order matters for users: every check that can fail on their input (config,
-data paths, mesh against devices, an existing run of another model) runs
-before anything is compiled or written.
+data paths, mesh against devices, an existing run of another model, a run
+whose checkpoints are all damaged) runs before anything is compiled or written.
+
+A run resumes exactly: parameters, optimiser state, step and the position of
+every process's data iterator come from the newest checkpoint that passes its
+manifest check (older ones are tried if it fails to load). The train step
+draws no random numbers (there is no dropout), so nothing else needs saving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -22,14 +28,18 @@ from hypertron.checkpoint import (
     Checkpointer,
     latest_step,
     load_params,
+    newest_usable_step,
     read_run_config,
     write_run_config,
 )
 from hypertron.config import Config, validate_for_devices
 from hypertron.data import check_source, make_batches
+from hypertron.parallel import distributed
 from hypertron.parallel.mesh import make_mesh
+from hypertron.train.events import EventLog, job_start_fields
 from hypertron.train.flops import device_peak_flops, train_flops_per_token
-from hypertron.train.metrics import MetricsLog, Throughput, format_row, is_interactive
+from hypertron.train.metrics import MetricsLog, Throughput, format_row, is_interactive, mean_row
+from hypertron.train.preemption import StopSignal
 from hypertron.train.step import global_batch, make_trainer
 
 
@@ -39,9 +49,11 @@ class TrainResult:
     last_step: int
     losses: list[float]
     rows: list[dict]
+    status: str = "completed"  # completed | preempted
+    eval_rows: list[dict] = dataclasses.field(default_factory=list)
 
 
-def batches_for(cfg: Config) -> Iterator[dict]:
+def batches_for(cfg: Config, split: str = "train") -> Iterator[dict]:
     """This process's share of each global batch, from the configured source."""
     d, t = cfg.data, cfg.train
     per_process = t.global_batch // jax.process_count()
@@ -49,8 +61,17 @@ def batches_for(cfg: Config) -> Iterator[dict]:
         source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
         seq_len=t.seq_len, batch_size=per_process, seed=d.seed, shuffle=d.shuffle,
         process_index=jax.process_index(), process_count=jax.process_count(),
-        vocab_size=cfg.model.vocab_size,
+        vocab_size=cfg.model.vocab_size, split=split, eval_fraction=d.eval_fraction,
     )
+
+
+def data_fingerprint(cfg: Config) -> dict[str, Any]:
+    """What decides the data stream; a saved iterator position is only valid for the same values."""
+    d, t = cfg.data, cfg.train
+    return {"source": d.source, "paths": list(d.paths), "text_field": d.text_field,
+            "tokenizer": d.tokenizer, "shuffle": d.shuffle, "seed": d.seed,
+            "eval_fraction": d.eval_fraction, "seq_len": t.seq_len, "global_batch": t.global_batch,
+            "process_count": jax.process_count()}
 
 
 def check_init_from(cfg: Config) -> None:
@@ -61,7 +82,7 @@ def check_init_from(cfg: Config) -> None:
     from hypertron.models.params import abstract
 
     src = read_run_config(cfg.train.init_from)
-    latest_step(cfg.train.init_from)  # refuses a run without checkpoints, before compiling
+    latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
     shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
     if shapes(src.model) != shapes(cfg.model):
         raise CheckpointError(
@@ -71,43 +92,97 @@ def check_init_from(cfg: Config) -> None:
 
 
 def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest checkpoint if there is one."""
-    console = console or Console(stderr=True, soft_wrap=True)
-    check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field)
+    """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest usable checkpoint if there is one."""
+    started = time.time()
+    check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field, tokenizer=cfg.data.tokenizer)
+    distributed.initialize(cfg.distributed)
     devices = jax.devices()
+    # One voice: processes other than 0 print nothing but errors (the launcher shows those).
+    console = console or Console(stderr=True, soft_wrap=True, quiet=jax.process_index() > 0)
+    backend_ready = time.time()
     validate_for_devices(cfg, len(devices))
     check_init_from(cfg)
     run_dir = Path(cfg.run_dir)
-    write_run_config(run_dir, cfg)
+    write_run_config(run_dir, cfg, write=jax.process_index() == 0)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
     try:
-        start = ckpt.latest_step() if ckpt else None
-        if start is not None:
-            ckpt.require_train_state(start)  # before compiling: a converted model cannot be resumed
-        if start is not None and start >= cfg.train.steps:
-            console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): "
-                          "nothing to do; raise train.steps to train further", highlight=False)
-            return TrainResult(start, start, [], [])
-        trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
-        state, start = _initial_state(cfg, trainer, ckpt, start, console)
-        result = _run_steps(cfg, trainer, state, start, ckpt, console)
+        # Before any event or compile: a run that cannot resume is refused with nothing written.
+        start, skipped = _usable_start(ckpt, console)
+    except BaseException:
+        if ckpt:
+            ckpt.close()
+        raise
+    events = EventLog(run_dir, jax.process_index())
+    events.start_time = started
+    events.emit("job_start", at=started, **job_start_fields(jax.process_count()))
+    events.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
+                local_device_count=jax.local_device_count(), seconds=backend_ready - started)
+    for step, problem in skipped:
+        events.emit("checkpoint_skipped", step, reason=problem)
+    if ckpt:
+        ckpt.events = events
+    status, last = "failed", None
+    try:
+        with StopSignal() as stop:
+            if start is not None and start >= cfg.train.steps:
+                console.print(f"{run_dir} is already at step {start} (train.steps={cfg.train.steps}): "
+                              "nothing to do; raise train.steps to train further", highlight=False)
+                status, last = "completed", start
+                return TrainResult(start, start, [], [])
+            trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
+            data = batches_for(cfg)
+            state, start = _initial_state(cfg, trainer, ckpt, start, data, events, console)
+            result = _Loop(cfg, trainer, ckpt, events, stop, console).run(state, start, data)
+            status, last = result.status, result.last_step
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         if ckpt:
             ckpt.close()  # waits for an async save in flight, also on Ctrl-C
+        events.emit("job_end", last, status=status, seconds=events.seconds())
+        events.close()
+    _summarise(result, start, ckpt is not None, run_dir, console)
+    return result
+
+
+def _summarise(result: TrainResult, start: int, saved: bool, run_dir: Path, console) -> None:
     if len(result.losses) > 1:
         tail = result.losses[-max(1, len(result.losses) // 10):]
         console.print(f"loss {result.losses[0]:.3f} at step {start + 1} -> {np.mean(tail):.3f} "
                       f"(mean of the last {len(tail)} steps)", highlight=False)
-    if ckpt and result.last_step > start:
+    if result.status == "preempted":
+        console.print(f"stopped by SIGTERM after step {result.last_step}; the next run resumes there")
+    if saved and result.last_step > start:
         console.print(f"saved checkpoint at step {result.last_step} in {run_dir / 'checkpoints'}")
-    return result
 
 
-def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int | None, console):
+def _usable_start(ckpt: Checkpointer | None, console) -> tuple[int | None, list[tuple[int, str]]]:
+    """The step to resume from, checked before compiling, and the damaged newer steps set aside."""
+    if ckpt is None:
+        return None, []
+    skipped = []
+
+    def report(step: int, problem: str) -> None:
+        console.print(f"checkpoint {step} is unusable ({problem}); falling back to an earlier one",
+                      highlight=False)
+        skipped.append((step, problem))
+
+    start = newest_usable_step(ckpt, report)
+    if start is not None:
+        ckpt.require_train_state(start)  # a converted model cannot be resumed
+    if skipped:
+        # Out of the way, so this run can save those steps again; kept, not deleted.
+        where = ckpt.set_aside([step for step, _ in skipped])
+        console.print(f"moved unusable checkpoints {sorted(s for s, _ in skipped)} to {where}", highlight=False)
+    return start, skipped
+
+
+def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int | None, data,
+                   events: EventLog, console):
     """The state to start from: the latest checkpoint, else ``train.init_from``'s parameters, else random."""
     if start is not None:
-        console.print(f"resuming from step {start} in {cfg.run_dir}")
-        state = ckpt.restore(start, trainer.abstract_state())
+        state, start = _restore(cfg, trainer, ckpt, start, data, events, console)
         state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
         return state, start
     state = trainer.init(jax.random.key(cfg.train.seed))
@@ -117,44 +192,150 @@ def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int |
     return state, 0
 
 
-def _run_steps(cfg: Config, trainer, state, start: int, ckpt: Checkpointer | None, console) -> TrainResult:
-    """Steps ``start + 1 .. train.steps``: feed batches, log at intervals, save on schedule."""
-    t = cfg.train
-    data = batches_for(cfg)
-    # Without a checkpointed iterator position, skip what earlier steps consumed
-    # so a resumed run does not see the same batches again.
-    for _ in range(start):
-        next(data)
-    tokens = t.global_batch * t.seq_len
-    log = MetricsLog(
-        Path(cfg.run_dir) / "metrics.jsonl" if jax.process_index() == 0 else None,
-        Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
-                   device_peak_flops(t.peak_flops)),
+def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events: EventLog, console):
+    """Restore ``start``, or the newest older usable step if it cannot be read."""
+    candidates = [s for s in ckpt.usable_steps()[0] if s <= start]
+    for step in candidates:
+        console.print(f"resuming from step {step} in {cfg.run_dir}")
+        events.emit("restore_start", step)
+        t0 = time.time()
+        try:
+            state = ckpt.restore(step, trainer.abstract_state())
+            meta = ckpt.meta(step)
+            data_restored = meta.get("data") == data_fingerprint(cfg) and ckpt.has_data(step)
+            if data_restored:
+                ckpt.restore_data(step, data)
+        except (CheckpointError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # Orbax / TensorStore raise many types for unreadable files
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            console.print(f"checkpoint {step} could not be read ({reason}); falling back to an earlier one",
+                          highlight=False)
+            events.emit("checkpoint_skipped", step, reason=reason)
+            ckpt.set_aside([step])  # so this run can save that step again
+            continue
+        if not data_restored:
+            console.print(f"the data settings differ from those of step {step}: the data stream starts afresh",
+                          highlight=False)
+        events.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored)
+        return state, step
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} could be read; move the checkpoints directory away to start over"
     )
-    result = TrainResult(start, start, [], [])
-    progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(), console=console, disable=not is_interactive(),
-    )
-    with progress:
-        task = progress.add_task("train", total=t.steps, completed=start, info="compiling")
-        for step in range(start + 1, t.steps + 1):
-            state, metrics = trainer.step(state, global_batch(next(data), trainer.batch_sharding))
-            log.add(step, metrics)
-            first = step == start + 1
-            if first or step % t.log_every == 0 or step == t.steps:
-                rows = log.flush()  # the only host-device sync of an interval
-                if first:
-                    log.restart_clock()  # the first step carries the compile
-                result.losses += [r["loss"] for r in rows]
-                result.rows += rows
-                console.print(format_row(rows[-1]), highlight=False)
-                progress.update(task, info=f"loss {rows[-1]['loss']:.3f}")
-            progress.update(task, completed=step)
-            if ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps):
-                ckpt.save(step, state)
-            result.last_step = step
-    return result
+
+
+class _Loop:
+    """Steps ``start + 1 .. train.steps``: feed batches, log, evaluate and save on schedule, stop on SIGTERM.
+
+    Step ``n + 1`` is dispatched before step ``n``'s metrics are fetched, so
+    the device always has the next step queued while the host logs. A step's
+    ``step_time`` is the wall time between the ends of consecutive steps,
+    which includes waiting for data but not evaluations or the blocking part
+    of checkpoint saves (those have their own events).
+    """
+
+    def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, events: EventLog, stop: StopSignal,
+                 console):
+        self.cfg, self.trainer, self.ckpt, self.events, self.stop = cfg, trainer, ckpt, events, stop
+        self.console = console
+        t = cfg.train
+        tokens = t.global_batch * t.seq_len
+        self.log = MetricsLog(
+            Path(cfg.run_dir) / "metrics.jsonl",
+            Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
+                       device_peak_flops(t.peak_flops)),
+        )
+        self.interval: list[dict] = []
+        self.last_end = time.perf_counter()
+        self.eval_data = None  # the eval iterator and its initial state, made at the first evaluation
+
+    def run(self, state, start: int, data) -> TrainResult:
+        t, cfg = self.cfg.train, self.cfg
+        self.result = TrainResult(start, start, [], [])
+        self.start = start
+        progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(), console=self.console, disable=not is_interactive(),
+        )
+        pending = None
+        with progress:
+            self.progress, self.task = progress, progress.add_task("train", total=t.steps, completed=start,
+                                                                   info="compiling")
+            for step in range(start + 1, t.steps + 1):
+                t0 = time.perf_counter()
+                local = next(data)
+                data_wait = time.perf_counter() - t0
+                state, metrics = self.trainer.step(state, global_batch(local, self.trainer.batch_sharding))
+                if pending:
+                    self._finish(*pending)
+                pending = (step, metrics, data_wait)
+                preempted = self.stop.reached(step)
+                if preempted:
+                    self.events.emit("preemption", step, signal="SIGTERM")
+                    self.result.status = "preempted"
+                save = self.ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps or preempted)
+                evaluate = t.eval_every and step % t.eval_every == 0
+                if save or evaluate or preempted:
+                    self._finish(*pending)
+                    pending = None
+                    if evaluate:
+                        self._evaluate(state["params"], step)
+                    if save:
+                        reason = "preemption" if preempted else "final" if step == t.steps else "interval"
+                        self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
+                                       reason=reason)
+                    self.last_end = time.perf_counter()
+                if preempted:
+                    break
+            if pending:
+                self._finish(*pending)
+        return self.result
+
+    def _finish(self, step: int, metrics: dict, data_wait: float) -> None:
+        """Fetch a step's metrics (waiting for it), then log, print and record its events."""
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        step_time, self.last_end = now - self.last_end, now
+        row = self.log.step_row(step, host, step_time)
+        row["data_wait"] = data_wait
+        self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
+        first = step == self.start + 1
+        if first:
+            self.events.emit("first_step", step, seconds=self.events.seconds())
+        self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
+                                                       "tokens_per_sec_per_device", "mfu")})
+        self.result.losses.append(row["loss"])
+        self.result.rows.append(row)
+        self.result.last_step = step
+        self.interval.append(row)
+        t = self.cfg.train
+        if first or step % t.log_every == 0 or step == t.steps:
+            # The first step carries the compile: it is printed alone.
+            self.console.print(format_row(mean_row(self.interval)), highlight=False)
+            self.progress.update(self.task, info=f"loss {row['loss']:.3f}")
+            self.interval = []
+        self.progress.update(self.task, completed=step)
+
+    def _evaluate(self, params, step: int) -> None:
+        """Mean loss over ``train.eval_batches`` batches of the held-out split (the same batches each time)."""
+        t0 = time.time()
+        if self.eval_data is None:
+            batches = batches_for(self.cfg, split="eval")
+            self.eval_data = (batches, batches.get_state())
+        batches, initial = self.eval_data
+        batches.set_state(initial)
+        totals = [self.trainer.eval(params, global_batch(next(batches), self.trainer.batch_sharding))
+                  for _ in range(self.cfg.train.eval_batches)]
+        totals = jax.device_get(totals)
+        nll = sum(float(x["nll_sum"]) for x in totals)
+        tokens = sum(float(x["weight"]) for x in totals)
+        loss = nll / max(tokens, 1.0)
+        seconds = time.time() - t0
+        row = self.log.write({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_seconds": seconds})
+        self.result.eval_rows.append(row)
+        self.events.emit("eval", step, loss=loss, tokens=tokens, seconds=seconds)
+        self.events.scalars(step, {"loss": loss}, prefix="eval")
+        self.console.print(f"step {step:>6} | eval_loss {loss:.4f} | {tokens:,.0f} tokens", highlight=False)
 
 
 def steps_per_second(result: TrainResult) -> float:

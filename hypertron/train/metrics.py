@@ -1,7 +1,7 @@
 """Step metrics: throughput arithmetic, the JSONL log, and the console display.
 
-Device-side metrics are kept as arrays and fetched once per logging interval,
-so the host never waits on the device inside an interval.
+The loop fetches each step's metrics while the next step already runs on the
+device, so the host never leaves the device idle to log.
 """
 
 from __future__ import annotations
@@ -37,38 +37,31 @@ class Throughput:
 
 @dataclass
 class MetricsLog:
-    """Buffers device metrics per step; ``flush`` fetches them in one transfer and writes JSONL."""
+    """Rows of step (and eval) metrics, appended to ``metrics.jsonl`` by process 0 only."""
 
     path: Path | None
     throughput: Throughput
-    pending: list[tuple[int, dict[str, jax.Array]]] = field(default_factory=list)
-    last_time: float = field(default_factory=time.perf_counter)
 
-    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        self.pending.append((step, metrics))
+    def step_row(self, step: int, metrics: dict[str, Any], step_time: float) -> dict[str, Any]:
+        """The row of one finished step (``metrics`` already on the host); written and returned."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}, **self.throughput.rates(step_time)}
+        return self.write(row)
 
-    def restart_clock(self) -> None:
-        self.last_time = time.perf_counter()
-
-    def flush(self) -> list[dict[str, Any]]:
-        """Fetch buffered metrics (this waits for the device), write one line per step, return them."""
-        if not self.pending:
-            return []
-        host = jax.device_get([m for _, m in self.pending])
-        now = time.perf_counter()
-        per_step = (now - self.last_time) / len(self.pending)
-        self.last_time = now
-        rows = []
-        for (step, _), m in zip(self.pending, host):
-            row = {"step": step, **{k: float(v) for k, v in m.items()}, **self.throughput.rates(per_step)}
-            row["time"] = time.time()
-            rows.append(row)
-        self.pending.clear()
+    def write(self, row: dict[str, Any]) -> dict[str, Any]:
+        row["time"] = time.time()
         if self.path is not None and jax.process_index() == 0:
             with self.path.open("a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-        return rows
+                f.write(json.dumps(row) + "\n")
+        return row
+
+
+def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last row, with step time and rates averaged over ``rows`` (for one console line per interval)."""
+    out = dict(rows[-1])
+    for key in ("step_time", "tokens_per_sec_per_device", "tflops_per_device", "mfu"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    return out
 
 
 def format_row(row: dict[str, Any]) -> str:

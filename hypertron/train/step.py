@@ -99,6 +99,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], State]
     step: Callable[[State, Batch], tuple[State, dict]]
+    eval: Callable[[Any, Batch], dict]  # (params, batch) -> {"nll_sum", "weight"}
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state (for restoring a checkpoint)."""
@@ -135,6 +136,11 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         with use_rules(mesh, rules):
             return train_step(state, batch, cfg, optimizer)
 
+    def eval_fn(params, batch):
+        with use_rules(mesh, rules):
+            _, aux = loss_terms(params, batch, cfg)
+        return {"nll_sum": aux["nll_sum"], "weight": aux["weight"]}
+
     batch_sharding = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     init = jax.jit(init_fn, out_shardings=state_shardings)
     step = jax.jit(
@@ -143,7 +149,8 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
-    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step)
+    evaluate = jax.jit(eval_fn, in_shardings=(p_shard, batch_sharding), out_shardings=replicated)
+    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step, evaluate)
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> Batch:

@@ -1,0 +1,108 @@
+"""``hypertron launch local``: N processes of one job on this machine, for tests and for people
+without a cluster.
+
+Each process is ``python -m hypertron.cli COMMAND...`` with ``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, which is all
+:mod:`hypertron.parallel.distributed` needs; the coordinator listens on
+127.0.0.1 only. Process 0's output is shown as it is; the others' lines are
+prefixed with ``[process i]`` (they print only warnings and errors). SIGTERM
+and Ctrl-C are passed on to every process, so a preemption drill works as on
+a cluster. When one process fails the others are stopped, and the launcher
+exits with the failing process's code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from hypertron.errors import UserError
+
+# How long the other processes get to notice a failed peer and exit on their own.
+_GRACE_SECONDS = 15.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int | None) -> dict:
+    env = dict(base)
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES=str(count), JAX_PROCESS_ID=str(index))
+    if cpu_devices:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cpu_devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def launch_local(command: list[str], processes: int, cpu_devices: int | None = None) -> int:
+    """Run ``hypertron COMMAND...`` as ``processes`` cooperating processes; returns the exit code."""
+    if processes < 1:
+        raise UserError(f"--processes={processes}: must be at least 1")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise UserError(f"--cpu-devices={cpu_devices}: must be at least 1")
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UserError("launch local: give the command after --, e.g. -- train recipes/demo.yaml")
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        env = process_env(os.environ, i, processes, port, cpu_devices)
+        procs.append(subprocess.Popen([sys.executable, "-m", "hypertron.cli", *command], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1))
+    pumps = [threading.Thread(target=_pump, args=(p, i), daemon=True) for i, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+    previous = {sig: signal.signal(sig, lambda signum, _: _forward(procs, signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = _wait(procs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for t in pumps:
+            t.join(timeout=5)
+    return code
+
+
+def _pump(proc: subprocess.Popen, index: int) -> None:
+    prefix = "" if index == 0 else f"[process {index}] "
+    for line in proc.stdout:
+        if line.startswith("[Gloo] Rank "):  # connection chatter of JAX's CPU collectives
+            continue
+        sys.stderr.write(prefix + line) if index else sys.stdout.write(line)
+        (sys.stderr if index else sys.stdout).flush()
+
+
+def _forward(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Wait for all; after the first failure give the rest a grace period, then stop them."""
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > _GRACE_SECONDS:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    bad = [c for c in codes if c != 0]
+    return bad[0] if bad else 0

@@ -1,0 +1,187 @@
+"""Surviving kills: exact resume after SIGKILL, clean stop on SIGTERM, damaged checkpoints, job events.
+
+The kill tests run the real ``hypertron train`` in a subprocess. Each step of
+the model below takes a few hundred milliseconds on two CPU cores, which
+leaves the test a window of seconds between "checkpoint 6 is final" and the
+end of the run to send its signal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from hypertron.checkpoint import MANIFEST, CheckpointError
+from hypertron.config import load_config
+from hypertron.train.events import EVENTS, read_events
+from hypertron.train.loop import train
+
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+# The stdlib corpus, so data order matters; batch 32 x 128 makes steps slow enough to signal between.
+SLOW = ["model=tiny", "train.global_batch=32", "train.seq_len=128", "train.log_every=1",
+        "train.warmup_steps=2", "data.source=stdlib"]
+# A small, fast run for in-process tests.
+TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
+        "train.global_batch=8", "train.seq_len=32", "train.log_every=1", "data.source=stdlib"]
+
+
+def _train_cmd(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "hypertron.cli", "train", *overrides]
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended (exit {proc.returncode}) before {what}:\n"
+                                 f"{proc.stderr.read() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """Train loss per step from metrics.jsonl; a step logged twice (killed, then redone) keeps the later."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _step_events(run: Path) -> list[int]:
+    path = run / "events.jsonl"
+    return [e["step"] for e in read_events(path) if e["event"] == "step"] if path.exists() else []
+
+
+def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path):
+    """12 steps straight == 6 steps, SIGKILL once checkpoint 6 is final, resume to 12: same losses, bit for bit."""
+    common = [*SLOW, "train.steps=12", "checkpoint.every=6"]
+    straight = subprocess.Popen(_train_cmd(*common, f"run_dir={tmp_path / 'a'}"), env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "b"
+    killed = subprocess.Popen(_train_cmd(*common, f"run_dir={run}"), env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill; steps too fast"
+        assert max(_step_events(run)) < 12
+        assert straight.wait(timeout=300) == 0, straight.stderr.read()
+    finally:
+        for p in (straight, killed):
+            p.kill()
+    resumed = subprocess.run(_train_cmd(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 6" in resumed.stderr
+    want, got = _losses(tmp_path / "a"), _losses(run)
+    assert sorted(want) == sorted(got) == list(range(1, 13))
+    assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact float equality
+
+
+def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_path):
+    run = tmp_path / "run"
+    started = time.time()
+    proc = subprocess.Popen(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(_step_events(run)) >= 3, proc, "three steps")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    reached = max(_step_events(run))
+    assert reached < 1000
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [reached]
+    assert (run / "checkpoints" / str(reached) / MANIFEST).exists()
+
+    again = subprocess.run(_train_cmd(*SLOW, f"train.steps={reached + 2}", "checkpoint.every=1000",
+                                      f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {reached}" in again.stderr
+    assert (run / "checkpoints" / str(reached + 2) / MANIFEST).exists()
+
+    # The events of both jobs, in order: a SIGTERM, its save, then a restore of that save.
+    events = read_events(run / "events.jsonl")
+    assert {e["event"] for e in events} <= set(EVENTS)
+    key = [(e["event"], e["step"]) for e in events if e["event"] != "step"]
+    assert key == [
+        ("job_start", None), ("backend_ready", None), ("first_step", 1),
+        ("preemption", reached), ("checkpoint_save_start", reached), ("checkpoint_save_end", reached),
+        ("job_end", reached),
+        ("job_start", None), ("backend_ready", None), ("restore_start", reached), ("restore_end", reached),
+        ("first_step", reached + 1), ("checkpoint_save_start", reached + 2),
+        ("checkpoint_save_end", reached + 2), ("job_end", reached + 2),
+    ]
+    by_name = {}
+    for e in events:
+        by_name.setdefault(e["event"], []).append(e)
+    assert [e["status"] for e in by_name["job_end"]] == ["preempted", "completed"]
+    assert by_name["checkpoint_save_start"][0]["reason"] == "preemption"
+    assert by_name["restore_end"][0]["data_restored"] is True
+    times = [e["time"] for e in events]
+    assert times == sorted(times) and started <= times[0] and times[-1] <= time.time()
+    steps = by_name["step"]
+    assert [e["step"] for e in steps] == list(range(1, reached + 1)) + [reached + 1, reached + 2]
+    assert all(0 < e["step_time"] < 60 and 0 <= e["data_wait"] < e["step_time"] + 1 for e in steps)
+    assert 0 < by_name["checkpoint_save_end"][0]["seconds"] < 60
+    assert (run / "tensorboard").is_dir() and any((run / "tensorboard").iterdir())
+
+
+def _train_quiet(overrides):
+    out = io.StringIO()
+    result = train(load_config(None, overrides), console=Console(file=out, width=200))
+    return result, out.getvalue()
+
+
+def _largest_file(step_dir: Path) -> Path:
+    return max((p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_are_skipped_with_one_line_and_refused_when_none_is_left(tmp_path):
+    run = tmp_path / "run"
+    common = [*TINY, f"run_dir={run}", "checkpoint.every=2", "checkpoint.keep=3"]
+    _train_quiet([*common, "train.steps=6"])
+    ckpts = run / "checkpoints"
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4, 6]
+
+    # Step 6 truncated: resume from 4, say so in one line, keep step 6 aside rather than delete it.
+    victim = _largest_file(ckpts / "6")
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    result, out = _train_quiet([*common, "train.steps=7"])
+    lines = [line for line in out.splitlines() if "checkpoint 6" in line]
+    assert len(lines) == 1 and "unusable" in lines[0] and victim.name in lines[0]
+    assert result.first_step == 4 and result.last_step == 7
+    assert any((run / "unusable_checkpoints").iterdir())
+    skipped = [e for e in read_events(run / "events.jsonl") if e["event"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [6]
+
+    # A file removed from every remaining step: refuse, and start nothing over.
+    for step_dir in (p for p in ckpts.iterdir() if p.name.isdigit()):
+        _largest_file(step_dir).unlink()
+    before = sorted(p.name for p in ckpts.iterdir())
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*missing"):
+        _train_quiet([*common, "train.steps=9"])
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+
+
+def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous(tmp_path):
+    """Damage the manifest cannot see (same size, garbage bytes): the restore fails and the one before is used."""
+    run = tmp_path / "run"
+    common = [*TINY, f"run_dir={run}", "checkpoint.every=2"]
+    _train_quiet([*common, "train.steps=4"])
+    meta = run / "checkpoints" / "4" / "meta" / "metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    result, out = _train_quiet([*common, "train.steps=5"])
+    assert "checkpoint 4 could not be read" in out
+    assert result.first_step == 2 and result.last_step == 5
