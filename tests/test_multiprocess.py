@@ -74,3 +74,33 @@ def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_pa
         assert {e["process"] for e in events} == {index}
         assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
         assert [e["event"] for e in events if e["event"].startswith("restore")] == ["restore_start", "restore_end"]
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path):
+    """The launcher forwards SIGTERM; JAX's preemption sync point makes both processes save the same step."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    proc = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", "2",
+                             "--cpu-devices", "4", "--", "train", *TINY, "train.steps=100000",
+                             "checkpoint.every=100000", f"run_dir={run}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "events.jsonl").exists()
+                   and sum(e["event"] == "step" for e in read_events(run / "events.jsonl")) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not get going"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    stops = []
+    for name in ("events.jsonl", "events.1.jsonl"):
+        events = read_events(run / name)
+        stops.append([e["step"] for e in events if e["event"] == "preemption"])
+        assert [e["status"] for e in events if e["event"] == "job_end"] == ["preempted"]
+    assert len(stops[0]) == 1 and stops[0] == stops[1]
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == [str(stops[0][0])]
