@@ -95,8 +95,9 @@ class Checkpointer:
     complete), so a save cut off by a kill never looks finished. Damage after
     that (a truncated or deleted file) is caught by a manifest: when a save is
     final, process 0 records the size of every file of the step in
-    ``hypertron_manifest.json``; a step whose files no longer match, or that
-    has no manifest, is never restored.
+    ``hypertron_manifest.json``; a step whose files no longer match is never
+    restored. A step without a manifest (older checkpoints, or a kill between
+    Orbax's finalisation and the manifest) is used, with a warning.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 3, async_save: bool = True, create: bool = True,
@@ -111,6 +112,7 @@ class Checkpointer:
         self.async_save = async_save
         self.events = events
         self._finisher: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
     def latest_step(self) -> int | None:
         """The newest step Orbax finished, verified or not (see :meth:`usable_steps`)."""
@@ -120,10 +122,21 @@ class Checkpointer:
         """Why ``step`` cannot be restored (a missing manifest, a missing or resized file), or None."""
         return _manifest_problem(self.directory / str(step))
 
+    def unverified(self, step: int) -> bool:
+        """True for a finished step without a manifest (saved by an older hypertron, or killed
+        between Orbax's finalisation and the manifest): usable, but nothing vouches for its files."""
+        return not (self.directory / str(step) / MANIFEST).is_file()
+
     def usable_steps(self) -> tuple[list[int], dict[int, str]]:
-        """Finished steps newest first, split into usable ones and ``{step: problem}`` for the rest."""
+        """Finished steps newest first, split into usable ones and ``{step: problem}`` for the rest.
+
+        With several processes every process must see the same answer: they all list the
+        steps before any of them may move one aside (:meth:`set_aside`).
+        """
         usable, broken = [], {}
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        _sync("hypertron_usable_steps")
+        for step in steps:
             problem = self.problem(step)
             if problem:
                 broken[step] = problem
@@ -162,10 +175,10 @@ class Checkpointer:
         devices; training continues while they are written, and the manifest is
         written (and ``checkpoint_save_end`` emitted) when the step is final.
         """
+        started = time.time()  # waiting for the previous save counts as this save's cost
         self._join_finisher()
         if self.events:
             self.events.emit("checkpoint_save_start", step, reason=reason)
-        started = time.time()
         items = {
             "params": ocp.args.StandardSave(state["params"]),
             "meta": ocp.args.JsonSave({"step": int(step), **(meta or {})}),
@@ -185,9 +198,13 @@ class Checkpointer:
             self._finish(step, started, blocking)
 
     def _finish(self, step: int, started: float, blocking: float) -> None:
-        self.manager.wait_until_finished()
-        if jax.process_index() == 0:
-            _write_manifest(self.directory / str(step))
+        try:
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                _write_manifest(self.directory / str(step))
+        except BaseException as e:  # re-raised in the training thread by _join_finisher
+            self._failure = e
+            return
         if self.events:
             self.events.emit("checkpoint_save_end", step, seconds=time.time() - started,
                              blocking_seconds=blocking)
@@ -196,6 +213,9 @@ class Checkpointer:
         if self._finisher is not None:
             self._finisher.join()
             self._finisher = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def meta(self, step: int) -> dict[str, Any]:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -232,9 +252,10 @@ class Checkpointer:
         self._join_finisher()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self._join_finisher()
-        self.manager.close()
+        try:
+            self._join_finisher()
+        finally:
+            self.manager.close()
 
 
 def _sync(name: str) -> None:
@@ -261,7 +282,7 @@ def _write_manifest(step_dir: Path) -> None:
 def _manifest_problem(step_dir: Path) -> str | None:
     path = step_dir / MANIFEST
     if not path.is_file():
-        return "it was never verified as complete (no manifest)"
+        return None  # finished by Orbax, not verified since: see Checkpointer.unverified
     try:
         expected = json.loads(path.read_text())["files"]
     except (ValueError, KeyError, TypeError):

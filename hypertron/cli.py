@@ -109,7 +109,8 @@ def _copy_tokenizer(hf_dir: str, run_dir: str) -> str:
 
 
 def _export_tokenizer(tokenizer: str, hf_dir: str) -> bool:
-    """Copy a run's tokenizer files (if it has a file tokenizer) beside an exported HF model."""
+    """Copy a run's tokenizer (if it has a file tokenizer) beside an exported HF model, under the
+    names HF expects, with the config files that sit beside it."""
     import os
     import shutil
 
@@ -118,12 +119,10 @@ def _export_tokenizer(tokenizer: str, hf_dir: str) -> bool:
     if tokenizer == "byte":
         return False
     kind, path = tokenizer_file(tokenizer)
-    folder = os.path.dirname(path)
-    names = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(folder, f))]
-    if kind == "sentencepiece" and os.path.basename(path) != "tokenizer.model":
-        shutil.copyfile(path, os.path.join(hf_dir, "tokenizer.model"))
-    for name in names:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(hf_dir, name))
+    shutil.copyfile(path, os.path.join(hf_dir, "tokenizer.json" if kind == "hf" else "tokenizer.model"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(os.path.dirname(path), name)):
+            shutil.copyfile(os.path.join(os.path.dirname(path), name), os.path.join(hf_dir, name))
     return True
 
 
@@ -203,6 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _leave_distributed_job(code: int) -> None:
+    """In a multi-process job, exit at once: Python's normal exit would wait in JAX's shutdown
+    barrier for the other processes (minutes), then abort with a C++ trace."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "convert" and args.from_hf and not args.out:
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        _leave_distributed_job(2)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

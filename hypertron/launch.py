@@ -4,10 +4,12 @@ without a cluster.
 Each process is ``python -m hypertron.cli COMMAND...`` with ``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, which is all
 :mod:`hypertron.parallel.distributed` needs; the coordinator listens on
-127.0.0.1 only. Process 0's output is shown as it is; the others' lines are
-prefixed with ``[process i]`` (they print only warnings and errors). SIGTERM
-and Ctrl-C are passed on to every process, so a preemption drill works as on
-a cluster. When one process fails the others are stopped, and the launcher
+127.0.0.1 only. Process 0 writes to the launcher's stdout and stderr as it
+is; the others' lines go to stderr prefixed with ``[process i]`` (they print
+only warnings and errors). On a machine with several GPUs, give each process
+its own with ``CUDA_VISIBLE_DEVICES`` yourself: the launcher does not split them. SIGTERM
+is passed on to every process, so a preemption drill works as on a cluster;
+a Ctrl-C reaches them from the terminal. When one process fails the others are stopped, and the launcher
 exits with the failing process's code.
 """
 
@@ -58,13 +60,16 @@ def launch_local(command: list[str], processes: int, cpu_devices: int | None = N
     procs = []
     for i in range(processes):
         env = process_env(os.environ, i, processes, port, cpu_devices)
-        procs.append(subprocess.Popen([sys.executable, "-m", "hypertron.cli", *command], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1))
-    pumps = [threading.Thread(target=_pump, args=(p, i), daemon=True) for i, p in enumerate(procs)]
+        # Process 0 writes to this terminal directly; the others through _pump, prefixed.
+        piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) if i else {}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hypertron.cli", *command], env=env, **piped))
+    pumps = [threading.Thread(target=_pump, args=(p, i), daemon=True) for i, p in enumerate(procs) if i]
     for t in pumps:
         t.start()
-    previous = {sig: signal.signal(sig, lambda signum, _: _forward(procs, signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGTERM is passed on. A Ctrl-C reaches the children from the terminal (they share its
+    # process group), so the launcher only waits for them rather than sending a second one.
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: _forward(procs, signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, _: None)}
     try:
         code = _wait(procs)
     finally:
@@ -76,12 +81,11 @@ def launch_local(command: list[str], processes: int, cpu_devices: int | None = N
 
 
 def _pump(proc: subprocess.Popen, index: int) -> None:
-    prefix = "" if index == 0 else f"[process {index}] "
     for line in proc.stdout:
         if line.startswith("[Gloo] Rank "):  # connection chatter of JAX's CPU collectives
             continue
-        sys.stderr.write(prefix + line) if index else sys.stdout.write(line)
-        (sys.stderr if index else sys.stdout).flush()
+        sys.stderr.write(f"[process {index}] {line}")
+        sys.stderr.flush()
 
 
 def _forward(procs: list[subprocess.Popen], signum: int) -> None:
@@ -91,18 +95,23 @@ def _forward(procs: list[subprocess.Popen], signum: int) -> None:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """Wait for all; after the first failure give the rest a grace period, then stop them."""
-    failed_at = None
+    """Wait for all; after the first failure give the rest a grace period, then stop them.
+
+    Returns the exit code of the process that failed first (a signal ``n`` as ``128 + n``), or 0.
+    """
+    failed_at, first_failure = None, 0
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
+            first_failure = next(c for c in codes if c not in (None, 0))
         if failed_at is not None and time.monotonic() - failed_at > _GRACE_SECONDS:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.05)
-    bad = [c for c in codes if c != 0]
-    return bad[0] if bad else 0
+    if not first_failure:
+        first_failure = next((c for c in codes if c != 0), 0)
+    return 128 - first_failure if first_failure < 0 else first_failure

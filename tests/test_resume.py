@@ -185,3 +185,17 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous(tmp_path):
     result, out = _train_quiet([*common, "train.steps=5"])
     assert "checkpoint 4 could not be read" in out
     assert result.first_step == 2 and result.last_step == 5
+
+
+def test_a_config_that_fits_no_checkpoint_is_refused_and_nothing_is_moved(tmp_path):
+    """Not damage: every step fails to load because the optimiser state changed shape. Refuse, touch nothing."""
+    run = tmp_path / "run"
+    common = [*TINY, f"run_dir={run}", "checkpoint.every=2"]
+    _train_quiet([*common, "train.steps=4"])
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="could be read .*if the config changed"):
+        _train_quiet([*common, "train.steps=6", "train.clip_norm=0"])  # no clipping state
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert not (run / "unusable_checkpoints").exists()
+    result, _ = _train_quiet([*common, "train.steps=5"])  # the original config resumes as before
+    assert result.first_step == 4

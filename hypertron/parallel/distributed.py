@@ -37,6 +37,9 @@ def settings(cfg: DistributedConfig, environ=os.environ) -> dict | None:
                 f"distributed: process id {process_id} is outside 0..{num_processes - 1} "
                 "(distributed.process_id or JAX_PROCESS_ID)"
             )
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"distributed: coordinator address {coordinator!r} is not host:port")
         return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id,
                 **timeouts}
     if num_processes == 1:
@@ -56,7 +59,11 @@ def initialize(cfg: DistributedConfig) -> bool:
         return False
     if jax.distributed.is_initialized():
         return True
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (RuntimeError, ValueError) as e:  # e.g. a coordinator that never answers
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"distributed: could not join the job ({first[:200]})") from None
     return True
 
 

@@ -129,19 +129,28 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
                               "nothing to do; raise train.steps to train further", highlight=False)
                 status, last = "completed", start
                 return TrainResult(start, start, [], [])
-            trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
             data = batches_for(cfg)
+            # Built now, so a bad eval split fails before compiling, not hours in.
+            eval_data = batches_for(cfg, split="eval") if cfg.train.eval_every else None
+            trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
             state, start = _initial_state(cfg, trainer, ckpt, start, data, events, console)
-            result = _Loop(cfg, trainer, ckpt, events, stop, console).run(state, start, data)
-            status, last = result.status, result.last_step
+            loop = _Loop(cfg, trainer, ckpt, events, stop, console, eval_data)
+            last = start
+            try:
+                result = loop.run(state, start, data)
+            finally:
+                last = loop.result.last_step
+            status = result.status
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        if ckpt:
-            ckpt.close()  # waits for an async save in flight, also on Ctrl-C
-        events.emit("job_end", last, status=status, seconds=events.seconds())
-        events.close()
+        try:
+            if ckpt:
+                ckpt.close()  # waits for an async save in flight, also on Ctrl-C
+        finally:
+            events.emit("job_end", last, status=status, seconds=events.seconds())
+            events.close()
     _summarise(result, start, ckpt is not None, run_dir, console)
     return result
 
@@ -152,7 +161,8 @@ def _summarise(result: TrainResult, start: int, saved: bool, run_dir: Path, cons
         console.print(f"loss {result.losses[0]:.3f} at step {start + 1} -> {np.mean(tail):.3f} "
                       f"(mean of the last {len(tail)} steps)", highlight=False)
     if result.status == "preempted":
-        console.print(f"stopped by SIGTERM after step {result.last_step}; the next run resumes there")
+        console.print(f"stopped by SIGTERM after step {result.last_step}"
+                      + ("; the next run resumes there" if saved else " (checkpoints are off: nothing saved)"))
     if saved and result.last_step > start:
         console.print(f"saved checkpoint at step {result.last_step} in {run_dir / 'checkpoints'}")
 
@@ -193,10 +203,19 @@ def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int |
 
 
 def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events: EventLog, console):
-    """Restore ``start``, or the newest older usable step if it cannot be read."""
-    candidates = [s for s in ckpt.usable_steps()[0] if s <= start]
-    for step in candidates:
-        console.print(f"resuming from step {step} in {cfg.run_dir}")
+    """Restore ``start``, or the newest older usable step if it cannot be read.
+
+    A step that fails to load is only set aside once an older one has loaded
+    (so the failure was that step's, not a config that fits none of them);
+    if none loads, nothing is moved and the run is refused. With several
+    processes a failure is not retried: the processes could disagree.
+    """
+    failed: list[tuple[int, str]] = []
+    for step in [s for s in ckpt.usable_steps()[0] if s <= start]:
+        console.print(f"resuming from step {step} in {cfg.run_dir}", highlight=False)
+        if ckpt.unverified(step):
+            console.print(f"checkpoint {step} has no manifest (older, or killed just after saving): "
+                          "its files are not verified", highlight=False)
         events.emit("restore_start", step)
         t0 = time.time()
         try:
@@ -209,18 +228,25 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events:
             raise
         except Exception as e:  # Orbax / TensorStore raise many types for unreadable files
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            console.print(f"checkpoint {step} could not be read ({reason}); falling back to an earlier one",
+            if jax.process_count() > 1:
+                raise CheckpointError(f"checkpoint {step} could not be read ({reason})") from None
+            console.print(f"checkpoint {step} could not be read ({reason}); trying an earlier one",
                           highlight=False)
             events.emit("checkpoint_skipped", step, reason=reason)
-            ckpt.set_aside([step])  # so this run can save that step again
+            failed.append((step, reason))
             continue
+        if failed:  # out of the way, so this run can save those steps again; kept, not deleted
+            where = ckpt.set_aside([s for s, _ in failed])
+            console.print(f"moved unreadable checkpoints {[s for s, _ in failed]} to {where}", highlight=False)
         if not data_restored:
             console.print(f"the data settings differ from those of step {step}: the data stream starts afresh",
                           highlight=False)
         events.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored)
         return state, step
+    first_step, first_reason = failed[0]
     raise CheckpointError(
-        f"no checkpoint in {ckpt.directory} could be read; move the checkpoints directory away to start over"
+        f"no checkpoint in {ckpt.directory} could be read (step {first_step}: {first_reason}); if the config "
+        "changed since they were saved, restore it, else move the checkpoints directory away to start over"
     )
 
 
@@ -235,8 +261,9 @@ class _Loop:
     """
 
     def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, events: EventLog, stop: StopSignal,
-                 console):
+                 console, eval_data=None):
         self.cfg, self.trainer, self.ckpt, self.events, self.stop = cfg, trainer, ckpt, events, stop
+        self.eval_data = None if eval_data is None else (eval_data, eval_data.get_state())
         self.console = console
         t = cfg.train
         tokens = t.global_batch * t.seq_len
@@ -246,8 +273,8 @@ class _Loop:
                        device_peak_flops(t.peak_flops)),
         )
         self.interval: list[dict] = []
+        self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
-        self.eval_data = None  # the eval iterator and its initial state, made at the first evaluation
 
     def run(self, state, start: int, data) -> TrainResult:
         t, cfg = self.cfg.train, self.cfg
@@ -269,15 +296,16 @@ class _Loop:
                 if pending:
                     self._finish(*pending)
                 pending = (step, metrics, data_wait)
-                preempted = self.stop.reached(step)
-                if preempted:
-                    self.events.emit("preemption", step, signal="SIGTERM")
-                    self.result.status = "preempted"
+                # SIGTERM during the last step changes nothing: the run completes and saves anyway.
+                preempted = self.stop.reached(step) and step < t.steps
                 save = self.ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps or preempted)
                 evaluate = t.eval_every and step % t.eval_every == 0
                 if save or evaluate or preempted:
                     self._finish(*pending)
                     pending = None
+                    if preempted:
+                        self.events.emit("preemption", step, signal="SIGTERM")
+                        self.result.status = "preempted"
                     if evaluate:
                         self._evaluate(state["params"], step)
                     if save:
@@ -298,10 +326,10 @@ class _Loop:
         step_time, self.last_end = now - self.last_end, now
         row = self.log.step_row(step, host, step_time)
         row["data_wait"] = data_wait
-        self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
         first = step == self.start + 1
         if first:
             self.events.emit("first_step", step, seconds=self.events.seconds())
+        self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
         self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
                                                        "tokens_per_sec_per_device", "mfu")})
         self.result.losses.append(row["loss"])
@@ -319,9 +347,6 @@ class _Loop:
     def _evaluate(self, params, step: int) -> None:
         """Mean loss over ``train.eval_batches`` batches of the held-out split (the same batches each time)."""
         t0 = time.time()
-        if self.eval_data is None:
-            batches = batches_for(self.cfg, split="eval")
-            self.eval_data = (batches, batches.get_state())
         batches, initial = self.eval_data
         batches.set_state(initial)
         totals = [self.trainer.eval(params, global_batch(next(batches), self.trainer.batch_sharding))
