@@ -1,0 +1,8 @@
+"""Pallas kernels, each beside its pure-JAX reference, and their PyTorch bindings.
+
+* :mod:`hypertron.kernels.gmm`: grouped matmul for dropless MoE (``gmm``, ``tgmm``).
+* :mod:`hypertron.kernels.torch`: ``gmm`` for torch tensors (torch imported lazily).
+
+Import the functions from their modules (``from hypertron.kernels.gmm import gmm``):
+this package does not re-export them, so that ``hypertron.kernels.gmm`` stays the module.
+"""
