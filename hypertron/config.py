@@ -42,6 +42,26 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts MLPs: each token goes to ``top_k`` of ``num_experts`` SwiGLU experts
+    of hidden size ``model.mlp_dim``."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    # dropless: every routed token is computed (grouped matmul); capped: at most
+    # capacity_factor * tokens * top_k / num_experts tokens per expert, the rest dropped.
+    mode: str = "dropless"  # dropless | capped
+    capacity_factor: float = 1.25
+    # topk_softmax: softmax over the top-k logits (Mixtral); softmax_topk: softmax over all
+    # experts, then the top-k probabilities as weights (Switch / GShard, not renormalised).
+    gating: str = "topk_softmax"
+    shared_experts: int = 0  # dense experts every token also goes through
+    load_balance_weight: float = 0.01  # Switch load-balancing loss
+    router_z_weight: float = 0.001  # router z-loss
+    gmm_backend: str = "auto"  # auto | pallas | ragged_dot | grouped | reference
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The decoder's architecture. One decoder covers Llama, Mistral and Gemma."""
 
@@ -69,6 +89,7 @@ class ModelConfig:
     # than a weight round away. "auto" means the compute rule below.
     param_dtype: str = "float32"
     dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on accelerators
+    moe: MoEConfig | None = None  # Mixture-of-Experts MLPs instead of dense ones
 
     @property
     def q_per_kv(self) -> int:
@@ -318,6 +339,8 @@ def _resolve_model(raw: Any) -> ModelConfig:
         raw["rope_scaling"] = _build(
             RopeScaling, raw["rope_scaling"], "model.rope_scaling.", base=base.rope_scaling or RopeScaling()
         )
+    if isinstance(raw.get("moe"), dict):
+        raw["moe"] = _build(MoEConfig, raw["moe"], "model.moe.", base=base.moe or MoEConfig())
     return _build(ModelConfig, raw, "model.", base=base)
 
 
@@ -423,6 +446,19 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError("model.rope_scaling: need 0 < low_freq_factor < high_freq_factor")
     if m.sliding_window is not None and m.sliding_window <= 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window}: must be positive")
+    if m.moe is not None:
+        e = m.moe
+        if e.num_experts <= 0 or not 0 < e.top_k <= e.num_experts:
+            raise ConfigError(
+                f"model.moe.top_k={e.top_k} must be in 1..model.moe.num_experts ({e.num_experts})"
+            )
+        _check_choice("model.moe.mode", e.mode, ("dropless", "capped"))
+        _check_choice("model.moe.gating", e.gating, ("topk_softmax", "softmax_topk"))
+        _check_choice("model.moe.gmm_backend", e.gmm_backend, ("auto", "pallas", "ragged_dot", "grouped", "reference"))
+        if e.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor}: must be positive")
+        if e.shared_experts < 0 or e.load_balance_weight < 0 or e.router_z_weight < 0:
+            raise ConfigError("model.moe.shared_experts, load_balance_weight and router_z_weight must not be negative")
 
 
 def validate(cfg: Config) -> None:

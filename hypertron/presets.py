@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypertron.config import ModelConfig, RopeScaling
+from hypertron.config import ModelConfig, MoEConfig, RopeScaling
 
 _LLAMA2_7B = ModelConfig(
     name="llama2-7b",
@@ -104,6 +104,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=16, num_kv_heads=4, head_dim=128, mlp_dim=5632, rope_theta=10000.0,
         max_seq_len=4096,
     ),
+    # Mixtral: Mistral-style attention (no window in the released configs), 8 experts, top-2.
+    "mixtral-8x7b": replace(
+        _LLAMA3_8B, name="mixtral-8x7b", vocab_size=32000, rope_theta=1e6, max_seq_len=32768,
+        moe=MoEConfig(num_experts=8, top_k=2),
+    ),
+    "mixtral-8x22b": replace(
+        _LLAMA3_8B, name="mixtral-8x22b", vocab_size=32768, embed_dim=6144, num_layers=56,
+        num_heads=48, num_kv_heads=8, mlp_dim=16384, rope_theta=1e6, max_seq_len=65536,
+        moe=MoEConfig(num_experts=8, top_k=2),
+    ),
     # Tiny presets for tests and the demo (byte-level vocabulary).
     "tiny": _TINY,
     "tiny-llama3": replace(
@@ -115,4 +125,6 @@ PRESETS: dict[str, ModelConfig] = {
         _TINY, name="tiny-gemma", activation="gelu", norm_eps=1e-6, norm_zero_centered=True,
         embed_scale=True, tie_embeddings=True, num_kv_heads=1,
     ),
+    # 4 experts of a third of tiny's MLP, top-2: about the active compute of tiny.
+    "tiny-moe": replace(_TINY, name="tiny-moe", mlp_dim=192, moe=MoEConfig(num_experts=4, top_k=2)),
 }

@@ -70,12 +70,17 @@ def _hf_config(family: str):
             hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, **_COMMON,
         )
+    if family == "mixtral":  # 4 experts, top-2, a window shorter than the sequence
+        return transformers.MixtralConfig(
+            hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=6, **_COMMON,
+        )
     raise ValueError(family)
 
 
 _MODEL_CLASSES = {
     "llama2": "LlamaForCausalLM", "llama3": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM",
+    "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 FAMILIES = list(_MODEL_CLASSES)
 
@@ -138,6 +143,9 @@ def test_config_fields(case):
         assert cfg.head_dim == 16 and cfg.num_kv_heads == 1
         assert cfg.activation == "gelu" and cfg.norm_zero_centered and cfg.embed_scale
         assert cfg.tie_embeddings and "unembed" not in case.params
+    if case.family == "mixtral":
+        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.gating) == (4, 2, "topk_softmax")
+        assert cfg.sliding_window == 6 and case.params["layers"]["we_gate"].shape == (2, 4, 32, 48)
     assert all(a.dtype == np.float32 for a in _leaves(case.params))
 
 
@@ -177,7 +185,9 @@ def test_export_round_trip(case, tmp_path):
 
     hf_in = json.loads((case.path / "config.json").read_text())
     hf_out = json.loads((out / "config.json").read_text())
-    for key in _ARCH_KEYS:
+    if hf_in.get("head_dim") is None:  # Mixtral's config leaves it null: hidden / heads
+        hf_in["head_dim"] = hf_in["hidden_size"] // hf_in["num_attention_heads"]
+    for key in _ARCH_KEYS + (("num_local_experts", "num_experts_per_tok") if case.family == "mixtral" else ()):
         assert hf_out[key] == hf_in[key], key
     assert hf_out["rope_parameters"] == hf_in["rope_parameters"]
     assert hf_out.get("sliding_window") == hf_in.get("sliding_window")

@@ -24,6 +24,7 @@ from hypertron.train.flops import forward_flops_per_token, train_flops_per_token
         ("llama2-13b", 13_015_864_320),
         ("llama2-70b", 68_976_648_192),
         ("llama3-70b", 70_553_706_496),
+        ("mixtral-8x7b", 46_702_792_704),
     ],
 )
 def test_published_parameter_counts(preset, expected):

@@ -6,7 +6,14 @@ import jax
 
 from hypertron.config import ModelConfig
 from hypertron.models import params as _params
-from hypertron.models.decoder import declare, forward, forward_cached, init_cache, resolve_dtype
+from hypertron.models.decoder import (
+    declare,
+    forward,
+    forward_cached,
+    forward_with_stats,
+    init_cache,
+    resolve_dtype,
+)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -20,4 +27,4 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=None):
     return _params.initialize(declare(cfg), key, dtype)
 
 
-__all__ = ["count_params", "declare", "forward", "forward_cached", "init_cache", "init_params", "resolve_dtype"]
+__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_with_stats", "init_cache", "init_params", "resolve_dtype"]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
+from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, fan_in_normal, stack
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for
@@ -46,10 +47,15 @@ def declare(cfg: ModelConfig) -> Params:
         "wv": fan_in_normal((d, k, h), ("embed", "kv_heads", "head_dim"), d),
         "wo": fan_in_normal((n, h, d), ("heads", "head_dim", "embed"), n * h),
         "mlp_norm": ParamSpec((d,), ("norm",), norm_init),
-        "w_gate": fan_in_normal((d, f), ("embed", "mlp"), d),
-        "w_up": fan_in_normal((d, f), ("embed", "mlp"), d),
-        "w_down": fan_in_normal((f, d), ("mlp", "embed"), f),
     }
+    if cfg.moe is None:
+        layer |= {
+            "w_gate": fan_in_normal((d, f), ("embed", "mlp"), d),
+            "w_up": fan_in_normal((d, f), ("embed", "mlp"), d),
+            "w_down": fan_in_normal((f, d), ("mlp", "embed"), f),
+        }
+    else:
+        layer |= declare_moe(cfg)
     # Tied embeddings double as the output projection: keep their logits O(1).
     embed_std = 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0
     params: Params = {
@@ -228,9 +234,15 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | 
             mask = attention_mask(ctx["positions"], kv_pos, cfg)
             attn = plain_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask)
         x_btd = x_btd + einsum("btnh,nhd->btd", attn, p["wo"])
+    stats = {}
     with jax.named_scope("mlp"):
-        x_btd = x_btd + mlp(rms_norm(x_btd, p["mlp_norm"], cfg), p, cfg, einsum)
-    return constrain(x_btd, ("batch", "seq", "act_embed")), cache
+        h_btd = rms_norm(x_btd, p["mlp_norm"], cfg)
+        if cfg.moe is None:
+            x_btd = x_btd + mlp(h_btd, p, cfg, einsum)
+        else:
+            y_btd, stats = moe_mlp(h_btd, p, cfg, einsum, activation)
+            x_btd = x_btd + y_btd
+    return constrain(x_btd, ("batch", "seq", "act_embed")), cache, stats
 
 
 def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array) -> jax.Array:
@@ -266,20 +278,21 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
 
     def body(x, layer_in):
         p, c = layer_in
-        return layer(x, p, ctx, cfg, einsum, c)
+        x, c, stats = layer(x, p, ctx, cfg, einsum, c)
+        return x, (c, stats)
 
     if cfg.remat != "none" and cache is None:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
     if cfg.scan_layers:
-        x_btd, cache = jax.lax.scan(body, x_btd, (params["layers"], cache))
+        x_btd, (cache, stats) = jax.lax.scan(body, x_btd, (params["layers"], cache))
     else:
-        new = []
+        outs = []
         for i in range(cfg.num_layers):
             take = lambda a: a[i]
-            x_btd, c = body(x_btd, jax.tree.map(take, (params["layers"], cache)))
-            new.append(c)
-        cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+            x_btd, out = body(x_btd, jax.tree.map(take, (params["layers"], cache)))
+            outs.append(out)
+        cache, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     with jax.named_scope("unembed"):
         x_btd = rms_norm(x_btd, params["final_norm"], cfg)
@@ -289,7 +302,7 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
         else:
             logits = einsum("btd,dv->btv", x_btd, params["unembed"], jnp.float32)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
-    return logits, cache
+    return logits, cache, stats
 
 
 def forward(
@@ -305,8 +318,23 @@ def forward(
     ``positions`` [b, t] default to 0..t-1; ``segment_ids`` [b, t] keep packed
     documents from attending to each other.
     """
-    logits, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
+    logits, _, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
     return logits
+
+
+def forward_with_stats(
+    params: Params,
+    tokens_bt: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Like :func:`forward`, plus per-layer MoE statistics stacked over layers (``{}`` for dense
+    models): ``load_balance`` and ``router_z`` losses [l], ``load`` (copies per expert) [l, e] and
+    ``dropped`` (fraction of copies over capacity) [l]."""
+    logits, _, stats = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
+    return logits, stats
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
@@ -324,4 +352,5 @@ def forward_cached(
     Writes the new keys and values into ``cache`` and returns it. Used for
     prefill (t = prompt length) and for each decode step (t = 1).
     """
-    return _decoder(params, tokens_bt, cfg, positions_bt, None, cache)
+    logits, cache, _ = _decoder(params, tokens_bt, cfg, positions_bt, None, cache)
+    return logits, cache

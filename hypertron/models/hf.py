@@ -1,13 +1,14 @@
 """Hugging Face interop: ``config.json`` + safetensors checkpoints to and from hypertron.
 
-Covers the dense families the shared decoder implements: Llama 2/3/3.1
-(``model_type: llama``, incl. ``rope_type: llama3``), Mistral (sliding window)
-and Gemma (GeGLU, zero-centred norms, scaled and tied embeddings). Anything
+Covers the families the shared decoder implements: Llama 2/3/3.1
+(``model_type: llama``, incl. ``rope_type: llama3``), Mistral (sliding window),
+Gemma (GeGLU, zero-centred norms, scaled and tied embeddings) and Mixtral
+(top-2 of 8 experts; experts stored one tensor each, ``block_sparse_moe.*``). Anything
 else is refused with :class:`HFError` rather than loaded into a model that
 would compute something different.
 
 Only numpy, ``safetensors`` and ``ml_dtypes`` are needed at run time (no
-torch). The tensor mapping is a table (:data:`_LAYER_TENSORS`): each hypertron
+torch). The tensor mapping is a table (:func:`_layer_tensors`): each hypertron
 parameter, its HF name, and one of four layout rules. RoPE uses HF's
 "rotate_half" layout in both, so attention projections need no permutation,
 only a transpose and a split of the fused head axis; Gemma norms are stored
@@ -29,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hypertron.config import ConfigError, ModelConfig, RopeScaling, validate_model
+from hypertron.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
 from hypertron.errors import UserError
 from hypertron.models.decoder import declare
 
@@ -54,9 +55,13 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     hidden_act="silu", head_dim=None, sliding_window=4096),
     "gemma": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
                   hidden_act="gelu_pytorch_tanh", head_dim=256, sliding_window=None),
+    "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                    hidden_act="silu", head_dim=None, sliding_window=None, num_local_experts=8,
+                    num_experts_per_tok=2, router_aux_loss_coef=0.001),
 }
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 # Gemma's legacy ``gelu`` means the tanh approximation too (transformers rewrites it so).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu", "gelu_new")
@@ -123,8 +128,9 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
     head_dim = get("head_dim") or d // n
     theta, scaling = _rope_from_hf(hf)
     gemma = family == "gemma"
-    # Only Mistral's attention reads sliding_window; a stray key elsewhere must not change the model.
-    window = get("sliding_window") if family == "mistral" else None
+    # Only Mistral's and Mixtral's attention read sliding_window; a stray key elsewhere must not
+    # change the model.
+    window = get("sliding_window") if family in ("mistral", "mixtral") else None
     window = None if window is None else int(window)
     cfg = ModelConfig(
         name=name or family,
@@ -144,6 +150,10 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
         rope_scaling=scaling,
         sliding_window=window,
         max_seq_len=int(get("max_position_embeddings")),
+        moe=None if family != "mixtral" else MoEConfig(
+            num_experts=int(get("num_local_experts")), top_k=int(get("num_experts_per_tok")),
+            load_balance_weight=float(get("router_aux_loss_coef")), router_z_weight=0.0,
+        ),
     )
     try:
         validate_model(cfg)
@@ -154,6 +164,12 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
 
 def _family_of(cfg: ModelConfig) -> str:
     """The HF model_type that computes exactly what ``cfg`` computes, or HFError."""
+    if cfg.moe is not None:
+        if cfg.moe.gating != "topk_softmax" or cfg.moe.shared_experts or cfg.activation != "silu" \
+                or cfg.norm_zero_centered or cfg.embed_scale or cfg.rope_scaling is not None:
+            raise HFError("config_to_hf: of MoE models, only Mixtral's (topk_softmax gating, no shared "
+                          "experts, SwiGLU, plain RoPE) exists in HF")
+        return "mixtral"
     gemma_bits = (cfg.norm_zero_centered, cfg.embed_scale, cfg.activation == "gelu")
     if any(gemma_bits) and not all(gemma_bits):
         raise HFError(
@@ -218,8 +234,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["attention_bias"] = False
     if family == "llama":
         hf["mlp_bias"] = False
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.sliding_window
+    if family == "mixtral":
+        hf |= {"num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
+               "router_aux_loss_coef": cfg.moe.load_balance_weight, "output_router_logits": False}
     return hf
 
 
@@ -264,17 +283,37 @@ _TOP_TENSORS = {
     "unembed": ("lm_head.weight", "linear"),
 }
 
-_LAYER_TENSORS = {
+_ATTENTION_TENSORS = {
     "attn_norm": ("input_layernorm.weight", "same"),
     "wq": ("self_attn.q_proj.weight", "heads_in"),
     "wk": ("self_attn.k_proj.weight", "heads_in"),
     "wv": ("self_attn.v_proj.weight", "heads_in"),
     "wo": ("self_attn.o_proj.weight", "heads_out"),
     "mlp_norm": ("post_attention_layernorm.weight", "same"),
+}
+_MLP_TENSORS = {
     "w_gate": ("mlp.gate_proj.weight", "linear"),
     "w_up": ("mlp.up_proj.weight", "linear"),
     "w_down": ("mlp.down_proj.weight", "linear"),
 }
+# Mixtral as stored on disk (transformers 5 fuses the experts in memory, not in files).
+_EXPERT_TENSORS = {
+    "we_gate": "block_sparse_moe.experts.{}.w1.weight",
+    "we_up": "block_sparse_moe.experts.{}.w3.weight",
+    "we_down": "block_sparse_moe.experts.{}.w2.weight",
+}
+
+
+def _layer_tensors(cfg: ModelConfig) -> list[tuple[str, str, str, int | None]]:
+    """``(our key, HF suffix, layout rule, expert index or None)`` for every tensor of one layer."""
+    out = [(key, suffix, rule, None) for key, (suffix, rule) in _ATTENTION_TENSORS.items()]
+    if cfg.moe is None:
+        return out + [(key, suffix, rule, None) for key, (suffix, rule) in _MLP_TENSORS.items()]
+    out.append(("router", "block_sparse_moe.gate.weight", "linear", None))
+    for key, pattern in _EXPERT_TENSORS.items():
+        out += [(key, pattern.format(j), "linear", j) for j in range(cfg.moe.num_experts)]
+    return out
+
 
 # Non-persistent buffers some older exports still carry; they are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -306,7 +345,8 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
     specs = declare(cfg)
     names = set(tensors.keys())
     expected = {hf for key, (hf, _) in _TOP_TENSORS.items() if key in specs}
-    expected |= {_layer_name(i, s) for i in range(cfg.num_layers) for s, _ in _LAYER_TENSORS.values()}
+    layer_tensors = _layer_tensors(cfg)
+    expected |= {_layer_name(i, t[1]) for i in range(cfg.num_layers) for t in layer_tensors}
     # Tied checkpoints sometimes store lm_head anyway; accept it if it really is the embedding.
     allowed = expected | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     unexpected = sorted(n for n in names - allowed if not n.endswith(_IGNORED_SUFFIXES))
@@ -326,14 +366,14 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
     for key, (hf, rule) in _TOP_TENSORS.items():
         if key in specs:
             params[key] = np.ascontiguousarray(read(hf, rule, specs[key].shape))
-    for key, (suffix, rule) in _LAYER_TENSORS.items():
-        shape = specs["layers"][key].shape  # [L, ...]
-        first = read(_layer_name(0, suffix), rule, shape[1:])
-        out = np.empty(shape, first.dtype)
-        out[0] = first
-        for i in range(1, cfg.num_layers):
-            out[i] = read(_layer_name(i, suffix), rule, shape[1:])
-        params["layers"][key] = out
+    for key, suffix, rule, expert in layer_tensors:
+        shape = specs["layers"][key].shape  # [L, ...], or [L, E, ...] for experts
+        inner = shape[1:] if expert is None else shape[2:]
+        for i in range(cfg.num_layers):
+            w = read(_layer_name(i, suffix), rule, inner)
+            if key not in params["layers"]:
+                params["layers"][key] = np.empty(shape, w.dtype)
+            params["layers"][key][i if expert is None else (i, expert)] = w
     if cfg.tie_embeddings and "lm_head.weight" in names:
         lm = np.asarray(tensors["lm_head.weight"])
         if lm.shape != params["embed"].shape or not np.array_equal(lm.astype(params["embed"].dtype), params["embed"]):
@@ -356,9 +396,10 @@ def to_hf_tensors(cfg: ModelConfig, params: Params, dtype: Any = None) -> dict[s
     _check_ours("embed", params["embed"], specs["embed"].shape)
     tensors = {"model.embed_tokens.weight": out(params["embed"], "same")}
     for i in range(cfg.num_layers):
-        for key, (suffix, rule) in _LAYER_TENSORS.items():
-            w = params["layers"][key][i]
-            _check_ours(f"layers/{key}[{i}]", w, specs["layers"][key].shape[1:])
+        for key, suffix, rule, expert in _layer_tensors(cfg):
+            w = params["layers"][key][i] if expert is None else params["layers"][key][i][expert]
+            inner = specs["layers"][key].shape[1:] if expert is None else specs["layers"][key].shape[2:]
+            _check_ours(f"layers/{key}[{i}]", w, inner)
             tensors[_layer_name(i, suffix)] = out(w, rule)
     tensors["model.norm.weight"] = out(params["final_norm"], "same")
     if not cfg.tie_embeddings:

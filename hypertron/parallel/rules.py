@@ -34,6 +34,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": None,  # experts are sharded like dense MLPs for now; an expert mesh axis is to come
     "head_dim": None,
     "layers": None,
     "norm": None,

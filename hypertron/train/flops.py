@@ -1,8 +1,8 @@
 """Model FLOPs per token and the peak table used for MFU.
 
 Counted from the config, matmuls only (as MaxText and the PaLM paper do):
-QKV and output projections, the gated MLP, the unembedding, and causal
-attention (QK^T and PV over on average half the sequence, or the window).
+QKV and output projections, the gated MLP (for MoE: the router and the
+``top_k`` active experts only), the unembedding, and causal attention (QK^T and PV over on average half the sequence, or the window).
 Training costs 3x the forward pass (forward + two backward matmuls).
 """
 
@@ -32,6 +32,10 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
     proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
     mlp = 3 * 2 * d * f
+    if cfg.moe is not None:
+        # Only the experts a token is routed to count (top_k), plus the router and shared experts.
+        moe = cfg.moe
+        mlp = mlp * (moe.top_k + moe.shared_experts) + 2 * d * moe.num_experts
     # Causal: on average a query sees (seq_len + 1) / 2 keys; a window caps that.
     keys = (seq_len + 1) / 2
     if cfg.sliding_window is not None and cfg.sliding_window < seq_len:

@@ -44,7 +44,8 @@ class MetricsLog:
 
     def step_row(self, step: int, metrics: dict[str, Any], step_time: float) -> dict[str, Any]:
         """The row of one finished step (``metrics`` already on the host); written and returned."""
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}, **self.throughput.rates(step_time)}
+        values = {k: (float(v) if getattr(v, "ndim", 0) == 0 else [float(x) for x in v]) for k, v in metrics.items()}
+        row = {"step": step, **values, **self.throughput.rates(step_time)}
         return self.write(row)
 
     def write(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +78,11 @@ def format_row(row: dict[str, Any]) -> str:
     ]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if row.get("expert_load") is not None:
+        load = row["expert_load"]
+        parts.append(f"busiest expert {max(load) * len(load):.2f}x even")
+        if row.get("moe_dropped"):
+            parts.append(f"dropped {100 * row['moe_dropped']:.1f}%")
     return " | ".join(parts)
 
 

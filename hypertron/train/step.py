@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hypertron.config import Config
-from hypertron.models import declare, forward, resolve_dtype
+from hypertron.models import declare, forward_with_stats, resolve_dtype
 from hypertron.models import params as param_lib
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
 from hypertron.train.optimizer import make_optimizer, schedule
@@ -36,14 +36,26 @@ def loss_terms(params, batch: Batch, cfg: Config) -> tuple[jax.Array, dict[str, 
     # Synthetic rows are one document each: no segment mask, so GPU attention
     # takes the plain causal flash path.
     segment_ids = None if cfg.data.source == "synthetic" else batch["segment_ids"]
-    logits_btv = forward(params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=segment_ids)
+    logits_btv, stats = forward_with_stats(params, batch["inputs"], cfg.model, positions=batch["positions"],
+                                           segment_ids=segment_ids)
     logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit_bt = jnp.take_along_axis(logits_btv, batch["targets"][..., None], axis=-1)[..., 0]
     w_bt = batch["loss_weights"].astype(jnp.float32)
+    weight = jnp.sum(w_bt)
     nll_sum = jnp.sum((logz_bt - target_logit_bt) * w_bt)
     z_sum = jnp.sum(jnp.square(logz_bt) * w_bt)
     objective = nll_sum + cfg.train.z_loss * z_sum
-    return objective, {"nll_sum": nll_sum, "z_sum": z_sum, "weight": jnp.sum(w_bt)}
+    aux = {"nll_sum": nll_sum, "z_sum": z_sum, "weight": weight}
+    if cfg.model.moe is not None:
+        # Router losses are per-token means (averaged over layers); scaled by the tokens counted
+        # they add up over micro-batches like the NLL.
+        moe = cfg.model.moe
+        aux["moe_lb_sum"] = jnp.mean(stats["load_balance"]) * weight
+        aux["moe_z_sum"] = jnp.mean(stats["router_z"]) * weight
+        aux["moe_dropped_sum"] = jnp.mean(stats["dropped"]) * weight
+        aux["expert_load"] = jnp.sum(stats["load"], axis=0)  # copies per expert, summed over layers
+        objective += moe.load_balance_weight * aux["moe_lb_sum"] + moe.router_z_weight * aux["moe_z_sum"]
+    return objective, aux
 
 
 def _accumulate_grads(params, batch: Batch, cfg: Config):
@@ -57,8 +69,8 @@ def _accumulate_grads(params, batch: Batch, cfg: Config):
     # (a plain [n, b/n] split would move rows between devices each micro-step).
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    aux0 = {"nll_sum": 0.0, "z_sum": 0.0, "weight": 0.0}
-    aux0 = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), aux0)
+    aux0 = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), cfg)[1])
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux0)
 
     def body(carry, mb):
         g_acc, a_acc = carry
@@ -85,6 +97,12 @@ def train_step(state: State, batch: Batch, cfg: Config, optimizer: optax.Gradien
         "lr": schedule(cfg.train)(state["step"]),
         "tokens": aux["weight"],
     }
+    if cfg.model.moe is not None:
+        metrics["moe_load_balance"] = aux["moe_lb_sum"] / weight
+        metrics["moe_router_z"] = aux["moe_z_sum"] / weight
+        metrics["moe_dropped"] = aux["moe_dropped_sum"] / weight
+        # Tokens per expert, as a fraction of all routed copies (1/num_experts each when balanced).
+        metrics["expert_load"] = aux["expert_load"] / jnp.maximum(jnp.sum(aux["expert_load"]), 1.0)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
@@ -137,9 +155,18 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
             return train_step(state, batch, cfg, optimizer)
 
     def eval_fn(params, batch):
-        with use_rules(mesh, rules):
-            _, aux = loss_terms(params, batch, cfg)
-        return {"nll_sum": aux["nll_sum"], "weight": aux["weight"]}
+        # In the train step's micro-batches: a batch that needs grad_accum to fit does here too.
+        n = cfg.train.grad_accum
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(total, mb):
+            with use_rules(mesh, rules):
+                _, aux = loss_terms(params, mb, cfg)
+            return {k: total[k] + aux[k] for k in total}, None
+
+        zeros = {"nll_sum": jnp.zeros((), jnp.float32), "weight": jnp.zeros((), jnp.float32)}
+        totals, _ = jax.lax.scan(body, zeros, micro)
+        return totals
 
     batch_sharding = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     init = jax.jit(init_fn, out_shardings=state_shardings)
