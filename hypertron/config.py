@@ -452,6 +452,9 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(
                 f"model.moe.top_k={e.top_k} must be in 1..model.moe.num_experts ({e.num_experts})"
             )
+        if e.top_k == 1 and e.gating == "topk_softmax":
+            raise ConfigError("model.moe.top_k=1 with gating=topk_softmax gives every token weight 1, so the "
+                              "router learns nothing from the loss; use model.moe.gating=softmax_topk")
         _check_choice("model.moe.mode", e.mode, ("dropless", "capped"))
         _check_choice("model.moe.gating", e.gating, ("topk_softmax", "softmax_topk"))
         _check_choice("model.moe.gmm_backend", e.gmm_backend, ("auto", "pallas", "ragged_dot", "grouped", "reference"))

@@ -147,3 +147,37 @@ def test_flops_count_only_the_active_experts():
     moe, dense = PRESETS["tiny-moe"], PRESETS["tiny"]  # 2 of 4 experts of 192 = one MLP of 384
     router = 2 * moe.embed_dim * moe.moe.num_experts
     assert forward_flops_per_token(moe, 128) == forward_flops_per_token(dense, 128) + moe.num_layers * router
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capped"])
+def test_padding_takes_no_capacity_and_no_part_in_the_router_statistics(mode):
+    cfg = _cfg(mode=mode, capacity_factor=1.0)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 3, cfg.vocab_size)
+    segments = jnp.ones((2, 16), jnp.int32).at[:, 10:].set(0)  # the last 6 positions of each row are padding
+    other = tokens.at[:, 10:].set(jax.random.randint(jax.random.key(2), (2, 6), 3, cfg.vocab_size))
+    a, sa = forward_with_stats(params, tokens, cfg, segment_ids=segments)
+    b, sb = forward_with_stats(params, other, cfg, segment_ids=segments)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-5)  # real tokens unaffected
+    for key in ("load_balance", "router_z", "load", "dropped"):
+        np.testing.assert_allclose(sa[key], sb[key], rtol=1e-5, atol=1e-6)
+    assert float(jnp.sum(sa["load"][0])) == 2 * 10 * cfg.moe.top_k  # only real copies are counted
+
+
+def test_generation_never_drops_tokens_even_when_capped():
+    from hypertron.models import forward_cached, init_cache
+
+    cfg = _cfg(mode="capped", capacity_factor=0.25)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 3, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    cached, _ = forward_cached(params, tokens, positions, init_cache(cfg, 2, 16), cfg)
+    dropless = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mode="dropless"))
+    np.testing.assert_allclose(cached, forward_with_stats(params, tokens, dropless)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_top1_with_mixtral_gating_is_refused():
+    from hypertron.config import ConfigError
+
+    with pytest.raises(ConfigError, match="top_k=1 with gating=topk_softmax"):
+        load_config(None, ["model=tiny-moe", "model.moe.top_k=1"])

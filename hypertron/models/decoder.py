@@ -240,7 +240,8 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | 
         if cfg.moe is None:
             x_btd = x_btd + mlp(h_btd, p, cfg, einsum)
         else:
-            y_btd, stats = moe_mlp(h_btd, p, cfg, einsum, activation)
+            mask = None if ctx["segment_ids"] is None else ctx["segment_ids"] > 0
+            y_btd, stats = moe_mlp(h_btd, p, cfg, einsum, activation, mask, dropless=cache is not None)
             x_btd = x_btd + y_btd
     return constrain(x_btd, ("batch", "seq", "act_embed")), cache, stats
 

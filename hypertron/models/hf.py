@@ -152,7 +152,9 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
         max_seq_len=int(get("max_position_embeddings")),
         moe=None if family != "mixtral" else MoEConfig(
             num_experts=int(get("num_local_experts")), top_k=int(get("num_experts_per_tok")),
-            load_balance_weight=float(get("router_aux_loss_coef")), router_z_weight=0.0,
+            # transformers' load-balancing loss is top_k times ours (it counts tokens, not copies).
+            load_balance_weight=float(get("router_aux_loss_coef")) * int(get("num_experts_per_tok")),
+            router_z_weight=0.0,
         ),
     )
     try:
@@ -238,7 +240,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf["sliding_window"] = cfg.sliding_window
     if family == "mixtral":
         hf |= {"num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
-               "router_aux_loss_coef": cfg.moe.load_balance_weight, "output_router_logits": False}
+               "router_aux_loss_coef": cfg.moe.load_balance_weight / cfg.moe.top_k,
+               "output_router_logits": False}
     return hf
 
 

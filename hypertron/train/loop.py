@@ -331,7 +331,8 @@ class _Loop:
             self.events.emit("first_step", step, seconds=self.events.seconds())
         self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
         self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
-                                                       "tokens_per_sec_per_device", "mfu")})
+                                                       "tokens_per_sec_per_device", "mfu", "moe_load_balance",
+                                                       "moe_router_z", "moe_dropped") if k in row})
         self.result.losses.append(row["loss"])
         self.result.rows.append(row)
         self.result.last_step = step
