@@ -1,0 +1,214 @@
+"""Mixture-of-Experts throughput: the grouped matmul, the MoE layer as experts grow, capped vs dropless.
+
+    python bench/moe.py [--tokens 2048] [--d-model 128] [--d-ff 256] [--experts 8 16 32 64]
+                        [--top-k 2] [--iters 7] [--dtype auto] [--json PATH]
+
+Three tables, every time the median of ``--iters`` jitted calls, each synced with
+``block_until_ready``, after one warm-up call (compile included):
+
+(a) grouped matmul: :func:`hypertron.kernels.gmm.gmm` on the MoE layer's first
+    product, ``m = tokens x top_k`` rows, ``k = d_model``, ``n = d_ff``, one group
+    per expert, ``even`` and ``skewed`` row splits (as in ``bench/gmm.py``), per
+    backend available here (``grouped`` and ``ragged_dot`` on CPU, ``pallas`` and
+    ``ragged_dot`` on an accelerator), forward and forward + both gradients, in
+    TFLOP/s of useful work and as a percentage of one dense ``[m, k] x [k, n]``
+    matmul of the same FLOPs.
+(b) the MoE layer, weak scaling of experts: forward + backward (gradients wrt the
+    input and every parameter) of :func:`hypertron.models.moe.moe_mlp`, dropless,
+    with ``--tokens`` tokens, ``top_k`` and ``d_ff`` fixed while the experts grow,
+    so the expert FLOPs per token stay the same. Tokens/s and the throughput lost
+    relative to the first (smallest) expert count.
+(c) the same layer capped (``capacity_factor`` 1.25) vs dropless: step times and
+    the fraction of token copies the capped layer dropped.
+
+Compute dtype ``auto``: float32 on CPU, bfloat16 on accelerators; parameters are
+float32 (as in training), cast to the compute dtype inside the layer. One device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gmm import split_rows, time_fn  # bench/gmm.py, this directory
+
+
+def bench_gmm(m, k, n, experts, backends, dtype, iters):
+    """Rows ``(backend, G, split, fwd s, fwd+bwd s)``; ``dense`` first. Failures are reported, not raised."""
+    from hypertron.kernels.gmm import gmm
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (m, k), dtype)
+    dout = jax.random.normal(keys[2], (m, n), dtype)
+
+    def fwd_bwd(f):
+        def step(x, w):  # the output is returned too, or XLA drops the forward
+            out, vjp = jax.vjp(f, x, w)
+            return out, vjp(dout)
+        return jax.jit(step)
+
+    dense = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+    w_kn = jax.random.normal(keys[1], (k, n), dtype) / np.sqrt(k)
+    rows = [("dense", "-", "-", time_fn(jax.jit(dense), (lhs, w_kn), iters),
+             time_fn(fwd_bwd(dense), (lhs, w_kn), iters))]
+    for groups in experts:
+        rhs = jax.random.normal(keys[1], (groups, k, n), dtype) / np.sqrt(k)
+        for how in ("even", "skewed"):
+            sizes = jnp.asarray(split_rows(m, groups, how))
+            for backend in backends:
+                f = lambda x, w, b=backend, s=sizes: gmm(x, w, s, backend=b)
+                try:
+                    t_fwd = time_fn(jax.jit(f), (lhs, rhs), iters)
+                    t_bwd = time_fn(fwd_bwd(f), (lhs, rhs), iters)
+                except Exception as e:  # noqa: BLE001  (a kernel that does not compile here: report, go on)
+                    print(f"  ... {backend} G={groups} {how}: failed: {type(e).__name__}: {e}",
+                          file=sys.stderr)
+                    t_fwd = t_bwd = None
+                rows.append((backend, groups, how, t_fwd, t_bwd))
+                if t_fwd is not None:
+                    print(f"  ... gmm {backend} G={groups} {how}: {t_fwd * 1e3:.1f} / {t_bwd * 1e3:.1f} ms",
+                          file=sys.stderr)
+    return rows
+
+
+def layer_config(base, d_model, d_ff, experts, top_k, mode):
+    moe = dataclasses.replace(base.moe, num_experts=experts, top_k=top_k, mode=mode, capacity_factor=1.25,
+                              shared_experts=0)
+    return dataclasses.replace(base, embed_dim=d_model, mlp_dim=d_ff, moe=moe)
+
+
+def bench_layer(cfg, tokens, dtype, iters):
+    """(seconds per forward + backward, fraction of copies dropped) of one jitted MoE layer."""
+    from hypertron.models.decoder import activation
+    from hypertron.models.moe import declare_moe, moe_mlp
+    from hypertron.models.params import initialize
+    from hypertron.quant.einsum import einsum_for
+
+    einsum = einsum_for("none", dtype)
+    params = initialize(declare_moe(cfg), jax.random.key(1), jnp.float32)
+    kx, ky = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (1, tokens, cfg.embed_dim), dtype)
+    dy = jax.random.normal(ky, (1, tokens, cfg.embed_dim), jnp.float32)
+    moe = cfg.moe
+
+    def objective(p, x):  # <y, dy> pulls a random cotangent through; plus the router losses
+        y, stats = moe_mlp(x, p, cfg, einsum, activation)
+        obj = jnp.sum(y.astype(jnp.float32) * dy)
+        obj += moe.load_balance_weight * stats["load_balance"] + moe.router_z_weight * stats["router_z"]
+        return obj, stats["dropped"]
+
+    step = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+    seconds = time_fn(step, (params, x), iters)
+    (_, dropped), _ = step(params, x)
+    return seconds, float(dropped)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per step (one device)")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--d-ff", type=int, default=256, help="hidden size of each expert")
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype; auto: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--backends", nargs="+", default=None, help="gmm backends for table (a)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    args = p.parse_args(argv)
+
+    from hypertron.kernels.gmm import resolve_backend
+    from hypertron.presets import PRESETS
+
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(("float32" if on_cpu else "bfloat16") if args.dtype == "auto" else args.dtype)
+    backends = args.backends or (["grouped", "ragged_dot"] if on_cpu else ["pallas", "ragged_dot"])
+    T, d, f, k = args.tokens, args.d_model, args.d_ff, args.top_k
+    m = T * k
+    dev = jax.devices()[0]
+    command = "python bench/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{jax.device_count()} x {getattr(dev, 'device_kind', dev.platform)} "
+                  f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
+        "python": platform.python_version(), "jax": jax.__version__, "dtype": str(dtype),
+        "layer_gmm_backend": resolve_backend("auto"), "command": command.strip(),
+    }
+
+    # (a) grouped matmul vs dense
+    g_rows = bench_gmm(m, d, f, args.experts, backends, dtype, args.iters)
+    flops = 2 * m * d * f
+    dense_fwd, dense_bwd = g_rows[0][3], g_rows[0][4]
+
+    # (b) + (c) the layer, dropless and capped, as the experts grow
+    base = PRESETS["tiny-moe"]
+    l_rows = []
+    for e in args.experts:
+        row = {"experts": e}
+        for mode in ("dropless", "capped"):
+            seconds, dropped = bench_layer(layer_config(base, d, f, e, k, mode), T, dtype, args.iters)
+            row[mode] = seconds
+            row[f"{mode}_dropped"] = dropped
+            print(f"  ... layer E={e} {mode}: {seconds * 1e3:.1f} ms", file=sys.stderr)
+        l_rows.append(row)
+    expert_flops = 6 * m * 3 * d * f  # three expert matmuls, forward + backward, useful rows only
+
+    print(f"\n(a) grouped matmul  m={m} (tokens x top_k)  k={d}  n={f}  {dtype}  "
+          f"({flops / 1e9:.3f} GFLOP forward)")
+    print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8} {'% dense':>7} "
+          f"{'fwd+bwd ms':>10} {'TFLOP/s':>8} {'% dense':>7}")
+    for backend, groups, how, t_fwd, t_bwd in g_rows:
+        if t_fwd is None:
+            print(f"{backend:<11} {groups:>3} {how:<7} {'failed (see stderr)':>27}")
+            continue
+        print(f"{backend:<11} {groups:>3} {how:<7} {t_fwd * 1e3:>8.2f} {flops / t_fwd / 1e12:>8.4f} "
+              f"{100 * dense_fwd / t_fwd:>6.0f}% {t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f} "
+              f"{100 * dense_bwd / t_bwd:>6.0f}%")
+
+    first = l_rows[0]["dropless"]
+    print(f"\n(b) MoE layer forward+backward, dropless (gmm backend {meta['layer_gmm_backend']}), "
+          f"{T} tokens, top_k={k}, d_model={d}, d_ff={f} per expert, {dtype}")
+    print(f"{'experts':>7} {'step ms':>8} {'tokens/s':>10} {'vs E=' + str(args.experts[0]):>8} "
+          f"{'expert TFLOP/s':>14}")
+    for r in l_rows:
+        t = r["dropless"]
+        print(f"{r['experts']:>7} {t * 1e3:>8.2f} {T / t:>10,.0f} {100 * (first / t - 1):>+7.1f}% "
+              f"{expert_flops / t / 1e12:>14.4f}")
+
+    print("\n(c) capped (capacity_factor 1.25) vs dropless, same layer")
+    print(f"{'experts':>7} {'dropless ms':>11} {'capped ms':>9} {'capped/dropless':>15} {'dropped':>7}")
+    for r in l_rows:
+        print(f"{r['experts']:>7} {r['dropless'] * 1e3:>11.2f} {r['capped'] * 1e3:>9.2f} "
+              f"{r['capped'] / r['dropless']:>15.2f} {100 * r['capped_dropped']:>6.1f}%")
+
+    print(f"\ndate: {meta['date']}  device: {meta['device']}")
+    print(f"versions: python {meta['python']}, jax {meta['jax']}  timing: median of {args.iters} after 1 warm-up")
+    print(f"command: {meta['command']}")
+
+    if args.json:
+        out = {
+            "meta": meta | {"tokens": T, "d_model": d, "d_ff": f, "top_k": k, "iters": args.iters},
+            "gmm": [{"backend": b, "groups": g, "split": s, "fwd_s": tf, "fwd_bwd_s": tb,
+                     "fwd_tflops": None if tf is None else flops / tf / 1e12,
+                     "fwd_bwd_tflops": None if tb is None else 3 * flops / tb / 1e12}
+                    for b, g, s, tf, tb in g_rows],
+            "layer": [r | {"tokens_per_s": T / r["dropless"],
+                           "throughput_vs_first": first / r["dropless"]} for r in l_rows],
+        }
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
