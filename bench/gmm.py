@@ -52,6 +52,48 @@ def time_fn(fn, args, iters: int) -> float:
     return float(np.median(times))
 
 
+def measure(m, k, n, groups_list, splits, backends, dtype, iters, *, tiling=None, backward=True):
+    """Rows ``(backend, G, split, fwd s, fwd+bwd s)``, one dense matmul of the same FLOPs first.
+
+    A backend that fails (a kernel that does not compile here) gets ``None`` times and a note on
+    stderr instead of stopping the run.
+    """
+    from hypertron.kernels.gmm import gmm
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (m, k), dtype)
+    dout = jax.random.normal(keys[2], (m, n), dtype)
+
+    def fwd_bwd(f):
+        def step(x, w):  # the output is returned too, or XLA drops the forward
+            out, vjp = jax.vjp(f, x, w)
+            return out, vjp(dout)
+        return jax.jit(step)
+
+    def timed(f, args):
+        t_fwd = time_fn(jax.jit(f), args, iters)
+        return t_fwd, (time_fn(fwd_bwd(f), args, iters) if backward else None)
+
+    dense = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+    w_kn = jax.random.normal(keys[1], (k, n), dtype) / np.sqrt(k)
+    rows = [("dense", "-", "-", *timed(dense, (lhs, w_kn)))]
+    for groups in groups_list:
+        rhs = jax.random.normal(keys[1], (groups, k, n), dtype) / np.sqrt(k)
+        for how in splits:
+            sizes = jnp.asarray(split_rows(m, groups, how))
+            for backend in backends:
+                f = lambda x, w, b=backend, s=sizes: gmm(x, w, s, backend=b, tiling=tiling)
+                try:
+                    t_fwd, t_bwd = timed(f, (lhs, rhs))
+                except Exception as e:  # noqa: BLE001  (report and go on)
+                    print(f"  ... {backend} G={groups} {how}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    t_fwd = t_bwd = None
+                rows.append((backend, groups, how, t_fwd, t_bwd))
+                if t_fwd is not None:
+                    print(f"  ... {backend} G={groups} {how}: {t_fwd * 1e3:.1f} ms", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, default=4096)
@@ -66,39 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
     args = p.parse_args(argv)
 
-    from hypertron.kernels.gmm import DEFAULT_TILING, gmm, resolve_backend
+    from hypertron.kernels.gmm import DEFAULT_TILING, resolve_backend
 
     on_cpu = jax.default_backend() == "cpu"
     backends = args.backends or (["grouped", "ragged_dot"] if on_cpu else ["pallas", "ragged_dot"])
-    dtype = jnp.dtype(args.dtype)
     m, k, n = args.m, args.k, args.n
-    keys = jax.random.split(jax.random.key(0), 3)
-    lhs = jax.random.normal(keys[0], (m, k), dtype)
-    dout = jax.random.normal(keys[2], (m, n), dtype)
-
-    def fwd_bwd(f):
-        def step(x, w):  # the output is returned too, or XLA drops the forward
-            out, vjp = jax.vjp(f, x, w)
-            return out, vjp(dout)
-        return jax.jit(step)
-
-    dense = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
-    w_kn = jax.random.normal(keys[1], (k, n), dtype)
-    rows = [("dense", "-", "-", time_fn(jax.jit(dense), (lhs, w_kn), args.iters),
-             None if args.no_backward else time_fn(fwd_bwd(dense), (lhs, w_kn), args.iters))]
-    for groups in args.groups:
-        rhs = jax.random.normal(keys[1], (groups, k, n), dtype) / np.sqrt(k)
-        for how in args.splits:
-            sizes = jnp.asarray(split_rows(m, groups, how))
-            for backend in backends:
-                tiling = None
-                if args.tm:
-                    tiling = (args.tm, *DEFAULT_TILING[1:])
-                f = lambda x, w, b=backend, t=tiling, s=sizes: gmm(x, w, s, backend=b, tiling=t)
-                t_fwd = time_fn(jax.jit(f), (lhs, rhs), args.iters)
-                t_bwd = None if args.no_backward else time_fn(fwd_bwd(f), (lhs, rhs), args.iters)
-                rows.append((backend, groups, how, t_fwd, t_bwd))
-                print(f"  ... {backend} G={groups} {how}: {t_fwd * 1e3:.1f} ms", file=sys.stderr)
+    tiling = (args.tm, *DEFAULT_TILING[1:]) if args.tm else None
+    rows = measure(m, k, n, args.groups, args.splits, backends, jnp.dtype(args.dtype), args.iters,
+                   tiling=tiling, backward=not args.no_backward)
 
     flops = 2 * m * k * n
     dev = jax.devices()[0]
@@ -106,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8} "
           f"{'fwd+bwd ms':>10} {'TFLOP/s':>8}")
     for backend, groups, how, t_fwd, t_bwd in rows:
+        if t_fwd is None:
+            print(f"{backend:<11} {groups:>3} {how:<7} failed")
+            continue
         bwd = "" if t_bwd is None else f"{t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f}"
         print(f"{backend:<11} {groups:>3} {how:<7} {t_fwd * 1e3:>8.2f} "
               f"{flops / t_fwd / 1e12:>8.4f} {bwd}")

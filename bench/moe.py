@@ -37,48 +37,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gmm import split_rows, time_fn  # bench/gmm.py, this directory
+from gmm import measure, time_fn  # bench/gmm.py, this directory
 
 
 def bench_gmm(m, k, n, experts, backends, dtype, iters):
-    """Rows ``(backend, G, split, fwd s, fwd+bwd s)``; ``dense`` first. Failures are reported, not raised."""
-    from hypertron.kernels.gmm import gmm
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    lhs = jax.random.normal(keys[0], (m, k), dtype)
-    dout = jax.random.normal(keys[2], (m, n), dtype)
-
-    def fwd_bwd(f):
-        def step(x, w):  # the output is returned too, or XLA drops the forward
-            out, vjp = jax.vjp(f, x, w)
-            return out, vjp(dout)
-        return jax.jit(step)
-
-    dense = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
-    w_kn = jax.random.normal(keys[1], (k, n), dtype) / np.sqrt(k)
-    rows = [("dense", "-", "-", time_fn(jax.jit(dense), (lhs, w_kn), iters),
-             time_fn(fwd_bwd(dense), (lhs, w_kn), iters))]
-    for groups in experts:
-        rhs = jax.random.normal(keys[1], (groups, k, n), dtype) / np.sqrt(k)
-        for how in ("even", "skewed"):
-            sizes = jnp.asarray(split_rows(m, groups, how))
-            for backend in backends:
-                f = lambda x, w, b=backend, s=sizes: gmm(x, w, s, backend=b)
-                try:
-                    t_fwd = time_fn(jax.jit(f), (lhs, rhs), iters)
-                    t_bwd = time_fn(fwd_bwd(f), (lhs, rhs), iters)
-                except Exception as e:  # noqa: BLE001  (a kernel that does not compile here: report, go on)
-                    print(f"  ... {backend} G={groups} {how}: failed: {type(e).__name__}: {e}",
-                          file=sys.stderr)
-                    t_fwd = t_bwd = None
-                rows.append((backend, groups, how, t_fwd, t_bwd))
-                if t_fwd is not None:
-                    print(f"  ... gmm {backend} G={groups} {how}: {t_fwd * 1e3:.1f} / {t_bwd * 1e3:.1f} ms",
-                          file=sys.stderr)
-    return rows
+    """Rows ``(backend, G, split, fwd s, fwd+bwd s)``; ``dense`` first (bench/gmm.py's measure)."""
+    return measure(m, k, n, experts, ("even", "skewed"), backends, dtype, iters)
 
 
 def layer_config(base, d_model, d_ff, experts, top_k, mode):
