@@ -21,25 +21,23 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
 import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from cli_harness import Result, Spec, assert_unchanged, run_all, snapshot, start_all, wait_all  # tests/
 
 from hypertron.config import Config
 
 # Generous: an error path costs ~1 s of CPU (imports); compiling and running a
 # train step costs several more. The compile log is the precise check.
 MAX_ERROR_CPU_S = 10.0
-TIMEOUT_S = 240.0
 
 # A tiny model that trains 2 steps in a few seconds on CPU.
 TINY = [
@@ -67,104 +65,6 @@ for path, max_pos in ((sys.argv[1], 256), (sys.argv[2], 64)):
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
 """
-
-
-# ---------------------------------------------------------------------------
-# Running subprocesses concurrently
-
-
-@dataclass
-class Result:
-    argv: list[str]
-    rc: int
-    stdout: str
-    stderr: str
-    wall_s: float
-    cpu_s: float  # user + sys of the child itself, independent of how many run at once
-
-    def describe(self) -> str:
-        return (
-            f"argv: {self.argv}\nrc: {self.rc}  wall: {self.wall_s:.1f}s  cpu: {self.cpu_s:.1f}s\n"
-            f"--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
-        )
-
-
-@dataclass
-class Spec:
-    args: list[str]  # after "python -m hypertron.cli", or a full argv when raw
-    cwd: Path
-    log_compiles: bool = True
-    raw: bool = False
-    nice: int = 0  # >0 lets the subprocesses others wait for go first
-
-
-def _env(log_compiles: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_LOG_COMPILES", None)
-    if log_compiles:
-        env["JAX_LOG_COMPILES"] = "1"
-    return env
-
-
-@dataclass
-class Batch:
-    """Subprocesses started together; :func:`_wait_all` collects them."""
-
-    running: dict
-    logs: Path
-
-
-def _start_all(specs: dict[str, Spec], logs: Path) -> Batch:
-    """Start every spec at once, output to files (so none blocks on a full pipe)."""
-    logs.mkdir(parents=True, exist_ok=True)
-    running = {}
-    for name, spec in specs.items():
-        spec.cwd.mkdir(parents=True, exist_ok=True)
-        argv = spec.args if spec.raw else [sys.executable, "-m", "hypertron.cli", *spec.args]
-        out = open(logs / f"{name}.out", "w")
-        err = open(logs / f"{name}.err", "w")
-        proc = subprocess.Popen(
-            argv, cwd=spec.cwd, env=_env(spec.log_compiles), stdin=subprocess.DEVNULL,
-            stdout=out, stderr=err,
-        )
-        if spec.nice:
-            os.setpriority(os.PRIO_PROCESS, proc.pid, spec.nice)
-        running[name] = (proc, argv, out, err, time.monotonic())
-    return Batch(running, logs)
-
-
-def _wait_all(batch: Batch) -> dict[str, Result]:
-    """Wait for a batch; collect exit code, output and each child's own CPU time."""
-    results: dict[str, Result] = {}
-    running, logs = batch.running, batch.logs
-    deadline = time.monotonic() + TIMEOUT_S
-    while running:
-        for name in list(running):
-            proc, argv, out, err, t0 = running[name]
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid == 0:
-                if time.monotonic() < deadline:
-                    continue
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            out.close()
-            err.close()
-            results[name] = Result(
-                argv=argv, rc=proc.returncode,
-                stdout=(logs / f"{name}.out").read_text(errors="replace"),
-                stderr=(logs / f"{name}.err").read_text(errors="replace"),
-                wall_s=time.monotonic() - t0, cpu_s=usage.ru_utime + usage.ru_stime,
-            )
-            del running[name]
-        time.sleep(0.02)
-    return results
-
-
-def _run_all(specs: dict[str, Spec], logs: Path) -> dict[str, Result]:
-    return _wait_all(_start_all(specs, logs))
 
 
 # ---------------------------------------------------------------------------
@@ -206,30 +106,6 @@ def _assert_one_error_line(r: Result, *needles: str, check_keys: bool = True) ->
 def _assert_no_compile(r: Result) -> None:
     assert "Compiling" not in r.stderr, "failed only after compiling\n" + r.describe()
     assert r.cpu_s < MAX_ERROR_CPU_S, f"took {r.cpu_s:.1f}s of CPU to fail\n" + r.describe()
-
-
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every entry below ``root``: directories by name, files by size, mtime and content hash."""
-    snap: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            snap[os.path.relpath(os.path.join(dirpath, d), root)] = ("dir",)
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            st = os.stat(p)
-            digest = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-            snap[os.path.relpath(p, root)] = ("file", st.st_size, st.st_mtime_ns, digest)
-    return snap
-
-
-def _assert_unchanged(root: Path, before: dict[str, tuple], r: Result) -> None:
-    after = _snapshot(root)
-    added = sorted(set(after) - set(before))
-    removed = sorted(set(before) - set(after))
-    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
-    assert not (added or removed or changed), (
-        f"{root} changed: added {added}, removed {removed}, modified {changed}\n" + r.describe()
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -385,7 +261,7 @@ def _launch_everything(base: Path) -> dict:
     inputs.mkdir()
     runs.mkdir()
     cases = _error_cases(inputs, runs)
-    inputs_before = _snapshot(inputs)
+    inputs_before = snapshot(inputs)
 
     run = base / "R"
     specs = {"train": Spec(["train", *TINY, f"run_dir={run}"], base / "cwd_train")}
@@ -393,12 +269,12 @@ def _launch_everything(base: Path) -> dict:
         specs["make_hf"] = Spec([sys.executable, "-c", MAKE_HF, str(base / "hf"), str(base / "hf64")],
                                 base / "cwd_hf", log_compiles=False, raw=True)
     # The training run first and at normal priority: later tests wait for it.
-    saving = _start_all(specs, base / "logs_saved")
-    errors = _start_all({name: Spec(c.args, cwds / name, nice=10) for name, c in cases.items()},
+    saving = start_all(specs, base / "logs_saved")
+    errors = start_all({name: Spec(c.args, cwds / name, nice=10) for name, c in cases.items()},
                         base / "logs_errors")
-    error_results, saved_results = _wait_all(errors), _wait_all(saving)
+    error_results, saved_results = wait_all(errors), wait_all(saving)
 
-    inputs_after = _snapshot(inputs)
+    inputs_after = snapshot(inputs)
     return {
         "cases": {name: dataclasses.asdict(c) for name, c in cases.items()},
         "errors": {name: dataclasses.asdict(r) for name, r in error_results.items()},
@@ -508,7 +384,7 @@ def test_tiny_run_trains_and_compile_log_is_visible(saved):
 
 def test_train_different_model_into_existing_run_refuses(saved, tmp_path):
     run = _need_run(saved)
-    before = _snapshot(run)
+    before = snapshot(run)
     base = tmp_path
     args = [a for a in TINY if not a.startswith("model.embed_dim=")] + ["model.embed_dim=64"]
     specs = {
@@ -516,11 +392,11 @@ def test_train_different_model_into_existing_run_refuses(saved, tmp_path):
         "other_preset": Spec(["train", *TINY, "model=tiny-gemma", f"run_dir={run}"],
                              base / "cwd_other_preset"),
     }
-    results = _run_all(specs, base / "logs_refuse_train")
+    results = run_all(specs, base / "logs_refuse_train")
     for r in results.values():
         _assert_one_error_line(r, "run_dir", str(run))
         _assert_no_compile(r)
-        _assert_unchanged(run, before, r)
+        assert_unchanged(run, before, r)
 
 
 @pytest.fixture(scope="module")
@@ -532,7 +408,7 @@ def converted(saved, tmp_path_factory):
         "C": Spec(["convert", "--from-hf", str(hf), "--out", str(base / "C")], base / "cwd_C"),
         "C64": Spec(["convert", "--from-hf", str(hf64), "--out", str(base / "C64")], base / "cwd_C64"),
     }
-    results = _run_all(specs, base / "logs_convert")
+    results = run_all(specs, base / "logs_convert")
     for r in results.values():
         assert r.rc == 0, r.describe()
     return dict(C=base / "C", C64=base / "C64", hf=hf, hf64=hf64, base=base)
@@ -541,7 +417,7 @@ def converted(saved, tmp_path_factory):
 def test_convert_into_existing_dirs_refuses(saved, converted):
     run = _need_run(saved)
     base, c = converted["base"], converted["C"]
-    before_run, before_c, before_hf = _snapshot(run), _snapshot(c), _snapshot(converted["hf"])
+    before_run, before_c, before_hf = snapshot(run), snapshot(c), snapshot(converted["hf"])
     specs = {
         # Into a trained run.
         "into_run": Spec(["convert", "--from-hf", str(converted["hf"]), "--out", str(run)],
@@ -550,31 +426,31 @@ def test_convert_into_existing_dirs_refuses(saved, converted):
         "into_converted": Spec(["convert", "--from-hf", str(converted["hf"]), "--out", str(c)],
                                base / "cwd_into_converted"),
     }
-    results = _run_all(specs, base / "logs_refuse_convert")
+    results = run_all(specs, base / "logs_refuse_convert")
     _assert_one_error_line(results["into_run"], str(run))
     _assert_one_error_line(results["into_converted"], str(c))
     for r in results.values():
         _assert_no_compile(r)
-    _assert_unchanged(run, before_run, results["into_run"])
-    _assert_unchanged(c, before_c, results["into_converted"])
-    _assert_unchanged(converted["hf"], before_hf, results["into_converted"])
+    assert_unchanged(run, before_run, results["into_run"])
+    assert_unchanged(c, before_c, results["into_converted"])
+    assert_unchanged(converted["hf"], before_hf, results["into_converted"])
 
 
 def test_train_different_model_into_converted_dir_refuses(converted):
     c, base = converted["C"], converted["base"]
-    before = _snapshot(c)
-    r = _run_all({"t": Spec(["train", *TINY, f"run_dir={c}"], base / "cwd_train_c")},
+    before = snapshot(c)
+    r = run_all({"t": Spec(["train", *TINY, f"run_dir={c}"], base / "cwd_train_c")},
                  base / "logs_train_c")["t"]
     _assert_one_error_line(r, "run_dir", str(c))
     _assert_no_compile(r)
-    _assert_unchanged(c, before, r)
+    assert_unchanged(c, before, r)
 
 
 def test_train_same_model_into_converted_dir_refuses(converted):
     """A params-only directory cannot be resumed; the refusal is one line and points at real keys."""
     c, base = converted["C"], converted["base"]
-    before = _snapshot(c)
-    r = _run_all(
+    before = snapshot(c)
+    r = run_all(
         {"t": Spec(["train", str(c / "config.yaml"), "train.steps=2", "train.global_batch=8",
                     "train.seq_len=16", "data.source=synthetic"], base / "cwd_resume_c")},
         base / "logs_resume_c",
@@ -587,7 +463,7 @@ def test_train_same_model_into_converted_dir_refuses(converted):
         f"the error suggests config keys that do not exist: {_bad_keys_mentioned(errors[0])}\n"
         + r.describe()
     )
-    _assert_unchanged(c, before, r)
+    assert_unchanged(c, before, r)
 
 
 def test_converted_checkpoints_are_usable(converted):
@@ -596,6 +472,6 @@ def test_converted_checkpoints_are_usable(converted):
     base = converted["base"]
     spec = Spec(["generate", "--checkpoint", str(converted["C64"]), "--prompt", "hi",
                  "--max-new-tokens", "4"], base / "cwd_gen_C64", log_compiles=False)
-    r = _run_all({"gen": spec}, base / "logs_generate")["gen"]
+    r = run_all({"gen": spec}, base / "logs_generate")["gen"]
     assert r.rc == 0, r.describe()
     assert r.stdout.startswith("hi"), r.describe()

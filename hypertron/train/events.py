@@ -61,9 +61,10 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
 class EventLog:
     """Appends events for this process; thread-safe (checkpoint ends arrive from Orbax's thread)."""
 
-    def __init__(self, run_dir: str | Path, process_index: int = 0, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, process_index: int = 0, tensorboard: bool = True,
+                 start_time: float | None = None):
         self.process_index = process_index
-        self.start_time = time.time()
+        self.start_time = time.time() if start_time is None else start_time  # when the job began
         self._lock = threading.Lock()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self._file = events_path(run_dir, process_index).open("a", buffering=1)

@@ -112,8 +112,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         if ckpt:
             ckpt.close()
         raise
-    events = EventLog(run_dir, jax.process_index())
-    events.start_time = started
+    events = EventLog(run_dir, jax.process_index(), start_time=started)
     events.emit("job_start", at=started, **job_start_fields(jax.process_count()))
     events.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
                 local_device_count=jax.local_device_count(), seconds=backend_ready - started)

@@ -69,7 +69,8 @@ def _accumulate_grads(params, batch: Batch, cfg: Config):
     # (a plain [n, b/n] split would move rows between devices each micro-step).
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    aux0 = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), cfg)[1])
+    # The aux tree's shapes from the forward alone (tracing the gradient twice would double trace time).
+    aux0 = jax.eval_shape(lambda: loss_terms(params, jax.tree.map(lambda x: x[0], micro), cfg)[1])
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux0)
 
     def body(carry, mb):
