@@ -1,6 +1,7 @@
 """Pallas kernels, each beside its pure-JAX reference, and their PyTorch bindings.
 
 * :mod:`hypertron.kernels.gmm`: grouped matmul for dropless MoE (``gmm``, ``tgmm``).
+* :mod:`hypertron.kernels.ragged_attention`: paged decode attention, float or int8 KV pages.
 * :mod:`hypertron.kernels.torch`: ``gmm`` for torch tensors (torch imported lazily).
 
 Import the functions from their modules (``from hypertron.kernels.gmm import gmm``):

@@ -1,0 +1,338 @@
+"""Ragged paged decode attention: one new query token per sequence over a paged KV cache.
+
+Cache layout (fixed; the serving engine writes it)::
+
+    k_pages, v_pages   [num_kv_heads, num_pages, page_size, head_dim]   float32, bfloat16, int8
+    k_scales, v_scales [num_kv_heads, num_pages, page_size]   int8 pages only: int8 * scale
+    page_indices       int32 [batch, pages_per_seq]   slot j of sequence b: page_indices[b, j]
+    lengths            int32 [batch]   valid tokens of each sequence; 0: an empty slot
+
+Token ``t`` of sequence ``b`` is row ``t % page_size`` of page ``page_indices[b, t // page_size]``
+(``K[b, kv, t]`` below). The query ``q [batch, num_heads, head_dim]`` is the token at position
+``lengths - 1``, already in the cache. With ``G = num_heads // num_kv_heads``, query head ``h``
+reads kv head ``h // G``::
+
+    s = sm_scale * K[b, h // G, start:length] @ q[b, h]
+    out[b, h] = softmax(s) @ V[b, h // G, start:length]
+
+with ``start = max(length - window, 0)`` (``0`` without a window), the same window as the
+decoder's ``q - kv < sliding_window``. An empty slot gives zeros. Lengths past the page table's
+capacity ``pages_per_seq * page_size`` are clipped to it. Page-table entries past a sequence's
+last page may be anything in range; nothing is read through them.
+
+Backends (``backend=``):
+
+``"pallas"``
+    A Pallas kernel, one program per ``(sequence, kv head)``: the ``G`` query heads of a GQA
+    group (padded to a power of two, at least 16 for Triton's dot) share each K/V load. It loops
+    over blocks of ``pages_per_block`` of the sequence's own pages, from the block holding
+    ``start`` to the block holding ``length - 1`` (a dynamic bound, so pages past the length or
+    before the window are never visited), keeping an online softmax in float32 (running max,
+    sum and ``[G, head_dim]`` accumulator). A block's pages are gathered through the page table
+    in one load; in the first and last block, slots outside ``[first page, last page]`` are
+    clamped to those pages (re-read, masked out) so that no entry past the last page is used.
+    Positions outside ``[start, length)`` are masked in the scores and in V (and in V's scales),
+    so stale or NaN rows in a partly filled page never leak. int8 pages are dequantised in the
+    kernel by folding the scales into the scores (K) and into the probabilities (V).
+``"reference"``
+    Pure JAX: gather every page of the page table, dequantise, mask by length and window, float32
+    softmax at highest precision. The oracle for tests, and the CPU path.
+``"auto"``
+    ``AUTO_BACKEND[jax.default_backend()]``.
+
+Verified (CPU, JAX 0.10.2, ``tests/test_ragged_attention.py``): the kernel in interpret mode
+against the reference (float32, bfloat16 and int8 pages; GQA ratios 1, 2 and 4; lengths 1, a
+page, a page + 1, several pages, the capacity, 0; permuted page tables whose entries past the
+length point at pages of NaN; a sliding window), the reference against dense attention in numpy
+over unpaged K/V, the :func:`quantize_kv` error bound, and that the kernel lowers to Triton IR for
+a CUDA target (``jax.export`` with ``platforms=("cuda",)``, no GPU needed). Not verified: that
+pages past the length are never *loaded* (only that they cannot change the output; the loop
+bounds make it so by construction), compiling the Triton IR to PTX, running it, and its speed,
+which need a GPU. Written for the Triton lowering (named in ``compiler_params``): power-of-two
+load shapes, no data-dependent shapes, dynamic loop bounds; not for Mosaic TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+BACKENDS = ("auto", "pallas", "reference")
+
+# Tokens per kernel block when pages_per_block is not given (the usual Triton block; untuned).
+DEFAULT_BLOCK_TOKENS = 128
+# Triton's dot wants at least 16 rows: the query heads of a GQA group are padded up to this.
+MIN_GROUP_ROWS = 16
+
+# CPU: the reference (interpret mode runs the kernel op by op, for correctness only). TPU: the
+# kernel is written for Triton, not Mosaic TPU. TODO(gpu): time `pallas` against `reference` on
+# an H100/H200 (bf16 and int8 pages, long and ragged lengths) and keep `pallas` as the GPU
+# default only if it is faster (DESIGN: a kernel not faster than its reference is no default).
+AUTO_BACKEND = {"cpu": "reference", "gpu": "pallas", "cuda": "pallas",
+                "rocm": "reference", "tpu": "reference"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static (hashable) settings of one call."""
+
+    backend: str
+    sm_scale: float
+    pages_per_block: int | None  # None: DEFAULT_BLOCK_TOKENS worth of pages
+    interpret: bool
+
+
+# ---------------------------------------------------------------------------
+# Public API
+
+
+def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            lengths: jax.Array, page_indices: jax.Array, *,
+                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                            sm_scale: float | None = None, window: int | jax.Array | None = None,
+                            backend: str = "auto", pages_per_block: int | None = None,
+                            interpret: bool | None = None) -> jax.Array:
+    """Decode attention of one query token per sequence over its pages of the KV cache.
+
+    Args:
+      q: ``[batch, num_heads, head_dim]``, the token at position ``lengths - 1``.
+      k_pages, v_pages: ``[num_kv_heads, num_pages, page_size, head_dim]``, float or int8;
+        ``num_heads`` a multiple of ``num_kv_heads``.
+      lengths: int ``[batch]``, valid tokens per sequence (0: empty slot, output zeros).
+      page_indices: int ``[batch, pages_per_seq]``, the page of each slot of each sequence.
+      k_scales, v_scales: ``[num_kv_heads, num_pages, page_size]`` float, given iff the pages
+        are int8 (value = int8 * scale; see :func:`quantize_kv`).
+      sm_scale: multiplies the scores; default ``head_dim ** -0.5``.
+      window: attend only to positions ``>= lengths - window`` (an int >= 1, or an int32 scalar
+        array, data like ``lengths``); None: the whole sequence.
+      backend: one of :data:`BACKENDS`.
+      pages_per_block: pages per kernel step ("pallas"), a power of two; default: enough pages
+        for :data:`DEFAULT_BLOCK_TOKENS` tokens.
+      interpret: run the Pallas kernel in interpret mode; default: on CPU only.
+
+    Returns:
+      ``[batch, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
+    """
+    _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
+    if isinstance(window, (int, np.integer)) and window < 1:
+        raise ValueError(f"window must be >= 1 (or None), got {window}")
+    ppb = pages_per_block
+    if ppb is not None and (ppb < 1 or ppb & (ppb - 1)):
+        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+    if backend not in BACKENDS:
+        raise ValueError(f"ragged attention backend must be one of {BACKENDS}, got {backend!r}")
+    backend = AUTO_BACKEND.get(jax.default_backend(), "reference") if backend == "auto" else backend
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    head_dim = q.shape[-1]
+    sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+    cfg = _Config(backend, sm_scale, pages_per_block, bool(interpret))
+    capacity = page_indices.shape[1] * k_pages.shape[2]
+    window = jnp.asarray(capacity if window is None else window, jnp.int32)
+    return _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales,
+                          window, cfg)
+
+
+def ragged_decode_attention_reference(q, k_pages, v_pages, lengths, page_indices, *,
+                                      k_scales=None, v_scales=None, sm_scale=None,
+                                      window=None) -> jax.Array:
+    """:func:`ragged_decode_attention` in plain JAX: gather every page, mask, softmax.
+
+    Arguments as there (``window`` an int, an int32 scalar or None); returns ``[b, h, d]`` in
+    ``q.dtype``. Materialises ``[batch, kv_heads, pages_per_seq * page_size, head_dim]`` float32.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    capacity = page_indices.shape[1] * page_size
+    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+    start = jnp.maximum(lengths - (capacity if window is None else window), 0)
+    pos_t = jnp.arange(capacity, dtype=jnp.int32)
+    valid_bt = (pos_t >= start[:, None]) & (pos_t < lengths[:, None])
+
+    k_bktd = _gather_pages(k_pages, k_scales, page_indices)
+    v_bktd = _gather_pages(v_pages, v_scales, page_indices)
+    # Masked rows may hold anything (stale tokens, NaN): zero them so 0 * NaN cannot appear.
+    v_bktd = jnp.where(valid_bt[:, None, :, None], v_bktd, 0.0)
+    q_bkgd = q.astype(jnp.float32).reshape(batch, num_kv_heads, -1, head_dim)
+    hi = lax.Precision.HIGHEST
+    s_bkgt = jnp.einsum("bkgd,bktd->bkgt", q_bkgd, k_bktd, precision=hi) * sm_scale
+    s_bkgt = jnp.where(valid_bt[:, None, None, :], s_bkgt, -jnp.inf)
+    m_bkg1 = jnp.max(s_bkgt, axis=-1, keepdims=True)
+    p_bkgt = jnp.exp(s_bkgt - jnp.where(jnp.isfinite(m_bkg1), m_bkg1, 0.0))
+    l_bkg1 = jnp.sum(p_bkgt, axis=-1, keepdims=True)
+    out_bkgd = jnp.einsum("bkgt,bktd->bkgd", p_bkgt, v_bktd, precision=hi)
+    out_bkgd = out_bkgd / jnp.where(l_bkg1 > 0, l_bkg1, 1.0)  # empty slot: 0 / 1
+    return out_bkgd.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def quantize_kv(x: jax.Array, scale_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantisation per vector of the last axis (per token, per head).
+
+    ``x [..., head_dim]`` -> ``(values int8 [..., head_dim], scales [...] in scale_dtype)`` with
+    ``x ~= values * scales[..., None]``: ``scale = max|x| / 127``, rounded to ``scale_dtype``
+    first and the values computed from the rounded scale, so the error per element is about
+    half a scale step (at most ``0.51 * max|x| / 127`` for bfloat16 scales). A zero vector gets
+    scale 0 and values 0 (no division by zero).
+    """
+    x32 = x.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(x32), axis=-1) / 127.0).astype(scale_dtype)
+    s32 = scale.astype(jnp.float32)[..., None]
+    safe = jnp.where(s32 > 0, s32, 1.0)
+    values = jnp.clip(jnp.round(x32 / safe), -127, 127).astype(jnp.int8)
+    return values, scale
+
+
+def _gather_pages(pages, scales, page_indices) -> jax.Array:
+    """``[k, P, S, d]`` pages read through ``page_indices [b, p]`` -> float32 ``[b, k, p*S, d]``."""
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    batch, per_seq = page_indices.shape
+    x_kbpsd = pages[:, page_indices].astype(jnp.float32)
+    if scales is not None:
+        x_kbpsd = x_kbpsd * scales[:, page_indices].astype(jnp.float32)[..., None]
+    x_kbtd = x_kbpsd.reshape(num_kv_heads, batch, per_seq * page_size, head_dim)
+    return x_kbtd.transpose(1, 0, 2, 3)
+
+
+# ---------------------------------------------------------------------------
+# Pallas kernel
+
+
+def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *rest,
+                   page_size: int, pages_per_block: int, sm_scale: float, quantized: bool):
+    """One ``(sequence b, kv head h)``: online softmax over blocks of b's pages."""
+    ks_ref, vs_ref, out_ref = rest if quantized else (None, None, rest[0])
+    b, h = pl.program_id(0), pl.program_id(1)
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[b]
+    start = jnp.maximum(length - window_ref[0], 0)
+    first_page = lax.div(start, page_size)
+    last_page = lax.div(jnp.maximum(length - 1, 0), page_size)
+    first_block = lax.div(first_page, pages_per_block)
+    end_block = jnp.where(length > 0, lax.div(last_page, pages_per_block) + 1, first_block)
+    q = q_ref[...]  # [Gp, d], already in the compute dtype
+    gp, head_dim = q.shape
+
+    def block(i, carry):
+        m, l, acc = carry  # [Gp], [Gp], [Gp, d] float32
+        slots = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        # Clamped: slots before the window or past the last page re-read a page in range.
+        pages = table_ref[b, jnp.clip(slots, first_page, last_page)]  # [ppb]
+        pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        valid = (pos >= start) & (pos < length)  # [T]
+        k = k_ref[h, pages].reshape(block_tokens, head_dim).astype(q.dtype)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if quantized:  # K's scale is per column of the scores
+            s = s * ks_ref[h, pages].reshape(1, block_tokens).astype(jnp.float32)
+        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)  # [Gp, T]
+        # Every visited block holds a valid position, so m_new is finite from the first block.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = v_ref[h, pages].reshape(block_tokens, head_dim)
+        if quantized:  # V's scale is per row of V: fold it into p (masked: it may be NaN)
+            v_scale = vs_ref[h, pages].reshape(block_tokens).astype(jnp.float32)
+            p = p * jnp.where(valid, v_scale, 0.0)[None, :]
+        else:
+            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return m_new, l, alpha[:, None] * acc + pv
+
+    init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(first_block, end_block, block, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # an empty slot visits nothing: 0 / 1
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+# Triton, named: JAX 0.10.2 would otherwise lower a GPU pallas_call with Mosaic GPU. Warps and
+# stages are Triton's defaults until measured.
+_TRITON = pl_triton.CompilerParams()
+
+
+def _whole(x: jax.Array) -> pl.BlockSpec:
+    """A block that is the whole array, indexed inside the kernel."""
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
+                      cfg: _Config):
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    for name, n in [("page_size", page_size), ("head_dim", head_dim)]:
+        if n & (n - 1):
+            raise ValueError(f"the pallas backend wants {name} a power of two, got {n}")
+    group = num_heads // num_kv_heads
+    gp = max(MIN_GROUP_ROWS, pl.next_power_of_2(group))
+    ppb = cfg.pages_per_block or max(1, DEFAULT_BLOCK_TOKENS // page_size)
+    quantized = k_scales is not None
+    # int8 pages are converted to q's dtype in the kernel (exact for bf16/f32); float pages meet q
+    # in their common type.
+    compute = q.dtype if quantized else jnp.promote_types(q.dtype, k_pages.dtype)
+    q_bkgd = q.astype(compute).reshape(batch, num_kv_heads, group, head_dim)
+    q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # zero rows: sliced off
+    operands = [lengths, window.reshape(1), page_indices, q_bkgd, k_pages, v_pages]
+    operands += [k_scales, v_scales] if quantized else []
+    group_spec = pl.BlockSpec((None, None, gp, head_dim), lambda b, h: (b, h, 0, 0))
+    in_specs = [_whole(x) for x in operands]
+    in_specs[3] = group_spec
+    kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_block=ppb,
+                               sm_scale=cfg.sm_scale, quantized=quantized)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, gp, head_dim), q.dtype),
+        grid=(batch, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=group_spec,
+        interpret=cfg.interpret,
+        compiler_params=_TRITON,
+        name="ragged_decode_attention",
+    )(*operands)
+    return out[:, :, :group].reshape(batch, num_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnums=8)
+def _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
+                   cfg: _Config):
+    capacity = page_indices.shape[1] * k_pages.shape[2]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+    page_indices = page_indices.astype(jnp.int32)
+    if cfg.backend == "reference":
+        return ragged_decode_attention_reference(
+            q, k_pages, v_pages, lengths, page_indices, k_scales=k_scales, v_scales=v_scales,
+            sm_scale=cfg.sm_scale, window=window)
+    return _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales,
+                             window, cfg)
+
+
+def _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales) -> None:
+    if (q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape
+            or v_pages.dtype != k_pages.dtype):
+        raise ValueError("ragged attention wants q [batch, heads, head_dim] and k_pages, v_pages "
+                         "[kv_heads, pages, page_size, head_dim] of one shape and dtype, got "
+                         f"{q.shape}, {k_pages.shape} {k_pages.dtype}, "
+                         f"{v_pages.shape} {v_pages.dtype}")
+    (batch, num_heads, head_dim), num_kv_heads = q.shape, k_pages.shape[0]
+    if k_pages.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit pages {k_pages.shape}: head_dim must agree and "
+                         "num_heads be a multiple of num_kv_heads")
+    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
+        raise ValueError(f"lengths must be [{batch}] and page_indices [{batch}, pages_per_seq], "
+                         f"got {lengths.shape} and {page_indices.shape}")
+    quantized = k_pages.dtype == jnp.int8
+    if (k_scales is not None, v_scales is not None) != (quantized, quantized):
+        raise ValueError("k_scales and v_scales are given exactly when the pages are int8, got "
+                         f"{k_pages.dtype} pages with scales "
+                         f"{[s is not None for s in (k_scales, v_scales)]}")
+    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
+        raise ValueError(f"k_scales and v_scales must be {k_pages.shape[:3]}, got "
+                         f"{k_scales.shape} and {v_scales.shape}")

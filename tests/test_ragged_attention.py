@@ -1,0 +1,201 @@
+"""Ragged paged decode attention: the kernel against the reference, the reference against dense
+attention in numpy, int8 quantisation of the cache, and the kernel's Triton lowering.
+
+The Pallas kernel runs in interpret mode (the default on CPU). Every case is built from dense
+per-sequence K/V ``[batch, kv_heads, capacity, head_dim]`` scattered into pages through a
+permuted page table, with poison where nothing may be read: positions outside
+``[length - window, length)`` hold NaN (NaN scales for int8 pages), and page-table slots before
+the window's first page or past the last page point at a page of NaN. Lengths include 1, a full
+page, a page + 1, several pages, the whole capacity and 0 (an empty slot: zeros, finite).
+
+Tolerances (relative to the largest reference value): float32 pages 1e-5; bfloat16 pages, or
+int8 pages with a bfloat16 query, 2e-2 (the kernel rounds the probabilities to bf16 for the PV dot,
+and the output is bf16).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hypertron.kernels import ragged_attention as ra
+from hypertron.kernels.ragged_attention import (
+    quantize_kv,
+    ragged_decode_attention,
+    ragged_decode_attention_reference,
+)
+
+S, D, P, H = 16, 16, 5, 4  # page_size, head_dim, pages per sequence, query heads
+CAP = S * P
+# one token, a full page, an empty slot, a page + 1, several pages, the whole capacity
+LENGTHS = np.array([1, S, 0, S + 1, 3 * S + 5, CAP], np.int32)
+WINDOW = 20  # more than a page: the window's first page is partly masked
+_reference = jax.jit(ragged_decode_attention_reference, static_argnames="window")
+
+
+def _case(seed, kv_heads, q_dtype, page_dtype, lengths, window=None):
+    """Inputs of one call (dict of arrays) and the dense float32 ``(q, k, v)`` they came from."""
+    rng = np.random.default_rng(seed)
+    batch = len(lengths)
+    q = rng.standard_normal((batch, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, kv_heads, CAP, D)).astype(np.float32) for _ in "kv")
+    start = np.maximum(lengths - (CAP if window is None else window), 0)
+    valid = (np.arange(CAP) >= start[:, None]) & (np.arange(CAP) < lengths[:, None])  # [b, t]
+    mask = valid[:, None, :, None]
+    home = rng.permutation(batch * P).reshape(batch, P)  # the page of each slot's rows
+    poison = batch * P  # one more page, all NaN (int8: NaN scales)
+
+    def paged(x_bkt, fill):  # [b, k, t(, d)] -> [k, pages + 1, S(, d)]; slot (b, j) -> home[b, j]
+        x_kbpsd = x_bkt.reshape(batch, kv_heads, P, S, *x_bkt.shape[3:]).swapaxes(0, 1)
+        pages = np.full((kv_heads, poison + 1, S, *x_bkt.shape[3:]), fill, x_bkt.dtype)
+        pages[:, home.ravel()] = x_kbpsd.reshape(kv_heads, batch * P, S, *x_bkt.shape[3:])
+        return pages
+
+    args = {"q": jnp.asarray(q, q_dtype), "lengths": jnp.asarray(lengths)}
+    if page_dtype == "int8":
+        dense = []
+        for name, x in [("k", k), ("v", v)]:
+            values, scales = (np.asarray(a, np.float32)
+                              for a in quantize_kv(jnp.asarray(x), jnp.dtype(q_dtype)))
+            dense.append(np.where(mask, values * scales[..., None], np.nan))
+            args[f"{name}_pages"] = jnp.asarray(paged(values, 0), jnp.int8)
+            scales = np.where(valid[:, None], scales, np.nan)
+            args[f"{name}_scales"] = jnp.asarray(paged(scales, np.nan), q_dtype)
+        k, v = dense
+    else:
+        k, v = (np.asarray(jnp.asarray(np.where(mask, x, np.nan), page_dtype), np.float32)
+                for x in (k, v))
+        args["k_pages"], args["v_pages"] = (jnp.asarray(paged(x, np.nan), page_dtype)
+                                            for x in (k, v))
+    slot = np.arange(P)
+    outside = ((slot < (start // S)[:, None]) | (slot > ((lengths - 1) // S)[:, None])
+               | (lengths == 0)[:, None])  # before the window's first page, past the last
+    args["page_indices"] = jnp.asarray(np.where(outside, poison, home), jnp.int32)
+    return args, (np.asarray(args["q"], np.float32), k, v)
+
+
+def _dense_attention(q, k, v, lengths, window=None):
+    """The definition, one sequence and head at a time over contiguous K/V, in float64."""
+    num_heads = q.shape[1]
+    group = num_heads // k.shape[1]
+    out = np.zeros(q.shape)  # an empty sequence stays 0
+    for b, n in enumerate(lengths):
+        lo = max(n - (CAP if window is None else window), 0)
+        for h in range(num_heads if n else 0):
+            kk, vv = k[b, h // group, lo:n].astype(np.float64), v[b, h // group, lo:n]
+            s = kk @ q[b, h] * D ** -0.5
+            p = np.exp(s - s.max())
+            out[b, h] = p @ vv / p.sum()
+    return out
+
+
+def _assert_close(got, want, tol):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
+
+
+def _lengths(seed):
+    """LENGTHS, and a second random set (with an empty slot) of the same batch size."""
+    rng = np.random.default_rng(seed)
+    return [LENGTHS, np.append(rng.integers(1, CAP + 1, len(LENGTHS) - 1), 0).astype(np.int32)]
+
+
+# (query dtype, page dtype, kv heads (GQA ratio 4 / kv_heads), pages per block, tolerance)
+CASES = [
+    ("float32", "float32", 4, 1, 1e-5),
+    ("float32", "float32", 2, 2, 1e-5),
+    ("float32", "float32", 1, 4, 1e-5),
+    ("bfloat16", "bfloat16", 2, 2, 2e-2),
+    ("float32", "int8", 2, None, 1e-5),  # default block: 8 pages, more than a sequence has
+    ("bfloat16", "int8", 1, 2, 2e-2),
+]
+
+
+@pytest.mark.parametrize("q_dtype,page_dtype,kv_heads,ppb,tol", CASES)
+def test_kernel_matches_reference(q_dtype, page_dtype, kv_heads, ppb, tol):
+    compiled = ra._attention_jit._cache_size()
+    for seed, lengths in enumerate(_lengths(kv_heads)):
+        for window in (None, WINDOW):
+            args, _ = _case(seed, kv_heads, q_dtype, page_dtype, lengths, window)
+            got = ragged_decode_attention(**args, window=window, backend="pallas",
+                                          pages_per_block=ppb)
+            want = ragged_decode_attention(**args, window=window, backend="reference")
+            assert got.dtype == jnp.dtype(q_dtype)
+            _assert_close(got, want, tol)
+            assert not np.asarray(got, np.float32)[lengths == 0].any()  # empty slot: zeros
+    # lengths, page tables and windows are data: one compiled function per backend for all
+    assert ra._attention_jit._cache_size() - compiled <= 2
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_reference_is_dense_attention(page_dtype, window):
+    for kv_heads in (4, 1):
+        args, (q, k, v) = _case(7, kv_heads, "float32", page_dtype, LENGTHS, window)
+        got = _reference(**args, window=window)
+        _assert_close(got, _dense_attention(q, k, v, LENGTHS, window), 1e-5)
+    assert ra.AUTO_BACKEND["cpu"] == "reference"
+    if jax.default_backend() == "cpu":  # "auto" is the reference here, bit for bit
+        np.testing.assert_array_equal(ragged_decode_attention(**args, window=window),
+                                      ragged_decode_attention(**args, window=window,
+                                                              backend="reference"))
+
+
+@pytest.mark.parametrize("scale_dtype,bound", [("float32", 0.5 + 1e-5), ("bfloat16", 0.51)])
+def test_quantize_kv_round_trip(scale_dtype, bound):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 64)) * np.exp(rng.uniform(-6, 6, (3, 5, 1)))
+    x[1, 2] = 0.0  # a zero vector
+    values, scales = quantize_kv(jnp.asarray(x, jnp.float32), jnp.dtype(scale_dtype))
+    assert values.dtype == jnp.int8 and values.shape == x.shape
+    assert scales.dtype == jnp.dtype(scale_dtype) and scales.shape == x.shape[:-1]
+    back = np.asarray(values, np.float32) * np.asarray(scales, np.float32)[..., None]
+    assert np.isfinite(back).all() and not back[1, 2].any() and float(scales[1, 2]) == 0.0
+    step = np.abs(x).max(-1, keepdims=True) / 127
+    assert (np.abs(back - x) <= bound * step).all()
+    assert np.abs(np.asarray(values)).max() == 127  # the largest element of each vector
+
+
+def test_bad_arguments_are_refused():
+    args, _ = _case(0, 2, "float32", "float32", LENGTHS)
+    with pytest.raises(ValueError, match="backend"):
+        ragged_decode_attention(**args, backend="triton")
+    with pytest.raises(ValueError, match="pages_per_block"):
+        ragged_decode_attention(**args, backend="pallas", pages_per_block=3)
+    with pytest.raises(ValueError, match="window"):
+        ragged_decode_attention(**args, window=0)
+    with pytest.raises(ValueError, match="scales"):
+        ragged_decode_attention(**{**args, "k_pages": args["k_pages"].astype(jnp.int8),
+                                   "v_pages": args["v_pages"].astype(jnp.int8)})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ragged_decode_attention(**{**args, "q": args["q"][:, :3]})
+    with pytest.raises(ValueError, match="page_indices"):
+        ragged_decode_attention(**{**args, "page_indices": args["page_indices"][:-1]})
+
+
+@pytest.mark.parametrize("q_dtype,page_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                ("bfloat16", "int8")])
+def test_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
+    """The kernel lowers to Triton IR for a CUDA target, without a GPU (GQA 4, a window, 4 pages
+    a block; head_dim 128 and page_size 16 as the engine uses). Compiling that IR to PTX and
+    running it needs a GPU and is not checked here."""
+    export = pytest.importorskip("jax.export", reason="jax.export is needed to lower for CUDA")
+    qd, pd = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    quantized = page_dtype == "int8"
+    specs = [((3, 8, 128), qd), ((2, 10, 16, 128), pd), ((2, 10, 16, 128), pd), ((3,), jnp.int32),
+             ((3, 5), jnp.int32)] + [((2, 10, 16), jnp.bfloat16)] * (2 * quantized)
+
+    def step(q, k, v, lengths, table, *scales):
+        kw = dict(zip(["k_scales", "v_scales"], scales))
+        return ragged_decode_attention(q, k, v, lengths, table, **kw, window=40, backend="pallas",
+                                       pages_per_block=4, interpret=False)
+
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(jax.jit(step), platforms=("cuda",),
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
+    module = exported(*[jax.ShapeDtypeStruct(s, d) for s, d in specs]).mlir_module()
+    kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
+               if f"custom_call @{triton}" in line]
+    assert kernels == ["ragged_decode_attention"]
