@@ -1,0 +1,169 @@
+"""int8 weight-only quantisation for serving: int8 values and per-output-channel float32 scales.
+
+A weight ``w`` becomes ``QArray(values, scales)`` with ``w ~= values * scales``.
+Quantisation is symmetric: ``scale = max|w| / 127`` over the axes the weight
+contracts in its einsum, so a scale is constant along every contracted axis
+and the einsum can multiply the int8 weight first and scale its output after
+(an exact rearrangement). Scales keep the weight's rank with size-1 contracted
+axes, so they broadcast against the values and slice with them: a stack of
+layers ``[l, ...]`` quantised here has values ``[l, ...]`` and scales
+``[l, ...]``, and ``jax.lax.scan`` over the layers hands each layer its own.
+
+The matmul weights of the decoder and the MoE block are quantised; norms and
+the MoE router (a small float32 routing decision) are not. Written here rather
+than taken from a library because it has to go through the model's own einsum
+hook and parameter tree (AQT and qwix quantise Flax modules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypertron.config import ModelConfig
+
+QMAX = 127  # symmetric: -127..127, so the grid is the same on both sides of zero
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
+@dataclass(frozen=True, eq=False)  # holds arrays: identity, not elementwise, equality
+class QArray:
+    """A quantised weight: ``values`` int8 of the weight's shape, ``scales`` float32 of the same
+    rank, size 1 along the contracted axes (``w ~= values * scales``)."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+
+def quantize(w: jax.Array, contracting: tuple[int, ...]) -> QArray:
+    """Symmetric int8 quantisation of ``w`` with one scale per channel of the axes not in
+    ``contracting``: ``scales = max|w| / 127`` over ``contracting`` (kept as size-1 axes), and
+    ``values = round(w / scales)``, so ``|w - values * scales| <= scales / 2``."""
+    w32 = jnp.asarray(w).astype(jnp.float32)
+    scales = jnp.max(jnp.abs(w32), axis=contracting, keepdims=True) / QMAX
+    safe = jnp.where(scales == 0, 1.0, scales)  # an all-zero channel stays zero
+    values = jnp.clip(jnp.round(w32 / safe), -QMAX, QMAX).astype(jnp.int8)
+    return QArray(values, scales)
+
+
+def dense(w: QArray | jax.Array, dtype) -> jax.Array:
+    """``w`` as a plain array in ``dtype``: dequantised (``values * scales``, in float32 first)
+    if quantised, else cast. For code that cannot go through the einsum (the MoE grouped matmul)."""
+    if isinstance(w, QArray):
+        return (w.values.astype(jnp.float32) * w.scales).astype(dtype)
+    return w.astype(dtype)
+
+
+def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Array:
+    """``einsum(subscripts, x, w)`` with a quantised ``w``: the int8 values cast to ``dtype``
+    (exact: int8 fits bf16 and wider), accumulated in float32, then the output times the
+    scales, which ``w``'s contracted axes (its letters missing from the output) must not vary along.
+    Returns ``out_dtype``."""
+    if "->" not in subscripts or "." in subscripts:
+        raise ValueError(f"quantised einsum needs explicit subscripts without '...', got {subscripts!r}")
+    inputs, out_sub = subscripts.replace(" ", "").split("->")
+    _, w_sub = inputs.split(",")
+    if len(w_sub) != w.ndim:
+        raise ValueError(f"{subscripts}: weight has rank {w.ndim}")
+    for i, c in enumerate(w_sub):
+        if c not in out_sub and w.scales.shape[i] != 1:
+            raise ValueError(
+                f"{subscripts}: the weight's scales vary along contracted axis {c!r}; quantise it with "
+                "one scale per output channel of this einsum"
+            )
+    y = jnp.einsum(subscripts, x.astype(dtype), w.values.astype(dtype), preferred_element_type=jnp.float32)
+    # Scales to the output's layout: drop the contracted (size-1) axes, order the rest as in the
+    # output, and give the output's other axes (from x only) size 1.
+    kept = "".join(c for c in w_sub if c in out_sub)
+    s = w.scales.reshape([w.scales.shape[i] for i, c in enumerate(w_sub) if c in out_sub])
+    in_out_order = [c for c in out_sub if c in kept]
+    s = jnp.transpose(s, [kept.index(c) for c in in_out_order])
+    s = s.reshape([s.shape[in_out_order.index(c)] if c in kept else 1 for c in out_sub])
+    return (y * s).astype(out_dtype)
+
+
+def take_rows(table_vd: QArray, ids: jax.Array, dtype, layout=None) -> jax.Array:
+    """Rows ``ids`` of a quantised table [v, d] in ``dtype``: the int8 rows and their scales are
+    gathered, then multiplied (nothing else is dequantised). ``layout`` is applied to the values
+    and the scales before the gather."""
+    layout = layout or (lambda a: a)
+    rows = jnp.take(layout(table_vd.values), ids, axis=0).astype(jnp.float32)
+    return (rows * jnp.take(layout(table_vd.scales), ids, axis=0)).astype(dtype)
+
+
+# How each weight is used (decoder.py, moe.py): its scales are per output channel of this einsum,
+# i.e. constant along the weight's letters missing from the output. Layer weights get the stacked
+# layers axis in front (one scale set per layer).
+_USE: dict[str, str] = {
+    "wq": "btd,dnh->btnh",  # per (n, h)
+    "wk": "btd,dkh->btkh",
+    "wv": "btd,dkh->btkh",
+    "wo": "btnh,nhd->btd",  # per d
+    "w_gate": "btd,df->btf",  # dense MLP and MoE shared experts
+    "w_up": "btd,df->btf",
+    "w_down": "btf,fd->btd",
+    "we_gate": "ecd,edf->ecf",  # per (e, f); the grouped matmul contracts d too
+    "we_up": "ecd,edf->ecf",
+    "we_down": "ecf,efd->ecd",
+    "embed": "btd,vd->btv",  # tied unembedding: per v, which is per row for the gather
+    "unembed": "btd,dv->btv",
+}
+_KEPT = {"attn_norm", "mlp_norm", "final_norm", "router"}  # norms; the router routes in float32
+
+
+def _weight_subscripts(name: str) -> tuple[str, str]:
+    """The weight's letters and the output's in parameter ``name``'s einsum."""
+    inputs, out = _USE[name].split("->")
+    return inputs.split(",")[1], out
+
+
+def contracting_axes(name: str) -> tuple[int, ...]:
+    """The axes parameter ``name`` (unstacked) contracts in its einsum: where its scales have size 1."""
+    w_sub, out = _weight_subscripts(name)
+    return tuple(i for i, c in enumerate(w_sub) if c not in out)
+
+
+_quantize_jit = jax.jit(quantize, static_argnums=1)
+
+
+def quantize_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """The parameter tree with every matmul weight replaced by a :class:`QArray` (int8, one scale
+    per output channel of its einsum, per layer for the stacked ``layers``); norms and the MoE
+    router stay as they are. Unknown parameter names are refused rather than guessed at; weights
+    already quantised are kept. Each weight is quantised by its own small jitted program, so the
+    temporaries are those of one weight, not of the whole model."""
+
+    def one(path: str, name: str, w, stacked: bool):
+        if name in _KEPT or isinstance(w, QArray):
+            return w
+        if name not in _USE:
+            raise ValueError(f"quantize_params: unknown parameter {path!r}")
+        rank = len(_weight_subscripts(name)[0]) + stacked
+        if w.ndim != rank or (stacked and w.shape[0] != cfg.num_layers):
+            where = f", stacked over {cfg.num_layers} layers" if stacked else ""
+            raise ValueError(f"{path}: shape {tuple(w.shape)} does not fit its use {_USE[name]}{where}")
+        return _quantize_jit(w, tuple(a + stacked for a in contracting_axes(name)))
+
+    out = {name: one(name, name, w, False) for name, w in params.items() if name != "layers"}
+    out["layers"] = {name: one(f"layers.{name}", name, w, True) for name, w in params["layers"].items()}
+    return {name: out[name] for name in params}
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes the parameters occupy: every array leaf, so a :class:`QArray` counts its int8 values
+    and its float32 scales. Works on arrays and on ``jax.ShapeDtypeStruct`` trees."""
+    return int(sum(int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(params)))
