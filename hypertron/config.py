@@ -49,7 +49,7 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     # dropless: every routed token is computed (grouped matmul); capped: at most
-    # capacity_factor * tokens * top_k / num_experts tokens per expert, the rest dropped.
+    # capacity_factor * seq_len * top_k / num_experts copies per expert and row, the rest dropped.
     mode: str = "dropless"  # dropless | capped
     capacity_factor: float = 1.25
     # topk_softmax: softmax over the top-k logits (Mixtral); softmax_topk: softmax over all
@@ -102,9 +102,10 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1  # MoE expert parallelism; a data-parallel axis outside the experts
     tensor: int = 1
 
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "tensor")
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """Resolve -1 and check the product against ``num_devices``."""
@@ -534,12 +535,17 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
                 f"{tok.vocab_size}"
             )
     shape = cfg.mesh.shape(num_devices)
-    data_shards = shape["data"] * shape["fsdp"]
+    data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
     if micro % data_shards:
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} (micro-batch {micro}) is not divisible "
-            f"by the {data_shards} data shards (mesh data x fsdp)"
+            f"by the {data_shards} data shards (mesh data x fsdp x expert)"
+        )
+    moe = cfg.model.moe
+    if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
+        raise ConfigError(
+            f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
         )
     processes = jax.process_count()
     if processes > 1:
@@ -547,7 +553,7 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
         # tensor-parallel group must not span two of them (its devices would get different rows).
         if data_shards % processes:
             raise ConfigError(
-                f"mesh: the {data_shards} data shards (data x fsdp) do not divide over {processes} processes"
+                f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
             )
         if jax.local_device_count() % shape["tensor"]:
             raise ConfigError(

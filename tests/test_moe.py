@@ -49,7 +49,7 @@ def _per_token(x_td, weights_tk, experts_tk, p, cfg, keep_tk=None):
 
 
 def test_capped_drops_exactly_the_copies_past_capacity():
-    cfg = _cfg(num_experts=2, top_k=2, mode="capped", capacity_factor=0.3)  # ceil(0.3 x 6 x 2 / 2)
+    cfg = _cfg(num_experts=2, top_k=2, mode="capped", capacity_factor=0.3)  # ceil(0.3 x 6 x 2 / 2) per sequence
     assert capacity(cfg, 6) == 2
     p = _layer_params(cfg)
     x_td = jax.random.normal(jax.random.key(3), (6, cfg.embed_dim))
@@ -59,9 +59,15 @@ def test_capped_drops_exactly_the_copies_past_capacity():
     # 2, 4 and keeps 0 and 1; expert 1 keeps tokens 3 and 5. Every second choice finds its expert full.
     keep = np.zeros((6, 2), bool)
     keep[[0, 1, 3, 5], 0] = True
-    y_td, dropped = _capped(x_td, weights_tk, experts_tk, p, cfg, EINSUM, activation)
+    y_td, dropped = _capped(x_td[None], weights_tk, experts_tk, p, cfg, EINSUM, activation)
     np.testing.assert_allclose(y_td, _per_token(x_td, weights_tk, experts_tk, p, cfg, keep), rtol=1e-5, atol=1e-6)
     assert float(dropped) == pytest.approx(8 / 12)
+    # Capacity is per sequence: the same six tokens as a second row of a batch drop the same copies.
+    x2 = jnp.stack([jnp.roll(x_td, 1, axis=0), x_td])
+    y2, dropped2 = _capped(x2, jnp.concatenate([weights_tk, weights_tk]), jnp.concatenate([experts_tk, experts_tk]),
+                           p, cfg, EINSUM, activation)
+    np.testing.assert_allclose(y2[6:], y_td, rtol=1e-5, atol=1e-6)
+    assert float(dropped2) == pytest.approx(8 / 12)
 
 
 @pytest.mark.parametrize("gating", ["topk_softmax", "softmax_topk"])

@@ -10,10 +10,11 @@ from hypertron.config import MeshConfig
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, tensor); one configured size may be -1 (the rest).
+    """A mesh with axes (data, fsdp, expert, tensor); one configured size may be -1 (the rest).
 
     ``tensor`` varies fastest, so tensor-parallel groups sit on neighbouring
-    devices (same host, fastest links); ``data`` varies slowest. Devices are
+    devices (same host, fastest links), then ``expert`` (whose all-to-alls come
+    next in traffic); ``data`` varies slowest. Devices are
     ordered by process, so each process holds a contiguous block of the batch
     axes and feeds exactly its own rows.
     """

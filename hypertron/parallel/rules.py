@@ -19,10 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MeshAxes = str | tuple[str, ...] | None
 
 # Logical axis -> mesh axis (or axes). Parameters are sharded over fsdp on their
-# embed axis and over tensor on heads / mlp / vocab (Megatron style); batches over
-# data and fsdp. ``act_*`` axes are activations; ``layers`` and ``head_dim`` stay whole.
+# embed axis and over tensor on heads / mlp / vocab (Megatron style), MoE experts
+# over expert; batches over data, fsdp and expert (outside the experts, the expert
+# axis is one more data-parallel axis, as in GShard). ``act_*`` axes are
+# activations; ``layers`` and ``head_dim`` stay whole.
 DEFAULT_RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "act_embed": None,
     "act_heads": "tensor",
@@ -34,7 +36,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
-    "expert": None,  # experts are sharded like dense MLPs for now; an expert mesh axis is to come
+    "expert": "expert",
     "head_dim": None,
     "layers": None,
     "norm": None,
@@ -107,6 +109,11 @@ def use_rules(mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES) -> Iterato
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[Mesh, dict[str, MeshAxes]] | None:
+    """The mesh and rules of the enclosing :func:`use_rules` block, or None."""
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
