@@ -30,7 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hypertron.checkpoint import load_params
     from hypertron.config import ConfigError
     from hypertron.data import get_tokenizer
-    from hypertron.serve.generate import generate
+    from hypertron.serve.generate import generate, prepare_params
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
@@ -53,6 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={cfg.model.max_seq_len}"
         )
+    params = prepare_params(params, cfg.model, args.quantize)
     (out,) = generate(
         params, cfg.model, [ids], args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
@@ -144,6 +145,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hypertron.serve.server import main as serve_main
+
+    return serve_main(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hypertron.serve.loadgen import BenchSettings, bench_serve
+
+    names = {f.name for f in dataclasses.fields(BenchSettings)}
+    return bench_serve(BenchSettings(**{k: v for k, v in vars(args).items() if k in names}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hypertron", description="Train and serve LLMs in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -164,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
@@ -199,6 +217,59 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a SentencePiece .model")
     k.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
     k.set_defaults(func=cmd_tokenize)
+
+    sv = sub.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
+        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.",
+    )
+    sv.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (latest checkpoint is used)")
+    sv.add_argument("--host", default="127.0.0.1", help="default %(default)s")
+    sv.add_argument("--port", type=int, default=8000, help="default %(default)s")
+    sv.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    sv.add_argument("--max-slots", type=int, default=8, metavar="N", help="decode batch size (default %(default)s)")
+    sv.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default %(default)s)")
+    sv.add_argument("--num-pages", type=int, metavar="N", help="KV pages (default: every slot at max_seq_len)")
+    sv.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32", "int8"), default="auto",
+                    help="auto = the model's compute dtype")
+    sv.add_argument("--quantize", choices=("none", "int8"), default="none", help="weight precision")
+    sv.add_argument("--max-queue", type=int, default=256, metavar="N",
+                    help="requests waiting for a slot before new ones get 429 (default %(default)s)")
+    sv.add_argument("--max-prompt-tokens", type=int, metavar="N", help="default: max_seq_len - 1")
+    sv.add_argument("--max-tokens-limit", type=int, metavar="N", help="largest max_tokens (default: max_seq_len)")
+    sv.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the run directory's name)")
+    sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    what = b.add_subparsers(dest="what", required=True)
+    bs = what.add_parser(
+        "serve", help="load-test an OpenAI-compatible completions server",
+        description="Send streaming POST /v1/completions requests to any OpenAI-compatible server, "
+        "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
+        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).",
+    )
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL", help="default %(default)s")
+    bs.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
+                    help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    bs.add_argument("--model", help="default: the first id from GET /v1/models")
+    bs.add_argument("--num-requests", type=int, default=100, metavar="N", help="default %(default)s")
+    bs.add_argument("--request-rate", type=float, metavar="R",
+                    help="Poisson arrivals, requests/s; inf = all at once (the default)")
+    bs.add_argument("--concurrency", type=int, metavar="N", help="keep N requests in flight instead")
+    bs.add_argument("--prompts", metavar="FILE", help='JSONL: {"prompt": str or [token ids], '
+                    '"max_tokens"?: int} per line, cycled (default: random token-id prompts)')
+    bs.add_argument("--random-input-len", type=int, metavar="L", help="random prompt length (default 128)")
+    bs.add_argument("--random-vocab-low", type=int, default=3, metavar="ID", help="default %(default)s")
+    bs.add_argument("--random-vocab-high", type=int, default=259, metavar="ID", help="exclusive, default %(default)s")
+    bs.add_argument("--max-tokens", type=int, default=128, metavar="M",
+                    help="per request, unless its prompts line says (default %(default)s)")
+    bs.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0 (greedy)")
+    bs.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (an extension)')
+    bs.add_argument("--seed", type=int, default=0, metavar="S", help="for the arrival times and random prompts")
+    bs.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds to connect, or between two reads of a stream (default %(default)s)")
+    bs.add_argument("--output", metavar="FILE", help="write the report as JSON")
+    bs.set_defaults(func=cmd_bench_serve)
     return p
 
 

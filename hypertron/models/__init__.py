@@ -10,6 +10,7 @@ from hypertron.models.decoder import (
     declare,
     forward,
     forward_cached,
+    forward_paged,
     forward_with_stats,
     init_cache,
     resolve_dtype,
@@ -27,4 +28,4 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=None):
     return _params.initialize(declare(cfg), key, dtype)
 
 
-__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_with_stats", "init_cache", "init_params", "resolve_dtype"]
+__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats", "init_cache", "init_params", "resolve_dtype"]

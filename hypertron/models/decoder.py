@@ -14,16 +14,18 @@ Naming: ``b`` batch, ``t`` query positions, ``s`` key positions, ``d`` embed,
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
+from hypertron.models.kv_pages import decode_attention
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, fan_in_normal, stack
 from hypertron.parallel.rules import constrain
-from hypertron.quant import einsum_for
+from hypertron.quant import einsum_for, take_rows
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -224,6 +226,8 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | 
         k = constrain(apply_rope(k, ctx["positions"], ctx["inv_freq"]), ("batch", "seq", "act_kv_heads", "head_dim"))
         if cache is None:
             attn = self_attention(q, k, v, ctx["positions"], ctx["segment_ids"], cfg)
+        elif "k_pages" in cache:  # the serving engine's paged cache, one token per sequence
+            attn, cache = decode_attention(q, k, v, cache, ctx, cfg)
         else:
             cache = {
                 "k": _write_cache(cache["k"], k, ctx["positions"]),
@@ -260,19 +264,20 @@ _REMAT_POLICIES = {
 }
 
 
-def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache):
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache, paging=None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for("none", dtype)
     b, t = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ctx = {"positions": positions_bt, "segment_ids": segment_ids_bt, "inv_freq": rope_frequencies(cfg)}
+    if paging is not None:
+        ctx["page_table"], ctx["lengths"] = paging
 
     with jax.named_scope("embed"):
         # Gather from a replicated table: a gather from an fsdp/tensor-sharded table
         # makes the partitioner replicate its output anyway, less efficiently.
-        table_vd = constrain(params["embed"].astype(dtype), (None, None))
-        x_btd = jnp.take(table_vd, tokens_bt, axis=0)
+        x_btd = take_rows(params["embed"], tokens_bt, dtype, partial(constrain, axes=(None, None)))
         if cfg.embed_scale:
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.embed_dim), dtype)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
@@ -290,8 +295,7 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
     else:
         outs = []
         for i in range(cfg.num_layers):
-            take = lambda a: a[i]
-            x_btd, out = body(x_btd, jax.tree.map(take, (params["layers"], cache)))
+            x_btd, out = body(x_btd, jax.tree.map(lambda a, i=i: a[i], (params["layers"], cache)))
             outs.append(out)
         cache, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
@@ -355,3 +359,17 @@ def forward_cached(
     """
     logits, cache, _ = _decoder(params, tokens_bt, cfg, positions_bt, None, cache)
     return logits, cache
+
+
+def forward_paged(params: Params, tokens_b: jax.Array, cache: Cache, page_table_bp: jax.Array,
+                  lengths_b: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Cache]:
+    """One decode step over a paged cache (:mod:`hypertron.models.kv_pages`): logits ``[b, vocab]``.
+
+    Token ``tokens_b[i]`` sits at position ``lengths_b[i]`` (the tokens already cached); its
+    K/V are written there and it attends to the ``lengths_b[i] + 1`` tokens of its pages. Rows
+    with ``lengths_b < 0`` are empty slots (nothing read, their write goes to page 0).
+    """
+    positions = jnp.maximum(lengths_b, 0)[:, None]
+    paging = (page_table_bp, jnp.where(lengths_b >= 0, lengths_b + 1, 0))
+    logits, cache, _ = _decoder(params, tokens_b[:, None], cfg, positions, None, cache, paging)
+    return logits[:, 0], cache

@@ -14,6 +14,9 @@ import numpy as np
 
 from hypertron.config import ModelConfig
 from hypertron.models import forward_cached, init_cache
+from hypertron.quant import quantize_params
+
+QUANTIZE = ("none", "int8")  # weight precision for serving
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -56,6 +59,17 @@ def _generate(params, tokens_bt, lengths_b, key, *, cfg, max_new_tokens, tempera
 
     _, rest = jax.lax.scan(step, (cache, first, lengths_b, key), None, length=max_new_tokens - 1)
     return jnp.concatenate([first[:, None], rest.T], axis=1)  # [b, max_new_tokens]
+
+
+def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):
+    """Parameters as generation uses them: unchanged for ``"none"``; for ``"int8"`` every matmul
+    weight becomes int8 values with per-output-channel scales (:func:`hypertron.quant.quantize_params`),
+    about a quarter of float32's bytes, computed in the model's compute dtype."""
+    if quantize == "none":
+        return params
+    if quantize == "int8":
+        return quantize_params(params, cfg)
+    raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(QUANTIZE)}")
 
 
 def _bucket(n: int, multiple: int = 16) -> int:

@@ -1,0 +1,78 @@
+"""The paged KV cache of the serving engine: fixed-size pages shared by every sequence.
+
+Per layer, ``k_pages`` / ``v_pages [kv_heads, num_pages, page_size, head_dim]`` (the
+layout of :mod:`hypertron.kernels.ragged_attention`), stacked over layers like the
+parameters. With ``int8`` pages, ``k_scales`` / ``v_scales [kv_heads, num_pages,
+page_size]`` (bfloat16) hold one scale per token and head. A sequence's tokens live
+in the pages its row of the page table names: token ``t`` in row ``t % page_size``
+of page ``page_table[t // page_size]``. Page 0 is never given to a sequence: rows
+of the page table past a sequence's pages, and empty slots, point at it, so their
+writes land there harmlessly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hypertron.config import ModelConfig
+from hypertron.kernels.ragged_attention import quantize_kv, ragged_decode_attention
+
+NULL_PAGE = 0
+KV_DTYPES = ("auto", "bfloat16", "float32", "int8")
+SCALE_DTYPE = jnp.bfloat16
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
+    """An empty cache of ``num_pages`` pages per layer in ``dtype`` (a float dtype or int8)."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    cache = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
+    if jnp.dtype(dtype) == jnp.int8:
+        cache |= {"k_scales": jnp.zeros(shape[:-1], SCALE_DTYPE), "v_scales": jnp.zeros(shape[:-1], SCALE_DTYPE)}
+    return cache
+
+
+def bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """Cache bytes one token takes over all layers, K and V, scales included."""
+    per_head = cfg.head_dim * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.int8:
+        per_head += jnp.dtype(SCALE_DTYPE).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def _store(cache: dict, name: str, x_bkh: jax.Array, page_b: jax.Array, row_b: jax.Array) -> dict:
+    """Write one token's ``[b, kv_heads, head_dim]`` vectors at (page, row) of one layer's pages."""
+    pages = cache[f"{name}_pages"]
+    if pages.dtype == jnp.int8:
+        values, scales = quantize_kv(x_bkh, SCALE_DTYPE)
+        cache = cache | {f"{name}_scales": cache[f"{name}_scales"].at[:, page_b, row_b].set(scales.swapaxes(0, 1))}
+        x_bkh = values
+    return cache | {f"{name}_pages": pages.at[:, page_b, row_b].set(x_bkh.astype(pages.dtype).swapaxes(0, 1))}
+
+
+def write_tokens(cache: dict, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt: jax.Array,
+                 page_table_bp: jax.Array, valid_bt: jax.Array) -> dict:
+    """One layer: write K/V of tokens at ``positions`` into their pages (invalid ones to page 0)."""
+    page_size = cache["k_pages"].shape[2]
+    b, t = positions_bt.shape
+    pages_bt = jnp.take_along_axis(page_table_bp, positions_bt // page_size, axis=1)
+    pages_bt = jnp.where(valid_bt, pages_bt, NULL_PAGE).reshape(-1)
+    rows_bt = (positions_bt % page_size).reshape(-1)
+    flat = lambda x: x.reshape(b * t, *x.shape[2:])
+    cache = _store(cache, "k", flat(k_btkh), pages_bt, rows_bt)
+    return _store(cache, "v", flat(v_btkh), pages_bt, rows_bt)
+
+
+def decode_attention(q_btnh, k_btkh, v_btkh, cache: dict, ctx: dict, cfg: ModelConfig):
+    """One layer of a decode step (``t == 1``): write the new K/V, attend over each sequence's pages.
+
+    ``ctx["page_table"] [b, pages_per_seq]`` and ``ctx["lengths"] [b]`` (tokens in the cache
+    *including* the new one; 0 for an empty slot) come from the engine.
+    """
+    lengths = ctx["lengths"]
+    cache = write_tokens(cache, k_btkh, v_btkh, ctx["positions"], ctx["page_table"], (lengths > 0)[:, None])
+    attn_bnh = ragged_decode_attention(
+        q_btnh[:, 0], cache["k_pages"], cache["v_pages"], lengths, ctx["page_table"],
+        k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"), window=cfg.sliding_window,
+    )
+    return attn_bnh[:, None], cache

@@ -1,0 +1,109 @@
+"""The real engine behind the OpenAI-compatible server, against a tiny random ``transformers`` Llama.
+
+The model is built from a config (no download), loaded with :func:`load_hf` and served
+with the paged engine and the byte tokenizer; prompts are token ids, so both sides see the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from test_server import MODEL, TOK, Server  # tests/
+
+from hypertron.models.hf import load_hf
+from hypertron.serve.engine import PagedEngine
+
+torch.set_num_threads(1)
+VOCAB = 300  # the byte tokenizer's 259 ids fit
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim > 1 else 1 + 0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    cfg, params = load_hf(path)
+    return model, cfg, params
+
+
+@pytest.fixture(scope="module")
+def server(hf):
+    _, cfg, params = hf
+    # eos_id None: the byte tokenizer's eos (2) is just another id to this random model.
+    engine = PagedEngine(params, cfg, max_slots=4, page_size=8, num_pages=40, max_top_logprobs=5)
+    with Server(engine) as s:
+        yield s
+
+
+def test_echo_logprobs_equal_the_log_softmax_of_transformers_logits(hf, server):
+    model = hf[0]
+    prompt = [17, 250, 3, 99, 140, 7, 64, 201, 33, 12]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 5,
+            "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    lp = r["choices"][0]["logprobs"]
+    generated = r["usage"]["completion_tokens"]
+    assert generated == 4 and len(lp["token_logprobs"]) == len(prompt) + 4
+    with torch.no_grad():
+        full = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                              pad_token_id=None)[0]
+        logp = torch.log_softmax(model(full[None]).logits[0].double(), dim=-1).numpy()
+    seq = full.tolist()
+    assert lp["token_logprobs"][0] is None
+    for i in range(1, len(seq)):
+        assert lp["token_logprobs"][i] == pytest.approx(logp[i - 1, seq[i]], abs=1e-4), i
+        # top_logprobs is keyed by token text (ids past the byte range share one), so check values:
+        # each is one of the true top-5 (or the chosen token's), and the best is the true best.
+        allowed = np.append(np.sort(logp[i - 1])[::-1][:5], logp[i - 1, seq[i]])
+        values = list(lp["top_logprobs"][i].values())
+        assert all(np.abs(allowed - v).min() < 1e-4 for v in values)
+        assert max(values) == pytest.approx(allowed[0], abs=1e-4)
+
+
+def test_concurrent_greedy_requests_equal_transformers_generate(hf, server):
+    model = hf[0]
+    prompts = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108], [42] * 14, [250, 9]]
+
+    def complete(prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(complete, prompts))
+    for prompt, answer in zip(prompts, answers):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                 pad_token_id=None)[0, len(prompt):].tolist()
+        assert answer["choices"][0]["text"] == TOK.decode(out), (prompt, out)
+
+
+def test_openai_client_with_the_real_engine_repeats_a_seeded_sample(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model=MODEL, prompt=[11, 12, 13, 14], max_tokens=8, temperature=1.0, top_p=0.9,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=3, **kw).choices[0].text
+    b = client.completions.create(seed=3, **kw).choices[0].text
+    c = client.completions.create(seed=4, **kw).choices[0].text
+    assert a == b and a != c
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    stream = client.completions.create(stream=True, **(kw | {"seed": 3}))
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == a
+    server.wait_idle()
