@@ -85,9 +85,9 @@ def test_sample_rows_applies_each_rows_settings():
     temperature = jnp.array([0.0, 1.0, 1.0, 1.0])
     top_k = jnp.array([0, 1, 0, 2])
     top_p = jnp.array([1.0, 1.0, 0.4, 1.0])
-    seeds, positions = jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32)
-    draws = np.stack([np.asarray(sample_rows(logits, temperature, top_k, top_p, seeds + 4 * i, positions))
-                      for i in range(200)])
+    seeds = jnp.arange(800, dtype=jnp.uint32).reshape(200, 4)  # 200 draws per row, one compiled call
+    draw = jax.jit(jax.vmap(lambda s: sample_rows(logits, temperature, top_k, top_p, s, jnp.zeros(4, jnp.int32))))
+    draws = np.asarray(draw(seeds))
     assert (draws[:, 0] == 0).all()  # greedy
     assert (draws[:, 1] == 0).all()  # top-1
     assert (draws[:, 2] == 0).all()  # top-p 0.4: the 0.5 token alone reaches it
