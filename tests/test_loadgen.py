@@ -23,9 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from typing import Self
 
 import numpy as np
 import pytest
@@ -34,6 +32,7 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from fastapi import Request  # at module level: the stub's annotations are strings
+from http_harness import ThreadedServer  # tests/
 
 from hypertron.cli import main
 from hypertron.serve import loadgen
@@ -126,30 +125,10 @@ def make_app(state: StubState):
     return app
 
 
-class Stub:
+class Stub(ThreadedServer):
     def __init__(self) -> None:
         self.state = StubState()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(make_app(self.state), log_level="critical", lifespan="off",
-                                timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "stub server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
+        super().__init__(make_app(self.state))
 
 
 @pytest.fixture(scope="module")

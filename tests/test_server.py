@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 import types
-from typing import Self
 
 import httpx
 import pytest
 from fake_engine import LOGPROBS, TOP, FakeEngine, reference  # tests/
+from http_harness import ThreadedServer  # tests/
 from prometheus_client.parser import text_string_to_metric_families
 
 from hypertron.data import get_tokenizer
@@ -33,34 +31,18 @@ TOK = get_tokenizer("byte")
 MODEL = "fake-model"
 
 
-class Server:
+class Server(ThreadedServer):
     """An orchestrator + app over ``engine``, served by uvicorn in a thread."""
 
     def __init__(self, engine: FakeEngine, *, max_queue: int = 512, **app_kwargs):
         self.engine = engine
         self.orch = Orchestrator(engine, TOK, max_queue=max_queue)
-        app = create_app(self.orch, TOK, MODEL, **app_kwargs)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
-        return self
+        super().__init__(create_app(self.orch, TOK, MODEL, **app_kwargs), lifespan="on", log_level="warning",
+                         graceful_s=2)
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-        assert not self.thread.is_alive() and not self.orch.running
+        super().__exit__(*exc)
+        assert not self.orch.running
 
     def metrics(self) -> dict[str, float]:
         """Every sample of GET /metrics as {"name{label=value}": value}."""

@@ -38,6 +38,7 @@ import numpy as np
 from hypertron.config import ConfigError, ModelConfig
 from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
 from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, write_tokens
+from hypertron.serve.generate import filter_logits, prepare_params
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
 MIN_BUCKET = 16
@@ -54,15 +55,8 @@ def sample_rows(logits_bv, temperature_b, top_k_b, top_p_b, seeds_b, positions_b
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
-        v = logits.shape[-1]
         scaled = logits / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
-        desc = -jnp.sort(-scaled, axis=-1)
-        k = jnp.where((top_k_b > 0) & (top_k_b < v), top_k_b, v)
-        in_k = jnp.arange(v)[None, :] < k[:, None]
-        probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-        keep = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p_b[:, None])  # the first always stays
-        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        masked = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+        masked = filter_logits(scaled, top_k_b, top_p_b)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds_b, positions_b)
         return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
@@ -257,7 +251,6 @@ def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF)."""
     from hypertron.checkpoint import load_params
     from hypertron.data import get_tokenizer
-    from hypertron.serve.generate import prepare_params
 
     cfg, params = load_params(checkpoint)
     tok = get_tokenizer(cfg.data.tokenizer)

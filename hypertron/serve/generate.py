@@ -19,24 +19,29 @@ from hypertron.quant import quantize_params
 QUANTIZE = ("none", "int8")  # weight precision for serving
 
 
+def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+    """Each row's logits with everything outside its top-k (0 = off), then outside the smallest
+    prefix whose probability mass reaches its top-p (1.0 = off), set to -inf."""
+    v = logits_bv.shape[-1]
+    desc = -jnp.sort(-logits_bv, axis=-1)
+    k = jnp.where((top_k_b > 0) & (top_k_b < v), top_k_b, v)
+    in_k = jnp.arange(v)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    # A token stays if the mass before it is < top_p, so the most likely one always stays.
+    keep = in_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p_b[:, None])
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_bv < cutoff, -jnp.inf, logits_bv)
+
+
 def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Next token ids [b] from logits [b, v]: greedy when ``temperature == 0``,
     else temperature, then top-k (0 = off), then nucleus top-p (1.0 = off)."""
     if temperature == 0.0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits = logits_bv.astype(jnp.float32) / temperature
-    neg = jnp.finfo(jnp.float32).min
-    if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if top_p < 1.0:
-        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = before < top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, neg, logits)
+    if 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        b = logits.shape[0]
+        logits = filter_logits(logits, jnp.full((b,), top_k), jnp.full((b,), top_p, jnp.float32))
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
