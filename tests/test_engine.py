@@ -68,6 +68,25 @@ def test_an_exhausted_pool_names_the_slots_left_without_a_page(params):
     engine.generate()
 
 
+def test_a_step_reads_only_the_page_table_columns_the_longest_slot_needs(params):
+    engine = PagedEngine(params, CFG, max_slots=2, page_size=4)  # 16 columns per slot
+    assert engine._table_width() == 1
+    engine.insert(engine.prefill(list(range(10, 17)), GREEDY), 0)  # 7 tokens + this step's: 2 pages
+    assert engine._table_width() == 2
+    engine.insert(engine.prefill(list(range(20, 29)), GREEDY), 1)  # 9 + 1 tokens: 3 pages
+    assert engine._table_width() == 3
+    engine.lengths[1] = 36  # 37 tokens: 10 pages, rounded up to 10 (a quarter of 8 is 2)
+    assert engine._table_width() == 10
+    engine.lengths[1] = 9
+    assert engine.reserve_step() == []
+    full_logits, _ = forward_paged(params, engine.last_tokens, engine.cache, engine.page_table,
+                                   engine.lengths, CFG)
+    out = engine.generate()  # over the first 3 columns only
+    want = jax.nn.log_softmax(full_logits, axis=-1)[np.arange(2), out.tokens]
+    np.testing.assert_allclose(out.logprobs, want, atol=1e-5)
+    assert out.tokens.tolist() == np.argmax(full_logits, axis=-1).tolist()
+
+
 def test_the_same_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(params):
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7)
     alone = _run(PagedEngine(params, CFG, max_slots=3, page_size=8), [40, 41, 42], sampled, 6, slot=0)

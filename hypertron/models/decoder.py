@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
-from hypertron.models.kv_pages import decode_attention
+from hypertron.models.kv_pages import decode_attention, layer_page_table, pages_per_layer
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, fan_in_normal, stack
 from hypertron.parallel.rules import constrain
@@ -264,6 +264,27 @@ _REMAT_POLICIES = {
 }
 
 
+def _paged_layers(layers: Params, x_btd, cache: Cache, ctx: dict, cfg: ModelConfig, einsum):
+    """The layers over a paged pool (:mod:`hypertron.models.kv_pages`), the cache in the carry."""
+    per_layer = pages_per_layer(cache, cfg)
+
+    def body(carry, layer_in):
+        x, c = carry
+        p, i = layer_in
+        x, c, stats = layer(x, p, ctx | {"page_table": layer_page_table(ctx["page_table"], i, per_layer)},
+                            cfg, einsum, c)
+        return (x, c), stats
+
+    if cfg.scan_layers:
+        (x_btd, cache), stats = jax.lax.scan(body, (x_btd, cache), (layers, jnp.arange(cfg.num_layers)))
+        return x_btd, cache, stats
+    outs = []
+    for i in range(cfg.num_layers):
+        (x_btd, cache), out = body((x_btd, cache), (jax.tree.map(lambda a, i=i: a[i], layers), i))
+        outs.append(out)
+    return x_btd, cache, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
 def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache, paging=None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for("none", dtype)
@@ -290,7 +311,9 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
     if cfg.remat != "none" and cache is None:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
-    if cfg.scan_layers:
+    if paging is not None:  # the cache is one pool of every layer's pages, updated in place
+        x_btd, cache, stats = _paged_layers(params["layers"], x_btd, cache, ctx, cfg, einsum)
+    elif cfg.scan_layers:
         x_btd, (cache, stats) = jax.lax.scan(body, x_btd, (params["layers"], cache))
     else:
         outs = []

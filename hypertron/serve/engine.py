@@ -18,7 +18,9 @@ top-k and top-p), as OpenAI's and vLLM's are; each step also returns the top
 
 Host side, :class:`PagedEngine` keeps the slots and the page pool: a sequence
 takes a page each time it crosses a page boundary and returns them all when it
-ends, so cache memory follows the real lengths. Pages, slots and their small
+ends, so cache memory follows the real lengths. Each step gets only the page-table
+columns the longest live sequence needs (rounded up to a few sizes), so its attention cost
+follows the real lengths too. Pages, slots and their small
 per-slot arrays (page table, lengths, last tokens, sampling settings) live on the
 host and travel with each step (a few KB); the cache never leaves the device.
 Sampling is repeatable: the key of the token at position ``p`` is
@@ -37,7 +39,7 @@ import numpy as np
 
 from hypertron.config import ConfigError, ModelConfig
 from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
-from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, write_tokens
+from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, layer_page_table, write_tokens
 from hypertron.serve.generate import filter_logits, prepare_params
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
@@ -95,12 +97,14 @@ def prefill(params, tokens_t, true_length, sampling_row, *, cfg: ModelConfig, to
 
 @functools.partial(jax.jit, donate_argnums=0)
 def insert(cache, kv, page_row, true_length):
-    """Write a prefilled prompt's K/V (``[layers, T, ...]``) into the pages of ``page_row``."""
-    t = kv["k"].shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    valid = positions < true_length
-    write = lambda c, k, v: write_tokens(c, k[None], v[None], positions, page_row[None], valid)
-    return jax.vmap(write)(cache, kv["k"], kv["v"])
+    """Write a prefilled prompt's K/V (``[layers, T, ...]``) into the pages of ``page_row``.
+
+    One scatter for all layers: layer ``l`` is row ``l`` of the batch, with its own page table.
+    """
+    layers, t = kv["k"].shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (layers, t))
+    tables = layer_page_table(page_row[None], jnp.arange(layers)[:, None], cache["k_pages"].shape[1] // layers)
+    return write_tokens(cache, kv["k"], kv["v"], positions, tables, positions < true_length)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_n"), donate_argnums=1)
@@ -211,8 +215,9 @@ class PagedEngine:
     def generate(self) -> StepOutput:
         active = self.lengths >= 0
         sampling = (self.temperature, self.top_k, self.top_p, self.seeds)
-        self.cache, *out = generate(self.params, self.cache, self.last_tokens, self.lengths, self.page_table,
-                                    sampling, cfg=self.cfg, top_n=self.max_top_logprobs)
+        self.cache, *out = generate(self.params, self.cache, self.last_tokens, self.lengths,
+                                    self.page_table[:, :self._table_width()], sampling, cfg=self.cfg,
+                                    top_n=self.max_top_logprobs)
         tokens, logprobs, top_ids, top_lps = jax.device_get(out)
         self.last_tokens = np.where(active, tokens, 0).astype(np.int32)
         self.lengths = np.where(active, self.lengths + 1, -1).astype(np.int32)
@@ -235,6 +240,21 @@ class PagedEngine:
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
+
+    def _table_width(self) -> int:
+        """Page-table columns this step needs: enough for the longest slot after its write,
+        rounded up to one of four steps per power of two (at most 25 % more than needed, and
+        about 4 log2(pages_per_seq) compiled steps). Attention reads (the reference gathers)
+        only these columns, so a step's cost follows the longest live sequence, not
+        ``max_seq_len``."""
+        longest = int(self.lengths.max()) + 1  # tokens after this step's write; 0 when all free
+        return min(_round_up_quarter_octave(self._pages_for(max(longest, 1))), self.pages_per_seq)
+
+
+def _round_up_quarter_octave(n: int) -> int:
+    """``n`` rounded up to a multiple of a quarter of the power of two below it (1..8 exact)."""
+    step = max(1, (1 << (n.bit_length() - 1)) // 4)
+    return -(-n // step) * step
 
 
 def _sampling_row(s: SamplingParams):
