@@ -8,7 +8,7 @@ mean / p50 / p90 / p99 in milliseconds. Per completed request, with times from
 ``time.perf_counter`` taken when a line of the stream arrives:
 
 - TTFT (time to first token) = first chunk with non-empty text - request sent;
-- latency (end to end) = ``[DONE]`` received - request sent;
+- latency (end to end) = ``[DONE]`` received (or the stream's end) - request sent;
 - TPOT (time per output token) = (latency - TTFT) / (output tokens - 1), for
   requests with more than one output token;
 - ITL (inter-token latency) = the gaps between consecutive non-empty text
@@ -21,7 +21,7 @@ mean / p50 / p90 / p99 in milliseconds. Per completed request, with times from
 
 A request fails on a non-2xx answer, a connection or timeout error, an error
 event inside the stream, a malformed chunk, or a stream that ends without
-``[DONE]``; failures are counted by kind, the first one's message is kept, and
+``[DONE]`` before a choice finished; failures are counted by kind, the first one's message is kept, and
 they take no part in the latency figures or token totals.
 
 Written here rather than borrowed: the known clients (vLLM's
@@ -279,9 +279,11 @@ def _describe(exc: BaseException) -> str:
 
 
 async def _read_stream(resp: httpx.Response, rec: RequestRecord) -> dict | None:
-    """Read a server-sent-event completion stream up to ``[DONE]``, stamping each chunk with text
-    into ``rec.chunk_times``; returns the last ``usage`` object seen (None if none)."""
-    usage = None
+    """Read a server-sent-event completion stream up to ``[DONE]`` (or its clean end after a choice
+    finished: ``transformers serve`` sends no ``[DONE]``, and the ``openai`` client accepts
+    that), stamping each chunk with text into ``rec.chunk_times``; returns the last ``usage``
+    object seen (None if none)."""
+    usage, finished = None, False
     async for line in resp.aiter_lines():
         now = time.perf_counter()
         if not line.startswith("data:"):
@@ -297,11 +299,15 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord) -> dict | None:
             raise _StreamError(f"malformed chunk {data[:200]!r}")
         if chunk.get("error") is not None or chunk.get("object") == "error":
             raise _StreamError(_error_text(chunk))
-        if any(isinstance(c, dict) and c.get("text") for c in chunk.get("choices") or ()):
+        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+        if any(c.get("text") for c in choices):
             rec.chunk_times.append(now)
+        finished = finished or any(c.get("finish_reason") for c in choices)
         if isinstance(chunk.get("usage"), dict):
             usage = chunk["usage"]
-    raise _StreamError("stream ended without [DONE]")
+    if finished:
+        return usage
+    raise _StreamError("stream ended without [DONE] before any choice finished")
 
 
 async def send_request(client: httpx.AsyncClient, index: int, prompt: Prompt, body: dict) -> RequestRecord:
