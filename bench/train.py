@@ -19,6 +19,30 @@ import jax
 import numpy as np
 
 
+def time_train(cfg, steps: int, warmup: int) -> tuple[float, float]:
+    """(mean seconds per step, final loss) of the sharded train step on synthetic batches:
+    ``warmup`` steps (compile included) untimed, then ``steps`` timed with one sync at the end."""
+    from hypertron.data import make_batches
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.step import global_batch, make_trainer
+
+    t = cfg.train
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    state = trainer.init(jax.random.key(0))
+    data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
+                        vocab_size=cfg.model.vocab_size)
+    batches = [global_batch(next(data), trainer.batch_sharding) for _ in range(2)]
+    metrics = None
+    for i in range(warmup):
+        state, metrics = trainer.step(state, batches[i % 2])
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for i in range(steps):
+        state, metrics = trainer.step(state, batches[i % 2])
+    loss = float(metrics["loss"])  # the one sync: waits for every queued step
+    return (time.perf_counter() - start) / steps, loss
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("preset")
@@ -28,11 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from hypertron.config import ConfigError, load_config, validate_for_devices
-    from hypertron.data import make_batches
     from hypertron.models import count_params, resolve_dtype
-    from hypertron.parallel.mesh import make_mesh
     from hypertron.train.flops import device_peak_flops, train_flops_per_token
-    from hypertron.train.step import global_batch, make_trainer
 
     try:
         cfg = load_config(None, [f"model={args.preset}", "data.source=synthetic", *args.overrides])
@@ -41,26 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    step_time, loss = time_train(cfg, args.steps, args.warmup)
     t = cfg.train
-    mesh = make_mesh(cfg.mesh)
-    trainer = make_trainer(cfg, mesh)
-    state = trainer.init(jax.random.key(0))
-    data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
-                        vocab_size=cfg.model.vocab_size)
-    batches = [global_batch(next(data), trainer.batch_sharding) for _ in range(2)]
-
-    for i in range(args.warmup):
-        state, metrics = trainer.step(state, batches[i % 2])
-    jax.block_until_ready(metrics)
-    start = time.perf_counter()
-    for i in range(args.steps):
-        state, metrics = trainer.step(state, batches[i % 2])
-    loss = float(metrics["loss"])  # the one sync: waits for every queued step
-    elapsed = time.perf_counter() - start
-
     n_dev = jax.device_count()
     tokens = t.global_batch * t.seq_len
-    step_time = elapsed / args.steps
     flops = train_flops_per_token(cfg.model, t.seq_len) * tokens
     tflops = flops / step_time / n_dev / 1e12
     peak = device_peak_flops(t.peak_flops)

@@ -3,7 +3,8 @@
 A run directory holds::
 
     config.yaml          the run's config (written once, never overwritten)
-    checkpoints/<step>/  Orbax steps: items "params", "opt_state", "meta", "data",
+    checkpoints/<step>/  Orbax steps: items "params", "opt_state", "meta", "data" (and
+                         "quant": fp8 amax histories, with delayed scaling),
                          and hypertron_manifest.json (file sizes, written when final)
     metrics.jsonl        one JSON line per training step (and per evaluation)
     events.jsonl         job events (see hypertron.train.events)
@@ -32,7 +33,7 @@ from hypertron.errors import UserError
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "hypertron_manifest.json"
-ITEMS = ("params", "opt_state", "meta", "data")
+ITEMS = ("params", "opt_state", "quant", "meta", "data")
 
 
 class CheckpointError(UserError):
@@ -53,7 +54,8 @@ def read_run_config(run_dir: str | Path) -> Config:
 
 
 # Model fields that change neither the weights nor what they compute.
-_EXECUTION_FIELDS = ("name", "attention", "remat", "scan_layers", "dtype", "param_dtype", "max_seq_len")
+_EXECUTION_FIELDS = ("name", "attention", "remat", "scan_layers", "dtype", "param_dtype", "max_seq_len",
+                     "quantization", "fp8_scaling", "amax_history", "quantize_unembed")
 
 
 def _weights_view(cfg: Config) -> dict:
@@ -185,6 +187,8 @@ class Checkpointer:
         }
         if "opt_state" in state:
             items["opt_state"] = ocp.args.StandardSave(state["opt_state"])
+        if "quant" in state:
+            items["quant"] = ocp.args.StandardSave(state["quant"])
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -222,17 +226,24 @@ class Checkpointer:
         return dict(out["meta"])
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
-        """Restore params and optimiser state into the shardings of ``abstract_state``."""
+        """Restore params and optimiser state (and fp8 histories, when ``abstract_state`` has them)
+        into the shardings of ``abstract_state``. Histories a step lacks (it was saved without
+        fp8 delayed scaling) start from zeros, as a new run's do."""
         self.require_train_state(step)
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_state["params"]),
-                opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
-        return {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
+        items = {
+            "params": ocp.args.StandardRestore(abstract_state["params"]),
+            "opt_state": ocp.args.StandardRestore(abstract_state["opt_state"]),
+            "meta": ocp.args.JsonRestore(),
+        }
+        saved_quant = (self.directory / str(step) / "quant").is_dir()
+        if "quant" in abstract_state and saved_quant:
+            items["quant"] = ocp.args.StandardRestore(abstract_state["quant"])
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        state = {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
+        if "quant" in abstract_state:
+            state["quant"] = out["quant"] if saved_quant else jax.tree.map(
+                lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract_state["quant"])
+        return state
 
     def restore_data(self, step: int, data_iterator) -> None:
         """Move ``data_iterator`` to where it was when ``step`` was saved."""

@@ -30,7 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hypertron.checkpoint import load_params
     from hypertron.config import ConfigError
     from hypertron.data import get_tokenizer
-    from hypertron.serve.generate import generate, prepare_params
+    from hypertron.serve.generate import generate, inference_config, prepare_params
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
@@ -53,9 +53,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={cfg.model.max_seq_len}"
         )
-    params = prepare_params(params, cfg.model, args.quantize)
+    model = inference_config(cfg.model)
+    params = prepare_params(params, model, args.quantize)
     (out,) = generate(
-        params, cfg.model, [ids], args.max_new_tokens, temperature=args.temperature,
+        params, model, [ids], args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
     )
     print(args.prompt + tok.decode(out))

@@ -90,6 +90,12 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on accelerators
     moe: MoEConfig | None = None  # Mixture-of-Experts MLPs instead of dense ones
+    # Quantised training matmuls (hypertron.quant): none | fp8 | int8. Generation and serving
+    # compute in the compute dtype whatever this says (serving has its own --quantize).
+    quantization: str = "none"
+    fp8_scaling: str = "delayed"  # delayed (amax history in the train state) | current
+    amax_history: int = 16  # steps of amax kept per tensor for delayed scaling
+    quantize_unembed: bool = False  # quantise the unembedding too
 
     @property
     def q_per_kv(self) -> int:
@@ -432,6 +438,10 @@ def validate_model(m: ModelConfig) -> None:
     _check_choice("model.activation", m.activation, ("silu", "gelu"))
     _check_choice("model.attention", m.attention, ("auto", "cudnn", "xla", "plain"))
     _check_choice("model.remat", m.remat, ("none", "full", "dots"))
+    _check_choice("model.quantization", m.quantization, ("none", "fp8", "int8"))
+    _check_choice("model.fp8_scaling", m.fp8_scaling, ("delayed", "current"))
+    if m.amax_history < 1:
+        raise ConfigError(f"model.amax_history={m.amax_history}: must be at least 1")
     for k in ("param_dtype", "dtype"):
         # No float16: training it needs loss scaling, which hypertron does not do.
         _check_choice(f"model.{k}", getattr(m, k), ("auto", "float32", "bfloat16"))

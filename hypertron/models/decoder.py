@@ -287,7 +287,7 @@ def _paged_layers(layers: Params, x_btd, cache: Cache, ctx: dict, cfg: ModelConf
 
 def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache, paging=None):
     dtype = resolve_dtype(cfg.dtype)
-    einsum = einsum_for("none", dtype)
+    einsum = einsum_for(cfg.quantization, dtype)
     b, t = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -326,9 +326,9 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
         x_btd = rms_norm(x_btd, params["final_norm"], cfg)
         # Logits leave the matmul in float32: the loss's logsumexp needs the precision.
         if cfg.tie_embeddings:
-            logits = einsum("btd,vd->btv", x_btd, params["embed"], jnp.float32)
+            logits = einsum("btd,vd->btv", x_btd, params["embed"], jnp.float32, quantize=cfg.quantize_unembed)
         else:
-            logits = einsum("btd,dv->btv", x_btd, params["unembed"], jnp.float32)
+            logits = einsum("btd,dv->btv", x_btd, params["unembed"], jnp.float32, quantize=cfg.quantize_unembed)
         logits = constrain(logits, ("batch", "seq", "act_vocab"))
     return logits, cache, stats
 

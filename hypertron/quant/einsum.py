@@ -2,11 +2,20 @@
 
 Model code never calls ``jnp.einsum`` on weights directly: it asks
 :func:`einsum_for` for the einsum of its precision mode once, then calls that
-for every projection, and gathers embedding rows with :func:`take_rows`. Quantised
-training (fp8, int8) replaces the function returned here; weight-only
-quantisation for serving travels with the weights instead (a
-:class:`~hypertron.quant.int8.QArray` operand), so the model file does not
-change for either.
+for every projection, and gathers embedding rows with :func:`take_rows`. The
+model file does not change with the precision:
+
+* ``model.quantization=none``: operands in the compute dtype.
+* ``fp8`` (:mod:`hypertron.quant.fp8`): e4m3 operands, e5m2 gradients, per-tensor scales;
+  current scaling for a plain weight, delayed scaling for a weight that arrives as an
+  :class:`~hypertron.quant.fp8.Fp8Weight` (the train step attaches the histories).
+* ``int8`` (:func:`hypertron.quant.int8.train_einsum`): per-channel int8 operands, int32
+  accumulation, straight-through gradients.
+* A serving weight quantised to int8 (:class:`~hypertron.quant.int8.QArray`) runs its
+  weight-only int8 einsum whatever the mode.
+
+A call with ``quantize=False`` (the unembedding, unless ``model.quantize_unembed``) stays in
+the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,40 +25,47 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from hypertron.quant import int8
+from hypertron.quant import fp8, int8
 
-Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
+Einsum = Callable[..., jax.Array]
+MODES = ("none", "fp8", "int8")
 
 
 def einsum_for(mode: str, compute_dtype) -> Einsum:
-    """The einsum for precision ``mode`` ("none" only, for now), computing in ``compute_dtype``.
+    """The einsum for quantisation ``mode`` (one of :data:`MODES`), computing in ``compute_dtype``.
 
     Both operands are cast to the compute dtype; accumulation is in float32
     where the backend allows, and the result is returned in the compute dtype
-    or in ``out_dtype`` (the unembedding asks for float32 logits). The weight
-    may be an int8 :class:`~hypertron.quant.int8.QArray`: the matmul then runs
-    on its values in the compute dtype and the output is scaled per channel.
+    or in ``out_dtype`` (the unembedding asks for float32 logits).
     """
     dtype = jnp.dtype(compute_dtype)
-    if mode != "none":
-        raise ValueError(f"quantization mode {mode!r} is not implemented")
+    if mode not in MODES:
+        raise ValueError(f"quantization mode {mode!r}: expected one of {', '.join(MODES)}")
 
-    def einsum(subscripts: str, x: jax.Array, w: jax.Array | int8.QArray, out_dtype=None) -> jax.Array:
+    def einsum(subscripts: str, x: jax.Array, w, out_dtype=None, *, quantize: bool = True) -> jax.Array:
         out = dtype if out_dtype is None else jnp.dtype(out_dtype)
         if isinstance(w, int8.QArray):
             return int8.einsum(subscripts, x, w, dtype, out)
+        if isinstance(w, fp8.Fp8Weight):
+            return fp8.einsum(subscripts, x, w.w, w.history, dtype, out)
+        if quantize and mode == "fp8":
+            return fp8.einsum(subscripts, x, w, None, dtype, out)
+        if quantize and mode == "int8":
+            return int8.train_einsum(subscripts, x, w, dtype, out)
         return jnp.einsum(subscripts, x.astype(dtype), w.astype(dtype), preferred_element_type=out)
 
     return einsum
 
 
-def take_rows(table_vd: jax.Array | int8.QArray, ids: jax.Array, dtype, layout=None) -> jax.Array:
+def take_rows(table_vd, ids: jax.Array, dtype, layout=None) -> jax.Array:
     """Rows ``ids`` (int, any shape ``[...]``) of an embedding table [v, d], in ``dtype``: [..., d].
 
     ``layout`` (e.g. a sharding constraint) is applied to what is gathered from:
     the table cast to ``dtype``, or a quantised table's int8 values and scales,
     whose rows are gathered and scaled without dequantising the table.
     """
+    if isinstance(table_vd, fp8.Fp8Weight):  # a tied table with an unembedding history
+        table_vd = table_vd.w
     if isinstance(table_vd, int8.QArray):
         return int8.take_rows(table_vd, ids, dtype, layout)
     table_vd = table_vd.astype(dtype)

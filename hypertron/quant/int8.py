@@ -1,4 +1,6 @@
-"""int8 weight-only quantisation for serving: int8 values and per-output-channel float32 scales.
+"""int8 matmuls: weight-only quantisation for serving, and int8 mixed precision for training.
+
+Serving: int8 values and per-output-channel float32 scales.
 
 A weight ``w`` becomes ``QArray(values, scales)`` with ``w ~= values * scales``.
 Quantisation is symmetric: ``scale = max|w| / 127`` over the axes the weight
@@ -13,6 +15,12 @@ The matmul weights of the decoder and the MoE block are quantised; norms and
 the MoE router (a small float32 routing decision) are not. Written here rather
 than taken from a library because it has to go through the model's own einsum
 hook and parameter tree (AQT and qwix quantise Flax modules).
+
+Training (:func:`train_einsum`, ``model.quantization=int8``): both operands of every
+quantised einsum are quantised per channel on the fly, multiplied as int8 with int32
+accumulation and rescaled; gradients are straight-through. ``qwix.dot_general_qt`` does the
+same, but it comes with Flax and its own quantised-array type, for ~40 lines here (see
+:mod:`hypertron.quant.fp8` for the fuller comparison).
 """
 
 from __future__ import annotations
@@ -72,10 +80,7 @@ def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Ar
     (exact: int8 fits bf16 and wider), accumulated in float32, then the output times the
     scales, which ``w``'s contracted axes (its letters missing from the output) must not vary along.
     Returns ``out_dtype``."""
-    if "->" not in subscripts or "." in subscripts:
-        raise ValueError(f"quantised einsum needs explicit subscripts without '...', got {subscripts!r}")
-    inputs, out_sub = subscripts.replace(" ", "").split("->")
-    _, w_sub = inputs.split(",")
+    _, w_sub, out_sub = _split(subscripts)
     if len(w_sub) != w.ndim:
         raise ValueError(f"{subscripts}: weight has rank {w.ndim}")
     for i, c in enumerate(w_sub):
@@ -93,6 +98,54 @@ def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Ar
     s = jnp.transpose(s, [kept.index(c) for c in in_out_order])
     s = s.reshape([s.shape[in_out_order.index(c)] if c in kept else 1 for c in out_sub])
     return (y * s).astype(out_dtype)
+
+
+def _split(subscripts: str) -> tuple[str, str, str]:
+    if "->" not in subscripts or "." in subscripts:
+        raise ValueError(f"quantised einsum needs explicit subscripts without '...', got {subscripts!r}")
+    inputs, out_sub = subscripts.replace(" ", "").split("->")
+    x_sub, w_sub = inputs.split(",")
+    return x_sub, w_sub, out_sub
+
+
+def _channel_quantize(a: jax.Array, sub: str, out_sub: str) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of ``a`` with one scale per channel of its letters kept in ``out_sub``:
+    ``(values int8, scales float32 [kept letters only])``."""
+    a32 = a.astype(jnp.float32)
+    contracted = tuple(i for i, c in enumerate(sub) if c not in out_sub)
+    scales = jnp.max(jnp.abs(a32), axis=contracted, keepdims=True) / QMAX
+    safe = jnp.where(scales == 0, 1.0, scales)
+    values = jnp.clip(jnp.round(a32 / safe), -QMAX, QMAX).astype(jnp.int8)
+    return values, jnp.squeeze(scales, contracted)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def train_einsum(subscripts: str, x: jax.Array, w: jax.Array, dtype, out_dtype) -> jax.Array:
+    """int8 mixed precision for training (AQT's default): both operands quantised per channel
+    (``x`` per row of its kept letters, e.g. per token; ``w`` per output channel), an int8 x int8
+    einsum accumulated in int32, rescaled by the outer product of the two scales; the gradients
+    are straight-through, i.e. those of ``einsum(x, w)`` in the compute ``dtype``."""
+    x_sub, w_sub, out_sub = _split(subscripts)
+    qx, sx = _channel_quantize(x, x_sub, out_sub)
+    qw, sw = _channel_quantize(w, w_sub, out_sub)
+    acc = jnp.einsum(subscripts, qx, qw, preferred_element_type=jnp.int32)
+    xk, wk = (''.join(c for c in sub if c in out_sub) for sub in (x_sub, w_sub))
+    scale = jnp.einsum(f"{xk},{wk}->{out_sub}", sx, sw)
+    return (acc.astype(jnp.float32) * scale).astype(out_dtype)
+
+
+def _train_fwd(subscripts, x, w, dtype, out_dtype):
+    return train_einsum(subscripts, x, w, dtype, out_dtype), (x, w)
+
+
+def _train_bwd(subscripts, dtype, out_dtype, res, g):
+    x, w = res
+    plain = lambda a, b: jnp.einsum(subscripts, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+    dx, dw = jax.vjp(plain, x, w)[1](g.astype(out_dtype))
+    return dx, dw
+
+
+train_einsum.defvjp(_train_fwd, _train_bwd)
 
 
 def take_rows(table_vd: QArray, ids: jax.Array, dtype, layout=None) -> jax.Array:

@@ -40,7 +40,7 @@ import numpy as np
 from hypertron.config import ConfigError, ModelConfig
 from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
 from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, layer_page_table, write_tokens
-from hypertron.serve.generate import filter_logits, prepare_params
+from hypertron.serve.generate import filter_logits, inference_config, prepare_params
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
 MIN_BUCKET = 16
@@ -277,7 +277,8 @@ def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"{checkpoint}: model vocab_size {cfg.model.vocab_size} is smaller than the "
                           f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}")
-    engine = PagedEngine(prepare_params(params, cfg.model, quantize), cfg.model, max_slots=max_slots,
+    model = inference_config(cfg.model)
+    engine = PagedEngine(prepare_params(params, model, quantize), model, max_slots=max_slots,
                          page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
                          eos_id=tok.eos_id)
     return engine, tok, Path(checkpoint).resolve().name

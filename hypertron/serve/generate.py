@@ -6,6 +6,7 @@ the continuous-batching engine with a paged cache is a separate module.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -64,6 +65,13 @@ def _generate(params, tokens_bt, lengths_b, key, *, cfg, max_new_tokens, tempera
 
     _, rest = jax.lax.scan(step, (cache, first, lengths_b, key), None, length=max_new_tokens - 1)
     return jnp.concatenate([first[:, None], rest.T], axis=1)  # [b, max_new_tokens]
+
+
+def inference_config(cfg: ModelConfig) -> ModelConfig:
+    """The model config generation and serving run: a model trained with quantised matmuls
+    (``model.quantization``) computes in its compute dtype here, as fp8-trained models are
+    usually served; weight quantisation for serving is ``--quantize``."""
+    return dataclasses.replace(cfg, quantization="none")
 
 
 def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):

@@ -27,6 +27,15 @@ PEAK_FLOPS = {
 }
 
 
+# Dense fp8 / int8 peak FLOP/s (OP/s for int8) per device, for the MFU of quantised training
+# (EMFU stays against the bf16 peak above). Same matching as PEAK_FLOPS; no entry: unknown.
+QUANT_PEAK_FLOPS = {
+    "fp8": {"h100 pcie": 1513e12, "h100 nvl": 1671e12, "h100": 1979e12, "h200": 1979e12},
+    "int8": {"h100 pcie": 1513e12, "h100 nvl": 1671e12, "h100": 1979e12, "h200": 1979e12,
+             "a100": 624e12, "tpu v5p": 918e12, "tpu v5 lite": 394e12, "tpu v5e": 394e12, "tpu v6": 1836e12},
+}
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward matmul FLOPs for one token at sequence length ``seq_len`` (2 per multiply-add)."""
     d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
@@ -49,8 +58,9 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * forward_flops_per_token(cfg, seq_len)
 
 
-def device_peak_flops(override: float = 0.0, device=None) -> float | None:
-    """Peak bf16 FLOP/s of ``device`` (default: the first device), or ``override`` when set.
+def device_peak_flops(override: float = 0.0, device=None, fmt: str = "bf16") -> float | None:
+    """Peak FLOP/s of ``device`` (default: the first device) in ``fmt`` ("bf16", "fp8" or
+    "int8"), or ``override`` when set.
 
     Returns None when unknown (CPU), in which case MFU is not reported.
     """
@@ -58,7 +68,7 @@ def device_peak_flops(override: float = 0.0, device=None) -> float | None:
         return override
     device = device or jax.devices()[0]
     kind = getattr(device, "device_kind", "").lower()
-    for name, peak in PEAK_FLOPS.items():
+    for name, peak in (PEAK_FLOPS if fmt == "bf16" else QUANT_PEAK_FLOPS[fmt]).items():
         if name in kind:
             return peak
     return None

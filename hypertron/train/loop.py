@@ -249,6 +249,13 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events:
     )
 
 
+def _throughput(cfg: Config, tokens: int) -> Throughput:
+    t, q = cfg.train, cfg.model.quantization
+    return Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
+                      device_peak_flops(t.peak_flops),
+                      None if q == "none" else device_peak_flops(0.0, fmt=q), quantized=q != "none")
+
+
 class _Loop:
     """Steps ``start + 1 .. train.steps``: feed batches, log, evaluate and save on schedule, stop on SIGTERM.
 
@@ -266,11 +273,7 @@ class _Loop:
         self.console = console
         t = cfg.train
         tokens = t.global_batch * t.seq_len
-        self.log = MetricsLog(
-            Path(cfg.run_dir) / "metrics.jsonl",
-            Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
-                       device_peak_flops(t.peak_flops)),
-        )
+        self.log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", _throughput(cfg, tokens))
         self.interval: list[dict] = []
         self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
@@ -306,7 +309,7 @@ class _Loop:
                         self.events.emit("preemption", step, signal="SIGTERM")
                         self.result.status = "preempted"
                     if evaluate:
-                        self._evaluate(state["params"], step)
+                        self._evaluate(state, step)
                     if save:
                         reason = "preemption" if preempted else "final" if step == t.steps else "interval"
                         self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
@@ -330,7 +333,7 @@ class _Loop:
             self.events.emit("first_step", step, seconds=self.events.seconds())
         self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
         self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
-                                                       "tokens_per_sec_per_device", "mfu", "moe_load_balance",
+                                                       "tokens_per_sec_per_device", "mfu", "emfu", "moe_load_balance",
                                                        "moe_router_z", "moe_dropped") if k in row})
         self.result.losses.append(row["loss"])
         self.result.rows.append(row)
@@ -344,12 +347,13 @@ class _Loop:
             self.interval = []
         self.progress.update(self.task, completed=step)
 
-    def _evaluate(self, params, step: int) -> None:
+    def _evaluate(self, state, step: int) -> None:
         """Mean loss over ``train.eval_batches`` batches of the held-out split (the same batches each time)."""
         t0 = time.time()
         batches, initial = self.eval_data
         batches.set_state(initial)
-        totals = [self.trainer.eval(params, global_batch(next(batches), self.trainer.batch_sharding))
+        totals = [self.trainer.eval(state["params"], global_batch(next(batches), self.trainer.batch_sharding),
+                                    state.get("quant"))
                   for _ in range(self.cfg.train.eval_batches)]
         totals = jax.device_get(totals)
         nll = sum(float(x["nll_sum"]) for x in totals)

@@ -23,16 +23,24 @@ class Throughput:
     tokens_per_step: int
     flops_per_step: float
     num_devices: int
-    peak_flops: float | None
+    peak_flops: float | None  # bf16
+    # With quantised training: the peak of its format (None if unknown). MFU is then against
+    # it, and EMFU (effective MFU) against the bf16 peak, as MaxText reports them.
+    quant_peak_flops: float | None = None
+    quantized: bool = False
 
     def rates(self, seconds_per_step: float) -> dict[str, float | None]:
         tflops = self.flops_per_step / seconds_per_step / self.num_devices / 1e12
-        return {
+        ratio = lambda peak: None if not peak else tflops * 1e12 / peak
+        out = {
             "step_time": seconds_per_step,
             "tokens_per_sec_per_device": self.tokens_per_step / seconds_per_step / self.num_devices,
             "tflops_per_device": tflops,
-            "mfu": None if not self.peak_flops else tflops * 1e12 / self.peak_flops,
+            "mfu": ratio(self.quant_peak_flops if self.quantized else self.peak_flops),
         }
+        if self.quantized:
+            out["emfu"] = ratio(self.peak_flops)
+        return out
 
 
 @dataclass
@@ -59,9 +67,10 @@ class MetricsLog:
 def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The last row, with step time and rates averaged over ``rows`` (for one console line per interval)."""
     out = dict(rows[-1])
-    for key in ("step_time", "tokens_per_sec_per_device", "tflops_per_device", "mfu"):
+    for key in ("step_time", "tokens_per_sec_per_device", "tflops_per_device", "mfu", "emfu"):
         values = [r[key] for r in rows if r.get(key) is not None]
-        out[key] = sum(values) / len(values) if values else None
+        if key in out or values:
+            out[key] = sum(values) / len(values) if values else None
     return out
 
 
@@ -78,6 +87,8 @@ def format_row(row: dict[str, Any]) -> str:
     ]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    if row.get("emfu") is not None:
+        parts.append(f"EMFU {100 * row['emfu']:.1f}%")
     if row.get("expert_load") is not None:
         load = row["expert_load"]
         parts.append(f"busiest expert {max(load) * len(load):.2f}x even")

@@ -1,6 +1,7 @@
 """The training step: loss, gradient accumulation, the optimiser update, all sharded by the rules.
 
-The train state is a plain dict ``{"params", "opt_state", "step"}``. Its
+The train state is a plain dict ``{"params", "opt_state", "step"}``, plus ``"quant"`` with fp8
+delayed scaling (the amax histories, :mod:`hypertron.quant.fp8`, replicated). Its
 shardings come from the parameter declarations through the logical-axis
 rules; the optimiser state mirrors the parameters' shardings.
 """
@@ -19,6 +20,7 @@ from hypertron.config import Config
 from hypertron.models import declare, forward_with_stats, resolve_dtype
 from hypertron.models import params as param_lib
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
+from hypertron.quant import fp8
 from hypertron.train.optimizer import make_optimizer, schedule
 
 State = dict[str, Any]
@@ -27,12 +29,26 @@ Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 
 
-def loss_terms(params, batch: Batch, cfg: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+def uses_histories(cfg: Config) -> bool:
+    """Whether the train state carries fp8 amax histories (fp8 with delayed scaling)."""
+    return cfg.model.quantization == "fp8" and cfg.model.fp8_scaling == "delayed"
+
+
+def init_histories(cfg: Config) -> dict:
+    m = cfg.model
+    unembed = ("embed" if m.tie_embeddings else "unembed") if m.quantize_unembed else None
+    return fp8.init_histories(declare(m)["layers"], m.num_layers, m.amax_history, unembed)
+
+
+def loss_terms(params, batch: Batch, cfg: Config, histories=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed (not averaged) token losses of one micro-batch, so micro-batches add up exactly.
 
     Returns ``(objective_sum, aux)`` where ``aux`` holds ``nll_sum``,
-    ``z_sum`` and ``weight`` (the number of target tokens counted).
+    ``z_sum`` and ``weight`` (the number of target tokens counted). ``histories``: fp8
+    delayed-scaling state, attached to the weights it belongs to.
     """
+    if histories is not None:
+        params = fp8.attach(params, histories)
     # Synthetic rows are one document each: no segment mask, so GPU attention
     # takes the plain causal flash path.
     segment_ids = None if cfg.data.source == "synthetic" else batch["segment_ids"]
@@ -58,12 +74,14 @@ def loss_terms(params, batch: Batch, cfg: Config) -> tuple[jax.Array, dict[str, 
     return objective, aux
 
 
-def _accumulate_grads(params, batch: Batch, cfg: Config):
-    """Gradients of the summed objective over ``grad_accum`` micro-batches (a scan)."""
-    grad_fn = jax.grad(loss_terms, has_aux=True)
+def _accumulate_grads(params, histories, batch: Batch, cfg: Config):
+    """Gradients of the summed objective over ``grad_accum`` micro-batches (a scan), and the
+    fp8 histories updated by them (None without)."""
+    grad_fn = jax.grad(loss_terms, argnums=(0, 3), has_aux=True)
     n = cfg.train.grad_accum
     if n == 1:
-        return grad_fn(params, batch, cfg)
+        (grads, new_histories), aux = grad_fn(params, batch, cfg, histories)
+        return grads, new_histories, aux
 
     # Micro-batch i takes rows i, i+n, i+2n...: every device keeps its own rows
     # (a plain [n, b/n] split would move rows between devices each micro-step).
@@ -74,19 +92,23 @@ def _accumulate_grads(params, batch: Batch, cfg: Config):
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux0)
 
     def body(carry, mb):
-        g_acc, a_acc = carry
-        g, a = grad_fn(params, mb, cfg)
+        g_acc, h_acc, a_acc = carry
+        (g, h), a = grad_fn(params, mb, cfg, histories)
         g_acc = jax.tree.map(lambda x, y: x + y.astype(jnp.float32), g_acc, g)
+        h_acc = None if h is None else fp8.combine(h_acc, h)
         a_acc = jax.tree.map(jnp.add, a_acc, a)
-        return (g_acc, a_acc), None
+        return (g_acc, h_acc, a_acc), None
 
-    (grads, aux), _ = jax.lax.scan(body, (zeros, aux0), micro)
-    return grads, aux
+    # Histories start from zeros (not the old ones): each micro-batch's is the old one pushed
+    # back with its own amax in front, and their maximum is the answer.
+    h0 = None if histories is None else jax.tree.map(jnp.zeros_like, histories)
+    (grads, new_histories, aux), _ = jax.lax.scan(body, (zeros, h0, aux0), micro)
+    return grads, new_histories, aux
 
 
 def train_step(state: State, batch: Batch, cfg: Config, optimizer: optax.GradientTransformation):
     """One optimiser step on a global batch; returns the new state and device-side metrics."""
-    grads, aux = _accumulate_grads(state["params"], batch, cfg)
+    grads, histories, aux = _accumulate_grads(state["params"], state.get("quant"), batch, cfg)
     weight = jnp.maximum(aux["weight"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, state["params"])
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -104,7 +126,10 @@ def train_step(state: State, batch: Batch, cfg: Config, optimizer: optax.Gradien
         metrics["moe_dropped"] = aux["moe_dropped_sum"] / weight
         # Tokens per expert, as a fraction of all routed copies (1/num_experts each when balanced).
         metrics["expert_load"] = aux["expert_load"] / jnp.maximum(jnp.sum(aux["expert_load"]), 1.0)
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+    new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    if histories is not None:
+        new_state["quant"] = histories
+    return new_state, metrics
 
 
 @dataclass
@@ -118,7 +143,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], State]
     step: Callable[[State, Batch], tuple[State, dict]]
-    eval: Callable[[Any, Batch], dict]  # (params, batch) -> {"nll_sum", "weight"}
+    eval: Callable[..., dict]  # (params, batch[, fp8 histories]) -> {"nll_sum", "weight"}
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state (for restoring a checkpoint)."""
@@ -144,25 +169,30 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated
     )
     state_shardings = {"params": p_shard, "opt_state": opt_shard, "step": replicated}
+    if uses_histories(cfg):
+        state_shardings["quant"] = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_histories(cfg)))
     specs = declare(cfg.model)
     dtype = resolve_dtype(cfg.model.param_dtype)
 
     def init_fn(key):
         params = param_lib.initialize(specs, key, dtype)
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+        if uses_histories(cfg):
+            state["quant"] = init_histories(cfg)
+        return state
 
     def step_fn(state, batch):
         with use_rules(mesh, rules):
             return train_step(state, batch, cfg, optimizer)
 
-    def eval_fn(params, batch):
+    def eval_fn(params, batch, histories=None):
         # In the train step's micro-batches: a batch that needs grad_accum to fit does here too.
         n = cfg.train.grad_accum
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
         def body(total, mb):
             with use_rules(mesh, rules):
-                _, aux = loss_terms(params, mb, cfg)
+                _, aux = loss_terms(params, mb, cfg, histories)
             return {k: total[k] + aux[k] for k in total}, None
 
         zeros = {"nll_sum": jnp.zeros((), jnp.float32), "weight": jnp.zeros((), jnp.float32)}
@@ -177,7 +207,8 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
-    evaluate = jax.jit(eval_fn, in_shardings=(p_shard, batch_sharding), out_shardings=replicated)
+    evaluate = jax.jit(eval_fn, in_shardings=(p_shard, batch_sharding, state_shardings.get("quant")),
+                       out_shardings=replicated)
     return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step, evaluate)
 
 
