@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         t = cfg.train
         tokens = t.global_batch * t.seq_len
         tflops = train_flops_per_token(cfg.model, t.seq_len) * tokens / step_time / n_dev / 1e12
-        peak = device_peak_flops(t.peak_flops, fmt=FORMAT[mode]) if mode != "none" else device_peak_flops(t.peak_flops)
-        bf16_peak = device_peak_flops(t.peak_flops)
+        bf16_peak = device_peak_flops(t.peak_flops)  # train.peak_flops overrides the bf16 peak only
+        peak = bf16_peak if mode == "none" else device_peak_flops(0.0, fmt=FORMAT[mode])
         rows.append({"mode": mode, "step_s": step_time, "tok_s": tokens / step_time / n_dev, "tflops": tflops,
                      "mfu": None if not peak else tflops * 1e12 / peak,
                      "emfu": None if not bf16_peak else tflops * 1e12 / bf16_peak, "loss": loss})

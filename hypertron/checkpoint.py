@@ -17,6 +17,7 @@ item, so ``hypertron generate`` and ``hypertron train`` read both alike.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def read_run_config(run_dir: str | Path) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-# Model fields that change neither the weights nor what they compute.
+# Model fields that do not change the weights (their shapes and meaning): they may change on
+# resume. Some change how the weights compute (dtype, quantisation), not what they are.
 _EXECUTION_FIELDS = ("name", "attention", "remat", "scan_layers", "dtype", "param_dtype", "max_seq_len",
                      "quantization", "fp8_scaling", "amax_history", "quantize_unembed")
 
@@ -89,8 +91,9 @@ class Checkpointer:
     """Orbax ``CheckpointManager`` over ``run_dir/checkpoints``: async saves, keep-last-N, verified restores.
 
     Each step holds the items ``params``, ``opt_state``, ``meta`` (JSON: step
-    and the data settings) and ``data`` (the Grain iterator state of every
-    process, one JSON file each, via Grain's own Orbax handler). A converted
+    and the data settings), ``data`` (the Grain iterator state of every
+    process, one JSON file each, via Grain's own Orbax handler) and, with fp8
+    delayed scaling, ``quant`` (the amax histories). A converted
     model holds ``params`` and ``meta`` only.
 
     Orbax makes a save atomic (written to a temporary directory, renamed when
@@ -235,15 +238,25 @@ class Checkpointer:
             "opt_state": ocp.args.StandardRestore(abstract_state["opt_state"]),
             "meta": ocp.args.JsonRestore(),
         }
-        saved_quant = (self.directory / str(step) / "quant").is_dir()
-        if "quant" in abstract_state and saved_quant:
-            items["quant"] = ocp.args.StandardRestore(abstract_state["quant"])
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
         if "quant" in abstract_state:
-            state["quant"] = out["quant"] if saved_quant else jax.tree.map(
-                lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract_state["quant"])
+            state["quant"] = self._restore_quant(step, abstract_state["quant"])
         return state
+
+    def _restore_quant(self, step: int, abstract: Any) -> Any:
+        """The fp8 histories of ``step``; zeros when it has none, or none of this shape (a run
+        resumed with another ``model.amax_history`` or ``model.quantize_unembed``): the scales
+        then start over as at step 0, which the first step's current amaxes cover."""
+        if (self.directory / str(step) / "quant").is_dir():
+            try:
+                out = self.manager.restore(step, args=ocp.args.Composite(quant=ocp.args.StandardRestore(abstract)))
+                return out["quant"]
+            except (ValueError, TypeError, KeyError):
+                print(f"warning: checkpoint {step}: its fp8 amax histories do not fit this config "
+                      "(model.amax_history or model.quantize_unembed changed); they start over",
+                      file=sys.stderr, flush=True)
+        return jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract)
 
     def restore_data(self, step: int, data_iterator) -> None:
         """Move ``data_iterator`` to where it was when ``step`` was saved."""

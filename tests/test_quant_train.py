@@ -232,7 +232,7 @@ def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path):
         assert abs(final[mode] - final["none"]) <= 0.03 * final["none"], final
 
 
-def test_resume_with_fp8_delayed_scaling_gives_the_uninterrupted_losses(tmp_path):
+def test_resume_with_fp8_delayed_scaling_gives_the_uninterrupted_losses(tmp_path, capsys):
     common = TINY + ["train.steps=6", "checkpoint.every=3", "train.warmup_steps=2", "train.log_every=1",
                      "model.quantization=fp8", "model.amax_history=4"]
     straight = train(load_config(None, common + [f"run_dir={tmp_path / 'a'}"]))
@@ -241,6 +241,10 @@ def test_resume_with_fp8_delayed_scaling_gives_the_uninterrupted_losses(tmp_path
     resumed = train(load_config(None, common + [f"run_dir={tmp_path / 'b'}"]))
     assert resumed.first_step == 3
     np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
+    # Histories of another length cannot be restored: one line, and they start over.
+    longer = train(load_config(None, common + [f"run_dir={tmp_path / 'a'}", "train.steps=7", "model.amax_history=8"]))
+    assert longer.first_step == 6 and np.isfinite(longer.losses).all()
+    assert "fp8 amax histories do not fit this config" in capsys.readouterr().err
     # Serving the fp8-trained run computes in the compute dtype (serving quantises with --quantize).
     engine, _, _ = load_engine(tmp_path / "a", max_slots=1)
     assert engine.cfg.quantization == "none"

@@ -7,9 +7,13 @@ An fp8 einsum quantises and at once dequantises ("qdq") each operand and the inc
 
 with ``qdq(a, fmt, s) = fmt(clip(a / s)) * s`` (the cast to ``fmt`` is where the precision goes)
 and straight-through gradients through each qdq. Written this way, XLA on Hopper GPUs rewrites
-``convert(fp8) * scale -> dot`` into a cuBLAS Lt fp8 matmul with the scales folded in (forward
-and both backward matmuls); elsewhere the same program computes in the compute dtype on values
-rounded to fp8, so CPU runs reproduce fp8 numerics, not its speed.
+``convert(fp8) * scale -> dot`` into a cuBLAS Lt fp8 matmul with the scales folded in: the
+forward matmul always, and both backward ones where the operands' qdq is recomputed in the
+backward pass (``model.remat`` full or dots, the default; with ``remat=none`` the scanned
+layers keep the dequantised operands as residuals, and the backward matmuls run in the compute
+dtype; the same holds for a quantised unembedding, whose float32 gradient meets bf16 operands).
+Elsewhere the same program computes in the compute dtype on values rounded to fp8, so CPU runs
+reproduce fp8 numerics, not its speed. (Not yet run on a GPU.)
 
 Scales are per tensor, ``s = amax / fmt_max`` (``fmt_max`` = 448 for e4m3, 57344 for e5m2):
 
@@ -45,7 +49,6 @@ import jax.numpy as jnp
 
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
 E5M2 = jnp.float8_e5m2  # backward: gradients
-SCALINGS = ("delayed", "current")
 
 
 def fmt_max(fmt) -> float:
@@ -83,10 +86,12 @@ def push(history: jax.Array, amax: jax.Array) -> jax.Array:
 
 def qdq(a: jax.Array, fmt, scale: jax.Array) -> jax.Array:
     """``a`` rounded to ``fmt`` at ``scale`` and back, in ``a``'s dtype (values past the format's
-    range are clipped to it)."""
+    range are clipped to it). The scale is rounded to ``a``'s dtype first and that one value
+    divides and multiplies, so a bfloat16 scale biases nothing."""
     m = fmt_max(fmt)
-    q = jnp.clip(a.astype(jnp.float32) / scale, -m, m).astype(fmt)
-    return q.astype(a.dtype) * scale.astype(a.dtype)
+    s = scale.astype(a.dtype)
+    q = jnp.clip(a.astype(jnp.float32) / s.astype(jnp.float32), -m, m).astype(fmt)
+    return q.astype(a.dtype) * s
 
 
 def _amax(a: jax.Array) -> jax.Array:
@@ -177,7 +182,12 @@ def init_histories(layer_names, num_layers: int, length: int, unembed: str | Non
 
 
 def attach(params: dict, histories: dict) -> dict:
-    """``params`` with each weight that has a history wrapped as :class:`Fp8Weight`."""
+    """``params`` with each weight that has a history wrapped as :class:`Fp8Weight`.
+
+    Each history must feed exactly one einsum per forward pass (a stacked layer's slice per
+    layer, through the scan's inputs): its "gradient" is its update, and two uses would add
+    two updates.
+    """
     out = dict(params)
     layers = histories["layers"]
     out["layers"] = {n: Fp8Weight(w, AmaxHistory(**layers[n])) if n in layers else w

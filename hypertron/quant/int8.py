@@ -121,10 +121,11 @@ def _channel_quantize(a: jax.Array, sub: str, out_sub: str) -> tuple[jax.Array, 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def train_einsum(subscripts: str, x: jax.Array, w: jax.Array, dtype, out_dtype) -> jax.Array:
-    """int8 mixed precision for training (AQT's default): both operands quantised per channel
+    """int8 mixed precision for training: both operands quantised per channel
     (``x`` per row of its kept letters, e.g. per token; ``w`` per output channel), an int8 x int8
     einsum accumulated in int32, rescaled by the outer product of the two scales; the gradients
-    are straight-through, i.e. those of ``einsum(x, w)`` in the compute ``dtype``."""
+    are straight-through, i.e. those of ``einsum(x, w)`` in the compute ``dtype`` (the backward
+    matmuls are not quantised; AQT can quantise them too)."""
     x_sub, w_sub, out_sub = _split(subscripts)
     qx, sx = _channel_quantize(x, x_sub, out_sub)
     qw, sw = _channel_quantize(w, w_sub, out_sub)

@@ -143,7 +143,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], State]
     step: Callable[[State, Batch], tuple[State, dict]]
-    eval: Callable[..., dict]  # (params, batch[, fp8 histories]) -> {"nll_sum", "weight"}
+    eval: Callable[..., dict]  # (params, batch, fp8 histories or None) -> {"nll_sum", "weight"}
 
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state (for restoring a checkpoint)."""
