@@ -266,7 +266,7 @@ _REMAT_POLICIES = {
 
 def _paged_layers(layers: Params, x_btd, cache: Cache, ctx: dict, cfg: ModelConfig, einsum):
     """The layers over a paged pool (:mod:`hypertron.models.kv_pages`), the cache in the carry."""
-    per_layer = pages_per_layer(cache, cfg)
+    per_layer = pages_per_layer(cache, cfg.num_layers)
 
     def body(carry, layer_in):
         x, c = carry

@@ -47,8 +47,9 @@ def bytes_per_token(cfg: ModelConfig, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-def pages_per_layer(cache: dict, cfg: ModelConfig) -> int:
-    return cache["k_pages"].shape[1] // cfg.num_layers
+def pages_per_layer(cache: dict, num_layers: int) -> int:
+    """Pages each layer has in the pool."""
+    return cache["k_pages"].shape[1] // num_layers
 
 
 def layer_page_table(page_table: jax.Array, layer, pages_per_layer: int) -> jax.Array:

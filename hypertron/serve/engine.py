@@ -39,7 +39,7 @@ import numpy as np
 
 from hypertron.config import ConfigError, ModelConfig
 from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
-from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, layer_page_table, write_tokens
+from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, layer_page_table, pages_per_layer, write_tokens
 from hypertron.serve.generate import filter_logits, inference_config, prepare_params
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
@@ -103,7 +103,7 @@ def insert(cache, kv, page_row, true_length):
     """
     layers, t = kv["k"].shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (layers, t))
-    tables = layer_page_table(page_row[None], jnp.arange(layers)[:, None], cache["k_pages"].shape[1] // layers)
+    tables = layer_page_table(page_row[None], jnp.arange(layers)[:, None], pages_per_layer(cache, layers))
     return write_tokens(cache, kv["k"], kv["v"], positions, tables, positions < true_length)
 
 
