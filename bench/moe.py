@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from hypertron.kernels.gmm import resolve_backend
-    from hypertron.presets import PRESETS
+    from hypertron.config import PRESETS
 
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.dtype(("float32" if on_cpu else "bfloat16") if args.dtype == "auto" else args.dtype)

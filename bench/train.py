@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args(argv)
 
-    from hypertron.config import ConfigError, load_config, validate_for_devices
+    from hypertron.config import ConfigError, load_config
+    from hypertron.train.checks import validate_for_devices
     from hypertron.models import count_params, resolve_dtype
     from hypertron.train.flops import device_peak_flops, train_flops_per_token
 

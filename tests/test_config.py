@@ -1,11 +1,13 @@
 """Config loading: every shipped recipe, presets with overrides, YAML-typed values."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from hypertron.config import ConfigError, dump_yaml, from_dict, load_config
-from hypertron.presets import PRESETS
+from hypertron.config import (PRESETS, TOKENIZABLE_SOURCES, ConfigError, ServeConfig, choices, dump_yaml,
+                              from_dict, load_config)
+from hypertron.config.schema import DataSource, GmmBackend, KvCacheDtype, Quantization, WeightQuantization
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -67,8 +69,49 @@ def test_errors_name_the_key(overrides, message):
         load_config(None, overrides)
 
 
-def test_config_knows_every_data_source():
-    from hypertron.config import DATA_SOURCES
-    from hypertron.data.sources import SOURCES
+def _option(parser, command: str, flag: str):
+    """The argparse action of ``hypertron COMMAND FLAG``."""
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return next(a for a in sub._actions if flag in a.option_strings)
 
-    assert DATA_SOURCES == SOURCES
+
+def test_every_option_list_is_the_schemas():
+    from hypertron.cli import build_parser
+    from hypertron.data import SOURCES
+    from hypertron.kernels import gmm
+    from hypertron.quant.einsum import MODES
+
+    parser = build_parser()
+    assert _option(parser, "serve", "--kv-cache-dtype").choices == choices(KvCacheDtype) == (
+        "auto", "bfloat16", "float32", "int8")
+    assert _option(parser, "serve", "--quantize").choices == choices(WeightQuantization) == ("none", "int8")
+    assert _option(parser, "generate", "--quantize").choices == choices(WeightQuantization)
+    assert _option(parser, "tokenize", "--source").choices == TOKENIZABLE_SOURCES
+    assert set(TOKENIZABLE_SOURCES) | {"synthetic", "tokens"} == set(SOURCES) == set(choices(DataSource))
+    assert gmm.BACKENDS == choices(GmmBackend) and "pallas" in gmm.BACKENDS
+    assert MODES == choices(Quantization) == ("none", "fp8", "int8")
+    # Every serving setting is a flag, and every flag a setting.
+    flags = {a.dest for a in next(a for a in parser._actions if a.dest == "command").choices["serve"]._actions}
+    assert flags - {"help", "config"} == {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+@pytest.mark.parametrize("argv, key, allowed", [
+    (["train", "model.moe.gmm_backend=cuda", "model=tiny-moe"], "model.moe.gmm_backend=cuda", GmmBackend),
+    (["train", "data.source=csv"], "data.source=csv", DataSource),
+    (["train", "model.quantization=fp4"], "model.quantization=fp4", Quantization),
+    (["serve", "--checkpoint", "x", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype", KvCacheDtype),
+    (["serve", "--checkpoint", "x", "--quantize", "int4"], "--quantize", WeightQuantization),
+    (["generate", "--checkpoint", "x", "--prompt", "a", "--quantize", "int4"], "--quantize", WeightQuantization),
+    (["tokenize", "--source", "synthetic", "--tokenizer", "byte", "--out", "o"], "--source", TOKENIZABLE_SOURCES),
+])
+def test_an_unknown_choice_is_one_line_naming_the_key_and_the_allowed_values(argv, key, allowed, capsys):
+    from hypertron.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's choices
+        code = e.code
+    err = capsys.readouterr().err
+    allowed = allowed if isinstance(allowed, tuple) else choices(allowed)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and key in err, err
+    assert all(value in err for value in allowed), err

@@ -16,7 +16,7 @@ import pytest
 from hypertron.config import ConfigError, load_config
 from hypertron.models import forward_paged, init_params
 from hypertron.models.kv_pages import bytes_per_token
-from hypertron.presets import PRESETS
+from hypertron.config import PRESETS
 from hypertron.serve.engine import PagedEngine, sample_rows
 from hypertron.serve.types import SamplingParams
 

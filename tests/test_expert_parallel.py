@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from hypertron.config import ConfigError, load_config, validate_for_devices
+from hypertron.config import ConfigError, load_config
+from hypertron.train.checks import validate_for_devices
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import use_rules
 from hypertron.train.step import global_batch, loss_terms, make_trainer

@@ -17,7 +17,7 @@ from hypertron.config import ModelConfig, MoEConfig, load_config
 from hypertron.models import forward_with_stats, init_params
 from hypertron.models.decoder import activation
 from hypertron.models.moe import _capped, _dropless, capacity, moe_mlp, route
-from hypertron.presets import PRESETS
+from hypertron.config import PRESETS
 from hypertron.quant import einsum_for
 
 EINSUM = einsum_for("none", jnp.float32)

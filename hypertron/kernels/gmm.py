@@ -71,7 +71,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-BACKENDS = ("auto", "pallas", "ragged_dot", "grouped", "reference")
+from hypertron.config.schema import GmmBackend, choices
+
+BACKENDS = choices(GmmBackend)  # model.moe.gmm_backend
 
 # (tm, tk, tn). 128 is the usual Triton matmul block; untuned (no GPU measured yet).
 DEFAULT_TILING = (128, 128, 128)

@@ -25,10 +25,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from hypertron.config.schema import Quantization, choices
 from hypertron.quant import fp8, int8
 
 Einsum = Callable[..., jax.Array]
-MODES = ("none", "fp8", "int8")
+MODES = choices(Quantization)  # model.quantization
 
 
 def einsum_for(mode: str, compute_dtype) -> Einsum:

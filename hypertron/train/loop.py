@@ -32,8 +32,9 @@ from hypertron.checkpoint import (
     read_run_config,
     write_run_config,
 )
-from hypertron.config import Config, validate_for_devices
+from hypertron.config import Config
 from hypertron.data import check_source, make_batches
+from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.events import EventLog, job_start_fields

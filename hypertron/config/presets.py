@@ -1,15 +1,15 @@
 """Model presets as data: each family is the shared decoder plus the fields that differ.
 
-Presets live beside :mod:`hypertron.config` (not under ``models/``) because the
-config loader resolves ``model=NAME`` and the config layer may not import
-upward.
+Presets live in the config package (not under ``models/``) because the config
+loader resolves ``model=NAME`` and the config layer may not import upward. They
+import only the schema.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from hypertron.config import ModelConfig, MoEConfig, RopeScaling
+from hypertron.config.schema import ModelConfig, MoEConfig, RopeScaling
 
 _LLAMA2_7B = ModelConfig(
     name="llama2-7b",

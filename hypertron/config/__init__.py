@@ -1,0 +1,64 @@
+"""Configuration: the typed schema, model presets, loading (YAML + ``key=value``) and validation.
+
+* :mod:`~hypertron.config.schema`: frozen, keyword-only dataclasses; every choice a ``Literal``
+  type, defined once (:func:`~hypertron.config.schema.choices` reads it back).
+* :mod:`~hypertron.config.presets`: model presets as data.
+* :mod:`~hypertron.config.loading`: recipes and overrides into a validated config.
+* :mod:`~hypertron.config.validation`: checks that need no devices, data or model.
+
+The package imports no JAX: the CLI reads it to build its parser.
+"""
+
+from hypertron.config.loading import (
+    dump_yaml,
+    from_dict,
+    load_config,
+    load_serve_config,
+    parse_overrides,
+    read_yaml,
+    to_dict,
+)
+from hypertron.config.presets import PRESETS
+from hypertron.config.schema import (
+    TOKENIZABLE_SOURCES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistributedConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+    ServeConfig,
+    TrainConfig,
+    choices,
+)
+from hypertron.config.validation import validate, validate_model, validate_serve
+from hypertron.errors import ConfigError
+
+__all__ = [
+    "PRESETS",
+    "TOKENIZABLE_SOURCES",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "RopeScaling",
+    "ServeConfig",
+    "TrainConfig",
+    "choices",
+    "dump_yaml",
+    "from_dict",
+    "load_config",
+    "load_serve_config",
+    "parse_overrides",
+    "read_yaml",
+    "to_dict",
+    "validate",
+    "validate_model",
+    "validate_serve",
+]

@@ -1,0 +1,257 @@
+"""The schema: every setting of a run and of a server, as frozen, keyword-only dataclasses.
+
+Each choice is a ``Literal`` type defined once here. The loader
+(:mod:`hypertron.config.loading`) refuses a value outside it, naming the key and
+the allowed values; the CLI's ``choices``, the kernels' backend list and the
+serving engine's cache dtypes are derived from the same types with
+:func:`choices`, so an option list exists in exactly one place.
+
+This module imports nothing heavy (no JAX, no data libraries): the CLI reads it
+to build its parser.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hypertron.errors import ConfigError
+
+# ---------------------------------------------------------------------------
+# Choices
+
+Activation = Literal["silu", "gelu"]  # silu -> SwiGLU, gelu -> GeGLU (tanh approximation)
+Attention = Literal["auto", "cudnn", "xla", "plain"]
+Remat = Literal["none", "full", "dots"]
+# No float16: training it needs loss scaling, which hypertron does not do.
+Dtype = Literal["auto", "float32", "bfloat16"]
+Quantization = Literal["none", "fp8", "int8"]  # quantised training matmuls
+Fp8Scaling = Literal["delayed", "current"]
+MoEMode = Literal["dropless", "capped"]
+Gating = Literal["topk_softmax", "softmax_topk"]
+GmmBackend = Literal["auto", "pallas", "ragged_dot", "grouped", "reference"]
+DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens"]
+Schedule = Literal["cosine", "linear", "constant"]
+KvCacheDtype = Literal["auto", "bfloat16", "float32", "int8"]  # auto: the model's compute dtype
+WeightQuantization = Literal["none", "int8"]  # weight precision for generation and serving
+
+
+def choices(choice_type: typing.Any) -> tuple[str, ...]:
+    """The allowed values of a ``Literal`` choice type, in their declared order."""
+    if typing.get_origin(choice_type) is not Literal:
+        raise TypeError(f"{choice_type!r} is not a Literal choice type")
+    return typing.get_args(choice_type)
+
+
+# Sources ``hypertron tokenize`` reads (the other two are token ids already).
+TOKENIZABLE_SOURCES = tuple(s for s in choices(DataSource) if s not in ("synthetic", "tokens"))
+
+
+# ---------------------------------------------------------------------------
+# A training run
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1 style RoPE frequency scaling (``rope_type: llama3`` in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts MLPs: each token goes to ``top_k`` of ``num_experts`` SwiGLU experts
+    of hidden size ``model.mlp_dim``."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    # dropless: every routed token is computed (grouped matmul); capped: at most
+    # capacity_factor * seq_len * top_k / num_experts copies per expert and row, the rest dropped.
+    mode: MoEMode = "dropless"
+    capacity_factor: float = 1.25
+    # topk_softmax: softmax over the top-k logits (Mixtral); softmax_topk: softmax over all
+    # experts, then the top-k probabilities as weights (Switch / GShard, not renormalised).
+    gating: Gating = "topk_softmax"
+    shared_experts: int = 0  # dense experts every token also goes through
+    load_balance_weight: float = 0.01  # Switch load-balancing loss
+    router_z_weight: float = 0.001  # router z-loss
+    gmm_backend: GmmBackend = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The decoder's architecture. One decoder covers Llama, Mistral and Gemma."""
+
+    name: str = "custom"
+    vocab_size: int = 259
+    embed_dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_dim: int = 384
+    activation: Activation = "silu"
+    norm_eps: float = 1e-5
+    norm_zero_centered: bool = False  # Gemma: scale = 1 + w
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(embed_dim)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # Mistral: attend to the last N positions only
+    max_seq_len: int = 4096
+    attention: Attention = "auto"
+    remat: Remat = "full"
+    scan_layers: bool = True
+    # Master weights stay float32 by default: in bfloat16, AdamW updates much smaller
+    # than a weight round away. "auto" means the compute rule below.
+    param_dtype: Dtype = "float32"
+    dtype: Dtype = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on accelerators
+    moe: MoEConfig | None = None  # Mixture-of-Experts MLPs instead of dense ones
+    # Quantised training matmuls (hypertron.quant). Generation and serving compute in the
+    # compute dtype whatever this says (serving has its own --quantize).
+    quantization: Quantization = "none"
+    fp8_scaling: Fp8Scaling = "delayed"  # delayed: an amax history in the train state
+    amax_history: int = 16  # steps of amax kept per tensor for delayed scaling
+    quantize_unembed: bool = False  # quantise the unembedding too
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh sizes. One axis may be -1: it takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1  # MoE expert parallelism; a data-parallel axis outside the experts
+    tensor: int = 1
+
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "tensor")
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        """Resolve -1 and check the product against ``num_devices``."""
+        sizes = {a: getattr(self, a) for a in self.AXES}
+        free = [a for a, s in sizes.items() if s == -1]
+        if len(free) > 1:
+            raise ConfigError(f"mesh: at most one axis may be -1, got {', '.join(free)}")
+        for a, s in sizes.items():
+            if s == 0 or s < -1:
+                raise ConfigError(f"mesh.{a}={s}: sizes must be positive (or -1 for the rest)")
+        fixed = 1
+        for s in sizes.values():
+            fixed *= s if s != -1 else 1
+        if free:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"mesh: fixed axes multiply to {fixed}, which does not divide {num_devices} devices"
+                )
+            sizes[free[0]] = num_devices // fixed
+        prod = 1
+        for s in sizes.values():
+            prod *= s
+        if prod != num_devices:
+            desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
+            raise ConfigError(f"mesh: {desc} = {prod} devices, but {num_devices} are available")
+        return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training text comes from and how it is tokenised."""
+
+    source: DataSource = "stdlib"
+    paths: tuple[str, ...] = ()
+    text_field: str = "text"
+    tokenizer: str = "byte"  # byte | a tokenizer.json (or its directory) | a SentencePiece .model
+    shuffle: bool = True
+    seed: int = 0
+    eval_fraction: float = 0.0  # documents held out of training for train.eval_every (0 = none)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation and the loop."""
+
+    steps: int = 100
+    global_batch: int = 8
+    seq_len: int = 128
+    grad_accum: int = 1
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: Schedule = "cosine"
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # 0 disables clipping
+    z_loss: float = 0.0
+    seed: int = 0
+    log_every: int = 10
+    peak_flops: float = 0.0  # per-device bf16 peak; 0 = look it up from the device kind
+    init_from: str = ""  # a run directory (e.g. a converted HF model) whose parameters start this run
+    eval_every: int = 0  # steps between eval-loss measurements on the held-out split (0 = off)
+    eval_batches: int = 4  # global batches per evaluation
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every: int = 100  # steps; a checkpoint is also written at the end
+    keep: int = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-process runs (``jax.distributed``). Empty values fall back to the environment:
+    ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (what ``hypertron launch``
+    sets); under Slurm or Open MPI with several tasks JAX finds them itself."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0 = from the environment (1 if unset)
+    process_id: int = -1  # -1 = from the environment
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+    heartbeat_timeout: int = 100  # seconds without a heartbeat before a process is presumed dead
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything one run needs."""
+
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+# ---------------------------------------------------------------------------
+# A server
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """What ``hypertron serve`` runs: the flags of the same names (``max_slots`` is
+    ``--max-slots``), or the keys of a ``--config`` YAML file. It holds no training setting."""
+
+    checkpoint: str = ""  # run directory (its latest checkpoint is served); required
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 endpoints
+    max_slots: int = 8  # decode batch size
+    page_size: int = 16  # tokens per KV page (a power of two)
+    num_pages: int | None = None  # KV pages; None: every slot at max_seq_len
+    kv_cache_dtype: KvCacheDtype = "auto"
+    quantize: WeightQuantization = "none"
+    max_queue: int = 256  # requests waiting for a slot before new ones get 429
+    max_prompt_tokens: int | None = None  # None: max_seq_len - 1
+    max_tokens_limit: int | None = None  # largest max_tokens; None: max_seq_len
+    model_name: str | None = None  # the id in /v1/models; None: the run directory's name

@@ -1,0 +1,160 @@
+"""Checks of settings that need no devices, no data and no model: value ranges and combinations.
+
+Device-dependent checks (the mesh against the devices, batch divisibility over
+the data shards) and data-dependent ones (the tokenizer against the vocabulary)
+live where those things are known, in ``hypertron.train``. Every failure is a
+:class:`~hypertron.errors.ConfigError` whose one line names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from hypertron.config.schema import Config, MeshConfig, ModelConfig, ServeConfig, choices
+from hypertron.errors import ConfigError
+
+
+def choice_error(key: str, value: Any, allowed: tuple[str, ...]) -> ConfigError:
+    """The one error of a value outside a choice type: ``key=value: must be one of a, b``."""
+    return ConfigError(f"{key}={value}: must be one of {', '.join(allowed)}")
+
+
+def check_choices(obj: Any, prefix: str = "", name: Callable[[str], str] | None = None) -> None:
+    """Every ``Literal`` field of the dataclass ``obj`` (and of its nested dataclasses) holds an
+    allowed value. Configs built in Python skip the loader; this catches them too."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, tp = getattr(obj, f.name), hints[f.name]
+        key = name(f.name) if name else prefix + f.name
+        if typing.get_origin(tp) is Literal and value not in choices(tp):
+            raise choice_error(key, value, choices(tp))
+        if dataclasses.is_dataclass(value):
+            check_choices(value, key + ".")
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Architecture checks that hold whatever the hardware."""
+    check_choices(m, "model.")
+    for k in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        if getattr(m, k) <= 0:
+            raise ConfigError(f"model.{k}={getattr(m, k)}: must be positive")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim}: RoPE needs an even head dimension")
+    if m.amax_history < 1:
+        raise ConfigError(f"model.amax_history={m.amax_history}: must be at least 1")
+    if m.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps}: must be positive")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta}: must be positive")
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        if rs.factor <= 0 or rs.original_max_position <= 0:
+            raise ConfigError("model.rope_scaling: factor and original_max_position must be positive")
+        if not 0 < rs.low_freq_factor < rs.high_freq_factor:
+            raise ConfigError("model.rope_scaling: need 0 < low_freq_factor < high_freq_factor")
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window}: must be positive")
+    if m.moe is not None:
+        e = m.moe
+        if e.num_experts <= 0 or not 0 < e.top_k <= e.num_experts:
+            raise ConfigError(
+                f"model.moe.top_k={e.top_k} must be in 1..model.moe.num_experts ({e.num_experts})"
+            )
+        if e.top_k == 1 and e.gating == "topk_softmax":
+            raise ConfigError("model.moe.top_k=1 with gating=topk_softmax gives every token weight 1, so the "
+                              "router learns nothing from the loss; use model.moe.gating=softmax_topk")
+        if e.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor}: must be positive")
+        if e.shared_experts < 0 or e.load_balance_weight < 0 or e.router_z_weight < 0:
+            raise ConfigError("model.moe.shared_experts, load_balance_weight and router_z_weight must not be negative")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices (those are in ``hypertron.train.checks``)."""
+    check_choices(cfg)
+    validate_model(cfg.model)
+    t = cfg.train
+    for k in ("steps", "global_batch", "seq_len", "grad_accum", "log_every"):
+        if getattr(t, k) <= 0:
+            raise ConfigError(f"train.{k}={getattr(t, k)}: must be positive")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must not be negative")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr}: must be positive")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio}: must be between 0 and 1")
+    if t.clip_norm < 0 or t.weight_decay < 0 or t.z_loss < 0:
+        raise ConfigError("train.clip_norm, train.weight_decay and train.z_loss must not be negative")
+    if not cfg.run_dir.strip():
+        raise ConfigError("run_dir: must not be empty")
+    if t.eval_every < 0 or t.eval_batches <= 0:
+        raise ConfigError("train.eval_every must not be negative and train.eval_batches must be positive")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
+    if t.eval_every and cfg.data.source != "synthetic" and cfg.data.eval_fraction == 0:
+        raise ConfigError(
+            f"train.eval_every={t.eval_every} needs a held-out split: set data.eval_fraction (e.g. 0.01)"
+        )
+    if t.global_batch % t.grad_accum:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    if not cfg.data.tokenizer.strip():
+        raise ConfigError("data.tokenizer: must be 'byte' or a path to a tokenizer")
+    if cfg.data.source not in ("stdlib", "synthetic") and not cfg.data.paths:
+        raise ConfigError(f"data.paths: data.source={cfg.data.source} needs at least one path")
+    if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be positive")
+    d = cfg.distributed
+    if d.num_processes < 0 or d.process_id < -1 or (d.num_processes and d.process_id >= d.num_processes):
+        raise ConfigError(
+            f"distributed.process_id={d.process_id} must be in 0..num_processes-1 (num_processes={d.num_processes})"
+        )
+    if d.initialization_timeout <= 0 or d.heartbeat_timeout <= 0:
+        raise ConfigError("distributed.initialization_timeout and distributed.heartbeat_timeout must be positive")
+    for a in MeshConfig.AXES:
+        s = getattr(cfg.mesh, a)
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{a}={s}: sizes must be positive (or -1 for the rest)")
+
+
+def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,
+                          name: Callable[[str], str] = lambda key: key) -> None:
+    """The paged engine's own settings (shared by :func:`validate_serve` and the engine's constructor).
+    ``name`` turns a key into what the user wrote (``--max-slots`` for a flag)."""
+    allowed = choices(typing.get_type_hints(ServeConfig)["kv_cache_dtype"])
+    if kv_cache_dtype not in allowed:
+        raise choice_error(name("kv_cache_dtype"), kv_cache_dtype, allowed)
+    for key, value in (("max_slots", max_slots), ("page_size", page_size), ("num_pages", num_pages)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name(key)}={value}: must be positive")
+    if page_size & (page_size - 1):
+        raise ConfigError(f"{name('page_size')}={page_size}: must be a power of two")
+    if num_pages is not None and num_pages < 2:
+        raise ConfigError(f"{name('num_pages')}={num_pages}: needs at least 2 (page 0 is reserved)")
+
+
+def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
+    """Checks of a :class:`ServeConfig` that need no model; ``name`` as in :func:`check_engine_settings`."""
+    check_choices(cfg, name=name)
+    if not cfg.checkpoint.strip():
+        raise ConfigError(f"{name('checkpoint')}: required (the run directory to serve)")
+    check_engine_settings(max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
+                          kv_cache_dtype=cfg.kv_cache_dtype, name=name)
+    for key in ("max_queue", "max_prompt_tokens", "max_tokens_limit"):
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name(key)}={value}: must be positive")
+    if not 0 <= cfg.port < 65536:
+        raise ConfigError(f"{name('port')}={cfg.port}: must be 0 to 65535")
