@@ -1,4 +1,9 @@
-"""Tokenisers: text <-> token ids, chosen by the ``data.tokenizer`` string.
+"""Tokenisers: text <-> token ids, for training data and for serving alike.
+
+This module is on the ground floor (it imports only :mod:`hypertron.errors`):
+the data pipeline, ``hypertron tokenize`` and the server all use it, and none of
+them reaches into a tokenizer's private attributes: :class:`Tokenizer` is what
+they get. A tokenizer is named by a string (``data.tokenizer`` in a run):
 
 * ``"byte"``: written by hand because it is four lines of arithmetic: every
   UTF-8 byte ``b`` is token ``b + 3``, after three special tokens. It needs no
@@ -23,6 +28,12 @@ own ids (-1 = none). A tokenizer may lack bos or eos (then ``bos_id`` or
 ``eos_id`` is None and documents are framed by the other alone) but not both.
 Without a pad token, ``pad_id`` is eos (else bos): padding carries no loss, so
 any id would do.
+
+``eos_ids`` is every id that ends a generation: ``eos_id`` and, when a
+``generation_config.json`` sits beside the tokenizer file (as in Hugging Face
+model directories), its ``eos_token_id`` (one id or a list: Llama 3 instruct
+models end turns with ``<|eot_id|>``). ``chat_template`` is the
+``chat_template`` of the ``tokenizer_config.json`` beside the file, if any.
 """
 
 from __future__ import annotations
@@ -31,12 +42,13 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
 
-from hypertron.data.sources import DataError, one_line
+from hypertron.errors import DataError, one_line
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
@@ -46,27 +58,56 @@ _EXPECTED = "expected 'byte', a tokenizer.json, a directory holding one, or a Se
 
 
 class Tokenizer(Protocol):
-    """What the pipeline needs from a tokenizer; ``bos_id`` or ``eos_id`` may be None, not both."""
+    """What the pipeline and the server need from a tokenizer; ``bos_id`` or ``eos_id`` may be
+    None, not both."""
 
-    name: str
+    name: str  # the string it was named by ("byte" or a path)
+    path: str | None  # the file behind it (None for byte)
     bos_id: int | None
-    eos_id: int | None
+    eos_id: int | None  # the document separator of training data
+    eos_ids: frozenset[int]  # every id that ends a generation (eos_id among them)
     pad_id: int
     vocab_size: int
+    chat_template: str | None  # Jinja source, or None: the server's default
 
-    def encode(self, text: str) -> list[int]: ...
-    def encode_array(self, text: str) -> np.ndarray: ...
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str: ...
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, without special tokens."""
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Like :meth:`encode`, as an int32 array of shape [num_tokens]."""
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Text of ``ids``; special ids and ids outside the vocabulary are dropped."""
+
+    def token_text(self, token_id: int) -> str:
+        """How one id is written: a special token's own text (``<s>``), else the id decoded alone."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id adds to decoded text (b"" for a special id): exact even for an id that is
+        only part of a UTF-8 character (byte tokens, byte-level BPE, SentencePiece byte fallback)."""
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, key: str = "model.vocab_size") -> None:
+    """A model with ``vocab_size`` ids can use ``tokenizer``'s ids; else a :class:`DataError`
+    ``KEY=N: the tokenizer T needs at least M`` (``key`` names where the model's size was set)."""
+    if vocab_size < tokenizer.vocab_size:
+        raise DataError(f"{key}={vocab_size}: the tokenizer {tokenizer.name} needs at least {tokenizer.vocab_size}")
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..2 are pad, bos, eos; byte ``b`` is id ``b + 3``."""
 
     name = "byte"
+    path = None
     pad_id = 0
     bos_id = 1
     eos_id = 2
+    eos_ids = frozenset({2})
     vocab_size = 259  # 3 special ids + 256 byte values
+    chat_template = None
     _BYTE_OFFSET = 3
 
     def encode(self, text: str) -> list[int]:
@@ -97,6 +138,14 @@ class ByteTokenizer:
             "utf-8", errors="replace"
         )
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte of id ``token_id`` (b"" for pad, bos, eos and ids outside the vocabulary)."""
+        return bytes([token_id - self._BYTE_OFFSET]) if self._BYTE_OFFSET <= token_id < self.vocab_size else b""
+
+    def token_text(self, token_id: int) -> str:
+        """The id's byte as text (U+FFFD for a byte that is not a whole character; "" for specials)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (any model: BPE, Unigram, WordPiece) via ``tokenizers``."""
@@ -116,6 +165,17 @@ class HFTokenizer:
         pad_id = self._special_id(config, "pad_token", _PAD_NAMES)
         _check_separators(self)
         self.pad_id = _first_not_none(pad_id, self.eos_id, self.bos_id)
+        self.eos_ids = _eos_ids(self.eos_id, os.path.dirname(path), self.vocab_size)
+        # Added tokens marked special are dropped by decoding, as bos / eos / pad are.
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._specials = {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None} | \
+            {i for i, token in added.items() if token.special}
+        decoder = self._tokenizer.decoder
+        self._byte_level = decoder is not None and _has_byte_level_decoder(json.loads(decoder.__getstate__()))
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        return chat_template_beside(self.path)
 
     def _special_id(self, config: dict, key: str, names: tuple[str, ...]) -> int | None:
         if key in config:  # present in the config, even as null: it is the authority
@@ -143,6 +203,24 @@ class HFTokenizer:
         kept = _without_special(self, _as_ids(ids))
         return self._tokenizer.decode(kept.tolist(), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        if token_id in self._specials:
+            return self._tokenizer.id_to_token(token_id) or ""
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Byte-level BPE pieces (GPT-2, Llama 3) map back to their bytes through the byte <-> unicode
+        table; byte-fallback pieces (``<0xE2>``) are their byte; other pieces are decoded alone."""
+        piece = self._tokenizer.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None or token_id in self._specials:
+            return b""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return self.decode([token_id]).encode("utf-8")
+
 
 class SentencePieceTokenizer:
     """A SentencePiece ``.model`` (Llama 2, Gemma, T5 ...) via ``sentencepiece``."""
@@ -163,6 +241,12 @@ class SentencePieceTokenizer:
         )
         _check_separators(self)
         self.pad_id = _first_not_none(pad_id, self.eos_id, self.bos_id)
+        self.eos_ids = _eos_ids(self.eos_id, os.path.dirname(path), self.vocab_size)
+        self._specials = {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        return chat_template_beside(self.path)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without bos/eos (SentencePiece's default); a list."""
@@ -175,6 +259,22 @@ class SentencePieceTokenizer:
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Text of ``ids``; special tokens and ids outside the vocabulary are dropped."""
         return self._processor.decode(_without_special(self, _as_ids(ids)).tolist())
+
+    def token_text(self, token_id: int) -> str:
+        if token_id in self._specials:
+            return self._processor.id_to_piece(token_id)
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte piece (``<0xE2>``) is its byte; another piece its text with "▁" as a space
+        (so a word's leading space is kept, which decoding one id alone would drop)."""
+        if not 0 <= token_id < self.vocab_size or token_id in self._specials or \
+                self._processor.is_control(token_id) or self._processor.is_unknown(token_id):
+            return b""
+        piece = self._processor.id_to_piece(token_id)
+        if self._processor.is_byte(token_id):
+            return bytes([int(_BYTE_PIECE.fullmatch(piece).group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
 
 _BYTE = ByteTokenizer()
@@ -191,10 +291,9 @@ def get_tokenizer(name: str) -> Tokenizer:
     if name == "byte":
         return _BYTE
     kind, path = tokenizer_file(name)
-    files = [path]
-    if kind == "hf":  # its special ids come from the config files beside it
-        files += [os.path.join(os.path.dirname(path), f) for f in _CONFIG_FILES]
-    versions = tuple((os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f))
+    # The files beside it say its special ids (HF), end-of-turn ids and chat template (both kinds).
+    files = [path] + [os.path.join(os.path.dirname(path), f) for f in (*_CONFIG_FILES, "generation_config.json")]
+    versions = tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f))
     return _load(kind, name, path, versions)
 
 
@@ -258,6 +357,59 @@ def _special_token_config(directory: str) -> dict:
             if isinstance(config, dict):
                 return {k: config[k] for k in ("bos_token", "eos_token", "pad_token") if k in config}
     return {}
+
+
+def chat_template_beside(path: str | None) -> str | None:
+    """``chat_template`` of the ``tokenizer_config.json`` beside the tokenizer file ``path`` (None if
+    there is none). A list of named templates gives ``default``, else the first."""
+    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json") if path else None
+    if not config_path or not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"cannot read the chat_template of {config_path}: {one_line(e)}") from None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    return template if isinstance(template, str) else None
+
+
+def _eos_ids(eos_id: int | None, directory: str, vocab_size: int) -> frozenset[int]:
+    """``eos_id`` and the ``eos_token_id`` (an id or a list) of a ``generation_config.json`` in
+    ``directory``; ids outside the vocabulary are left out."""
+    ids = set() if eos_id is None else {eos_id}
+    path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                extra = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"cannot read {path}: {one_line(e)}") from None
+        extra = [extra] if isinstance(extra, int) else extra if isinstance(extra, list) else []
+        ids |= {i for i in extra if isinstance(i, int) and 0 <= i < vocab_size}
+    return frozenset(ids)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters (byte-level BPE pieces
+    are written in these)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+def _has_byte_level_decoder(decoder: dict | None) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
 
 
 def _check_separators(tokenizer: Tokenizer) -> None:

@@ -13,15 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from hypertron.data import (
-    ByteTokenizer,
-    DataError,
-    check_source,
-    get_tokenizer,
-    load_documents,
-    make_batches,
-    stdlib_paths,
-)
+from hypertron.data import DataError, check_source, load_documents, make_batches, stdlib_paths
+from hypertron.tokenizer import ByteTokenizer, get_tokenizer
 from hypertron.data.pipeline import held_out
 
 TOKENIZER = ByteTokenizer()

@@ -17,15 +17,8 @@ import pytest
 from test_tokenizers import train_bpe  # tests/ is on sys.path (no __init__.py)
 
 from hypertron.cli import main
-from hypertron.data import (
-    DataError,
-    check_source,
-    get_tokenizer,
-    load_documents,
-    make_batches,
-    read_metadata,
-    tokenize_corpus,
-)
+from hypertron.data import DataError, check_source, load_documents, make_batches, read_metadata, tokenize_corpus
+from hypertron.tokenizer import get_tokenizer
 
 DOCUMENTS = [
     "def f(x):\n    return x + 1\n",

@@ -14,14 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from hypertron.data import (
-    DataError,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    get_tokenizer,
-    make_batches,
-    tokenizer_identity,
-)
+from hypertron.data import DataError, make_batches
+from hypertron.tokenizer import HFTokenizer, SentencePieceTokenizer, get_tokenizer, tokenizer_identity
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -196,6 +190,42 @@ def test_sentencepiece_without_bos(tmp_path):
 
 
 # --- both -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sp"])
+def test_token_bytes_are_exactly_the_bytes_each_id_adds(kind, bpe_path, sp_path):
+    """Joined, the bytes of a text's ids are the text's UTF-8, even where one id holds only part of
+    a character (byte tokens, byte-level BPE pieces, SentencePiece byte fallback); special ids add none."""
+    tokenizer = get_tokenizer({"byte": "byte", "bpe": bpe_path, "sp": sp_path}[kind])
+    partial = 0
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+        for i in ids:
+            try:
+                tokenizer.token_bytes(i).decode("utf-8")
+            except UnicodeDecodeError:
+                partial += 1
+    assert partial > 0  # the texts hold characters split over several ids
+    specials = [i for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if i is not None]
+    assert all(tokenizer.token_bytes(i) == b"" for i in specials)
+    if kind != "byte":  # a special token's own text, for chat templates
+        assert tokenizer.token_text(tokenizer.bos_id) == "<s>" and tokenizer.token_text(tokenizer.eos_id) == "</s>"
+
+
+def test_end_of_turn_ids_and_chat_template_come_from_the_files_beside_the_tokenizer(tmp_path, bpe_path):
+    import shutil
+
+    shutil.copyfile(bpe_path, tmp_path / "tokenizer.json")
+    plain = get_tokenizer(str(tmp_path))
+    assert plain.eos_ids == {plain.eos_id} and plain.chat_template is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 100_000]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    tokenizer = get_tokenizer(str(tmp_path))
+    assert tokenizer.eos_ids == {2, 7}  # ids outside the vocabulary left out
+    assert tokenizer.chat_template == "{{ messages }}" and get_tokenizer("byte").chat_template is None
+
+
 
 
 @pytest.mark.parametrize("kind", ["bpe", "sp"])

@@ -1,30 +1,22 @@
-"""Training data: sources, tokenisers, pre-tokenised corpora and packed Grain pipelines."""
+"""Training data: sources, pre-tokenised corpora and packed Grain pipelines.
+
+Tokenisers are not here: they sit on the ground floor (:mod:`hypertron.tokenizer`), since
+serving uses them too.
+"""
 
 from hypertron.data.pipeline import make_batches
-from hypertron.data.pretokenize import read_metadata, tokenize_corpus
-from hypertron.data.sources import SOURCES, DataError, check_source, load_documents, stdlib_paths
-from hypertron.data.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    get_tokenizer,
-    tokenizer_identity,
-)
+from hypertron.data.pretokenize import tokenize_corpus
+from hypertron.data.sources import SOURCES, check_source, load_documents, stdlib_paths
+from hypertron.data.token_corpus import read_metadata
+from hypertron.errors import DataError
 
 __all__ = [
     "SOURCES",
-    "ByteTokenizer",
     "DataError",
-    "HFTokenizer",
-    "SentencePieceTokenizer",
-    "Tokenizer",
     "check_source",
-    "get_tokenizer",
     "load_documents",
     "make_batches",
     "read_metadata",
     "stdlib_paths",
     "tokenize_corpus",
-    "tokenizer_identity",
 ]

@@ -32,8 +32,9 @@ import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, WindowShuffleIterDataset
 
-from hypertron.data.sources import DataError, load_documents
-from hypertron.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
+from hypertron.data.sources import load_documents
+from hypertron.errors import DataError
+from hypertron.tokenizer import ByteTokenizer, Tokenizer, check_vocab, get_tokenizer
 
 # Threads that read and tokenise documents ahead of packing. Reading is I/O and
 # numpy, so a couple of threads keep up with training without multiprocessing.
@@ -96,11 +97,7 @@ def make_batches(
     else:
         documents = _split(load_documents(source, paths, text_field, tokenizer=tokenizer), split, eval_fraction)
         text_tokenizer = get_tokenizer(tokenizer)
-        if vocab_size < text_tokenizer.vocab_size:
-            raise DataError(
-                f"model.vocab_size={vocab_size}: tokenizer {tokenizer!r} needs at least "
-                f"{text_tokenizer.vocab_size}"
-            )
+        check_vocab(text_tokenizer, vocab_size)
         rows = _packed_rows(documents, text_tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
                             process_index=process_index, process_count=process_count)
     return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True)))

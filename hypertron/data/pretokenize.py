@@ -27,9 +27,8 @@ wheels for but Windows, and records can be compressed. They are written with
 small cost in reading. A memory-mapped ``.npy`` would be zero-copy but four
 bytes a token, and would need its offsets rewritten to grow.
 
-The ``tokens`` source refuses a ``data.tokenizer`` whose kind or file hash
-differs from the recorded one; the path may differ, so a corpus copied to
-another machine with its tokenizer still matches.
+The format itself (file names, metadata, the tokenizer check on reading) is in
+:mod:`hypertron.data.token_corpus`, which the ``tokens`` source reads with.
 
 Writing is atomic: everything goes to a hidden temporary sibling directory,
 renamed to ``--out`` only when complete. An existing non-empty ``--out`` is
@@ -42,24 +41,16 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import grain
 import numpy as np
 
-from hypertron.data.sources import (
-    DataError,
-    array_record_source,
-    check_source,
-    describe_paths,
-    load_documents,
-    one_line,
-)
-from hypertron.data.tokenizer import Tokenizer, get_tokenizer, tokenizer_identity
-
-METADATA_FILE = "hypertron_tokens.json"
-FORMAT = "hypertron-tokens"
-VERSION = 1
+from hypertron.config import TOKENIZABLE_SOURCES
+from hypertron.data.sources import SOURCES, check_source, load_documents
+from hypertron.data.token_corpus import FORMAT, METADATA_FILE, VERSION
+from hypertron.errors import DataError, one_line
+from hypertron.tokenizer import Tokenizer, get_tokenizer, tokenizer_identity
 _SHARD_TOKENS = 1 << 28  # 1 GiB of int32 before compression
 _WRITER_OPTIONS = "group_size:1,zstd:1"
 # Threads that read and encode documents ahead of the writer, in order.
@@ -75,7 +66,7 @@ def tokenize_corpus(*, source: str, paths: tuple[str, ...] = (), text_field: str
     shard. Raises :class:`DataError` for bad input or an ``out`` that exists
     and is not empty; on any failure nothing is left at ``out``.
     """
-    if source in ("synthetic", "tokens"):
+    if source in SOURCES and source not in TOKENIZABLE_SOURCES:
         raise DataError(f"data.source: {source!r} cannot be tokenised (it is already token ids)")
     _check_out(out)
     check_source(source, paths, text_field)
@@ -110,66 +101,6 @@ def tokenize_corpus(*, source: str, paths: tuple[str, ...] = (), text_field: str
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return metadata
-
-
-def read_metadata(path: str) -> dict:
-    """The metadata of a ``hypertron tokenize`` output directory; :class:`DataError` if it is not one."""
-    metadata_path = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(metadata_path):
-        raise DataError(f"data.paths: {path} is not a hypertron tokenize output (no {METADATA_FILE})")
-    try:
-        with open(metadata_path, encoding="utf-8") as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.paths: cannot read {metadata_path} ({one_line(e)})") from None
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise DataError(f"data.paths: {metadata_path} is not {FORMAT} metadata")
-    if metadata.get("version") != VERSION:
-        raise DataError(f"data.paths: {path} has format version {metadata.get('version')}; "
-                        f"this hypertron reads version {VERSION}")
-    return metadata
-
-
-def token_documents(paths: Sequence[str], tokenizer: str | None) -> Sequence[np.ndarray]:
-    """The documents of ``hypertron tokenize`` outputs, in path order: int32 arrays of shape [num_tokens].
-
-    With ``tokenizer`` (the ``data.tokenizer`` string), every output must have
-    been made with that tokenizer; without it, the outputs must at least agree
-    with each other. Raises :class:`DataError` otherwise, or for missing shards.
-    """
-    files, num_documents, first = [], 0, None
-    for path in paths:
-        metadata = read_metadata(path)
-        recorded = metadata["tokenizer"]
-        if tokenizer is not None:
-            _check_tokenizer(path, recorded, tokenizer_identity(tokenizer), tokenizer)
-        elif first is not None:
-            _check_tokenizer(path, recorded, first, first["name"])
-        first = first or recorded
-        for shard in metadata["shards"]:
-            shard_path = os.path.join(path, shard)
-            if not os.path.isfile(shard_path):
-                raise DataError(f"data.paths: {path} is incomplete: {shard} is missing")
-            files.append(shard_path)
-        num_documents += metadata["num_documents"]
-    records = array_record_source(files) if files else []
-    if len(records) != num_documents:
-        raise DataError(f"data.paths: {describe_paths(paths)} hold {len(records)} records, "
-                        f"but the metadata counts {num_documents} documents")
-    return _TokenDocuments(records)
-
-
-class _TokenDocuments(Sequence):
-    """ArrayRecord records of little-endian int32 ids, as arrays of shape [num_tokens]."""
-
-    def __init__(self, records: Sequence[bytes]):
-        self._records = records
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        return np.frombuffer(self._records[index], dtype="<i4")
 
 
 def _check_out(out: str) -> None:
@@ -235,14 +166,3 @@ def _publish(tmp: str, out: str) -> None:
                         "nothing was written") from None
 
 
-def _check_tokenizer(path: str, recorded: dict, current: dict, name: str) -> None:
-    if (recorded.get("kind"), recorded.get("sha256")) != (current["kind"], current["sha256"]):
-        raise DataError(
-            f"data.tokenizer: {path} was tokenised with {recorded.get('name')} "
-            f"({_fingerprint(recorded)}), not {name} ({_fingerprint(current)})"
-        )
-
-
-def _fingerprint(identity: dict) -> str:
-    sha = identity.get("sha256")
-    return identity.get("kind", "?") + (f", sha256 {sha[:12]}" if sha else "")

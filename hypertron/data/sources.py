@@ -17,7 +17,7 @@ A corpus is a list of documents: strings, or already tokenised ids. Sources:
 * ``arrayrecord``: ArrayRecord files (``*.array_record``), each record one
   UTF-8 document.
 * ``tokens``: directories written by ``hypertron tokenize``; documents are
-  int32 id arrays (see :mod:`hypertron.data.pretokenize`).
+  int32 id arrays (see :mod:`hypertron.data.token_corpus`).
 
 Files are only listed up front (plus parquet footers, ArrayRecord indices,
 jsonl line offsets); a document is read when Grain asks for it, so the first
@@ -32,16 +32,18 @@ import collections
 import itertools
 import json
 import os
-import sysconfig
 import threading
 from collections.abc import Iterable, Sequence
 
 import grain
 import numpy as np
 
-from hypertron.errors import UserError
+from hypertron.config.schema import DataSource, choices
+from hypertron.data.files import array_record_source, check_paths, describe_paths, files_under, stdlib_paths
+from hypertron.data.token_corpus import METADATA_FILE, token_documents
+from hypertron.errors import DataError, one_line
 
-SOURCES = ("stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens")
+SOURCES = choices(DataSource)
 _SUFFIXES = {
     "text": (".txt", ".md", ".py"),
     "jsonl": (".jsonl",),
@@ -49,26 +51,9 @@ _SUFFIXES = {
     "parquet": (".parquet",),
     "arrayrecord": (".array_record",),
 }
-# Third-party packages installed into the interpreter are not the standard library.
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Decoded parquet row groups kept in memory: enough that reading in order, or
 # shuffling a corpus of a few hundred MB, reads each row group about once.
 _PARQUET_CACHE_BYTES = 256 << 20
-
-
-class DataError(UserError):
-    """A user mistake in the data settings; its message is one line naming the key."""
-
-
-def one_line(error: BaseException) -> str:
-    """A library's error message squeezed onto one short line, to quote in a :class:`DataError`."""
-    text = " ".join(str(error).split())
-    return text[:200] + ("..." if len(text) > 200 else "")
-
-
-def stdlib_paths() -> list[str]:
-    """Sorted paths of the ``.py`` files of the Python standard library (no site-packages)."""
-    return _files_under(sysconfig.get_paths()["stdlib"], _SUFFIXES["stdlib"])
 
 
 def check_source(source: str, paths: tuple[str, ...], text_field: str, *,
@@ -139,10 +124,8 @@ def _checked_files(source: str, paths: Sequence[str], text_field: str) -> list[s
 def _indexed_documents(source: str, paths: Sequence[str], text_field: str,
                        tokenizer: str | None) -> Sequence:
     """Documents of a source that has its own index (``hf``, ``tokens``), checked non-empty."""
-    _check_paths(source, paths)
+    check_paths(source, paths)
     if source == "tokens":
-        from hypertron.data.pretokenize import token_documents  # it imports this module
-
         documents = token_documents(paths, tokenizer)
     else:
         documents = _hf_documents(paths, text_field)
@@ -151,24 +134,16 @@ def _indexed_documents(source: str, paths: Sequence[str], text_field: str,
     return documents
 
 
-def _check_paths(source: str, paths: Sequence[str]) -> None:
-    if not paths:
-        raise DataError(f"data.paths: data.source={source} needs at least one path")
-    for path in paths:
-        if not os.path.exists(path):
-            raise DataError(f"data.paths: {path} does not exist")
-
-
 def _corpus_files(source: str, paths: Sequence[str]) -> list[str]:
     """Sorted, de-duplicated, non-empty files of a file-based source."""
     if source == "stdlib":
         found = stdlib_paths()
     else:
-        _check_paths(source, paths)
+        check_paths(source, paths)
         found = []
         for path in paths:
             if os.path.isdir(path):
-                found.extend(_files_under(path, _SUFFIXES[source]))
+                found.extend(files_under(path, _SUFFIXES[source]))
             else:  # a file named explicitly is taken whatever its suffix
                 found.append(os.path.abspath(path))
         if source == "arrayrecord":
@@ -179,21 +154,10 @@ def _corpus_files(source: str, paths: Sequence[str]) -> list[str]:
 
 def _refuse_token_records(files: Iterable[str]) -> None:
     """Token records are not UTF-8: their reader is the ``tokens`` source, which checks the tokenizer."""
-    from hypertron.data.pretokenize import METADATA_FILE
-
     for directory in sorted({os.path.dirname(path) for path in files}):
         if os.path.isfile(os.path.join(directory, METADATA_FILE)):
             raise DataError(f"data.source: {directory} was written by hypertron tokenize; "
                             "read it with data.source=tokens")
-
-
-def _files_under(root: str, suffixes: tuple[str, ...]) -> list[str]:
-    """Sorted files below ``root`` whose names end in one of ``suffixes``."""
-    found = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in _SKIPPED_DIRS)
-        found.extend(os.path.join(directory, name) for name in names if name.endswith(suffixes))
-    return sorted(os.path.abspath(path) for path in found)
 
 
 def _read_text(path: str) -> str:
@@ -203,15 +167,6 @@ def _read_text(path: str) -> str:
 
 def _decode_utf8(record: bytes) -> str:
     return record.decode("utf-8", errors="replace")
-
-
-def describe_paths(paths: Iterable[str], source: str = "") -> str:
-    """The first few of ``paths`` for a message (the stdlib directory for ``source="stdlib"``)."""
-    if source == "stdlib":
-        return sysconfig.get_paths()["stdlib"]
-    paths = list(paths)
-    shown = ", ".join(paths[:3])
-    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 # --- jsonl ---------------------------------------------------------------------
@@ -364,15 +319,6 @@ def _parquet_metadata(path: str, text_field: str):
 
 
 # --- ArrayRecord and Hugging Face datasets -----------------------------------------
-
-
-def array_record_source(files: Sequence[str]) -> Sequence[bytes]:
-    """The records of ArrayRecord files, in order, as Grain's thread-safe random-access source."""
-    try:
-        return grain.sources.ArrayRecordDataSource(list(files))
-    except (RuntimeError, ValueError, ImportError) as e:
-        raise DataError(f"data.paths: cannot read {describe_paths(files)} as ArrayRecord "
-                        f"({one_line(e)})") from None
 
 
 def _hf_documents(paths: Sequence[str], text_field: str) -> Sequence[str]:
