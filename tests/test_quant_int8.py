@@ -14,18 +14,10 @@ import numpy as np
 import pytest
 
 from hypertron import cli
-from hypertron.config import Config, ModelConfig
-from hypertron.models import declare, forward
+from hypertron.config import PRESETS, Config, ModelConfig
+from hypertron.models import declare, forward, quantize_params
 from hypertron.models.params import is_spec
-from hypertron.presets import PRESETS
-from hypertron.quant import (
-    QArray,
-    dense,
-    einsum_for,
-    param_bytes,
-    quantize,
-    quantize_params,
-)
+from hypertron.quant import QArray, dense, einsum_for, param_bytes, quantize
 from hypertron.serve.generate import generate, prepare_params
 
 EINSUM = einsum_for("none", jnp.float32)

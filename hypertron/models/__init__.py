@@ -28,4 +28,17 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=None):
     return _params.initialize(declare(cfg), key, dtype)
 
 
-__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats", "init_cache", "init_params", "resolve_dtype"]
+def quantize_params(params, cfg: ModelConfig):
+    """``params`` of ``cfg`` with every matmul weight int8 (one scale per output channel of its einsum,
+    per layer for the stacked ``layers``), as the declarations say; norms and the MoE router stay as
+    they are. About a quarter of float32's bytes (see :func:`hypertron.models.params.quantize_params`)."""
+    return _params.quantize_params(declare(cfg), params)
+
+
+def fp8_histories(cfg: ModelConfig) -> dict:
+    """Zero fp8 amax histories (``model.amax_history`` steps) for the weights of ``cfg`` that carry one."""
+    return _params.fp8_histories(declare(cfg), cfg.amax_history)
+
+
+__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats",
+           "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype"]

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
 from hypertron.models.kv_pages import decode_attention, layer_page_table, pages_per_layer
+from hypertron.models.mlp import activation, declare_mlp, mlp
 from hypertron.models.moe import declare_moe, moe_mlp
-from hypertron.models.params import ParamSpec, fan_in_normal, stack
+from hypertron.models.params import ParamSpec, matmul, stack
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
 
@@ -35,38 +36,48 @@ Cache = dict[str, jax.Array]
 # Declarations
 
 
+LAYER_HF = "model.layers.{layer}."  # a layer's tensors in Hugging Face checkpoints
+
+
 def declare(cfg: ModelConfig) -> Params:
-    """The parameter tree of ``cfg`` as :class:`ParamSpec` leaves (no arrays)."""
+    """The parameter tree of ``cfg`` as :class:`ParamSpec` leaves (no arrays): each parameter's
+    shape, axes and init, the einsum it feeds (as :func:`layer` and :func:`mlp` call it), and its
+    Hugging Face name and layout."""
     d, n, k, h, f, v, L = (
         cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
         cfg.vocab_size, cfg.num_layers,
     )
     norm_init = "zeros" if cfg.norm_zero_centered else "ones"
+    norm = lambda hf: ParamSpec((d,), ("norm",), norm_init, hf=hf)  # noqa: E731
     layer = {
-        "attn_norm": ParamSpec((d,), ("norm",), norm_init),
-        "wq": fan_in_normal((d, n, h), ("embed", "heads", "head_dim"), d),
-        "wk": fan_in_normal((d, k, h), ("embed", "kv_heads", "head_dim"), d),
-        "wv": fan_in_normal((d, k, h), ("embed", "kv_heads", "head_dim"), d),
-        "wo": fan_in_normal((n, h, d), ("heads", "head_dim", "embed"), n * h),
-        "mlp_norm": ParamSpec((d,), ("norm",), norm_init),
+        "attn_norm": norm(LAYER_HF + "input_layernorm.weight"),
+        "wq": matmul((d, n, h), ("embed", "heads", "head_dim"), d, "btd,dnh->btnh",
+                     hf=LAYER_HF + "self_attn.q_proj.weight", hf_layout="heads_in"),
+        "wk": matmul((d, k, h), ("embed", "kv_heads", "head_dim"), d, "btd,dkh->btkh",
+                     hf=LAYER_HF + "self_attn.k_proj.weight", hf_layout="heads_in"),
+        "wv": matmul((d, k, h), ("embed", "kv_heads", "head_dim"), d, "btd,dkh->btkh",
+                     hf=LAYER_HF + "self_attn.v_proj.weight", hf_layout="heads_in"),
+        "wo": matmul((n, h, d), ("heads", "head_dim", "embed"), n * h, "btnh,nhd->btd",
+                     hf=LAYER_HF + "self_attn.o_proj.weight", hf_layout="heads_out"),
+        "mlp_norm": norm(LAYER_HF + "post_attention_layernorm.weight"),
     }
     if cfg.moe is None:
-        layer |= {
-            "w_gate": fan_in_normal((d, f), ("embed", "mlp"), d),
-            "w_up": fan_in_normal((d, f), ("embed", "mlp"), d),
-            "w_down": fan_in_normal((f, d), ("mlp", "embed"), f),
-        }
+        layer |= declare_mlp(d, f, LAYER_HF + "mlp.")
     else:
         layer |= declare_moe(cfg)
-    # Tied embeddings double as the output projection: keep their logits O(1).
+    # Tied embeddings double as the output projection: keep their logits O(1). The table's einsum
+    # is that of the tied unembedding (per-row int8 scales, which also serve the gather).
     embed_std = 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0
     params: Params = {
-        "embed": ParamSpec((v, d), ("vocab", "embed"), "normal", embed_std),
+        "embed": ParamSpec((v, d), ("vocab", "embed"), "normal", embed_std, einsum="btd,vd->btv", quantize=True,
+                           fp8_history=cfg.tie_embeddings and cfg.quantize_unembed,
+                           hf="model.embed_tokens.weight"),
         "layers": {name: stack(s, L) for name, s in layer.items()},
-        "final_norm": ParamSpec((d,), ("norm",), norm_init),
+        "final_norm": norm("model.norm.weight"),
     }
     if not cfg.tie_embeddings:
-        params["unembed"] = fan_in_normal((d, v), ("embed", "vocab"), d)
+        params["unembed"] = matmul((d, v), ("embed", "vocab"), d, "btd,dv->btv", hf="lm_head.weight",
+                                   fp8_history=cfg.quantize_unembed)
     return params
 
 
@@ -194,20 +205,6 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
         q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
         implementation=impl,
     )
-
-
-def activation(x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    if cfg.activation == "gelu":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
-
-
-def mlp(x_btd: jax.Array, p: Params, cfg: ModelConfig, einsum) -> jax.Array:
-    """Gated MLP: SwiGLU (silu) or GeGLU (gelu)."""
-    gate_btf = einsum("btd,df->btf", x_btd, p["w_gate"])
-    up_btf = einsum("btd,df->btf", x_btd, p["w_up"])
-    h_btf = constrain(activation(gate_btf, cfg) * up_btf, ("batch", "seq", "act_mlp"))
-    return einsum("btf,fd->btd", h_btf, p["w_down"])
 
 
 # ---------------------------------------------------------------------------

@@ -8,8 +8,10 @@ else is refused with :class:`HFError` rather than loaded into a model that
 would compute something different.
 
 Only numpy, ``safetensors`` and ``ml_dtypes`` are needed at run time (no
-torch). The tensor mapping is a table (:func:`_layer_tensors`): each hypertron
-parameter, its HF name, and one of four layout rules. RoPE uses HF's
+torch). The tensor mapping comes from the parameter declarations
+(:func:`hypertron.models.decoder.declare`): each parameter carries its HF name
+(with ``{layer}`` / ``{expert}`` for stacked axes stored one tensor per index)
+and one of four layout rules, and :func:`_tensors` expands them. RoPE uses HF's
 "rotate_half" layout in both, so attention projections need no permutation,
 only a transpose and a split of the fused head axis; Gemma norms are stored
 zero-centred on both sides, so they are copied as they are.
@@ -18,11 +20,12 @@ zero-centred on both sides, so they are copied as they are.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Registers bfloat16 with numpy, so safetensors' numpy API can read bf16 checkpoints.
 import ml_dtypes
@@ -30,9 +33,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hypertron.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
-from hypertron.errors import UserError
+from hypertron.config import ModelConfig, MoEConfig, RopeScaling, validate_model
+from hypertron.errors import ConfigError, UserError
 from hypertron.models.decoder import declare
+from hypertron.models.params import ParamSpec, leaves_with_paths
 
 Params = dict[str, Any]
 
@@ -246,12 +250,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Tensor layouts
-#
-# ``same``:      stored identically (embeddings, norms).
-# ``linear``:    HF Linear weight [out, in]  <->  ours [in, out].
-# ``heads_in``:  HF [heads*head_dim, D]      <->  ours [D, heads, head_dim] (q, k, v).
-# ``heads_out``: HF [D, heads*head_dim]      <->  ours [heads, head_dim, D] (o).
+# Tensors: names and layouts come from the declarations (ParamSpec.hf, ParamSpec.hf_layout);
+# the layout rules are described at hypertron.models.params.HFLayout.
 
 
 def _ours_from_hf(rule: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -280,50 +280,47 @@ def _hf_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[-1], math.prod(shape[:-1]))
 
 
-_TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", "same"),
-    "final_norm": ("model.norm.weight", "same"),
-    "unembed": ("lm_head.weight", "linear"),
-}
-
-_ATTENTION_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", "same"),
-    "wq": ("self_attn.q_proj.weight", "heads_in"),
-    "wk": ("self_attn.k_proj.weight", "heads_in"),
-    "wv": ("self_attn.v_proj.weight", "heads_in"),
-    "wo": ("self_attn.o_proj.weight", "heads_out"),
-    "mlp_norm": ("post_attention_layernorm.weight", "same"),
-}
-_MLP_TENSORS = {
-    "w_gate": ("mlp.gate_proj.weight", "linear"),
-    "w_up": ("mlp.up_proj.weight", "linear"),
-    "w_down": ("mlp.down_proj.weight", "linear"),
-}
-# Mixtral as stored on disk (transformers 5 fuses the experts in memory, not in files).
-_EXPERT_TENSORS = {
-    "we_gate": "block_sparse_moe.experts.{}.w1.weight",
-    "we_up": "block_sparse_moe.experts.{}.w3.weight",
-    "we_down": "block_sparse_moe.experts.{}.w2.weight",
-}
+# The axes whose indices are separate HF tensors, and the placeholder each index fills in the name.
+_SPLIT_AXES = {"layers": "layer", "expert": "expert"}
 
 
-def _layer_tensors(cfg: ModelConfig) -> list[tuple[str, str, str, int | None]]:
-    """``(our key, HF suffix, layout rule, expert index or None)`` for every tensor of one layer."""
-    out = [(key, suffix, rule, None) for key, (suffix, rule) in _ATTENTION_TENSORS.items()]
-    if cfg.moe is None:
-        return out + [(key, suffix, rule, None) for key, (suffix, rule) in _MLP_TENSORS.items()]
-    out.append(("router", "block_sparse_moe.gate.weight", "linear", None))
-    for key, pattern in _EXPERT_TENSORS.items():
-        out += [(key, pattern.format(j), "linear", j) for j in range(cfg.moe.num_experts)]
-    return out
+class _Tensor(NamedTuple):
+    """One HF tensor: the parameter (key path) it is part of, the index into that parameter along
+    its split axes, the tensor's HF name, and the parameter's declaration."""
+
+    path: tuple[str, ...]
+    index: tuple[int, ...]
+    name: str
+    spec: ParamSpec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Our shape of this one tensor (the parameter's, without the split axes)."""
+        return self.spec.shape[len(self.index):]
+
+
+def _tensors(cfg: ModelConfig) -> list[_Tensor]:
+    """Every HF tensor of ``cfg``'s parameters, in checkpoint order: the parameters declared before
+    the layers, then layer by layer, then the rest. A parameter without an HF name refuses export."""
+    before, layers, after = [], [], []
+    past_layers = False
+    for path, spec in leaves_with_paths(declare(cfg)):
+        if spec.hf is None:
+            raise HFError(f"parameter {'/'.join(path)} of {cfg.name} has no Hugging Face name")
+        split = [a for a in spec.axes if a in _SPLIT_AXES and "{" + _SPLIT_AXES[a] + "}" in spec.hf]
+        if tuple(spec.axes[:len(split)]) != tuple(split):
+            raise ValueError(f"{'/'.join(path)}: the axes {split} stored one tensor per index must lead")
+        for index in itertools.product(*(range(n) for n in spec.shape[:len(split)])):
+            name = spec.hf.format(**{_SPLIT_AXES[a]: i for a, i in zip(split, index)})
+            tensor = _Tensor(path, index, name, spec)
+            (layers if split[:1] == ["layers"] else after if past_layers else before).append(tensor)
+        past_layers |= path[0] == "layers"
+    layers.sort(key=lambda t: t.index[0])  # stable: a layer's tensors in declaration order
+    return before + layers + after
 
 
 # Non-persistent buffers some older exports still carry; they are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _layer_name(i: int, suffix: str) -> str:
-    return f"model.layers.{i}.{suffix}"
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
@@ -345,11 +342,9 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
     so a lazy mapping never holds more than the output plus one tensor.
     Missing, misshapen or unexpected tensors raise :class:`HFError`.
     """
-    specs = declare(cfg)
     names = set(tensors.keys())
-    expected = {hf for key, (hf, _) in _TOP_TENSORS.items() if key in specs}
-    layer_tensors = _layer_tensors(cfg)
-    expected |= {_layer_name(i, t[1]) for i in range(cfg.num_layers) for t in layer_tensors}
+    table = _tensors(cfg)
+    expected = {t.name for t in table}
     # Tied checkpoints sometimes store lm_head anyway; accept it if it really is the embedding.
     allowed = expected | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     unexpected = sorted(n for n in names - allowed if not n.endswith(_IGNORED_SUFFIXES))
@@ -359,24 +354,22 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
     if missing:
         raise HFError(f"missing tensor {missing[0]} ({len(missing)} in all) for {cfg.name}")
 
-    def read(name: str, rule: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = np.asarray(tensors[name])
-        _check_shape(name, w, rule, shape)
-        w = _ours_from_hf(rule, w, shape)
-        return w if dtype is None else w.astype(_np_dtype(dtype))
-
-    params: Params = {"layers": {}}
-    for key, (hf, rule) in _TOP_TENSORS.items():
-        if key in specs:
-            params[key] = np.ascontiguousarray(read(hf, rule, specs[key].shape))
-    for key, suffix, rule, expert in layer_tensors:
-        shape = specs["layers"][key].shape  # [L, ...], or [L, E, ...] for experts
-        inner = shape[1:] if expert is None else shape[2:]
-        for i in range(cfg.num_layers):
-            w = read(_layer_name(i, suffix), rule, inner)
-            if key not in params["layers"]:
-                params["layers"][key] = np.empty(shape, w.dtype)
-            params["layers"][key][i if expert is None else (i, expert)] = w
+    params: Params = {}
+    for t in table:
+        w = np.asarray(tensors[t.name])
+        _check_shape(t.name, w, t.spec.hf_layout, t.shape)
+        w = _ours_from_hf(t.spec.hf_layout, w, t.shape)
+        w = w if dtype is None else w.astype(_np_dtype(dtype))
+        *parents, key = t.path
+        node = params
+        for p in parents:
+            node = node.setdefault(p, {})
+        if not t.index:
+            node[key] = np.ascontiguousarray(w)
+            continue
+        if key not in node:
+            node[key] = np.empty(t.spec.shape, w.dtype)
+        node[key][t.index] = w
     if cfg.tie_embeddings and "lm_head.weight" in names:
         lm = np.asarray(tensors["lm_head.weight"])
         if lm.shape != params["embed"].shape or not np.array_equal(lm.astype(params["embed"].dtype), params["embed"]):
@@ -390,24 +383,18 @@ def to_hf_tensors(cfg: ModelConfig, params: Params, dtype: Any = None) -> dict[s
 
     Tied models write no ``lm_head.weight``, as transformers does.
     """
-    specs = declare(cfg)
-
     def out(w: Any, rule: str) -> np.ndarray:
         w = _hf_from_ours(rule, np.asarray(w))
         return np.ascontiguousarray(w if dtype is None else w.astype(_np_dtype(dtype)))
 
-    _check_ours("embed", params["embed"], specs["embed"].shape)
-    tensors = {"model.embed_tokens.weight": out(params["embed"], "same")}
-    for i in range(cfg.num_layers):
-        for key, suffix, rule, expert in _layer_tensors(cfg):
-            w = params["layers"][key][i] if expert is None else params["layers"][key][i][expert]
-            inner = specs["layers"][key].shape[1:] if expert is None else specs["layers"][key].shape[2:]
-            _check_ours(f"layers/{key}[{i}]", w, inner)
-            tensors[_layer_name(i, suffix)] = out(w, rule)
-    tensors["model.norm.weight"] = out(params["final_norm"], "same")
-    if not cfg.tie_embeddings:
-        _check_ours("unembed", params["unembed"], specs["unembed"].shape)
-        tensors["lm_head.weight"] = out(params["unembed"], "linear")
+    tensors = {}
+    for t in _tensors(cfg):
+        w = params
+        for key in t.path:
+            w = w[key]
+        if not any(t.index):
+            _check_ours("/".join(t.path), w, t.spec.shape)  # each parameter once, whole
+        tensors[t.name] = out(w[t.index] if t.index else w, t.spec.hf_layout)
     return tensors
 
 

@@ -26,7 +26,6 @@ from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import quantize_kv, ragged_decode_attention
 
 NULL_PAGE = 0
-KV_DTYPES = ("auto", "bfloat16", "float32", "int8")
 SCALE_DTYPE = jnp.bfloat16
 
 

@@ -54,7 +54,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
-from hypertron.models.params import ParamSpec, fan_in_normal
+from hypertron.models.mlp import declare_mlp, mlp
+from hypertron.models.params import ParamSpec, matmul
 from hypertron.parallel.rules import active_rules, constrain, spec_for
 from hypertron.quant import dense
 
@@ -65,20 +66,30 @@ _EXPERT_AXES = {
     "we_up": ("expert", "embed", "mlp"),
     "we_down": ("expert", "mlp", "embed"),
 }
+# Mixtral as stored on disk (transformers 5 fuses the experts in memory, not in files).
+_HF = "model.layers.{layer}.block_sparse_moe."
 
 
 def declare_moe(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """One layer's MoE parameters (the decoder stacks them over layers)."""
+    """One layer's MoE parameters (the decoder stacks them over layers). The routed experts run in
+    the grouped matmul (dropless) or the hook's einsum (capped), with current fp8 scaling either
+    way: they carry no amax history. The router decides in float32 and is never quantised."""
     d, f, e = cfg.embed_dim, cfg.mlp_dim, cfg.moe.num_experts
-    shapes = {"router": ((d, e), d), "we_gate": ((e, d, f), d), "we_up": ((e, d, f), d), "we_down": ((e, f, d), f)}
-    params = {k: fan_in_normal(shape, _EXPERT_AXES[k], fan_in) for k, (shape, fan_in) in shapes.items()}
-    if cfg.moe.shared_experts:
-        fs = f * cfg.moe.shared_experts
-        params |= {
-            "w_gate": fan_in_normal((d, fs), ("embed", "mlp"), d),
-            "w_up": fan_in_normal((d, fs), ("embed", "mlp"), d),
-            "w_down": fan_in_normal((fs, d), ("mlp", "embed"), fs),
-        }
+    hf_names = {"we_gate": "w1", "we_up": "w3", "we_down": "w2"}
+
+    def expert(name: str, shape: tuple[int, ...], fan_in: int, einsum: str) -> ParamSpec:
+        return matmul(shape, _EXPERT_AXES[name], fan_in, einsum, fp8_history=False,
+                      hf=_HF + "experts.{expert}." + hf_names[name] + ".weight")
+
+    params = {
+        "router": ParamSpec((d, e), _EXPERT_AXES["router"], "normal", 1.0 / math.sqrt(d), hf=_HF + "gate.weight",
+                            hf_layout="linear"),
+        "we_gate": expert("we_gate", (e, d, f), d, "ecd,edf->ecf"),
+        "we_up": expert("we_up", (e, d, f), d, "ecd,edf->ecf"),
+        "we_down": expert("we_down", (e, f, d), f, "ecf,efd->ecd"),
+    }
+    if cfg.moe.shared_experts:  # no HF family has them in this form
+        params |= declare_mlp(d, f * cfg.moe.shared_experts, None)
     return params
 
 
@@ -145,10 +156,7 @@ def moe_mlp(x_btd: jax.Array, p: dict[str, Any], cfg: ModelConfig, einsum, activ
     else:
         y_btd, stats = _sharded(layer, x_btd, mask_bt, experts, *active)
     if cfg.moe.shared_experts:
-        gate = einsum("btd,df->btf", x_btd, p["w_gate"])
-        up = einsum("btd,df->btf", x_btd, p["w_up"])
-        h = constrain(activation(gate, cfg) * up, ("batch", "seq", "act_mlp"))
-        y_btd = y_btd + einsum("btf,fd->btd", h, p["w_down"])
+        y_btd = y_btd + mlp(x_btd, p, cfg, einsum)
     return y_btd, stats
 
 

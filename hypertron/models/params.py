@@ -1,9 +1,15 @@
 """Parameter declarations: every parameter is declared once, everything else is derived.
 
-A model declares a nested dict of :class:`ParamSpec` (shape, logical axes,
-initializer). From that one tree come abstract shapes (for counting and
-sharding without allocating), logical-axis trees (for the sharding rules) and
-the random initialisation. Parameters themselves are nested dicts of arrays
+A model declares a nested dict of :class:`ParamSpec`: shape, logical axes and
+initializer, and beside them every other fact about the parameter: the einsum
+it feeds, whether it is quantised, whether fp8 training keeps an amax history
+for it, and its Hugging Face name and layout. From that one tree come abstract
+shapes (for counting and sharding without allocating), logical-axis trees (for
+the sharding rules), the random initialisation, the int8 quantisation for
+serving (:func:`quantize_params`), the fp8 histories
+(:func:`fp8_histories`) and the HF tensor table
+(:mod:`hypertron.models.hf`). Adding a parameter is one declaration; nothing
+else keeps a list of names. Parameters themselves are nested dicts of arrays
 with the same structure: plain pytrees that Orbax, Optax and the Hugging Face
 converter handle without adapters, and that let a family add or drop a tensor
 (tied embeddings, experts) without a new class.
@@ -12,29 +18,83 @@ converter handle without adapters, and that let a family add or drop a tensor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hypertron.quant import fp8, int8
+
+
+# How a tensor is stored in a Hugging Face checkpoint, relative to ours:
+#   same:      identically (embeddings, norms)
+#   linear:    HF Linear weight [out, in]   <->  ours [in, out]
+#   heads_in:  HF [heads*head_dim, D]       <->  ours [D, heads, head_dim] (q, k, v)
+#   heads_out: HF [D, heads*head_dim]       <->  ours [heads, head_dim, D] (o)
+HFLayout = Literal["same", "linear", "heads_in", "heads_out"]
+
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: its shape, the logical name of each axis, and how to initialise it.
+    """One parameter and everything known about it.
 
     ``init`` is ``"normal"`` (std ``scale``), ``"zeros"`` or ``"ones"``.
+
+    ``einsum``: the subscripts of the einsum-hook call this weight is the second operand of
+    (``"btd,dnh->btnh"``), or None where it is not a hook matmul weight (norms, the router).
+    ``quantize``: int8 for ``--quantize int8`` (scales per output channel of ``einsum``).
+    ``fp8_history``: fp8 training with delayed scaling keeps an amax history for it.
+    ``hf``: its tensor name in a Hugging Face checkpoint, ``{layer}`` and ``{expert}`` standing
+    for the index along a ``layers`` or ``expert`` axis (each index is a tensor of its own), or
+    None if it has no HF counterpart; ``hf_layout`` how that tensor is laid out.
+    Axes in front of those of ``einsum``'s weight (the scanned ``layers``) are stacking axes:
+    one scale set and one amax history per index.
     """
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: str = "normal"
     scale: float = 1.0
+    einsum: str | None = None
+    quantize: bool = False
+    fp8_history: bool = False
+    hf: str | None = None
+    hf_layout: HFLayout = "same"
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+        if (self.quantize or self.fp8_history) and self.einsum is None:
+            raise ValueError("a quantised parameter needs its einsum")
+        if self.einsum is not None and len(weight_subscripts(self.einsum)[0]) > len(self.shape):
+            raise ValueError(f"einsum {self.einsum}: its weight has more axes than shape {self.shape}")
+
+    @property
+    def stack_rank(self) -> int:
+        """Leading axes outside the einsum's weight (1 for a scanned layer's ``layers``)."""
+        return len(self.shape) - len(weight_subscripts(self.einsum)[0]) if self.einsum else 0
+
+    def contracting_axes(self) -> tuple[int, ...]:
+        """The axes of the parameter (stacking axes included) its einsum contracts: where its int8
+        scales have size 1."""
+        w_sub, out = weight_subscripts(self.einsum)
+        return tuple(self.stack_rank + i for i, c in enumerate(w_sub) if c not in out)
+
+
+def weight_subscripts(subscripts: str) -> tuple[str, str]:
+    """``(the weight's letters, the output's letters)`` of an einsum ``"x,w->out"``."""
+    inputs, out = subscripts.replace(" ", "").split("->")
+    return inputs.split(",")[1], out
+
+
+def matmul(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int, einsum: str, *,
+           hf: str | None = None, hf_layout: HFLayout = "linear", fp8_history: bool = True) -> ParamSpec:
+    """A matmul weight of the einsum hook: fan-in normal init, int8-quantised for serving, with an
+    fp8 history unless it runs outside the hook's delayed scaling (``fp8_history=False``)."""
+    return ParamSpec(shape, axes, "normal", 1.0 / math.sqrt(fan_in), einsum=einsum, quantize=True,
+                     fp8_history=fp8_history, hf=hf, hf_layout=hf_layout)
 
 
 def is_spec(x: Any) -> bool:
@@ -47,8 +107,9 @@ def fan_in_normal(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: 
 
 
 def stack(spec: ParamSpec, n: int, axis_name: str = "layers") -> ParamSpec:
-    """The same parameter repeated ``n`` times along a new leading axis (scanned layers)."""
-    return ParamSpec((n, *spec.shape), (axis_name, *spec.axes), spec.init, spec.scale)
+    """The same parameter repeated ``n`` times along a new leading axis (scanned layers); every other
+    fact is kept."""
+    return replace(spec, shape=(n, *spec.shape), axes=(axis_name, *spec.axes))
 
 
 def abstract(specs: Any, dtype: Any) -> Any:
@@ -59,6 +120,21 @@ def abstract(specs: Any, dtype: Any) -> Any:
 def logical_axes(specs: Any) -> Any:
     """Tree of logical axis-name tuples, same structure as the parameters."""
     return jax.tree.map(lambda s: s.axes, specs, is_leaf=is_spec)
+
+
+def leaves_with_paths(specs: Any) -> list[tuple[tuple[str, ...], ParamSpec]]:
+    """``(key path, spec)`` of every declared parameter, in tree order: ``(("layers", "wq"), spec)``."""
+    out = []
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if is_spec(node):
+            out.append((path, node))
+        else:
+            for key, child in node.items():
+                walk(child, (*path, key))
+
+    walk(specs, ())
+    return out
 
 
 def count(specs: Any) -> int:
@@ -87,3 +163,58 @@ def initialize(specs: Any, key: jax.Array, dtype: Any) -> Any:
             raise ValueError(f"unknown initializer {s.init!r}")
         out.append(v)
     return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------
+# Derived from the declarations: int8 weights for serving, fp8 amax histories for training
+
+
+_quantize_jit = jax.jit(int8.quantize, static_argnums=1)
+
+
+def quantize_params(specs: Any, params: Any) -> Any:
+    """``params`` with every weight declared ``quantize=True`` replaced by an int8
+    :class:`~hypertron.quant.int8.QArray` (one scale per output channel of its einsum, per index of
+    its stacking axes); the others, and weights already quantised, are kept. A parameter that is not
+    declared, or whose shape is not its declaration's, is refused rather than guessed at. Each
+    weight is quantised by its own small jitted program, so the temporaries are one weight's."""
+
+    def one(spec: ParamSpec, w: Any, path: str) -> Any:
+        if not spec.quantize or isinstance(w, int8.QArray):
+            return w
+        if tuple(w.shape) != tuple(spec.shape):
+            stacked = f", stacked over {spec.shape[0]} layers" if spec.axes[:1] == ("layers",) else ""
+            raise ValueError(f"{path}: shape {tuple(w.shape)} does not fit its use {spec.einsum}{stacked} "
+                             f"(declared {tuple(spec.shape)})")
+        return _quantize_jit(w, spec.contracting_axes())
+
+    return _map_declared(one, specs, params, "quantize_params")
+
+
+def fp8_histories(specs: Any, length: int) -> dict:
+    """Zero amax histories of ``length`` steps for every parameter declared ``fp8_history``, in a tree
+    of the parameters' structure holding only those (``{"layers": {...}}`` always present):
+    plain dicts ``{"x", "w", "g"}`` of shape ``[*stacking axes, length]``, as the train state and
+    its checkpoints hold them."""
+    out: dict = {"layers": {}}
+    for path, spec in leaves_with_paths(specs):
+        if spec.fp8_history:
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = dict(vars(fp8.AmaxHistory.zeros(spec.shape[:spec.stack_rank], length)))
+    return out
+
+
+def _map_declared(fn, specs: Any, params: Any, what: str, path: str = "") -> Any:
+    """``fn(spec, value, path)`` over the parameters, walking both trees; keys must match."""
+    if is_spec(specs):
+        return fn(specs, params, path)
+    at = lambda key: f"{path}.{key}" if path else key  # noqa: E731
+    unknown = [k for k in params if k not in specs]
+    if unknown:
+        raise ValueError(f"{what}: unknown parameter {at(unknown[0])!r}")
+    missing = [k for k in specs if k not in params]
+    if missing:
+        raise ValueError(f"{what}: parameter {at(missing[0])!r} is missing")
+    return {k: _map_declared(fn, specs[k], params[k], what, at(k)) for k in params}

@@ -164,23 +164,6 @@ class Fp8Weight:
     history: AmaxHistory
 
 
-# The weights that carry histories: every layer matmul the einsum hook sees (the routed
-# experts run inside shard_map or the grouped matmul and use current scaling), and the
-# unembedding when it is quantised.
-LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def init_histories(layer_names, num_layers: int, length: int, unembed: str | None) -> dict:
-    """Zero histories for the layer weights in ``layer_names`` that carry one (``[layers, H]``
-    each), and for ``unembed`` (the name of the unembedding parameter) when given. Plain dicts
-    ``{"x", "w", "g"}`` (what the train state and its checkpoints hold)."""
-    zeros = lambda lead: dict(vars(AmaxHistory.zeros(lead, length)))
-    out = {"layers": {n: zeros((num_layers,)) for n in LAYER_WEIGHTS if n in layer_names}}
-    if unembed is not None:
-        out[unembed] = zeros(())
-    return out
-
-
 def attach(params: dict, histories: dict) -> dict:
     """``params`` with each weight that has a history wrapped as :class:`Fp8Weight`.
 

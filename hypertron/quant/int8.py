@@ -11,8 +11,11 @@ axes, so they broadcast against the values and slice with them: a stack of
 layers ``[l, ...]`` quantised here has values ``[l, ...]`` and scales
 ``[l, ...]``, and ``jax.lax.scan`` over the layers hands each layer its own.
 
-The matmul weights of the decoder and the MoE block are quantised; norms and
-the MoE router (a small float32 routing decision) are not. Written here rather
+Which weights are quantised, and along which axes, is each parameter's
+declaration (``quantize`` and ``einsum`` of :class:`hypertron.models.params.ParamSpec`;
+:func:`hypertron.models.quantize_params` applies them): the matmul weights of
+the decoder and the MoE block, not the norms nor the MoE router (a small
+float32 routing decision). Written here rather
 than taken from a library because it has to go through the model's own einsum
 hook and parameter tree (AQT and qwix quantise Flax modules).
 
@@ -32,8 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from hypertron.config import ModelConfig
 
 QMAX = 127  # symmetric: -127..127, so the grid is the same on both sides of zero
 
@@ -156,64 +157,6 @@ def take_rows(table_vd: QArray, ids: jax.Array, dtype, layout=None) -> jax.Array
     layout = layout or (lambda a: a)
     rows = jnp.take(layout(table_vd.values), ids, axis=0).astype(jnp.float32)
     return (rows * jnp.take(layout(table_vd.scales), ids, axis=0)).astype(dtype)
-
-
-# How each weight is used (decoder.py, moe.py): its scales are per output channel of this einsum,
-# i.e. constant along the weight's letters missing from the output. Layer weights get the stacked
-# layers axis in front (one scale set per layer).
-_USE: dict[str, str] = {
-    "wq": "btd,dnh->btnh",  # per (n, h)
-    "wk": "btd,dkh->btkh",
-    "wv": "btd,dkh->btkh",
-    "wo": "btnh,nhd->btd",  # per d
-    "w_gate": "btd,df->btf",  # dense MLP and MoE shared experts
-    "w_up": "btd,df->btf",
-    "w_down": "btf,fd->btd",
-    "we_gate": "ecd,edf->ecf",  # per (e, f); the grouped matmul contracts d too
-    "we_up": "ecd,edf->ecf",
-    "we_down": "ecf,efd->ecd",
-    "embed": "btd,vd->btv",  # tied unembedding: per v, which is per row for the gather
-    "unembed": "btd,dv->btv",
-}
-_KEPT = {"attn_norm", "mlp_norm", "final_norm", "router"}  # norms; the router routes in float32
-
-
-def _weight_subscripts(name: str) -> tuple[str, str]:
-    """The weight's letters and the output's in parameter ``name``'s einsum."""
-    inputs, out = _USE[name].split("->")
-    return inputs.split(",")[1], out
-
-
-def contracting_axes(name: str) -> tuple[int, ...]:
-    """The axes parameter ``name`` (unstacked) contracts in its einsum: where its scales have size 1."""
-    w_sub, out = _weight_subscripts(name)
-    return tuple(i for i, c in enumerate(w_sub) if c not in out)
-
-
-_quantize_jit = jax.jit(quantize, static_argnums=1)
-
-
-def quantize_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """The parameter tree with every matmul weight replaced by a :class:`QArray` (int8, one scale
-    per output channel of its einsum, per layer for the stacked ``layers``); norms and the MoE
-    router stay as they are. Unknown parameter names are refused rather than guessed at; weights
-    already quantised are kept. Each weight is quantised by its own small jitted program, so the
-    temporaries are those of one weight, not of the whole model."""
-
-    def one(path: str, name: str, w, stacked: bool):
-        if name in _KEPT or isinstance(w, QArray):
-            return w
-        if name not in _USE:
-            raise ValueError(f"quantize_params: unknown parameter {path!r}")
-        rank = len(_weight_subscripts(name)[0]) + stacked
-        if w.ndim != rank or (stacked and w.shape[0] != cfg.num_layers):
-            where = f", stacked over {cfg.num_layers} layers" if stacked else ""
-            raise ValueError(f"{path}: shape {tuple(w.shape)} does not fit its use {_USE[name]}{where}")
-        return _quantize_jit(w, tuple(a + stacked for a in contracting_axes(name)))
-
-    out = {name: one(name, name, w, False) for name, w in params.items() if name != "layers"}
-    out["layers"] = {name: one(f"layers.{name}", name, w, True) for name, w in params["layers"].items()}
-    return {name: out[name] for name in params}
 
 
 def param_bytes(params: Any) -> int:

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hypertron.config import Config
-from hypertron.models import declare, forward_with_stats, resolve_dtype
+from hypertron.models import declare, forward_with_stats, fp8_histories, resolve_dtype
 from hypertron.models import params as param_lib
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
 from hypertron.quant import fp8
@@ -35,9 +35,7 @@ def uses_histories(cfg: Config) -> bool:
 
 
 def init_histories(cfg: Config) -> dict:
-    m = cfg.model
-    unembed = ("embed" if m.tie_embeddings else "unembed") if m.quantize_unembed else None
-    return fp8.init_histories(declare(m)["layers"], m.num_layers, m.amax_history, unembed)
+    return fp8_histories(cfg.model)
 
 
 def loss_terms(params, batch: Batch, cfg: Config, histories=None) -> tuple[jax.Array, dict[str, jax.Array]]:
