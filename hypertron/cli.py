@@ -7,9 +7,13 @@ line on stderr naming the problem and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
 
+from hypertron.config import TOKENIZABLE_SOURCES, ServeConfig, choices, load_serve_config
+from hypertron.config.schema import WeightQuantization
 from hypertron.errors import UserError
 
 
@@ -27,10 +31,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hypertron.checkpoint import load_params
     from hypertron.config import ConfigError
-    from hypertron.data import get_tokenizer
-    from hypertron.serve.generate import generate, inference_config, prepare_params
+    from hypertron.serve.generate import generate
+    from hypertron.serve.model import load_model
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
@@ -40,24 +43,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k={args.top_k}: must not be negative (0 = off)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p}: must be in (0, 1]")
-    cfg, params = load_params(args.checkpoint)
-    tok = get_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(
-            f"{args.checkpoint}: model vocab_size {cfg.model.vocab_size} is smaller than the "
-            f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}; set data.tokenizer in its config.yaml "
-            "to the model's own tokenizer"
-        )
+    model, params, tok = load_model(args.checkpoint, args.quantize)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
-    if len(ids) + args.max_new_tokens > cfg.model.max_seq_len:
+    if len(ids) + args.max_new_tokens > model.max_seq_len:
         raise ConfigError(
-            f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={cfg.model.max_seq_len}"
+            f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={model.max_seq_len}"
         )
-    model = inference_config(cfg.model)
-    params = prepare_params(params, model, args.quantize)
     (out,) = generate(
         params, model, [ids], args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=tok.eos_ids,
     )
     print(args.prompt + tok.decode(out))
     return 0
@@ -91,7 +85,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# generation_config.json carries the extra end-of-turn ids (hypertron.tokenizer reads them).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "generation_config.json")
 
 
 def _copy_tokenizer(hf_dir: str, run_dir: str) -> str:
@@ -116,13 +112,13 @@ def _export_tokenizer(tokenizer: str, hf_dir: str) -> bool:
     import os
     import shutil
 
-    from hypertron.data.tokenizer import tokenizer_file
+    from hypertron.tokenizer import tokenizer_file
 
     if tokenizer == "byte":
         return False
     kind, path = tokenizer_file(tokenizer)
     shutil.copyfile(path, os.path.join(hf_dir, "tokenizer.json" if kind == "hf" else "tokenizer.model"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if os.path.isfile(os.path.join(os.path.dirname(path), name)):
             shutil.copyfile(os.path.join(os.path.dirname(path), name), os.path.join(hf_dir, name))
     return True
@@ -146,10 +142,64 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices)
 
 
+# The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
+# choices and defaults come from the schema; only the help text and metavar are written here.
+_SERVE_FLAGS: dict[str, dict] = {
+    "checkpoint": dict(metavar="DIR", help="run directory (latest checkpoint is used); required"),
+    "host": dict(help="address to bind"),
+    "port": dict(),
+    "api_key": dict(metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
+    "max_slots": dict(metavar="N", help="decode batch size"),
+    "page_size": dict(metavar="N", help="tokens per KV page"),
+    "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
+    "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
+    "quantize": dict(help="weight precision"),
+    "max_queue": dict(metavar="N", help="requests waiting for a slot before new ones get 429"),
+    "max_prompt_tokens": dict(metavar="N", help="default: max_seq_len - 1"),
+    "max_tokens_limit": dict(metavar="N", help="largest max_tokens (default: max_seq_len)"),
+    "model_name": dict(metavar="NAME", help="the id in /v1/models (default: the run directory's name)"),
+}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`ServeConfig` field; a flag not given is left out of the namespace, so
+    that a ``--config`` file's value stands unless a flag overrides it."""
+    hints = typing.get_type_hints(ServeConfig)
+    missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
+    assert not missing, f"ServeConfig fields and serve flags differ: {missing}"
+    for field in dataclasses.fields(ServeConfig):
+        tp = hints[field.name]
+        kind = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # int | None -> int
+        options = dict(_SERVE_FLAGS[field.name], default=argparse.SUPPRESS)
+        if typing.get_origin(tp) is typing.Literal:
+            options["choices"] = choices(tp)
+        elif kind is int:
+            options["type"] = int
+        if field.default not in (None, ""):
+            options["help"] = (options.get("help", "") + f" (default {field.default})").strip()
+        parser.add_argument(_flag(field.name), **options)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The :class:`ServeConfig` of ``hypertron serve``'s arguments: ``--config FILE`` (if given),
+    then the flags typed, which win. Messages name a flag as typed and a key by its file."""
+    given = {k: v for k, v in vars(args).items() if k in _SERVE_FLAGS}
+
+    def name(key: str) -> str:
+        return f"{args.config}: {key}" if args.config and key not in given else _flag(key)
+
+    return load_serve_config(args.config, given, name)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = serve_config_from_args(args)
     from hypertron.serve.server import main as serve_main
 
-    return serve_main(args)
+    return serve_main(cfg)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -161,8 +211,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return bench_serve(BenchSettings(**{k: v for k, v in vars(args).items() if k in names}))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's own error shape: one ``error:`` line and exit code 2 (the usage is
+    what ``--help`` shows)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hypertron", description="Train and serve LLMs in JAX.")
+    p = _Parser(prog="hypertron", description="Train and serve LLMs in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser(
@@ -181,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--quantize", choices=("none", "int8"), default="none",
+    g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
                    help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
     g.set_defaults(func=cmd_generate)
 
@@ -211,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
         "must be new or an empty directory.",
     )
-    k.add_argument("--source", required=True, help="stdlib, text, jsonl, parquet, hf or arrayrecord")
+    k.add_argument("--source", required=True, choices=TOKENIZABLE_SOURCES)
     k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
     k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
     k.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json (or its directory) "
@@ -224,21 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
         "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.",
     )
-    sv.add_argument("--checkpoint", required=True, metavar="DIR", help="run directory (latest checkpoint is used)")
-    sv.add_argument("--host", default="127.0.0.1", help="default %(default)s")
-    sv.add_argument("--port", type=int, default=8000, help="default %(default)s")
-    sv.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
-    sv.add_argument("--max-slots", type=int, default=8, metavar="N", help="decode batch size (default %(default)s)")
-    sv.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default %(default)s)")
-    sv.add_argument("--num-pages", type=int, metavar="N", help="KV pages (default: every slot at max_seq_len)")
-    sv.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32", "int8"), default="auto",
-                    help="auto = the model's compute dtype")
-    sv.add_argument("--quantize", choices=("none", "int8"), default="none", help="weight precision")
-    sv.add_argument("--max-queue", type=int, default=256, metavar="N",
-                    help="requests waiting for a slot before new ones get 429 (default %(default)s)")
-    sv.add_argument("--max-prompt-tokens", type=int, metavar="N", help="default: max_seq_len - 1")
-    sv.add_argument("--max-tokens-limit", type=int, metavar="N", help="largest max_tokens (default: max_seq_len)")
-    sv.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the run directory's name)")
+    sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
+                    "with _ for -: max_slots: 16); flags given override it")
+    _add_serve_flags(sv)
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -46,7 +46,7 @@ def hf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(hf):
     _, cfg, params = hf
-    # eos_id None: the byte tokenizer's eos (2) is just another id to this random model.
+    # No eos_ids: the byte tokenizer's eos (2) is just another id to this random model.
     engine = PagedEngine(params, cfg, max_slots=4, page_size=8, num_pages=40, max_top_logprobs=5)
     with Server(engine) as s:
         yield s

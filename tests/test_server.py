@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 
 import httpx
 import pytest
@@ -18,10 +17,10 @@ from fake_engine import LOGPROBS, TOP, FakeEngine, reference  # tests/
 from http_harness import ThreadedServer  # tests/
 from prometheus_client.parser import text_string_to_metric_families
 
-from hypertron.data import get_tokenizer
+from hypertron.tokenizer import chat_template_beside, get_tokenizer
 from hypertron.errors import UserError
 from hypertron.serve.orchestrator import IncrementalDetokenizer, Orchestrator
-from hypertron.serve.server import create_app, load_chat_template
+from hypertron.serve.server import create_app
 from hypertron.serve.types import SamplingParams
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -234,8 +233,8 @@ LLAMA2_LIKE = (
 
 def test_chat_template_from_tokenizer_config(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA2_LIKE}))
-    template = load_chat_template(types.SimpleNamespace(path=str(tmp_path / "tokenizer.json")))
-    assert template == LLAMA2_LIKE and load_chat_template(TOK) is None
+    template = chat_template_beside(str(tmp_path / "tokenizer.json"))
+    assert template == LLAMA2_LIKE and TOK.chat_template is None
     with Server(FakeEngine(), chat_template=template) as s:
         messages = [{"role": "user", "content": "hi "}, {"role": "assistant", "content": "yo"},
                     {"role": "user", "content": [{"type": "text", "text": "more"}]}]

@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config import ConfigError, ModelConfig
+from hypertron.config import ModelConfig
+from hypertron.config.validation import check_engine_settings
 from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
-from hypertron.models.kv_pages import KV_DTYPES, NULL_PAGE, init_pages, layer_page_table, pages_per_layer, write_tokens
-from hypertron.serve.generate import filter_logits, inference_config, prepare_params
+from hypertron.models.kv_pages import NULL_PAGE, init_pages, layer_page_table, pages_per_layer, write_tokens
+from hypertron.serve.generate import filter_logits
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
 MIN_BUCKET = 16
@@ -133,18 +134,14 @@ class PagedEngine:
 
     def __init__(self, params, cfg: ModelConfig, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_dtype: str = "auto", max_top_logprobs: int = 20,
-                 eos_id: int | None = None):
-        if kv_cache_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype}: expected one of {', '.join(KV_DTYPES)}")
-        if max_slots <= 0 or page_size <= 0 or page_size & (page_size - 1):
-            raise ConfigError(f"max_slots={max_slots} must be positive and page_size={page_size} a power of two")
+                 eos_ids: frozenset[int] = frozenset()):
+        check_engine_settings(max_slots=max_slots, page_size=page_size, num_pages=num_pages,
+                              kv_cache_dtype=kv_cache_dtype)
         self.params, self.cfg = params, cfg
         self.max_slots, self.page_size = max_slots, page_size
-        self.max_seq_len, self.max_top_logprobs, self.eos_id = cfg.max_seq_len, max_top_logprobs, eos_id
+        self.max_seq_len, self.max_top_logprobs, self.eos_ids = cfg.max_seq_len, max_top_logprobs, frozenset(eos_ids)
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
         num_pages = max_slots * self.pages_per_seq + 1 if num_pages is None else num_pages
-        if num_pages < 2:
-            raise ConfigError(f"num_pages={num_pages}: needs at least 2 (page 0 is reserved)")
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         self.cache = init_pages(cfg, num_pages, page_size, self.kv_dtype)
         self.num_pages = num_pages
@@ -268,17 +265,11 @@ def _token_logprobs(chosen, ids, lps) -> TokenLogprobs:
 
 def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                 kv_cache_dtype: str = "auto", quantize: str = "none"):
-    """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF)."""
-    from hypertron.checkpoint import load_params
-    from hypertron.data import get_tokenizer
+    """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
+    engine stops a sequence at any of the tokenizer's ``eos_ids``."""
+    from hypertron.serve.model import load_model
 
-    cfg, params = load_params(checkpoint)
-    tok = get_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(f"{checkpoint}: model vocab_size {cfg.model.vocab_size} is smaller than the "
-                          f"{cfg.data.tokenizer} tokenizer's {tok.vocab_size}")
-    model = inference_config(cfg.model)
-    engine = PagedEngine(prepare_params(params, model, quantize), model, max_slots=max_slots,
-                         page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
-                         eos_id=tok.eos_id)
+    model, params, tok = load_model(checkpoint, quantize)
+    engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
+                         kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids)
     return engine, tok, Path(checkpoint).resolve().name

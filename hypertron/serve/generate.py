@@ -7,17 +7,16 @@ the continuous-batching engine with a paged cache is a separate module.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config import ModelConfig
-from hypertron.models import forward_cached, init_cache
-from hypertron.quant import quantize_params
-
-QUANTIZE = ("none", "int8")  # weight precision for serving
+from hypertron.config import ModelConfig, choices
+from hypertron.config.schema import WeightQuantization
+from hypertron.models import forward_cached, init_cache, quantize_params
 
 
 def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
@@ -76,13 +75,13 @@ def inference_config(cfg: ModelConfig) -> ModelConfig:
 
 def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):
     """Parameters as generation uses them: unchanged for ``"none"``; for ``"int8"`` every matmul
-    weight becomes int8 values with per-output-channel scales (:func:`hypertron.quant.quantize_params`),
+    weight becomes int8 values with per-output-channel scales (:func:`hypertron.models.quantize_params`),
     about a quarter of float32's bytes, computed in the model's compute dtype."""
     if quantize == "none":
         return params
     if quantize == "int8":
         return quantize_params(params, cfg)
-    raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(QUANTIZE)}")
+    raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(choices(WeightQuantization))}")
 
 
 def _bucket(n: int, multiple: int = 16) -> int:
@@ -100,12 +99,12 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_ids: Iterable[int] = (),
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
 
     Prompts of different lengths are batched together (right-padded). Returns
-    the new tokens of each prompt, cut after the first ``eos_id`` when given.
+    the new tokens of each prompt, each cut after the first of ``eos_ids`` in it.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -123,9 +122,8 @@ def generate(
         max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
         top_p=float(top_p),
     )
-    result = []
+    stops, result = set(eos_ids), []
     for row in np.asarray(out).tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
-        result.append(row)
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        result.append(row if end is None else row[: end + 1])
     return result

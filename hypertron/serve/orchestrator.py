@@ -468,7 +468,7 @@ class Orchestrator:
     def _emit(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> bool:
         """Hand ``token`` to the request's consumer; finish the request if it ends here. True if ended."""
         s = req.sampling
-        if (token == self.engine.eos_id and not s.ignore_eos) or token in s.stop_token_ids:
+        if (token in self.engine.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
             self._finish(req, STOP)
             return True
         req.generated.append(token)

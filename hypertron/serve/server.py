@@ -23,7 +23,6 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import time
 import uuid
 
@@ -32,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hypertron.config import ServeConfig
 from hypertron.errors import UserError
 from hypertron.serve.orchestrator import (
     ABORT,
@@ -342,12 +342,15 @@ class _Api:
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def token_text(self, token_id: int) -> str:
-        """How a token is shown in logprobs; a lone non-ASCII byte of the byte tokenizer as ``bytes:\\xNN``."""
+        """How a token is shown in logprobs: its bytes as text, or, where they are not whole UTF-8
+        characters (a lone byte, part of a character), as ``bytes:\\xNN...`` (as OpenAI does)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tok.decode([token_id])
-            if getattr(self.tok, "name", None) == "byte" and "\ufffd" in text and token_id >= 3:
-                text = f"bytes:\\x{token_id - 3:02x}"
+            raw = self.tok.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             self._token_text[token_id] = text
         return text
 
@@ -360,9 +363,7 @@ class _Api:
 
     def _chat_logprob(self, token_id: int, lp: TokenLogprobs, n: int) -> dict:
         def entry(i: int, v: float) -> dict:
-            text = self.token_text(i)
-            raw = [i - 3] if getattr(self.tok, "name", None) == "byte" and 3 <= i < 259 else list(text.encode())
-            return {"token": text, "logprob": v, "bytes": raw}
+            return {"token": self.token_text(i), "logprob": v, "bytes": list(self.tok.token_bytes(i))}
         return {**entry(token_id, lp.logprob),
                 "top_logprobs": [entry(i, v) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:n]]}
 
@@ -463,7 +464,7 @@ def _chat_renderer(template: str | None, tokenizer):
         compiled = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
     except jinja2.TemplateError as e:
         raise UserError(f"chat_template does not compile: {e}") from None
-    bos, eos = (_special_text(tokenizer, i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+    bos, eos = ("" if i is None else tokenizer.token_text(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
 
     def render(messages: list[dict]) -> list[int]:
         try:
@@ -476,34 +477,6 @@ def _chat_renderer(template: str | None, tokenizer):
     return render
 
 
-def _special_text(tokenizer, token_id: int | None) -> str:
-    """The text of a special token, for templates that write ``{{ bos_token }}`` ('' if unknown)."""
-    if token_id is None:
-        return ""
-    hf = getattr(tokenizer, "_tokenizer", None)  # the wrappers do not expose the vocabulary
-    if hf is not None:
-        return hf.id_to_token(token_id) or ""
-    sp = getattr(tokenizer, "_processor", None)
-    return sp.id_to_piece(token_id) if sp is not None else ""
-
-
-def load_chat_template(tokenizer) -> str | None:
-    """``chat_template`` of the ``tokenizer_config.json`` beside a file tokenizer (None if none)."""
-    path = getattr(tokenizer, "path", None)
-    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json") if path else None
-    if not config_path or not os.path.isfile(config_path):
-        return None
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"cannot read the chat template of {config_path}: {e}") from None
-    if isinstance(template, list):  # named templates: take "default", else the first
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
-    return template if isinstance(template, str) else None
-
-
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve ``app`` with uvicorn until interrupted."""
     import uvicorn
@@ -511,25 +484,19 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
-def main(args) -> int:
-    """``hypertron serve``: load the engine from a checkpoint and serve it (see ``hypertron serve --help``)."""
-    for name in ("max_slots", "page_size", "num_pages", "max_queue", "max_prompt_tokens", "max_tokens_limit"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise UserError(f"--{name.replace('_', '-')}={value}: must be positive")
-    if not 0 <= args.port < 65536:
-        raise UserError(f"--port={args.port}: must be 0 to 65535")
+def main(serve: ServeConfig) -> int:
+    """``hypertron serve``: load the engine of ``serve.checkpoint`` and serve it until interrupted."""
     from hypertron.serve.engine import load_engine
     from hypertron.serve.orchestrator import Orchestrator
 
     engine, tokenizer, model_name = load_engine(
-        args.checkpoint, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
-        kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
-    orchestrator = Orchestrator(engine, tokenizer, max_queue=args.max_queue)
-    app = create_app(orchestrator, tokenizer, args.model_name or model_name, api_key=args.api_key,
-                     max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                     chat_template=load_chat_template(tokenizer))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    run(app, args.host, args.port)
+        serve.checkpoint, max_slots=serve.max_slots, page_size=serve.page_size, num_pages=serve.num_pages,
+        kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize)
+    orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue)
+    app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
+                     max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
+                     chat_template=tokenizer.chat_template)
+    if serve.host not in ("127.0.0.1", "localhost", "::1") and not serve.api_key:
+        log.warning("serving on %s without an api_key: anyone who can reach it can use it", serve.host)
+    run(app, serve.host, serve.port)
     return 0

@@ -79,7 +79,7 @@ class Engine(Protocol):
     max_slots: int  # decode batch size
     max_seq_len: int  # prompt + generated tokens of one sequence, at most
     max_top_logprobs: int  # largest N for SamplingParams.logprobs
-    eos_id: int | None
+    eos_ids: frozenset[int]  # tokens that end a sequence (unless ignore_eos)
 
     def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
         """Run the prompt through the model and sample its first token (touches no slot)."""
