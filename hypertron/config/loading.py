@@ -114,16 +114,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def build(cls: type, values: dict[str, Any], prefix: str = "", base: Any = None) -> Any:
+def build(cls: type, values: dict[str, Any], prefix: str = "", base: Any = None, *,
+          name: typing.Callable[[str], str] | None = None, where: str = "") -> Any:
     """An instance of the dataclass ``cls`` from ``values`` (coerced key by key), on top of
-    ``base`` when given; an unknown key is an error naming it."""
+    ``base`` when given; an unknown key is an error naming it. Messages call a key ``prefix + key``,
+    or ``name(key)`` when given; ``where`` follows an unknown key's name (" in serve config F")."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for k, v in values.items():
         if k not in names:
-            raise ConfigError(f"unknown config key '{prefix}{k}'")
-        kwargs[k] = _coerce(v, hints[k], prefix + k)
+            raise ConfigError(f"unknown config key '{prefix}{k}'{where}")
+        kwargs[k] = _coerce(v, hints[k], name(k) if name else prefix + k)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
     return cls(**kwargs)
@@ -239,15 +241,7 @@ def load_serve_config(path: str | Path | None = None, given: dict[str, Any] | No
     ``given`` (the flags typed on the command line) on top. ``name`` turns a key into what the user
     wrote, for messages."""
     tree = read_yaml(path, "serve config") if path is not None else {}
-    values = {**tree, **(given or {})}
-    hints = typing.get_type_hints(ServeConfig)
-    known = {f.name for f in dataclasses.fields(ServeConfig)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in known:
-            raise ConfigError(f"unknown config key '{key}' in serve config {path}")
-        kwargs[key] = _coerce(value, hints[key], name(key))
-    cfg = ServeConfig(**kwargs)
+    cfg = build(ServeConfig, {**tree, **(given or {})}, name=name, where=f" in serve config {path}")
     validate_serve(cfg, name)
     return cfg
 

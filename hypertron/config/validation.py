@@ -78,7 +78,10 @@ def validate_model(m: ModelConfig) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no devices (those are in ``hypertron.train.checks``)."""
-    check_choices(cfg)
+    for f in dataclasses.fields(cfg):  # the model's choices are validate_model's
+        section = getattr(cfg, f.name)
+        if f.name != "model" and dataclasses.is_dataclass(section):
+            check_choices(section, f.name + ".")
     validate_model(cfg.model)
     t = cfg.train
     for k in ("steps", "global_batch", "seq_len", "grad_accum", "log_every"):

@@ -85,8 +85,8 @@ class ParamSpec:
 
 def weight_subscripts(subscripts: str) -> tuple[str, str]:
     """``(the weight's letters, the output's letters)`` of an einsum ``"x,w->out"``."""
-    inputs, out = subscripts.replace(" ", "").split("->")
-    return inputs.split(",")[1], out
+    _, w_sub, out_sub = int8.split_subscripts(subscripts)
+    return w_sub, out_sub
 
 
 def matmul(shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int, einsum: str, *,

@@ -81,7 +81,7 @@ def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Ar
     (exact: int8 fits bf16 and wider), accumulated in float32, then the output times the
     scales, which ``w``'s contracted axes (its letters missing from the output) must not vary along.
     Returns ``out_dtype``."""
-    _, w_sub, out_sub = _split(subscripts)
+    _, w_sub, out_sub = split_subscripts(subscripts)
     if len(w_sub) != w.ndim:
         raise ValueError(f"{subscripts}: weight has rank {w.ndim}")
     for i, c in enumerate(w_sub):
@@ -101,7 +101,8 @@ def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Ar
     return (y * s).astype(out_dtype)
 
 
-def _split(subscripts: str) -> tuple[str, str, str]:
+def split_subscripts(subscripts: str) -> tuple[str, str, str]:
+    """``(x letters, weight letters, output letters)`` of an explicit ``"x,w->out"`` einsum."""
     if "->" not in subscripts or "." in subscripts:
         raise ValueError(f"quantised einsum needs explicit subscripts without '...', got {subscripts!r}")
     inputs, out_sub = subscripts.replace(" ", "").split("->")
@@ -127,7 +128,7 @@ def train_einsum(subscripts: str, x: jax.Array, w: jax.Array, dtype, out_dtype) 
     einsum accumulated in int32, rescaled by the outer product of the two scales; the gradients
     are straight-through, i.e. those of ``einsum(x, w)`` in the compute ``dtype`` (the backward
     matmuls are not quantised; AQT can quantise them too)."""
-    x_sub, w_sub, out_sub = _split(subscripts)
+    x_sub, w_sub, out_sub = split_subscripts(subscripts)
     qx, sx = _channel_quantize(x, x_sub, out_sub)
     qw, sw = _channel_quantize(w, w_sub, out_sub)
     acc = jnp.einsum(subscripts, qx, qw, preferred_element_type=jnp.int32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypertron.checkpoint import load_params
+from hypertron import checkpoint as checkpoints
 from hypertron.config import ModelConfig
 from hypertron.serve.generate import inference_config, prepare_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
@@ -16,7 +16,7 @@ def load_model(checkpoint: str | Path, quantize: str = "none") -> tuple[ModelCon
     converted from HF): the config as generation runs it (:func:`inference_config`), the
     parameters as :func:`prepare_params` makes them for ``quantize``, and the run's tokenizer,
     refused if the model has fewer ids than it."""
-    cfg, params = load_params(checkpoint)
+    cfg, params = checkpoints.load_params(checkpoint)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size, f"{checkpoint}: model.vocab_size")
     model = inference_config(cfg.model)
