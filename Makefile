@@ -1,10 +1,11 @@
 # make demo: venv, install, train the tiny model on the embedded corpus (CPU), generate.
 # make test: install the test extras and run the suite.
+# make gpu-wheels: the cp312 wheels the GPU machines lack, into .whl/, checked (bench/gpu_wheels.py).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -n 2 --durations=15
+
+gpu-wheels: $(VENV)/.installed
+	$(BIN)/python bench/gpu_wheels.py --dest .whl
 
 clean:
 	rm -rf $(VENV) runs

@@ -66,8 +66,11 @@ def weight_bytes_per_step(cfg, params, batch: int) -> int:
 
 
 def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, warmup: int, page_size: int,
-                 top_logprobs: int) -> dict:
-    """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures."""
+                 top_logprobs: int, shared_prefill: bool = False) -> dict:
+    """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures.
+
+    ``shared_prefill``: prefill the first prompt only and insert its KV into every slot (the
+    decode step reads each slot's own pages all the same; long contexts fill in seconds)."""
     from hypertron.models.kv_pages import bytes_per_token
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.types import SamplingParams
@@ -79,10 +82,14 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
                          max_top_logprobs=top_logprobs)
     greedy = SamplingParams(temperature=0.0)
     first_tokens = []
+    start = time.perf_counter()
     for slot, prompt in enumerate(prompts):
-        prefix = engine.prefill(prompt.tolist(), greedy)
+        if slot == 0 or not shared_prefill:
+            prefix = engine.prefill(prompt.tolist(), greedy)
         engine.insert(prefix, slot)
         first_tokens.append(prefix.first_token)
+    jax.block_until_ready(engine.cache)
+    prefill_s = time.perf_counter() - start
     tokens0 = [first_tokens[0]]
 
     def step():
@@ -103,7 +110,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     per_token = bytes_per_token(cfg, engine.kv_dtype)
     kv_bytes_per_step = (kv_read + batch * steps) * per_token / steps  # + batch: each slot's new token
     pages_used = engine.stats()["pages_total"] - engine.stats()["pages_free"]
-    return {"batch": batch, "kv": kv_dtype, "step_s": elapsed / steps, "tokens_s": batch * steps / elapsed,
+    return {"batch": batch, "kv": kv_dtype, "step_s": elapsed / steps, "prefill_s": prefill_s, "tokens_s": batch * steps / elapsed,
             "kv_bytes_per_token": per_token, "kv_bytes_in_use": pages_used * page_size * per_token,
             "bytes_per_step": weight_bytes_per_step(cfg, params, batch) + kv_bytes_per_step, "tokens0": tokens0}
 

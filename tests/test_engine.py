@@ -155,6 +155,7 @@ def _teacher_forced_logprobs(params, cfg, kv_dtype, tokens, prompt_len):
     return np.stack(out)
 
 
+@pytest.mark.gpu
 def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
     cfg, params = trained
     text = b"def main(argv):\n    for name in sorted(argv):\n        print(name)\n    return 0\n"

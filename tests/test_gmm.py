@@ -25,6 +25,8 @@ from hypertron.kernels.gmm import (
     tgmm_reference,
 )
 
+pytestmark = pytest.mark.gpu  # the GPU campaign's T1 runs these compiled for the GPU
+
 TILING = (16, 16, 16)  # small tiles, so that tiny shapes still have several
 BACKENDS = ["pallas", "grouped", "ragged_dot"]
 # m=50 (3 full tiles of 16 and a partial one), sum=41 < m, zeros at both ends and inside.

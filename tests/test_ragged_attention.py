@@ -25,6 +25,8 @@ from hypertron.kernels.ragged_attention import (
     ragged_decode_attention_reference,
 )
 
+pytestmark = pytest.mark.gpu  # the GPU campaign's T1 runs these compiled for the GPU
+
 S, D, P, H = 16, 16, 5, 4  # page_size, head_dim, pages per sequence, query heads
 CAP = S * P
 # one token, a full page, an empty slot, a page + 1, several pages, the whole capacity

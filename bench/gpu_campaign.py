@@ -1,0 +1,823 @@
+"""The GPU campaign: tiered, time-boxed runs that prove every GPU path and measure every GPU figure.
+
+    python bench/gpu_campaign.py TIER --out DIR [--smoke] [--only ROW_PREFIX ...] [--budget S] [--wheels DIR]
+    python bench/gpu_campaign.py TIER --plan          # the row ids TIER writes, one per line
+
+TIER is one of:
+
+- ``T0`` (about a minute): hypertron importable (with ``--wheels DIR``: the carried wheels and
+  hypertron itself installed with ``--no-deps`` first), every module imported, one bf16 train
+  step. Exits 3 naming any module that is missing.
+- ``T1`` (at most 5 minutes): ``pytest -m gpu`` (the Pallas kernels compiled for the GPU, cuDNN
+  attention, bf16 Hugging Face and engine parity, cuBLASLt fp8 in the train step), grouped into
+  rows, and which XLA flags of the GPU recipes this XLA accepts.
+- ``T2`` (at most 8 minutes): the headline figures. Device header with the measured bf16 matmul
+  rate and copy bandwidth; ``llama-1b`` training at seq 2048 (remat dots and none; synthetic rows
+  and packed rows with segment ids) with MFU against the datasheet and the measured peak; bf16 vs
+  fp8 vs int8 training; the grouped matmul (Pallas) vs ``ragged_dot`` vs dense at one MoE size;
+  the ragged decode-attention kernel vs its reference; decode at batch 1 and 64, bf16 and int8
+  KV, 512 and 8k context, as a fraction of the measured copy bandwidth; the compiled HLO and a
+  profile of the ``llama-1b`` step.
+- ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
+  experts, decode vs batch, the grouped-matmul row tile.
+
+Each row is written to ``DIR/<TIER>.json`` as soon as it finishes (so a run cut off at its time
+limit still returns what finished), progress and tracebacks to ``DIR/<TIER>.log``; a short table
+is printed last. ``--budget`` (default: :data:`TIER_BUDGET`, 2 to 8 minutes) skips the rows left when it runs
+out; rerun them with ``--only``. A row that fails records its error in one line and the tier goes
+on. ``--smoke`` runs every row at tiny sizes on CPU (Pallas in interpret mode): the rows and
+their fields are the same in both modes, only the sizes differ; ``tests/test_gpu_campaign.py``
+runs it in ``make test``. Fields that only a known accelerator can fill (the datasheet peak, the
+driver, the allocator's peak memory) are null elsewhere: :data:`HARDWARE_FIELDS`. ``peak_mem_gib`` is
+the allocator's peak over the process so far (it has no reset); ``xla_mem_gib`` is the compiled
+step's own plan (arguments + outputs - donated + temporaries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import glob
+import gzip
+import importlib
+import json
+import os
+import pkgutil
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from typing import Callable
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+
+TIERS = ("T0", "T1", "T2", "T3")
+TIER_BUDGET = {"T0": 120.0, "T1": 300.0, "T2": 480.0, "T3": 480.0}  # seconds on a device, inside one 10-minute call
+HARDWARE_FIELDS = frozenset({"driver", "datasheet_tflops", "datasheet_bw_gbs", "mfu_datasheet", "emfu_datasheet",
+                             "bw_fraction_datasheet", "peak_mem_gib"})
+
+# The XLA flags of the GPU recipes (MaxText / gpu-recipes on A3 Mega, H100), each with its reason.
+# T1 records which this XLA accepts: flags come and go between XLA versions, and an unknown flag
+# aborts the process at start. The recipes of issue 18 take this list over.
+RECIPE_XLA_FLAGS = (
+    ("--xla_gpu_enable_latency_hiding_scheduler=true", "overlap collectives with compute"),
+    ("--xla_gpu_enable_triton_gemm=false", "cuBLAS GEMMs rather than Triton-generated ones"),
+    ("--xla_gpu_enable_command_buffer=", "no CUDA graphs (replaces --xla_gpu_graph_level=0)"),
+    ("--xla_gpu_graph_level=0", "no CUDA graphs (older XLA)"),
+    ("--xla_gpu_enable_highest_priority_async_stream=true", "collectives on the highest-priority stream"),
+    ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728", "fewer, larger all-reduces"),
+    ("--xla_gpu_all_gather_combine_threshold_bytes=134217728", "fewer, larger all-gathers (FSDP)"),
+    ("--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864", "fewer, larger reduce-scatters (FSDP)"),
+    ("--xla_gpu_enable_pipelined_all_gather=true", "prefetch the next layer's weights in the scan"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true", "overlap gradient reduce-scatter with the scan"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true", "overlap all-reduces with the scan"),
+    ("--xla_gpu_enable_while_loop_double_buffering=true", "double-buffer the layer scan"),
+    ("--xla_gpu_enable_all_gather_combine_by_dim=false", "combine all-gathers across dimensions"),
+    ("--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "combine reduce-scatters across dimensions"),
+    ("--xla_disable_hlo_passes=rematerialization", "memory is planned by remat policy, not by XLA"),
+    ("--xla_gpu_enable_triton_softmax_fusion=false", "older recipes: no Triton softmax fusion"),
+)
+
+# T1: which group a test of the ``gpu`` selection reports under: (group, file, test-name prefix).
+T1_GROUPS = (
+    ("gmm", "test_gmm.py", ""),
+    ("ragged_attention", "test_ragged_attention.py", ""),
+    ("cudnn_attention", "test_gpu.py", "test_cudnn"),
+    ("fp8_cublaslt", "test_gpu.py", "test_fp8"),
+    ("hf_parity_bf16", "test_hf.py", "test_logits_match_in_bf16"),
+    ("engine_parity_bf16", "test_hf.py", "test_engine_in_bf16"),
+    ("engine_parity_bf16", "test_engine.py", ""),
+)
+T1_FILES = tuple(dict.fromkeys(f"tests/{f}" for _, f, _ in T1_GROUPS))
+# Smoke mode runs a few of them (the whole selection is in make test already): the machinery, not the numbers.
+T1_SMOKE_K = ("test_edge_cases or test_bad_arguments_are_refused or test_cudnn_is_what or test_fp8"
+              " or (test_logits_match_in_bf16 and llama2) or (test_engine_in_bf16 and llama2)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Every size the tiers use; :data:`GPU` and :data:`SMOKE` differ only here."""
+
+    preset: str = "llama-1b"
+    model: tuple[str, ...] = ()  # extra model overrides
+    batch: int = 8
+    seq: int = 2048
+    steps: int = 10
+    warmup: int = 2
+    doc_len: int = 512  # mean document length of the packed rows
+    t0_overrides: tuple[str, ...] = ("model=tiny", "train.global_batch=8", "train.seq_len=128")
+    matmul: int = 8192
+    copy_elems: int = 2**29  # bf16: 1 GiB read + 1 GiB written
+    iters: int = 10
+    gmm: tuple[int, int, int, int] = (16384, 4096, 14336, 8)  # m = tokens x top_k, k, n, experts (Mixtral)
+    ragged: tuple[int, int, int, int, int, int] = (64, 8192, 16, 4, 128, 16)  # batch, ctx, heads, kv, hd, page
+    decode_batches: tuple[int, int] = (1, 64)
+    decode_contexts: tuple[int, int] = (512, 8192)
+    decode_steps: int = 16
+    decode_max_seq: int = 8192 + 64
+    t3_seq: int = 4096
+    t3_batches: tuple[int, int] = (4, 16)
+    moe: tuple[int, int, int, int] = (8192, 2048, 2048, 2)  # tokens, d_model, d_ff, top_k
+    moe_experts: tuple[int, ...] = (8, 16, 32, 64)
+    t3_decode_batches: tuple[int, ...] = (1, 8, 32, 128)
+    t3_decode_context: int = 2048
+    gmm_tiles: tuple[int, int] = (64, 256)
+    budget: float = 480.0  # seconds; per tier: TIER_BUDGET
+
+
+GPU = Sizes()
+SMOKE = Sizes(
+    preset="tiny", model=("model.num_layers=1",), batch=2, seq=64, steps=1, warmup=1, doc_len=16,
+    t0_overrides=("model=tiny", "model.num_layers=1", "train.global_batch=2", "train.seq_len=32"),
+    matmul=128, copy_elems=2**16, iters=1, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
+    decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
+    t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
+    t3_decode_context=16, gmm_tiles=(16, 32), budget=float("inf"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    fields: tuple[str, ...]
+    run: Callable  # (ctx) -> dict of fields
+
+
+class Ctx:
+    """What one tier's rows share: sizes, the output folder, measured peaks, kept objects."""
+
+    def __init__(self, tier: str, sizes: Sizes, out: str | None, smoke: bool):
+        self.tier, self.s, self.out, self.smoke = tier, sizes, out, smoke
+        self.keep: dict = {}
+        self.peaks: dict = {}
+
+    def log(self, msg: str) -> None:
+        line = f"[{datetime.datetime.now():%H:%M:%S}] {msg}"
+        print(line, file=sys.stderr, flush=True)
+        if self.out:
+            with open(os.path.join(self.out, f"{self.tier}.log"), "a") as f:
+                f.write(line + "\n")
+
+
+# ---------------------------------------------------------------------------
+# T0: install, import everything, one bf16 step
+
+
+def install(wheels: str) -> None:
+    """Install the carried wheels and hypertron (``--no-deps``) into a site folder, then re-run
+    this command with it on PYTHONPATH (once: the environment marks it done)."""
+    if os.environ.get("HYPERTRON_CAMPAIGN_SITE"):
+        return
+    site = os.path.join(tempfile.gettempdir(), "hypertron-site")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", site]
+    found = sorted(glob.glob(os.path.join(wheels, "*.whl")))
+    if found and subprocess.run(pip + found).returncode != 0:
+        sys.exit(f"error: installing the {len(found)} wheels of {wheels} failed (pip's message above)")
+    # hypertron itself, --no-deps, built with the setuptools already there; else the checkout is the package.
+    built = subprocess.run(pip + ["--no-build-isolation", REPO], capture_output=True, text=True)
+    path = [site] if built.returncode == 0 else [site, REPO]
+    env = dict(os.environ, HYPERTRON_CAMPAIGN_SITE=site, HYPERTRON_CAMPAIGN_WHEELS=str(len(found)),
+               HYPERTRON_CAMPAIGN_INSTALL="pip --no-deps" if built.returncode == 0 else
+               "checkout on PYTHONPATH (pip: " + (built.stderr.strip().splitlines() or ["?"])[-1][:160] + ")",
+               PYTHONPATH=os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def t0_install(ctx):
+    import jax
+    import jaxlib
+
+    import hypertron
+
+    dev = jax.devices()[0]
+    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", dev.platform),
+            "device_count": jax.device_count(), "hypertron": os.path.dirname(hypertron.__file__),
+            "install": os.environ.get("HYPERTRON_CAMPAIGN_INSTALL", "already importable"),
+            "wheels": int(os.environ.get("HYPERTRON_CAMPAIGN_WHEELS", "0"))}
+
+
+def t0_imports(ctx):
+    import hypertron
+
+    names = sorted(m.name for m in pkgutil.walk_packages(hypertron.__path__, "hypertron."))
+    missing, broken = set(), []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            missing.add(e.name or name)
+            broken.append(f"{name}: no module {e.name}")
+        except Exception as e:  # noqa: BLE001  (an API that moved in this JAX, say: record it)
+            broken.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    ctx.keep["missing"] = sorted(missing)
+    return {"modules": len(names), "imported": len(names) - len(broken), "missing": sorted(missing),
+            "broken": broken}
+
+
+def t0_train_step(ctx):
+    import jax
+
+    from hypertron.config import load_config
+    from hypertron.models.decoder import _attention_impl
+    from hypertron.models import resolve_dtype
+
+    if ctx.keep.get("missing"):
+        raise RuntimeError("skipped: modules missing: " + ", ".join(ctx.keep["missing"]))
+    cfg = load_config(None, [*ctx.s.t0_overrides, "data.source=synthetic", "model.dtype=bfloat16"])
+    r = train_case(ctx, cfg, steps=1, warmup=0)
+    return {"preset": cfg.model.name, "dtype": str(resolve_dtype(cfg.model.dtype)),
+            "attention": _attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), cfg.train.seq_len),
+            "backend": jax.default_backend(), "compile_s": r["compile_s"], "loss": r["loss"]}
+
+
+# ---------------------------------------------------------------------------
+# T1: the GPU test selection, and the recipes' XLA flags
+
+
+def t1_xla_flags(ctx):
+    """One process with every flag: XLA names each unknown one in a single line and aborts."""
+    flags = [f for f, _ in RECIPE_XLA_FLAGS]
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    r = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
+    rejected = []
+    if r.returncode != 0:
+        line = next((ln for ln in r.stderr.splitlines() if "Unknown flags in XLA_FLAGS:" in ln), None)
+        if line is not None:
+            rejected = line.split("Unknown flags in XLA_FLAGS:", 1)[1].split()
+        else:  # some other refusal (a bad value): try each flag alone
+            for f in flags:
+                one = subprocess.run(probe, env=dict(os.environ, XLA_FLAGS=f), capture_output=True, timeout=300)
+                rejected += [f] if one.returncode else []
+    return {"tested": len(flags), "accepted": [f for f in flags if f not in rejected], "rejected": rejected}
+
+
+def t1_pytest(ctx):
+    """Run the ``gpu`` selection once; rows per group come from its JUnit report."""
+    if "junit" not in ctx.keep:
+        report = os.path.join(tempfile.mkdtemp(), "junit.xml")
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        if not ctx.smoke:
+            env["JAX_PLATFORMS"] = "cuda"  # the tests' conftest would otherwise pick the CPU
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs",
+               f"--junitxml={report}", *(["-k", T1_SMOKE_K] if ctx.smoke else []), *T1_FILES]
+        ctx.log("$ " + " ".join(cmd[2:]))
+        ctx.keep["junit"], ctx.keep["pytest_rc"] = {}, "timeout"
+        with open(os.path.join(ctx.out, "T1.log") if ctx.out else os.devnull, "a") as f:
+            try:  # the pytest summary lines go to T1.log; the JUnit report carries the outcomes
+                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                      timeout=max(60.0, remaining(ctx)))
+            except subprocess.TimeoutExpired:
+                return ctx.keep["junit"]
+        ctx.keep["junit"] = parse_junit(report) if os.path.exists(report) else {}
+        ctx.keep["pytest_rc"] = proc.returncode
+    return ctx.keep["junit"]
+
+
+def parse_junit(path: str) -> dict:
+    """{group: {selected, passed, failed, skipped, failures}} from pytest's JUnit XML."""
+    groups = {g: {"selected": 0, "passed": 0, "failed": 0, "skipped": 0, "failures": []} for g, _, _ in T1_GROUPS}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file = case.get("classname", "").split(".")[-1] + ".py"
+        name = case.get("name", "")
+        group = next((g for g, f, prefix in T1_GROUPS if f == file and name.startswith(prefix)), None)
+        if group is None:
+            continue
+        g = groups[group]
+        g["selected"] += 1
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            g["failed"] += 1
+            g["failures"].append(f"{file}::{name}: {(bad.get('message') or '').splitlines()[0][:200] if bad.get('message') else ''}")
+        elif case.find("skipped") is not None:
+            g["skipped"] += 1
+        else:
+            g["passed"] += 1
+    return groups
+
+
+def t1_group(group):
+    def run(ctx):
+        result = t1_pytest(ctx).get(group)
+        if result is None:
+            raise RuntimeError(f"pytest wrote no report (exit {ctx.keep.get('pytest_rc')}; see T1.log)")
+        if result["failed"]:
+            ctx.keep.setdefault("t1_failed", []).append(group)
+        return result
+    return run
+
+
+# ---------------------------------------------------------------------------
+# Shared measurements
+
+
+def remaining(ctx) -> float:
+    return ctx.s.budget - (time.monotonic() - ctx.keep["start"])
+
+
+def time_call(fn, args, iters: int) -> float:
+    """Median seconds of ``iters`` synced calls after one warm-up call (compile included)."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def device_row(ctx):
+    """The device, and its two ceilings measured here: a bf16 matmul and a device-to-device copy."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypertron.train.flops import device_peak_flops
+    from serve import peak_bandwidth  # bench/serve.py
+
+    dev = jax.devices()[0]
+    n = ctx.s.matmul
+    a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
+    t_mm = time_call(jax.jit(lambda a, b: a @ b), (a, b), ctx.s.iters)
+    x = jax.random.normal(jax.random.key(1), (ctx.s.copy_elems,), jnp.bfloat16)
+    t_copy = time_call(jax.jit(lambda x: x + 1), (x,), ctx.s.iters)
+    ctx.peaks = {"tflops": 2 * n**3 / t_mm / 1e12, "bw": 2 * x.nbytes / t_copy}
+    del a, b, x
+    driver = None
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        driver = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+    peak, bw = device_peak_flops(), peak_bandwidth(None)
+    return {"device_kind": getattr(dev, "device_kind", dev.platform), "device_count": jax.device_count(),
+            "driver": driver, "jax": jax.__version__, "python": platform.python_version(),
+            "matmul_tflops": ctx.peaks["tflops"], "copy_gbs": ctx.peaks["bw"] / 1e9,
+            "datasheet_tflops": None if peak is None else peak / 1e12,
+            "datasheet_bw_gbs": None if bw is None else bw / 1e9, "matmul_n": n, "copy_bytes": 2 * 2 * ctx.s.copy_elems}
+
+
+def _peaks(ctx) -> dict:
+    if not ctx.peaks:
+        device_row(ctx)
+    return ctx.peaks
+
+
+def packed(batch: dict, mean_len: int, seed: int = 0) -> dict:
+    """The same rows cut into documents (lengths ~ geometric, mean ``mean_len``): segment ids
+    1, 2, ... and positions restarting at each document, as the packer writes them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = dict(batch)
+    seg, pos = np.zeros_like(batch["segment_ids"]), np.zeros_like(batch["positions"])
+    for r in range(seg.shape[0]):
+        start, doc = 0, 1
+        while start < seg.shape[1]:
+            n = int(min(rng.geometric(1.0 / mean_len), seg.shape[1] - start))
+            seg[r, start:start + n], pos[r, start:start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    out["segment_ids"], out["positions"] = seg, pos
+    return out
+
+
+def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: str | None = None) -> dict:
+    """Compile the sharded train step ahead of time, run ``warmup`` untimed steps, then ``steps``
+    with one sync at the end: compile seconds, seconds per step, last loss, peak memory."""
+    import jax
+    import numpy as np
+
+    from hypertron.data import make_batches
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.step import global_batch, make_trainer
+
+    t = cfg.train
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    state = trainer.init(jax.random.key(0))
+    data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
+                        vocab_size=cfg.model.vocab_size)
+    rows = [next(data) for _ in range(2)]
+    if pack:
+        rows = [packed(r, ctx.s.doc_len, seed=i) for i, r in enumerate(rows)]
+    batches = [global_batch(r, trainer.batch_sharding) for r in rows]
+    start = time.perf_counter()
+    step = trainer.step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - start
+    metrics = None
+    for i in range(warmup):
+        state, metrics = step(state, batches[i % 2])
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for i in range(steps):
+        state, metrics = step(state, batches[i % 2])
+    loss = float(metrics["loss"])
+    step_s = (time.perf_counter() - start) / max(steps, 1)
+    if not np.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss}")
+    stats = jax.devices()[0].memory_stats() or {}
+    plan = step.memory_analysis()  # the compiler's plan for this step: per row, unlike the allocator's peak
+    xla_bytes = (plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
+                 + plan.temp_size_in_bytes)
+    if keep:
+        ctx.keep[keep] = (step, state, batches)
+    return {"compile_s": compile_s, "step_s": step_s, "loss": loss, "xla_mem_gib": xla_bytes / 2**30,
+            "peak_mem_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None}
+
+
+TRAIN_FIELDS = ("preset", "params_m", "batch", "seq", "remat", "attention", "quantization", "packed", "compile_s",
+                "step_ms", "tokens_s", "tflops", "mfu_measured", "mfu_datasheet", "xla_mem_gib", "peak_mem_gib", "loss")
+
+
+def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, base=None):
+    """A training row: ``llama-1b`` (``tiny`` in smoke mode) with ``overrides``; ``shape``: sizes ->
+    (batch, seq), default the tier's; ``base``: the row whose step time this one is compared with
+    (adds ``vs_base``)."""
+
+    def run(ctx):
+        import jax
+
+        from hypertron.config import load_config
+        from hypertron.models import count_params, resolve_dtype
+        from hypertron.models.decoder import _attention_impl
+        from hypertron.train.flops import device_peak_flops, train_flops_per_token
+
+        s = ctx.s
+        batch, seq = shape(s) if shape else (s.batch, s.seq)
+        cfg = load_config(None, [f"model={s.preset}", *s.model,
+                                 "data.source=" + ("stdlib" if pack else "synthetic"),
+                                 f"train.global_batch={batch}", f"train.seq_len={seq}",
+                                 "model.remat=dots", f"model.quantization={quant}", *overrides])
+        r = train_case(ctx, cfg, steps=s.steps, warmup=s.warmup, pack=pack, keep=keep)
+        t, n_dev = cfg.train, jax.device_count()
+        tokens = t.global_batch * t.seq_len
+        tflops = train_flops_per_token(cfg.model, t.seq_len) * tokens / r["step_s"] / n_dev / 1e12
+        fmt = {"none": "bf16"}.get(quant, quant)
+        peak = device_peak_flops(0.0, fmt=fmt)
+        out = {"preset": cfg.model.name, "params_m": count_params(cfg.model) / 1e6, "batch": t.global_batch,
+               "seq": t.seq_len, "remat": cfg.model.remat,
+               "attention": _attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), t.seq_len),
+               "quantization": quant, "packed": pack, "compile_s": r["compile_s"], "step_ms": r["step_s"] * 1e3,
+               "tokens_s": tokens / r["step_s"] / n_dev, "tflops": tflops,
+               "mfu_measured": tflops / _peaks(ctx)["tflops"],
+               "mfu_datasheet": None if peak is None else tflops * 1e12 / peak,
+               "xla_mem_gib": r["xla_mem_gib"], "peak_mem_gib": r["peak_mem_gib"], "loss": r["loss"]}
+        if quant != "none":
+            bf16 = device_peak_flops()
+            out["emfu_datasheet"] = None if bf16 is None else tflops * 1e12 / bf16
+        if base is not None:
+            ref = ctx.keep.get("step_ms", {}).get(base)
+            if ref is None:
+                raise RuntimeError(f"needs row {base} in the same run (add it to --only)")
+            out["vs_base"] = ref / out["step_ms"]
+        ctx.keep.setdefault("step_ms", {})[ROW_ID[run]] = out["step_ms"]
+        return out
+
+    return run
+
+
+ROW_ID: dict = {}  # run function -> row id, for rows that look themselves up
+
+
+def profile_row(ctx):
+    """The compiled HLO of the dots step (gzip) and a profile of two steps (tar.gz), each
+    under 16 MiB, for offline work."""
+    import jax
+
+    if "dots" not in ctx.keep:
+        train_row(keep="dots")(ctx)
+    step, state, batches = ctx.keep.pop("dots")
+    out = ctx.out or tempfile.mkdtemp()
+    hlo_path = os.path.join(out, f"{ctx.tier}_step_hlo.txt.gz")
+    with gzip.open(hlo_path, "wt") as f:
+        f.write(step.as_text())
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        for i in range(2):
+            state, metrics = step(state, batches[i % 2])
+        jax.block_until_ready(metrics)
+    trace_path = os.path.join(out, f"{ctx.tier}_profile.tar.gz")
+    with tarfile.open(trace_path, "w:gz") as tar:
+        tar.add(trace_dir, arcname="profile")
+    note = "ok"
+    if os.path.getsize(trace_path) > 15 * 2**20:
+        note = f"profile of {os.path.getsize(trace_path) / 2**20:.1f} MiB dropped (over 15 MiB)"
+        os.remove(trace_path)
+    del step, state, batches
+    return {"hlo_file": os.path.basename(hlo_path), "hlo_bytes": os.path.getsize(hlo_path),
+            "trace_file": os.path.basename(trace_path) if note == "ok" else note,
+            "trace_bytes": os.path.getsize(trace_path) if note == "ok" else 0}
+
+
+GMM_FIELDS = ("backend", "m", "k", "n", "groups", "tm", "fwd_ms", "fwd_tflops", "fwd_pct_dense", "fwdbwd_ms",
+              "fwdbwd_tflops", "fwdbwd_pct_dense")
+
+
+def gmm_row(backend: str, tm_index: int | None = None):
+    def run(ctx):
+        import jax.numpy as jnp
+
+        from gmm import measure  # bench/gmm.py
+        from hypertron.kernels.gmm import DEFAULT_TILING
+
+        m, k, n, g = ctx.s.gmm
+        tm = None if tm_index is None else ctx.s.gmm_tiles[tm_index]
+        tiling = None if tm is None else (tm, *DEFAULT_TILING[1:])
+        key = ("gmm", tm)
+        if key not in ctx.keep:  # one dense reference per tiling
+            ctx.keep[key] = {}
+        cache = ctx.keep[key]
+        if "dense" not in cache:
+            rows = measure(m, k, n, [g], ["even"], [], jnp.bfloat16, ctx.s.iters, tiling=tiling)
+            cache["dense"] = rows[0][3:]
+        if backend == "dense":
+            t_fwd, t_bwd = cache["dense"]
+        else:
+            (_, _, _, t_fwd, t_bwd), = measure(m, k, n, [g], ["even"], [backend], jnp.bfloat16, ctx.s.iters,
+                                               tiling=tiling)[1:]
+            if t_fwd is None:
+                raise RuntimeError(f"{backend} failed (its error is in the log)")
+        d_fwd, d_bwd = cache["dense"]
+        flops = 2 * m * k * n
+        return {"backend": backend, "m": m, "k": k, "n": n, "groups": g, "tm": tm or DEFAULT_TILING[0],
+                "fwd_ms": t_fwd * 1e3, "fwd_tflops": flops / t_fwd / 1e12, "fwd_pct_dense": 100 * d_fwd / t_fwd,
+                "fwdbwd_ms": t_bwd * 1e3, "fwdbwd_tflops": 3 * flops / t_bwd / 1e12,
+                "fwdbwd_pct_dense": 100 * d_bwd / t_bwd}
+    return run
+
+
+RAGGED_FIELDS = ("backend", "batch", "max_context", "heads", "kv_heads", "head_dim", "page_size", "ms", "kv_bytes",
+                 "bw_fraction_measured")
+
+
+def ragged_row(backend: str):
+    """The decode-attention kernel alone: ``batch`` sequences of lengths between half the context
+    and all of it, bf16 pages; bytes = the K and V of every token attended to."""
+
+    def run(ctx):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from hypertron.kernels.ragged_attention import ragged_decode_attention
+
+        b, ctx_len, h, kv, hd, ps = ctx.s.ragged
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(ctx_len // 2, ctx_len + 1, b).astype(np.int32)
+        per_seq = -(-ctx_len // ps)
+        table = rng.permutation(b * per_seq).reshape(b, per_seq).astype(np.int32)
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (b, h, hd), jnp.bfloat16)
+        k_pages = jax.random.normal(keys[1], (kv, b * per_seq, ps, hd), jnp.bfloat16)
+        v_pages = jax.random.normal(keys[2], (kv, b * per_seq, ps, hd), jnp.bfloat16)
+        f = jax.jit(lambda q, k, v, ln, t: ragged_decode_attention(q, k, v, ln, t, backend=backend))
+        t = time_call(f, (q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(table)), ctx.s.iters)
+        kv_bytes = int(lengths.sum()) * kv * hd * 2 * 2
+        return {"backend": backend, "batch": b, "max_context": ctx_len, "heads": h, "kv_heads": kv, "head_dim": hd,
+                "page_size": ps, "ms": t * 1e3, "kv_bytes": kv_bytes,
+                "bw_fraction_measured": kv_bytes / t / _peaks(ctx)["bw"]}
+    return run
+
+
+DECODE_FIELDS = ("preset", "batch", "kv", "context", "prefill_s", "step_ms", "tokens_s", "bytes_per_step",
+                 "bw_fraction_measured", "bw_fraction_datasheet")
+
+
+def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool = False):
+    """Decode through the paged engine: bf16 weights, every slot holding the same prompt's KV
+    (one prefill, inserted into each slot; ``prefill_s`` includes its compile), then timed steps of
+    ``reserve_step`` + ``generate`` (bench/serve.py's ``bench_engine``)."""
+
+    def run(ctx):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from hypertron.models import init_params
+        from serve import bench_engine, model_config, peak_bandwidth  # bench/serve.py
+
+        s = ctx.s
+        batch = (s.t3_decode_batches if t3 else s.decode_batches)[batch_index]
+        context = s.t3_decode_context if t3 else s.decode_contexts[context_index]
+        if "decode_model" not in ctx.keep:
+            cfg = model_config(s.preset, [*s.model, f"max_seq_len={s.decode_max_seq}", "dtype=bfloat16"])
+            ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
+        cfg, params = ctx.keep["decode_model"]
+        prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context))
+        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, 20, shared_prefill=True)
+        peak = peak_bandwidth(None)
+        gc.collect()
+        return {"preset": cfg.name, "batch": batch, "kv": kv, "context": context,
+                "prefill_s": r["prefill_s"], "step_ms": r["step_s"] * 1e3, "tokens_s": r["tokens_s"],
+                "bytes_per_step": r["bytes_per_step"],
+                "bw_fraction_measured": r["bytes_per_step"] / r["step_s"] / _peaks(ctx)["bw"],
+                "bw_fraction_datasheet": None if peak is None else r["bytes_per_step"] / r["step_s"] / peak}
+    return run
+
+
+MOE_FIELDS = ("tokens", "d_model", "d_ff", "experts", "top_k", "backend", "step_ms", "tokens_s", "vs_e_first",
+              "expert_tflops")
+
+
+def moe_row(index: int):
+    def run(ctx):
+        import jax.numpy as jnp
+
+        from hypertron.config import PRESETS
+        from hypertron.kernels.gmm import resolve_backend
+        from moe import bench_layer, layer_config  # bench/moe.py
+
+        tokens, d, f, top_k = ctx.s.moe
+        experts = ctx.s.moe_experts[index]
+        cfg = layer_config(PRESETS["tiny-moe"], d, f, experts, top_k, "dropless")
+        seconds, _ = bench_layer(cfg, tokens, jnp.bfloat16, ctx.s.iters)
+        per = ctx.keep.setdefault("moe", {})
+        per[index] = tokens / seconds
+        first = per.get(0)
+        if first is None:
+            raise RuntimeError("needs the first expert count in the same run (add it to --only)")
+        return {"tokens": tokens, "d_model": d, "d_ff": f, "experts": experts, "top_k": top_k,
+                "backend": resolve_backend(cfg.moe.gmm_backend), "step_ms": seconds * 1e3,
+                "tokens_s": tokens / seconds, "vs_e_first": tokens / seconds / first,
+                "expert_tflops": 3 * 2 * 3 * tokens * top_k * d * f / seconds / 1e12}
+    return run
+
+
+# ---------------------------------------------------------------------------
+# The plan: the same rows and fields in every mode
+
+
+def plan(tier: str) -> list[Row]:
+    dev_fields = ("device_kind", "device_count", "driver", "jax", "python", "matmul_tflops", "copy_gbs",
+                  "datasheet_tflops", "datasheet_bw_gbs", "matmul_n", "copy_bytes")
+    if tier == "T0":
+        return [
+            Row("t0.install", ("python", "jax", "jaxlib", "backend", "device_kind", "device_count", "hypertron",
+                               "install", "wheels"), t0_install),
+            Row("t0.imports", ("modules", "imported", "missing", "broken"), t0_imports),
+            Row("t0.train_step", ("preset", "dtype", "attention", "backend", "compile_s", "loss"), t0_train_step),
+        ]
+    if tier == "T1":
+        groups = dict.fromkeys(g for g, _, _ in T1_GROUPS)
+        return [Row("t1.xla_flags", ("tested", "accepted", "rejected"), t1_xla_flags)] + [
+            Row(f"t1.pytest.{g}", ("selected", "passed", "failed", "skipped", "failures"), t1_group(g))
+            for g in groups]
+    if tier == "T2":
+        rows = [
+            Row("t2.device", dev_fields, device_row),
+            Row("t2.train.dots", TRAIN_FIELDS, train_row(keep="dots")),
+            Row("t2.profile", ("hlo_file", "hlo_bytes", "trace_file", "trace_bytes"), profile_row),
+            Row("t2.train.none", TRAIN_FIELDS, train_row(["model.remat=none"])),
+            Row("t2.train.packed", (*TRAIN_FIELDS, "vs_base"), train_row(pack=True, base="t2.train.dots")),
+            Row("t2.quant.fp8", (*TRAIN_FIELDS, "emfu_datasheet", "vs_base"), train_row(quant="fp8", base="t2.train.dots")),
+            Row("t2.quant.int8", (*TRAIN_FIELDS, "emfu_datasheet", "vs_base"), train_row(quant="int8", base="t2.train.dots")),
+            *[Row(f"t2.gmm.{b}", GMM_FIELDS, gmm_row(b)) for b in ("dense", "pallas", "ragged_dot")],
+            *[Row(f"t2.ragged.{b}", RAGGED_FIELDS, ragged_row(b)) for b in ("pallas", "reference")],
+        ]
+        for bi, b in enumerate(GPU.decode_batches):
+            for kv in ("bfloat16", "int8"):
+                for ci, c in enumerate(GPU.decode_contexts):
+                    rows.append(Row(f"t2.decode.b{b}.{kv}.ctx{c}", DECODE_FIELDS, decode_row(bi, kv, ci)))
+    elif tier == "T3":
+        rows = [
+            Row("t3.device", dev_fields, device_row),
+            Row(f"t3.train.seq{GPU.t3_seq}", TRAIN_FIELDS, train_row(shape=lambda s: (max(1, s.batch // 2), s.t3_seq))),
+            *[Row(f"t3.train.batch{b}", TRAIN_FIELDS, train_row(shape=lambda s, i=i: (s.t3_batches[i], s.seq)))
+              for i, b in enumerate(GPU.t3_batches)],
+            Row("t3.train.remat_full", TRAIN_FIELDS, train_row(["model.remat=full"])),
+            *[Row(f"t3.moe.e{e}", MOE_FIELDS, moe_row(i)) for i, e in enumerate(GPU.moe_experts)],
+            *[Row(f"t3.decode.b{b}", DECODE_FIELDS, decode_row(i, "bfloat16", None, t3=True))
+              for i, b in enumerate(GPU.t3_decode_batches)],
+            *[Row(f"t3.gmm.pallas.tm{tm}", GMM_FIELDS, gmm_row("pallas", i)) for i, tm in enumerate(GPU.gmm_tiles)],
+        ]
+    else:
+        raise ValueError(tier)
+    for r in rows:
+        ROW_ID[r.run] = r.id
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Running a tier
+
+
+# The fields the closing table shows, by the second part of the row id (the JSON has them all).
+HEADLINE = {
+    "device": ("device_kind", "matmul_tflops", "copy_gbs", "driver", "jax"),
+    "train": ("batch", "seq", "attention", "step_ms", "tokens_s", "mfu_measured", "mfu_datasheet", "xla_mem_gib",
+              "vs_base"),
+    "quant": ("step_ms", "tokens_s", "mfu_datasheet", "emfu_datasheet", "vs_base"),
+    "gmm": ("tm", "fwd_ms", "fwd_pct_dense", "fwdbwd_ms", "fwdbwd_pct_dense"),
+    "ragged": ("batch", "max_context", "ms", "bw_fraction_measured"),
+    "decode": ("batch", "context", "prefill_s", "step_ms", "tokens_s", "bw_fraction_measured"),
+    "moe": ("experts", "backend", "step_ms", "tokens_s", "vs_e_first"),
+}
+
+
+def summary(row_id: str, fields: dict) -> str:
+    """The row's headline fields in one short line for the table."""
+    keys = HEADLINE.get(row_id.split(".")[1], tuple(fields))
+    fields = {k: fields[k] for k in keys if k in fields}
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, list):
+            return f"[{len(v)}]"
+        return str(v)
+    return " ".join(f"{k}={fmt(v)}" for k, v in fields.items() if k not in ("python", "hypertron"))[:160]
+
+
+def run_tier(tier: str, sizes: Sizes, out: str | None, smoke: bool, only: list[str]) -> int:
+    ctx = Ctx(tier, sizes, out, smoke)
+    ctx.keep["start"] = time.monotonic()
+    if out:
+        open(os.path.join(out, f"{tier}.log"), "w").close()
+    rows = [r for r in plan(tier) if not only or any(r.id.startswith(p) for p in only)]
+    if not rows:
+        print(f"error: --only {' '.join(only)} selects no row of {tier} (see --plan)", file=sys.stderr)
+        return 2
+    report = {"tier": tier, "mode": "smoke" if smoke else "device", "command": " ".join(sys.argv),
+              "started": datetime.datetime.now().isoformat(timespec="seconds"), "budget_s": sizes.budget if sizes.budget != float("inf") else None, "rows": []}
+
+    def save():
+        if out:
+            tmp = os.path.join(out, f".{tier}.json")
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=1)
+            os.replace(tmp, os.path.join(out, f"{tier}.json"))
+
+    for row in rows:
+        entry = {"id": row.id, "status": "ok", "seconds": 0.0, "fields": dict.fromkeys(row.fields), "error": None}
+        report["rows"].append(entry)
+        if remaining(ctx) <= 0:
+            entry["status"], entry["error"] = "skipped", f"time budget of {sizes.budget:.0f} s spent: rerun with --only {row.id}"
+            ctx.log(f"{row.id}: skipped (budget)")
+            save()
+            continue
+        ctx.log(f"{row.id} ...")
+        start = time.perf_counter()
+        try:
+            got = {k: v for k, v in row.run(ctx).items() if not k.startswith("_")}
+            if set(got) != set(row.fields):
+                raise KeyError(f"row {row.id} returned {sorted(got)}, planned {sorted(row.fields)}")
+            entry["fields"] = {k: got[k] for k in row.fields}
+        except Exception as e:  # noqa: BLE001  (one row failing must not lose the others)
+            entry["status"], entry["error"] = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            ctx.log(f"{row.id} failed:\n{traceback.format_exc()}")
+        entry["seconds"] = time.perf_counter() - start
+        ctx.log(f"{row.id}: {entry['status']} in {entry['seconds']:.1f} s {entry['error'] or summary(row.id, entry['fields'])}")
+        save()
+    report["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    save()
+
+    print(f"\n{tier} ({report['mode']}), {time.monotonic() - ctx.keep['start']:.0f} s")
+    width = max(len(r["id"]) for r in report["rows"])
+    for r in report["rows"]:
+        print(f"{r['id']:<{width}}  {r['status']:<7} {r['seconds']:6.1f}s  {r['error'] or summary(r['id'], r['fields'])}")
+    if tier == "T0" and ctx.keep.get("missing"):
+        print("error: missing modules: " + ", ".join(ctx.keep["missing"]), file=sys.stderr)
+        return 3
+    return 0 if all(r["status"] == "ok" for r in report["rows"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tier", choices=TIERS)
+    p.add_argument("--out", help="folder for <TIER>.json, <TIER>.log and the artefacts (created)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, the same rows")
+    p.add_argument("--only", nargs="+", default=[], metavar="PREFIX", help="rows whose id starts with PREFIX")
+    p.add_argument("--budget", type=float, default=None, help="seconds before the remaining rows are skipped")
+    p.add_argument("--wheels", help="install these wheels and hypertron (--no-deps) first, then re-run")
+    p.add_argument("--plan", action="store_true", help="print the row ids of TIER and their fields, and stop")
+    args = p.parse_args(argv)
+
+    if args.plan:
+        for r in plan(args.tier):
+            print(r.id, " ".join(r.fields))
+        return 0
+    if args.wheels:
+        install(args.wheels)
+    if args.smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    sizes = SMOKE if args.smoke else dataclasses.replace(GPU, budget=TIER_BUDGET[args.tier])
+    if args.budget is not None:
+        sizes = dataclasses.replace(sizes, budget=args.budget)
+    return run_tier(args.tier, sizes, args.out, args.smoke, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
