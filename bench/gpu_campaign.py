@@ -93,6 +93,7 @@ T1_GROUPS = (
     ("ragged_attention", "test_ragged_attention.py", ""),
     ("cudnn_attention", "test_gpu.py", "test_cudnn"),
     ("fp8_cublaslt", "test_gpu.py", "test_fp8"),
+    ("fp8_cublaslt", "test_quant_train.py", "test_compiled_matmuls"),
     ("hf_parity_bf16", "test_hf.py", "test_logits_match_in_bf16"),
     ("engine_parity_bf16", "test_hf.py", "test_engine_in_bf16"),
     ("engine_parity_bf16", "test_engine.py", ""),
@@ -100,6 +101,7 @@ T1_GROUPS = (
 T1_FILES = tuple(dict.fromkeys(f"tests/{f}" for _, f, _ in T1_GROUPS))
 # Smoke mode runs a few of them (the whole selection is in make test already): the machinery, not the numbers.
 T1_SMOKE_K = ("test_edge_cases or test_bad_arguments_are_refused or test_cudnn_is_what or test_fp8"
+              " or test_compiled_matmuls"
               " or (test_logits_match_in_bf16 and llama2) or (test_engine_in_bf16 and llama2)")
 
 

@@ -201,6 +201,7 @@ def _compiled_int8_dots(hlo: str) -> list[str]:
     return found
 
 
+@pytest.mark.gpu
 def test_compiled_matmuls_stay_int8_on_cpu_and_fp8_on_hopper():
     x, w = _xw(shape=(4, 8, 64), out=32)
     f = jax.jit(lambda x, w: einsum_for("int8", jnp.float32)(SUB, x, w))
