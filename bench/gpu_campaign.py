@@ -328,34 +328,21 @@ def remaining(ctx) -> float:
     return ctx.s.budget - (time.monotonic() - ctx.keep["start"])
 
 
-def time_call(fn, args, iters: int) -> float:
-    """Median seconds of ``iters`` synced calls after one warm-up call (compile included)."""
-    import jax
-    import numpy as np
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def device_row(ctx):
     """The device, and its two ceilings measured here: a bf16 matmul and a device-to-device copy."""
     import jax
     import jax.numpy as jnp
 
+    from gmm import time_fn  # bench/gmm.py: median of synced calls after a warm-up
     from hypertron.train.flops import device_peak_flops
     from serve import peak_bandwidth  # bench/serve.py
 
     dev = jax.devices()[0]
     n = ctx.s.matmul
     a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    t_mm = time_call(jax.jit(lambda a, b: a @ b), (a, b), ctx.s.iters)
+    t_mm = time_fn(jax.jit(lambda a, b: a @ b), (a, b), ctx.s.iters)
     x = jax.random.normal(jax.random.key(1), (ctx.s.copy_elems,), jnp.bfloat16)
-    t_copy = time_call(jax.jit(lambda x: x + 1), (x,), ctx.s.iters)
+    t_copy = time_fn(jax.jit(lambda x: x + 1), (x,), ctx.s.iters)
     ctx.peaks = {"tflops": 2 * n**3 / t_mm / 1e12, "bw": 2 * x.nbytes / t_copy}
     del a, b, x
     driver = None
@@ -572,6 +559,7 @@ def ragged_row(backend: str):
         import jax.numpy as jnp
         import numpy as np
 
+        from gmm import time_fn  # bench/gmm.py
         from hypertron.kernels.ragged_attention import ragged_decode_attention
 
         b, ctx_len, h, kv, hd, ps = ctx.s.ragged
@@ -584,7 +572,7 @@ def ragged_row(backend: str):
         k_pages = jax.random.normal(keys[1], (kv, b * per_seq, ps, hd), jnp.bfloat16)
         v_pages = jax.random.normal(keys[2], (kv, b * per_seq, ps, hd), jnp.bfloat16)
         f = jax.jit(lambda q, k, v, ln, t: ragged_decode_attention(q, k, v, ln, t, backend=backend))
-        t = time_call(f, (q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(table)), ctx.s.iters)
+        t = time_fn(f, (q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(table)), ctx.s.iters)
         kv_bytes = int(lengths.sum()) * kv * hd * 2 * 2
         return {"backend": backend, "batch": b, "max_context": ctx_len, "heads": h, "kv_heads": kv, "head_dim": hd,
                 "page_size": ps, "ms": t * 1e3, "kv_bytes": kv_bytes,
