@@ -145,7 +145,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 # The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
 # choices and defaults come from the schema; only the help text and metavar are written here.
 _SERVE_FLAGS: dict[str, dict] = {
-    "checkpoint": dict(metavar="DIR", help="run directory (latest checkpoint is used); required"),
+    "checkpoint": dict(metavar="DIR", aliases=("--model",),
+                       help="run directory (its latest checkpoint) or Hugging Face model directory; required"),
     "host": dict(help="address to bind"),
     "port": dict(),
     "api_key": dict(metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
@@ -175,13 +176,14 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         tp = hints[field.name]
         kind = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # int | None -> int
         options = dict(_SERVE_FLAGS[field.name], default=argparse.SUPPRESS)
+        aliases = options.pop("aliases", ())
         if typing.get_origin(tp) is typing.Literal:
             options["choices"] = choices(tp)
         elif kind is int:
             options["type"] = int
         if field.default not in (None, ""):
             options["help"] = (options.get("help", "") + f" (default {field.default})").strip()
-        parser.add_argument(_flag(field.name), **options)
+        parser.add_argument(_flag(field.name), *aliases, dest=field.name, **options)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -232,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
-    g.add_argument("--checkpoint", required=True, help="run directory (latest checkpoint is used)")
+    g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",
+                   help="run directory (its latest checkpoint) or Hugging Face model directory")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -169,7 +169,8 @@ def test_tiny_moe_dropless_goes_through_the_grouped_matmul():
 
 def test_greedy_generation_with_int8_weights():
     cfg, params, q = _model("tiny")
-    assert prepare_params(params, cfg, "none") is params
+    # float32 compute (CPU): nothing to cast, every weight is the array it was.
+    assert all(a is b for a, b in zip(jax.tree.leaves(prepare_params(params, cfg, "none")), jax.tree.leaves(params)))
     assert isinstance(prepare_params(params, cfg, "int8")["layers"]["wq"], QArray)
     with pytest.raises(ValueError, match="quantize='fp4'"):
         prepare_params(params, cfg, "fp4")
@@ -216,6 +217,6 @@ def test_cli_generate_quantizes_after_loading(monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("def ")
     assert isinstance(seen.pop("params")["layers"]["wo"], QArray)
     assert cli.main(argv) == 0
-    assert seen["params"] is params
+    assert all(a is b for a, b in zip(jax.tree.leaves(seen["params"]), jax.tree.leaves(params)))
     with pytest.raises(SystemExit):
         cli.main([*argv, "--quantize", "int4"])

@@ -70,7 +70,7 @@ def test_config_file_mistakes_are_one_line_naming_the_key(tmp_path, capsys, text
 
 def test_without_a_checkpoint_serve_says_which_flag_is_missing(capsys):
     assert cli.main(["serve", "--max-slots", "2"]) == 2
-    assert capsys.readouterr().err == "error: --checkpoint: required (the run directory to serve)\n"
+    assert capsys.readouterr().err == "error: --checkpoint: required (the run directory or Hugging Face model directory to serve)\n"
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
+from http_harness import ThreadedServer  # tests/
 from test_server import MODEL, TOK, Server  # tests/
 
 from hypertron.models.hf import load_hf
@@ -107,3 +108,78 @@ def test_openai_client_with_the_real_engine_repeats_a_seeded_sample(server):
     stream = client.completions.create(stream=True, **(kw | {"seed": 3}))
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == a
     server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A Hugging Face directory as one is downloaded: weights, ``config.json``, a byte-level BPE
+    ``tokenizer.json`` (400 ids) and a ``generation_config.json``, written in the test."""
+    from test_tokenizers import train_bpe  # tests/
+
+    path = tmp_path_factory.mktemp("hf-dir")
+    train_bpe(path / "tokenizer.json")
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim > 1 else 1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+def _greedy(model, prompt, n, eos=None):
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_serve_model_hf_dir_stops_at_either_eos_of_generation_config(hf_dir, monkeypatch):
+    """``hypertron serve --model HF_DIR``: the directory's own tokenizer, and both end-of-sequence
+    ids of its ``generation_config.json`` (as Llama 3 instruct lists ``<|eot_id|>`` beside
+    ``<|end_of_text|>``); greedy continuations equal ``transformers.generate`` with those ids."""
+    import json
+
+    from test_serve_config import _serve  # tests/
+
+    from hypertron.tokenizer import get_tokenizer
+
+    model, path = hf_dir
+    prompts = [[40, 41, 42, 43], [300, 7, 9], [120, 121]]
+    free = [_greedy(model, p, 8) for p in prompts]
+    # An end id for each of the first two prompts: a token its free continuation reaches after a few
+    # steps and the other's does not reach before.
+    eos_a = next(t for t in free[0][2:6] if t not in free[1][:6])
+    eos_b = next(t for t in free[1][2:6] if t not in free[0][:free[0].index(eos_a) + 1] and t != eos_a)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_a, eos_b]}))
+    tok = get_tokenizer(str(path))
+    eos = sorted(tok.eos_ids)  # the tokenizer's own </s> as well
+    assert {eos_a, eos_b} <= set(eos)
+    app, _ = _serve(["--model", str(path), "--max-slots", "2", "--page-size", "8"], monkeypatch)
+    with ThreadedServer(app, lifespan="on") as s:
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == path.name
+        for prompt in prompts:
+            want = _greedy(model, prompt, 8, eos=eos)
+            body = {"model": path.name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            choice = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            stopped = want[-1] in eos
+            assert choice["finish_reason"] == ("stop" if stopped else "length"), (prompt, want)
+            assert choice["text"] == tok.decode(want[:-1] if stopped else want), (prompt, want)
+    assert _greedy(model, prompts[0], 8, eos=eos)[-1] == eos_a  # the first prompt did stop at its end id
+
+
+def test_generate_model_hf_dir_equals_transformers(hf_dir, capsys):
+    from hypertron import cli
+    from hypertron.tokenizer import get_tokenizer
+
+    model, path = hf_dir
+    tok = get_tokenizer(str(path))
+    ids = [tok.bos_id] + tok.encode("def main")  # generate starts a prompt with the tokenizer's BOS
+    eos = sorted(tok.eos_ids) or None
+    want = _greedy(model, ids, 6, eos=eos)
+    if eos and want[-1] in eos:
+        want = want[:-1]
+    assert cli.main(["generate", "--model", str(path), "--prompt", "def main", "--max-new-tokens", "6"]) == 0
+    assert tok.decode(want) in capsys.readouterr().out

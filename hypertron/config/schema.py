@@ -242,7 +242,7 @@ class ServeConfig:
     """What ``hypertron serve`` runs: the flags of the same names (``max_slots`` is
     ``--max-slots``), or the keys of a ``--config`` YAML file. It holds no training setting."""
 
-    checkpoint: str = ""  # run directory (its latest checkpoint is served); required
+    checkpoint: str = ""  # run directory (its latest checkpoint) or Hugging Face model directory; required
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 endpoints

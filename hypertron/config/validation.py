@@ -152,7 +152,7 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
     """Checks of a :class:`ServeConfig` that need no model; ``name`` as in :func:`check_engine_settings`."""
     check_choices(cfg, name=name)
     if not cfg.checkpoint.strip():
-        raise ConfigError(f"{name('checkpoint')}: required (the run directory to serve)")
+        raise ConfigError(f"{name('checkpoint')}: required (the run directory or Hugging Face model directory to serve)")
     check_engine_settings(max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
                           kv_cache_dtype=cfg.kv_cache_dtype, name=name)
     for key in ("max_queue", "max_prompt_tokens", "max_tokens_limit"):

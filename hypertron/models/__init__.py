@@ -35,10 +35,17 @@ def quantize_params(params, cfg: ModelConfig):
     return _params.quantize_params(declare(cfg), params)
 
 
+def cast_params(params, cfg: ModelConfig):
+    """``params`` of ``cfg`` for inference: matmul and embedding weights in the compute dtype
+    (``model.dtype``), norms and the MoE router in float32, int8 weights kept
+    (:func:`hypertron.models.params.cast_params`)."""
+    return _params.cast_params(declare(cfg), params, resolve_dtype(cfg.dtype))
+
+
 def fp8_histories(cfg: ModelConfig) -> dict:
     """Zero fp8 amax histories (``model.amax_history`` steps) for the weights of ``cfg`` that carry one."""
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
-__all__ = ["count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats",
+__all__ = ["cast_params", "count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats",
            "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype"]

@@ -191,6 +191,22 @@ def quantize_params(specs: Any, params: Any) -> Any:
     return _map_declared(one, specs, params, "quantize_params")
 
 
+def cast_params(specs: Any, params: Any, dtype: Any) -> Any:
+    """``params`` as inference holds them: every weight declared ``quantize=True`` (the matmul and
+    embedding weights) in ``dtype``, the others (norms, the MoE router: the model computes them in
+    float32) in float32. int8 weights are kept. Cast once, at load, so that a decode step reads
+    each weight in the compute dtype instead of casting float32 master weights every step."""
+    dtype = jnp.dtype(dtype)
+
+    def one(spec: ParamSpec, w: Any, path: str) -> Any:
+        if isinstance(w, int8.QArray):
+            return w
+        want = dtype if spec.quantize else jnp.dtype(jnp.float32)
+        return w if w.dtype == want else jnp.asarray(w, want)
+
+    return _map_declared(one, specs, params, "cast_params")
+
+
 def fp8_histories(specs: Any, length: int) -> dict:
     """Zero amax histories of ``length`` steps for every parameter declared ``fp8_history``, in a tree
     of the parameters' structure holding only those (``{"layers": {...}}`` always present):

@@ -16,7 +16,7 @@ import numpy as np
 
 from hypertron.config import ModelConfig, choices
 from hypertron.config.schema import WeightQuantization
-from hypertron.models import forward_cached, init_cache, quantize_params
+from hypertron.models import cast_params, forward_cached, init_cache, quantize_params
 
 
 def filter_logits(logits_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
@@ -74,13 +74,15 @@ def inference_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):
-    """Parameters as generation uses them: unchanged for ``"none"``; for ``"int8"`` every matmul
-    weight becomes int8 values with per-output-channel scales (:func:`hypertron.models.quantize_params`),
-    about a quarter of float32's bytes, computed in the model's compute dtype."""
+    """Parameters as generation uses them, cast once here rather than in every step: for ``"none"``
+    the matmul and embedding weights in the compute dtype (``cfg.dtype``: bf16 on an accelerator),
+    norms and the MoE router in float32 (:func:`hypertron.models.cast_params`); for ``"int8"`` every
+    matmul weight int8 with per-output-channel scales (:func:`hypertron.models.quantize_params`,
+    from the full-precision weights), about a quarter of float32's bytes."""
     if quantize == "none":
-        return params
+        return cast_params(params, cfg)
     if quantize == "int8":
-        return quantize_params(params, cfg)
+        return cast_params(quantize_params(params, cfg), cfg)
     raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(choices(WeightQuantization))}")
 
 

@@ -1,5 +1,6 @@
-"""What generation and serving load from a run directory: the model config they compute with, its
-parameters (int8 when asked) and the tokenizer, checked against each other once."""
+"""What generation and serving load: a run directory (its latest checkpoint, trained or converted)
+or a Hugging Face model directory, as the model config they compute with, its parameters cast once
+for inference (or int8) and the tokenizer, checked against each other once."""
 
 from __future__ import annotations
 
@@ -7,17 +8,31 @@ from pathlib import Path
 
 from hypertron import checkpoint as checkpoints
 from hypertron.config import ModelConfig
+from hypertron.models import hf
 from hypertron.serve.generate import inference_config, prepare_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
 
 
-def load_model(checkpoint: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
-    """``(model config, params, tokenizer)`` of a run directory's latest checkpoint (trained or
-    converted from HF): the config as generation runs it (:func:`inference_config`), the
-    parameters as :func:`prepare_params` makes them for ``quantize``, and the run's tokenizer,
-    refused if the model has fewer ids than it."""
-    cfg, params = checkpoints.load_params(checkpoint)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    check_vocab(tokenizer, cfg.model.vocab_size, f"{checkpoint}: model.vocab_size")
-    model = inference_config(cfg.model)
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory (``config.json`` and weights), not a hypertron run."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "checkpoints").exists()
+
+
+def load_model(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
+    """``(model config, params, tokenizer)`` of ``path``: a run directory's latest checkpoint (its
+    tokenizer is the run's ``data.tokenizer``) or a Hugging Face directory (its ``tokenizer.json``
+    or SentencePiece model, and the end-of-sequence ids of its ``generation_config.json``). The
+    config is the one generation runs (:func:`inference_config`); the parameters are cast once by
+    :func:`prepare_params` (matmul and embedding weights in the compute dtype, or int8; norms and
+    router in float32); a tokenizer with more ids than the model is refused."""
+    if is_hf_dir(path):
+        model, params = hf.load_hf(path)
+        tokenizer = get_tokenizer(str(path))
+        key = f"{path}/config.json: vocab_size"
+    else:
+        cfg, params = checkpoints.load_params(path)
+        model, tokenizer, key = cfg.model, get_tokenizer(cfg.data.tokenizer), f"{path}: model.vocab_size"
+    check_vocab(tokenizer, model.vocab_size, key)
+    model = inference_config(model)
     return model, prepare_params(params, model, quantize), tokenizer
