@@ -76,52 +76,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
         save_params(args.out, cfg, params)
         print(f"wrote hypertron checkpoint {args.out} ({model_cfg.name})")
     else:
+        from hypertron.models import bundle
+
         if not args.checkpoint:
-            raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR")
-        cfg, params = load_params(args.checkpoint)
-        hf.save_hf(args.to_hf, cfg.model, params)
-        copied = _export_tokenizer(cfg.data.tokenizer, args.to_hf)
+            raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR (or a model bundle)")
+        if bundle.is_bundle(args.checkpoint):
+            model_cfg, tokenizer = bundle.read_config(args.checkpoint)
+            model_cfg, params, _ = bundle.load_model(args.checkpoint)
+        else:
+            cfg, params = load_params(args.checkpoint)
+            model_cfg, tokenizer = cfg.model, cfg.data.tokenizer
+        hf.save_hf(args.to_hf, model_cfg, params)
+        copied = bundle.copy_tokenizer(tokenizer, args.to_hf, names=("tokenizer.json", "tokenizer.model"))
         print(f"wrote Hugging Face checkpoint {args.to_hf}" + (" with its tokenizer" if copied else ""))
     return 0
-
-
-# generation_config.json carries the extra end-of-turn ids (hypertron.tokenizer reads them).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "generation_config.json")
 
 
 def _copy_tokenizer(hf_dir: str, run_dir: str) -> str:
     """Copy an HF model's tokenizer files into ``run_dir/tokenizer``; returns the ``data.tokenizer``
     value for them ("byte" if the model came without a tokenizer)."""
-    import shutil
     from pathlib import Path
 
-    found = [Path(hf_dir) / f for f in _TOKENIZER_FILES if (Path(hf_dir) / f).is_file()]
-    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in found):
+    from hypertron.models.bundle import copy_tokenizer
+
+    if not any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return "byte"
     target = Path(run_dir).absolute() / "tokenizer"
-    target.mkdir(parents=True, exist_ok=True)
-    for f in found:
-        shutil.copyfile(f, target / f.name)
+    copy_tokenizer(hf_dir, target)
     return str(target)
-
-
-def _export_tokenizer(tokenizer: str, hf_dir: str) -> bool:
-    """Copy a run's tokenizer (if it has a file tokenizer) beside an exported HF model, under the
-    names HF expects, with the config files that sit beside it."""
-    import os
-    import shutil
-
-    from hypertron.tokenizer import tokenizer_file
-
-    if tokenizer == "byte":
-        return False
-    kind, path = tokenizer_file(tokenizer)
-    shutil.copyfile(path, os.path.join(hf_dir, "tokenizer.json" if kind == "hf" else "tokenizer.model"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(os.path.dirname(path), name)):
-            shutil.copyfile(os.path.join(os.path.dirname(path), name), os.path.join(hf_dir, name))
-    return True
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

@@ -28,6 +28,11 @@ def test_train_then_generate(tmp_path):
     again = run("generate", "--checkpoint", "run", "--prompt", "def ", "--max-new-tokens", "12",
                 "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", cwd=tmp_path)
     assert again.stdout == g.stdout  # the seed makes sampling repeatable
+    # The final save also wrote the model bundle: the same model, read without the run.
+    assert "wrote the model bundle run/model" in r.stderr and (tmp_path / "run" / "model" / "model.json").is_file()
+    b = run("generate", "--model", "run/model", "--prompt", "def ", "--max-new-tokens", "12",
+            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", cwd=tmp_path)
+    assert b.returncode == 0 and b.stdout == g.stdout, b.stderr
 
 
 def test_convert_round_trip(tmp_path):

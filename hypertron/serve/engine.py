@@ -267,9 +267,9 @@ def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 
                 kv_cache_dtype: str = "auto", quantize: str = "none"):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
     engine stops a sequence at any of the tokenizer's ``eos_ids``."""
-    from hypertron.serve.model import load_model
+    from hypertron.serve.model import load_model, served_name
 
     model, params, tok = load_model(checkpoint, quantize)
     engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                          kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids)
-    return engine, tok, Path(checkpoint).resolve().name
+    return engine, tok, served_name(checkpoint)

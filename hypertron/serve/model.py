@@ -1,5 +1,5 @@
-"""What generation and serving load: a run directory (its latest checkpoint, trained or converted)
-or a Hugging Face model directory, as the model config they compute with, its parameters cast once
+"""What generation and serving load: a model bundle (``RUN/model``, written by training), a run
+directory (its latest checkpoint, trained or converted) or a Hugging Face model directory, as the model config they compute with, its parameters cast once
 for inference (or int8) and the tokenizer, checked against each other once."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hypertron import checkpoint as checkpoints
 from hypertron.config import ModelConfig
-from hypertron.models import hf
+from hypertron.models import bundle, hf
 from hypertron.serve.generate import inference_config, prepare_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
 
@@ -19,14 +19,24 @@ def is_hf_dir(path: str | Path) -> bool:
     return (path / "config.json").is_file() and not (path / "checkpoints").exists()
 
 
+def served_name(path: str | Path) -> str:
+    """The model's id in ``/v1/models``: the directory's name, or the run's for ``RUN/model``."""
+    path = Path(path).resolve()
+    return path.parent.name if bundle.is_bundle(path) and path.name == "model" else path.name
+
+
 def load_model(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
-    """``(model config, params, tokenizer)`` of ``path``: a run directory's latest checkpoint (its
-    tokenizer is the run's ``data.tokenizer``) or a Hugging Face directory (its ``tokenizer.json``
-    or SentencePiece model, and the end-of-sequence ids of its ``generation_config.json``). The
+    """``(model config, params, tokenizer)`` of ``path``: a model bundle
+    (:mod:`hypertron.models.bundle`), a run directory's latest checkpoint (its tokenizer is the
+    run's ``data.tokenizer``) or a Hugging Face directory (its ``tokenizer.json`` or SentencePiece
+    model, and the end-of-sequence ids of its ``generation_config.json``). The
     config is the one generation runs (:func:`inference_config`); the parameters are cast once by
     :func:`prepare_params` (matmul and embedding weights in the compute dtype, or int8; norms and
     router in float32); a tokenizer with more ids than the model is refused."""
-    if is_hf_dir(path):
+    if bundle.is_bundle(path):
+        model, params, tokenizer = bundle.load_model(path)  # its vocabulary is checked there
+        key = f"{path}/{bundle.MANIFEST}: model.vocab_size"
+    elif is_hf_dir(path):
         model, params = hf.load_hf(path)
         tokenizer = get_tokenizer(str(path))
         key = f"{path}/config.json: vocab_size"

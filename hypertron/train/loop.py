@@ -34,6 +34,7 @@ from hypertron.checkpoint import (
 )
 from hypertron.config import Config
 from hypertron.data import check_source, make_batches
+from hypertron.models.bundle import save_model
 from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
 from hypertron.parallel.mesh import make_mesh
@@ -153,6 +154,22 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             events.close()
     _summarise(result, start, ckpt is not None, run_dir, console)
     return result
+
+
+def write_bundle(cfg: Config, params, console) -> None:
+    """The model bundle of the final parameters in ``RUN/model`` (:mod:`hypertron.models.bundle`):
+    what ``serve`` and ``generate`` read without the run. Every process takes part in gathering the
+    sharded parameters; process 0 writes them."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        params = jax.device_get(params)
+    if jax.process_index() == 0:
+        path = Path(cfg.run_dir) / "model"
+        save_model(path, cfg.model, params, cfg.data.tokenizer)
+        console.print(f"wrote the model bundle {path}", highlight=False)
 
 
 def _summarise(result: TrainResult, start: int, saved: bool, run_dir: Path, console) -> None:
@@ -315,6 +332,8 @@ class _Loop:
                         reason = "preemption" if preempted else "final" if step == t.steps else "interval"
                         self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
                                        reason=reason)
+                        if reason == "final":
+                            write_bundle(cfg, state["params"], self.console)
                     self.last_end = time.perf_counter()
                 if preempted:
                     break
