@@ -231,7 +231,7 @@ def t0_train_step(ctx):
     import jax
 
     from hypertron.config import load_config
-    from hypertron.models.decoder import _attention_impl
+    from hypertron.models.attention import attention_impl
     from hypertron.models import resolve_dtype
 
     if ctx.keep.get("missing"):
@@ -239,7 +239,7 @@ def t0_train_step(ctx):
     cfg = load_config(None, [*ctx.s.t0_overrides, "data.source=synthetic", "model.dtype=bfloat16"])
     r = train_case(ctx, cfg, steps=1, warmup=0)
     return {"preset": cfg.model.name, "dtype": str(resolve_dtype(cfg.model.dtype)),
-            "attention": _attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), cfg.train.seq_len),
+            "attention": attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), cfg.train.seq_len),
             "backend": jax.default_backend(), "compile_s": r["compile_s"], "loss": r["loss"]}
 
 
@@ -439,7 +439,7 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
 
         from hypertron.config import load_config
         from hypertron.models import count_params, resolve_dtype
-        from hypertron.models.decoder import _attention_impl
+        from hypertron.models.attention import attention_impl
         from hypertron.train.flops import device_peak_flops, train_flops_per_token
 
         s = ctx.s
@@ -456,7 +456,7 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
         peak = device_peak_flops(0.0, fmt=fmt)
         out = {"preset": cfg.model.name, "params_m": count_params(cfg.model) / 1e6, "batch": t.global_batch,
                "seq": t.seq_len, "remat": cfg.model.remat,
-               "attention": _attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), t.seq_len),
+               "attention": attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), t.seq_len),
                "quantization": quant, "packed": pack, "compile_s": r["compile_s"], "step_ms": r["step_s"] * 1e3,
                "tokens_s": tokens / r["step_s"] / n_dev, "tflops": tflops,
                "mfu_measured": tflops / _peaks(ctx)["tflops"],
@@ -585,9 +585,9 @@ DECODE_FIELDS = ("preset", "batch", "kv", "context", "prefill_s", "step_ms", "to
 
 
 def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool = False):
-    """Decode through the paged engine: bf16 weights, every slot holding the same prompt's KV
-    (one prefill, inserted into each slot; ``prefill_s`` includes its compile), then timed steps of
-    ``reserve_step`` + ``generate`` (bench/serve.py's ``bench_engine``)."""
+    """Decode through the paged engine: bf16 weights, every slot prefilled with the same prompt
+    (``prefill_s``: all of them, compiles included), then timed steps of ``reserve_step`` +
+    ``generate`` (bench/serve.py's ``bench_engine``)."""
 
     def run(ctx):
         import jax
@@ -605,7 +605,7 @@ def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool
             ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
         cfg, params = ctx.keep["decode_model"]
         prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context))
-        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, 20, shared_prefill=True)
+        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, 20)
         peak = peak_bandwidth(None)
         gc.collect()
         return {"preset": cfg.name, "batch": batch, "kv": kv, "context": context,

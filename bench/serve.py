@@ -66,11 +66,9 @@ def weight_bytes_per_step(cfg, params, batch: int) -> int:
 
 
 def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, warmup: int, page_size: int,
-                 top_logprobs: int, shared_prefill: bool = False) -> dict:
-    """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures.
-
-    ``shared_prefill``: prefill the first prompt only and insert its KV into every slot (the
-    decode step reads each slot's own pages all the same; long contexts fill in seconds)."""
+                 top_logprobs: int) -> dict:
+    """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures
+    (``prefill_s``: the time to prefill every slot, compiles included)."""
     from hypertron.models.kv_pages import bytes_per_token
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.types import SamplingParams
@@ -84,8 +82,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     first_tokens = []
     start = time.perf_counter()
     for slot, prompt in enumerate(prompts):
-        if slot == 0 or not shared_prefill:
-            prefix = engine.prefill(prompt.tolist(), greedy)
+        prefix = engine.prefill(prompt.tolist(), greedy)
         engine.insert(prefix, slot)
         first_tokens.append(prefix.first_token)
     jax.block_until_ready(engine.cache)

@@ -90,27 +90,38 @@ class FakeEngine:
     def _pages(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
+    def can_prefill(self, num_tokens: int) -> bool:
+        self._check()
+        return self.pages_free >= self._pages(num_tokens)
+
     def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
         self._check()
         assert 0 < len(tokens) < self.max_seq_len and sampling.seed is not None
+        pages = self._pages(len(tokens))
+        assert self.pages_free >= pages, "prefill without can_prefill"
+        self.pages_free -= pages  # taken now, as the real engine writes the prompt's KV into them
         self.prefills += 1
         n = self.max_top_logprobs  # all of them, as the real engine does: the orchestrator keeps the first N
         first = next_token(tokens, sampling)
         prompt_lp = [token_logprobs(tokens[i], tokens[i + 1], n) for i in range(len(tokens) - 1)]
         return Prefix(list(tokens), sampling, first, token_logprobs(tokens[-1], first, n),
-                      prompt_lp if want_prompt_logprobs else None, kv=tuple(tokens))
+                      prompt_lp if want_prompt_logprobs else None, kv={"pages": pages})
 
     def can_insert(self, prefix: Prefix) -> bool:
         self._check()
-        return None in self.slots and self.pages_free >= self._pages(len(prefix.tokens))
+        return None in self.slots
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         self._check()
         assert self.slots[slot] is None, f"insert into busy slot {slot}"
-        pages = self._pages(len(prefix.tokens))
-        assert self.pages_free >= pages
-        self.pages_free -= pages
-        self.slots[slot] = _Seq(prefix, pages)
+        assert prefix.kv["pages"], "insert of a released prefix"
+        self.slots[slot] = _Seq(prefix, prefix.kv["pages"])
+        prefix.kv["pages"] = 0
+
+    def release(self, prefix: Prefix) -> None:
+        self._check()
+        self.pages_free += prefix.kv["pages"]
+        prefix.kv["pages"] = 0
 
     def reserve_step(self) -> list[int]:
         self._check()

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from hypertron.config import ConfigError, load_config
-from hypertron.models import forward_paged, init_params
+from hypertron.models import init_params
 from hypertron.models.kv_pages import bytes_per_token
 from hypertron.config import PRESETS
-from hypertron.serve.engine import PagedEngine, sample_rows
+from hypertron.serve.engine import PagedEngine, decode_logits
+from hypertron.serve.sampling import sample_rows
 from hypertron.serve.types import SamplingParams
 
 CFG = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64)
@@ -59,7 +60,10 @@ def test_an_exhausted_pool_names_the_slots_left_without_a_page(params):
     b = engine.prefill([8, 9, 10, 11, 12, 13, 14], GREEDY)  # 7 tokens: 2 pages
     engine.insert(a, 0)
     engine.insert(b, 1)
-    assert not engine.can_insert(engine.prefill([1], GREEDY))  # no slot left
+    assert not engine.can_prefill(1)  # pages are taken at prefill: none is left for another prompt
+    with pytest.raises(RuntimeError, match="ask can_prefill first"):
+        engine.prefill([1], GREEDY)
+    assert engine.stats()["pages_free"] == 0  # the refused prefill took none
     assert engine.reserve_step() == []  # slot 0 writes position 3 (page 0), slot 1 position 7 (page 1)
     engine.generate()
     assert engine.reserve_step() == [0, 1]  # both cross into a new page; none is free
@@ -79,8 +83,8 @@ def test_a_step_reads_only_the_page_table_columns_the_longest_slot_needs(params)
     assert engine._table_width() == 10
     engine.lengths[1] = 9
     assert engine.reserve_step() == []
-    full_logits, _ = forward_paged(params, engine.last_tokens, engine.cache, engine.page_table,
-                                   engine.lengths, CFG)
+    full_logits, _ = decode_logits(params, engine.cache, engine.last_tokens, engine.lengths, engine.page_table,
+                                   CFG)
     out = engine.generate()  # over the first 3 columns only
     want = jax.nn.log_softmax(full_logits, axis=-1)[np.arange(2), out.tokens]
     np.testing.assert_allclose(out.logprobs, want, atol=1e-5)
@@ -144,12 +148,12 @@ def trained(tmp_path_factory):
 def _teacher_forced_logprobs(params, cfg, kv_dtype, tokens, prompt_len):
     engine = PagedEngine(params, cfg, max_slots=1, page_size=8, kv_cache_dtype=kv_dtype)
     engine.insert(engine.prefill(tokens[:prompt_len], GREEDY), 0)
-    step = jax.jit(forward_paged, static_argnames="cfg")
+    step = jax.jit(decode_logits, static_argnames="cfg")
     out = []
     for t in tokens[prompt_len:]:
         engine.reserve_step()
-        logits, engine.cache = step(params, jnp.array([t], jnp.int32), engine.cache,
-                                    jnp.asarray(engine.page_table), jnp.asarray(engine.lengths), cfg=cfg)
+        logits, engine.cache = step(params, engine.cache, jnp.array([t], jnp.int32), jnp.asarray(engine.lengths),
+                                    jnp.asarray(engine.page_table), cfg=cfg)
         engine.lengths = engine.lengths + 1
         out.append(jax.nn.log_softmax(logits[0]))
     return np.stack(out)

@@ -1,21 +1,28 @@
-"""Sampling: greedy, temperature, top-k and top-p keep exactly the tokens they should."""
+"""Sampling (``hypertron.serve.sampling``, the one sampler of generate and the server): greedy,
+temperature, top-k and top-p keep exactly the tokens they should."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.serve.generate import sample
+from hypertron.serve.sampling import sample_rows
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
 
 
+def sample(logits, seed, temperature, top_k, top_p, position=0):
+    """One row through :func:`sample_rows` (its key is ``fold_in(key(seed), position)``)."""
+    row = lambda x, dt: jnp.asarray([x], dt)  # noqa: E731
+    return sample_rows(logits, row(temperature, jnp.float32), row(top_k, jnp.int32), row(top_p, jnp.float32),
+                       row(seed, jnp.uint32), row(position, jnp.int32))
+
+
 def _draws(n=400, **kw):
-    keys = jax.random.split(jax.random.key(0), n)
-    return np.asarray(jax.vmap(lambda k: sample(LOGITS, k, **kw))(keys))[:, 0]
+    return np.asarray(jax.vmap(lambda p: sample(LOGITS, 0, position=p, **kw))(jnp.arange(n)))[:, 0]
 
 
 def test_greedy_is_argmax():
-    assert int(sample(LOGITS, jax.random.key(0), 0.0, 0, 1.0)[0]) == 0
+    assert int(sample(LOGITS, 0, 0.0, 0, 1.0)[0]) == 0
 
 
 def test_top_k_keeps_the_k_most_likely():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hypertron.config import PRESETS, load_config
-from hypertron.models.decoder import self_attention
+from hypertron.models.attention import self_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,9 +68,9 @@ def test_cudnn_attention_matches_xla_and_float32(segments, window):
 
 
 def test_cudnn_is_what_auto_picks_for_bf16():
-    from hypertron.models.decoder import _attention_impl
+    from hypertron.models.attention import attention_impl
 
-    assert _attention_impl(PRESETS["llama-1b"], jnp.bfloat16, 2048) == "cudnn"
+    assert attention_impl(PRESETS["llama-1b"], jnp.bfloat16, 2048) == "cudnn"
 
 
 def test_fp8_train_step_uses_cublaslt_fp8_matmuls():

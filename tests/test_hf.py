@@ -390,20 +390,19 @@ def test_engine_in_bf16_matches_transformers_teacher_forced(case, kv):
     5-token prefill, against transformers' float32 log-probabilities of the same positions.
     Stated tolerance: relative error under 2e-2 (measured on CPU: <= 0.004 with either page
     dtype)."""
-    from hypertron.models import forward_paged
-    from hypertron.serve.engine import PagedEngine
+    from hypertron.serve.engine import PagedEngine, decode_logits
     from hypertron.serve.types import SamplingParams
 
     cfg, params = _bf16(case)
     tokens, prompt = [int(t) for t in case.tokens[0]], 5
     engine = PagedEngine(params, cfg, max_slots=1, page_size=4, num_pages=8, kv_cache_dtype=kv)
     engine.insert(engine.prefill(tokens[:prompt], SamplingParams(temperature=0.0)), 0)
-    step = jax.jit(forward_paged, static_argnames="cfg")
+    step = jax.jit(decode_logits, static_argnames="cfg")
     ours = []
     for t in tokens[prompt:]:  # feed token p, read the log-probabilities of token p + 1
         engine.reserve_step()
-        logits, engine.cache = step(params, jnp.array([t], jnp.int32), engine.cache,
-                                    jnp.asarray(engine.page_table), jnp.asarray(engine.lengths), cfg=cfg)
+        logits, engine.cache = step(params, engine.cache, jnp.array([t], jnp.int32), jnp.asarray(engine.lengths),
+                                    jnp.asarray(engine.page_table), cfg=cfg)
         engine.lengths = engine.lengths + 1
         ours.append(jax.nn.log_softmax(logits[0].astype(jnp.float32)))
     ref = torch.log_softmax(torch.tensor(_hf_logits(case.model, case.tokens[:1])[0, prompt:]), -1).numpy()

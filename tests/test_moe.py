@@ -171,13 +171,13 @@ def test_padding_takes_no_capacity_and_no_part_in_the_router_statistics(mode):
 
 
 def test_generation_never_drops_tokens_even_when_capped():
-    from hypertron.models import forward_cached, init_cache
+    from hypertron.models import forward, init_cache
 
     cfg = _cfg(mode="capped", capacity_factor=0.25)
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 3, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    cached, _ = forward_cached(params, tokens, positions, init_cache(cfg, 2, 16), cfg)
+    cached, _ = forward(params, tokens, cfg, positions=positions, cache=init_cache(cfg, 2, 16))
     dropless = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mode="dropless"))
     np.testing.assert_allclose(cached, forward_with_stats(params, tokens, dropless)[0], rtol=1e-5, atol=1e-5)
 

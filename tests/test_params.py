@@ -58,7 +58,8 @@ def test_a_parameter_declared_once_is_converted_quantised_and_served(extra_param
     from hypertron.models import forward
     from hypertron.models.hf import from_hf_tensors, to_hf_tensors
     from hypertron.serve.engine import PagedEngine
-    from hypertron.serve.generate import generate, prepare_params
+    from hypertron.serve.generate import generate
+    from hypertron.serve.model import prepare_params
     from hypertron.serve.types import SamplingParams
 
     params = extra_parameter

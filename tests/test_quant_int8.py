@@ -18,7 +18,8 @@ from hypertron.config import PRESETS, Config, ModelConfig
 from hypertron.models import declare, forward, quantize_params
 from hypertron.models.params import is_spec
 from hypertron.quant import QArray, dense, einsum_for, param_bytes, quantize
-from hypertron.serve.generate import generate, prepare_params
+from hypertron.serve.generate import generate
+from hypertron.serve.model import prepare_params
 
 EINSUM = einsum_for("none", jnp.float32)
 FORWARD = jax.jit(forward, static_argnames="cfg")

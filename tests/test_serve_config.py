@@ -115,3 +115,25 @@ def test_serve_from_a_config_file_answers_as_from_flags(tmp_path, run_dir, monke
             too_long = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 13}, headers=headers)
         answers.append((models["data"][0]["id"], done["choices"][0]["text"], too_long.status_code))
     assert answers[0] == answers[1] and answers[0][0] == "tiny-served" and answers[0][2] == 400
+
+
+def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
+    """``hypertron generate`` (its function, :func:`hypertron.serve.generate.generate`, called as the
+    CLI calls it) drives the same engine and sampler as the server: the same prompt and settings
+    give the same tokens, greedy and seeded (compared as the server's detokenizer writes them:
+    this random model emits bytes that are not whole characters)."""
+    from hypertron.serve.generate import generate
+    from hypertron.serve.model import load_model
+    from hypertron.serve.orchestrator import IncrementalDetokenizer
+
+    model, params, tok = load_model(run_dir)
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
+    app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2"], monkeypatch)
+    with ThreadedServer(app, lifespan="on") as s:
+        for settings in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3}):
+            (out,) = generate(params, model, [ids], 10, eos_ids=tok.eos_ids, **settings)
+            body = {"model": "run", "prompt": "def f", "max_tokens": 10, **settings}
+            answer = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            detok = IncrementalDetokenizer(tok, ids)
+            text = "".join(detok.add(t) for t in out if t not in tok.eos_ids) + detok.flush()
+            assert answer == text, (settings, out)

@@ -157,8 +157,8 @@ def ragged_decode_attention_reference(q, k_pages, v_pages, lengths, page_indices
     pos_t = jnp.arange(capacity, dtype=jnp.int32)
     valid_bt = (pos_t >= start[:, None]) & (pos_t < lengths[:, None])
 
-    k_bktd = _gather_pages(k_pages, k_scales, page_indices)
-    v_bktd = _gather_pages(v_pages, v_scales, page_indices)
+    k_bktd = gather_pages(k_pages, k_scales, page_indices)
+    v_bktd = gather_pages(v_pages, v_scales, page_indices)
     # Masked rows may hold anything (stale tokens, NaN): zero them so 0 * NaN cannot appear.
     v_bktd = jnp.where(valid_bt[:, None, :, None], v_bktd, 0.0)
     q_bkgd = q.astype(jnp.float32).reshape(batch, num_kv_heads, -1, head_dim)
@@ -190,7 +190,7 @@ def quantize_kv(x: jax.Array, scale_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.
     return values, scale
 
 
-def _gather_pages(pages, scales, page_indices) -> jax.Array:
+def gather_pages(pages, scales, page_indices) -> jax.Array:
     """``[k, P, S, d]`` pages read through ``page_indices [b, p]`` -> float32 ``[b, k, p*S, d]``."""
     num_kv_heads, _, page_size, head_dim = pages.shape
     batch, per_seq = page_indices.shape

@@ -9,12 +9,11 @@ from hypertron.models import params as _params
 from hypertron.models.decoder import (
     declare,
     forward,
-    forward_cached,
-    forward_paged,
     forward_with_stats,
     init_cache,
     resolve_dtype,
 )
+from hypertron.models.kv_cache import ContiguousCache, PagedCache
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -47,5 +46,5 @@ def fp8_histories(cfg: ModelConfig) -> dict:
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
-__all__ = ["cast_params", "count_params", "declare", "forward", "forward_cached", "forward_paged", "forward_with_stats",
+__all__ = ["ContiguousCache", "PagedCache", "cast_params", "count_params", "declare", "forward", "forward_with_stats",
            "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype"]

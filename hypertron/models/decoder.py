@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
-from hypertron.models.kv_pages import decode_attention, layer_page_table, pages_per_layer
+from hypertron.models.attention import attention_impl, attention_mask, plain_attention, self_attention  # noqa: F401
+from hypertron.models.kv_cache import ContiguousCache, PagedCache
 from hypertron.models.mlp import activation, declare_mlp, mlp
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, matmul, stack
@@ -29,7 +30,7 @@ from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
 
 Params = dict[str, Any]
-Cache = dict[str, jax.Array]
+Cache = ContiguousCache | PagedCache
 
 
 # ---------------------------------------------------------------------------
@@ -131,89 +132,13 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
     return out.astype(x_btnh.dtype)
 
 
-def attention_mask(
-    q_pos_bt: jax.Array,
-    kv_pos_bs: jax.Array,
-    cfg: ModelConfig,
-    q_seg_bt: jax.Array | None = None,
-    kv_seg_bs: jax.Array | None = None,
-    kv_valid_bs: jax.Array | None = None,
-) -> jax.Array:
-    """Boolean mask [b, 1, t, s]: causal, same document, inside the sliding window."""
-    q = q_pos_bt[:, None, :, None]
-    kv = kv_pos_bs[:, None, None, :]
-    mask = kv <= q
-    if cfg.sliding_window is not None:
-        mask &= q - kv < cfg.sliding_window
-    if q_seg_bt is not None:
-        mask &= q_seg_bt[:, None, :, None] == kv_seg_bs[:, None, None, :]
-    if kv_valid_bs is not None:
-        mask &= kv_valid_bs[:, None, None, :]
-    return mask
-
-
-def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
-    """Reference attention in plain XLA ops (float32 softmax); GQA by grouping query heads."""
-    b, t, n, h = q_btnh.shape
-    kv_heads = k_bskh.shape[2]
-    q = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)  # [b, t, k, g, h]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(h)
-    mask = mask_b1ts[:, :, None]  # [b, 1, 1, t, s]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
-    return out.reshape(b, t, n, h)
-
-
-def _attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
-    """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape, else XLA.
-
-    cuDNN's flash kernel needs bf16/fp16, a head dim that is a multiple of 8 and
-    at most 128 (256 on Hopper only, which we cannot tell apart here), and an
-    even sequence length; anything else would fail at compile time.
-    """
-    if cfg.attention != "auto":
-        return cfg.attention
-    if (
-        jax.default_backend() == "gpu"
-        and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        and cfg.head_dim % 8 == 0
-        and cfg.head_dim <= 128
-        and seq_len % 2 == 0
-    ):
-        return "cudnn"
-    return "xla"
-
-
-def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
-    """Causal self-attention over one packed sequence, never across documents.
-
-    ``xla`` and ``cudnn`` go through ``jax.nn.dot_product_attention`` (cuDNN
-    flash attention on GPU); ``plain`` is the explicit-mask reference.
-    """
-    impl = _attention_impl(cfg, q_btnh.dtype, q_btnh.shape[1])
-    if impl == "plain":
-        mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
-        return plain_attention(q_btnh, k_btkh, v_btkh, mask)
-    mask = None
-    if segment_ids_bt is not None:
-        mask = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
-    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(
-        q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
-        implementation=impl,
-    )
-
-
 # ---------------------------------------------------------------------------
 # The layer and the model
 
 
 def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | None):
-    """One decoder block. With a cache, new K/V are written at ``positions`` and attention
-    reads the whole cache (generation); without one, attention is over ``x`` itself."""
+    """One decoder block. Without a cache, attention is over ``x`` itself (training); with one
+    (:mod:`hypertron.models.kv_cache`), the cache takes the new keys and values and attends."""
     with jax.named_scope("attention"):
         h_btd = rms_norm(x_btd, p["attn_norm"], cfg)
         q = einsum("btd,dnh->btnh", h_btd, p["wq"])
@@ -223,17 +148,8 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | 
         k = constrain(apply_rope(k, ctx["positions"], ctx["inv_freq"]), ("batch", "seq", "act_kv_heads", "head_dim"))
         if cache is None:
             attn = self_attention(q, k, v, ctx["positions"], ctx["segment_ids"], cfg)
-        elif "k_pages" in cache:  # the serving engine's paged cache, one token per sequence
-            attn, cache = decode_attention(q, k, v, cache, ctx, cfg)
         else:
-            cache = {
-                "k": _write_cache(cache["k"], k, ctx["positions"]),
-                "v": _write_cache(cache["v"], v, ctx["positions"]),
-            }
-            s = cache["k"].shape[1]
-            kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (x_btd.shape[0], s))
-            mask = attention_mask(ctx["positions"], kv_pos, cfg)
-            attn = plain_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), mask)
+            attn, cache = cache.attend(ctx["layer"], q, k, v, ctx["positions"], ctx["segment_ids"], cfg)
         x_btd = x_btd + einsum("btnh,nhd->btd", attn, p["wo"])
     stats = {}
     with jax.named_scope("mlp"):
@@ -247,50 +163,19 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | 
     return constrain(x_btd, ("batch", "seq", "act_embed")), cache, stats
 
 
-def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    """Write each row's new K or V at its own start position (rows may differ in length)."""
-    def one(c_skh, n_tkh, pos_t):
-        return jax.lax.dynamic_update_slice(c_skh, n_tkh.astype(c_skh.dtype), (pos_t[0], 0, 0))
-
-    return jax.vmap(one)(cache_bskh, new_btkh, positions_bt)
-
-
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 
-def _paged_layers(layers: Params, x_btd, cache: Cache, ctx: dict, cfg: ModelConfig, einsum):
-    """The layers over a paged pool (:mod:`hypertron.models.kv_pages`), the cache in the carry."""
-    per_layer = pages_per_layer(cache, cfg.num_layers)
-
-    def body(carry, layer_in):
-        x, c = carry
-        p, i = layer_in
-        x, c, stats = layer(x, p, ctx | {"page_table": layer_page_table(ctx["page_table"], i, per_layer)},
-                            cfg, einsum, c)
-        return (x, c), stats
-
-    if cfg.scan_layers:
-        (x_btd, cache), stats = jax.lax.scan(body, (x_btd, cache), (layers, jnp.arange(cfg.num_layers)))
-        return x_btd, cache, stats
-    outs = []
-    for i in range(cfg.num_layers):
-        (x_btd, cache), out = body((x_btd, cache), (jax.tree.map(lambda a, i=i: a[i], layers), i))
-        outs.append(out)
-    return x_btd, cache, jax.tree.map(lambda *a: jnp.stack(a), *outs)
-
-
-def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache, paging=None):
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: Cache | None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for(cfg.quantization, dtype)
     b, t = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ctx = {"positions": positions_bt, "segment_ids": segment_ids_bt, "inv_freq": rope_frequencies(cfg)}
-    if paging is not None:
-        ctx["page_table"], ctx["lengths"] = paging
 
     with jax.named_scope("embed"):
         # Gather from a replicated table: a gather from an fsdp/tensor-sharded table
@@ -300,24 +185,26 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.embed_dim), dtype)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
 
-    def body(x, layer_in):
-        p, c = layer_in
-        x, c, stats = layer(x, p, ctx, cfg, einsum, c)
-        return x, (c, stats)
+    # The cache rides in the carry with the activations, so each layer's writes update it in
+    # place (as scan input and output XLA would copy all of it every call).
+    def body(carry, layer_in):
+        x, c = carry
+        p, i = layer_in
+        x, c, stats = layer(x, p, ctx | {"layer": i}, cfg, einsum, c)
+        return (x, c), stats
 
     if cfg.remat != "none" and cache is None:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
-    if paging is not None:  # the cache is one pool of every layer's pages, updated in place
-        x_btd, cache, stats = _paged_layers(params["layers"], x_btd, cache, ctx, cfg, einsum)
-    elif cfg.scan_layers:
-        x_btd, (cache, stats) = jax.lax.scan(body, x_btd, (params["layers"], cache))
+    layers_in = (params["layers"], jnp.arange(cfg.num_layers))
+    if cfg.scan_layers:
+        (x_btd, cache), stats = jax.lax.scan(body, (x_btd, cache), layers_in)
     else:
         outs = []
         for i in range(cfg.num_layers):
-            x_btd, out = body(x_btd, jax.tree.map(lambda a, i=i: a[i], (params["layers"], cache)))
+            (x_btd, cache), out = body((x_btd, cache), jax.tree.map(lambda a, i=i: a[i], layers_in))
             outs.append(out)
-        cache, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     with jax.named_scope("unembed"):
         x_btd = rms_norm(x_btd, params["final_norm"], cfg)
@@ -337,14 +224,17 @@ def forward(
     *,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
-) -> jax.Array:
-    """Logits [b, t, vocab] (float32) for token ids [b, t].
+    cache: Cache | None = None,
+):
+    """Logits [b, t, vocab] (float32) for token ids [b, t]; with ``cache``, ``(logits, cache)``.
 
-    ``positions`` [b, t] default to 0..t-1; ``segment_ids`` [b, t] keep packed
-    documents from attending to each other.
+    ``positions`` [b, t] default to 0..t-1; ``segment_ids`` [b, t] keep packed documents from
+    attending to each other. With a cache (:mod:`hypertron.models.kv_cache`: contiguous or
+    paged), the tokens' keys and values are written into it at their positions and they attend
+    to what it holds; generation's prefill (t = the prompt) and decode (t = 1) both come here.
     """
-    logits, _, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
-    return logits
+    logits, new_cache, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache)
+    return logits if cache is None else (logits, new_cache)
 
 
 def forward_with_stats(
@@ -362,34 +252,6 @@ def forward_with_stats(
     return logits, stats
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
-    """Empty KV cache: ``k`` and ``v`` of shape [layers, batch, max_len, kv_heads, head_dim]."""
-    dtype = resolve_dtype(cfg.dtype) if dtype is None else dtype
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def forward_cached(
-    params: Params, tokens_bt: jax.Array, positions_bt: jax.Array, cache: Cache, cfg: ModelConfig
-) -> tuple[jax.Array, Cache]:
-    """Logits for new tokens at ``positions_bt``, attending to everything cached before them.
-
-    Writes the new keys and values into ``cache`` and returns it. Used for
-    prefill (t = prompt length) and for each decode step (t = 1).
-    """
-    logits, cache, _ = _decoder(params, tokens_bt, cfg, positions_bt, None, cache)
-    return logits, cache
-
-
-def forward_paged(params: Params, tokens_b: jax.Array, cache: Cache, page_table_bp: jax.Array,
-                  lengths_b: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Cache]:
-    """One decode step over a paged cache (:mod:`hypertron.models.kv_pages`): logits ``[b, vocab]``.
-
-    Token ``tokens_b[i]`` sits at position ``lengths_b[i]`` (the tokens already cached); its
-    K/V are written there and it attends to the ``lengths_b[i] + 1`` tokens of its pages. Rows
-    with ``lengths_b < 0`` are empty slots (nothing read, their write goes to page 0).
-    """
-    positions = jnp.maximum(lengths_b, 0)[:, None]
-    paging = (page_table_bp, jnp.where(lengths_b >= 0, lengths_b + 1, 0))
-    logits, cache, _ = _decoder(params, tokens_b[:, None], cfg, positions, None, cache, paging)
-    return logits[:, 0], cache
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> ContiguousCache:
+    """An empty contiguous cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    return ContiguousCache.init(cfg, batch, max_len, resolve_dtype(cfg.dtype) if dtype is None else dtype)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
-from hypertron.kernels.ragged_attention import quantize_kv, ragged_decode_attention
+from hypertron.kernels.ragged_attention import quantize_kv
 
 NULL_PAGE = 0
 SCALE_DTYPE = jnp.bfloat16
@@ -77,19 +77,3 @@ def write_tokens(cache: dict, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt
     flat = lambda x: x.reshape(b * t, *x.shape[2:])
     cache = _store(cache, "k", flat(k_btkh), pages_bt, rows_bt)
     return _store(cache, "v", flat(v_btkh), pages_bt, rows_bt)
-
-
-def decode_attention(q_btnh, k_btkh, v_btkh, cache: dict, ctx: dict, cfg: ModelConfig):
-    """One layer of a decode step (``t == 1``): write the new K/V, attend over each sequence's pages.
-
-    ``ctx["page_table"] [b, pages_per_seq]`` (this layer's: :func:`layer_page_table`) and
-    ``ctx["lengths"] [b]`` (tokens in the cache *including* the new one; 0 for an empty slot)
-    come from the engine.
-    """
-    lengths = ctx["lengths"]
-    cache = write_tokens(cache, k_btkh, v_btkh, ctx["positions"], ctx["page_table"], (lengths > 0)[:, None])
-    attn_bnh = ragged_decode_attention(
-        q_btnh[:, 0], cache["k_pages"], cache["v_pages"], lengths, ctx["page_table"],
-        k_scales=cache.get("k_scales"), v_scales=cache.get("v_scales"), window=cfg.sliding_window,
-    )
-    return attn_bnh[:, None], cache

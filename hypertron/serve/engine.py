@@ -1,17 +1,18 @@
 """The serving engine: prefill, insert, generate and free over a paged KV cache (JetStream's API).
 
-Device side, three jitted steps:
+Device side, two jitted steps:
 
 * :func:`prefill` runs one prompt (right-padded to a power-of-two bucket, so the
   number of compiled programs stays logarithmic in the prompt length) through the
-  model with a contiguous cache, and samples its first token;
-* :func:`insert` writes the prompt's K/V into the pages given to it;
+  model, writing its K/V straight into the pages taken for it and attending as
+  training does (cuDNN flash attention on GPU), and samples its first token;
+  :meth:`PagedEngine.insert` then hands those pages to a slot (no device work);
 * :func:`generate` is one decode step for every slot at once: each slot feeds its
   last token, writes its K/V into its pages, attends over its own pages only
   (:func:`hypertron.kernels.ragged_attention.ragged_decode_attention`) and samples
   its next token with its own temperature, top-k, top-p and seed.
 
-The cache is donated to :func:`insert` and :func:`generate`, so it is updated in
+The cache is donated to :func:`prefill` and :func:`generate`, so it is updated in
 place. Log-probabilities are of the model's distribution (before temperature,
 top-k and top-p), as OpenAI's and vLLM's are; each step also returns the top
 ``max_top_logprobs``.
@@ -39,9 +40,9 @@ import numpy as np
 
 from hypertron.config import ModelConfig
 from hypertron.config.validation import check_engine_settings
-from hypertron.models import forward_cached, forward_paged, init_cache, resolve_dtype
-from hypertron.models.kv_pages import NULL_PAGE, init_pages, layer_page_table, pages_per_layer, write_tokens
-from hypertron.serve.generate import filter_logits
+from hypertron.models import PagedCache, forward, resolve_dtype
+from hypertron.models.kv_pages import NULL_PAGE, init_pages
+from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
 
 MIN_BUCKET = 16
@@ -51,74 +52,51 @@ MIN_BUCKET = 16
 # Device steps
 
 
-def sample_rows(logits_bv, temperature_b, top_k_b, top_p_b, seeds_b, positions_b) -> jax.Array:
-    """Next token per row, each row with its own settings: greedy where ``temperature == 0``,
-    else temperature, then top-k (0 = off), then top-p over what is left (1 = off)."""
-    logits = logits_bv.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        scaled = logits / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
-        masked = filter_logits(scaled, top_k_b, top_p_b)
-        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds_b, positions_b)
-        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-
-    drawn = jax.lax.cond(jnp.any(temperature_b > 0), sampled, lambda _: greedy, None)
-    return jnp.where(temperature_b > 0, drawn, greedy)
-
-
-def _logprobs(logits_bv, tokens_b, n: int):
-    logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens_b[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, n)
-    return chosen, top_ids.astype(jnp.int32), top_lp
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "top_n", "prompt_logprobs"))
-def prefill(params, tokens_t, true_length, sampling_row, *, cfg: ModelConfig, top_n: int,
+@functools.partial(jax.jit, static_argnames=("cfg", "top_n", "prompt_logprobs"), donate_argnums=1)
+def prefill(params, cache, tokens_t, true_length, page_row, sampling_row, *, cfg: ModelConfig, top_n: int,
             prompt_logprobs: bool = False):
-    """One prompt ``tokens_t [T]`` (right-padded; ``true_length`` real) -> its K/V and first token.
+    """One prompt ``tokens_t [T]`` (right-padded; ``true_length`` real) through the model: its
+    keys and values go straight into the pages of ``page_row`` (layer 0's numbering), and it
+    attends as training does (a cold prompt: :class:`~hypertron.models.PagedCache`).
 
-    ``sampling_row``: ``(temperature, top_k, top_p, seed)`` scalars. Returns ``(kv, first,
-    first_logprobs, prompt)`` with ``kv = {"k", "v"} [layers, T, kv_heads, head_dim]`` and
-    ``prompt`` the log-probabilities of tokens 1.. given the tokens before them (or None).
+    ``sampling_row``: ``(temperature, top_k, top_p, seed)`` scalars. Returns ``(cache, first,
+    first_logprobs, prompt)``, ``prompt`` the log-probabilities of tokens 1.. given the tokens
+    before them (or None).
     """
-    t = tokens_t.shape[0]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    logits_1tv, cache = forward_cached(params, tokens_t[None], positions, init_cache(cfg, 1, t), cfg)
+    paged = PagedCache(cache, page_row[None], true_length[None], cold=True)
+    logits_1tv, paged = forward(params, tokens_t[None], cfg, cache=paged)
     last_v = jax.lax.dynamic_index_in_dim(logits_1tv[0], true_length - 1, keepdims=False)
     temperature, top_k, top_p, seed = sampling_row
     first = sample_rows(last_v[None], temperature[None], top_k[None], top_p[None], seed[None],
                         true_length[None])
-    first_lp = _logprobs(last_v[None], first, top_n)
-    prompt = _logprobs(logits_1tv[0, :-1], tokens_t[1:], top_n) if prompt_logprobs else None
-    kv = {"k": cache["k"][:, 0], "v": cache["v"][:, 0]}
-    return kv, first[0], jax.tree.map(lambda x: x[0], first_lp), prompt
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def insert(cache, kv, page_row, true_length):
-    """Write a prefilled prompt's K/V (``[layers, T, ...]``) into the pages of ``page_row``.
-
-    One scatter for all layers: layer ``l`` is row ``l`` of the batch, with its own page table.
-    """
-    layers, t = kv["k"].shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (layers, t))
-    tables = layer_page_table(page_row[None], jnp.arange(layers)[:, None], pages_per_layer(cache, layers))
-    return write_tokens(cache, kv["k"], kv["v"], positions, tables, positions < true_length)
+    first_lp = logprobs(last_v[None], first, top_n)
+    prompt = logprobs(logits_1tv[0, :-1], tokens_t[1:], top_n) if prompt_logprobs else None
+    return paged.pages, first[0], jax.tree.map(lambda x: x[0], first_lp), prompt
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_n"), donate_argnums=1)
 def generate(params, cache, tokens_b, lengths_b, page_table_bp, sampling, *, cfg: ModelConfig, top_n: int):
     """One decode step for every slot; ``lengths_b`` are the tokens cached (-1: empty slot).
 
-    ``sampling``: ``(temperature, top_k, top_p, seed)`` arrays ``[slots]``. Returns
-    ``(cache, next tokens, their log-probabilities, top ids, top log-probabilities)``.
+    Token ``tokens_b[i]`` sits at position ``lengths_b[i]``; its K/V are written there and it
+    attends to the ``lengths_b[i] + 1`` tokens of its pages (an empty slot reads nothing and
+    writes to the null page). ``sampling``: ``(temperature, top_k, top_p, seed)`` arrays
+    ``[slots]``. Returns ``(cache, next tokens, their log-probabilities, top ids, top
+    log-probabilities)``.
     """
-    logits_bv, cache = forward_paged(params, tokens_b, cache, page_table_bp, lengths_b, cfg)
+    logits_bv, cache = decode_logits(params, cache, tokens_b, lengths_b, page_table_bp, cfg)
     temperature, top_k, top_p, seed = sampling
     nxt = sample_rows(logits_bv, temperature, top_k, top_p, seed, lengths_b + 1)
-    return (cache, nxt, *_logprobs(logits_bv, nxt, top_n))
+    return (cache, nxt, *logprobs(logits_bv, nxt, top_n))
+
+
+def decode_logits(params, cache, tokens_b, lengths_b, page_table_bp, cfg: ModelConfig):
+    """``(logits [b, vocab], cache)`` of one decode step, as :func:`generate` runs it (not jitted)."""
+    lengths_b = jnp.asarray(lengths_b)
+    paged = PagedCache(cache, jnp.asarray(page_table_bp), jnp.where(lengths_b >= 0, lengths_b + 1, 0))
+    logits_b1v, paged = forward(params, jnp.asarray(tokens_b)[:, None], cfg,
+                                positions=jnp.maximum(lengths_b, 0)[:, None], cache=paged)
+    return logits_b1v[:, 0], paged.pages
 
 
 # ---------------------------------------------------------------------------
@@ -157,42 +135,58 @@ class PagedEngine:
 
     # -- the Engine protocol
 
+    def can_prefill(self, num_tokens: int) -> bool:
+        """Whether pages are free for a prompt of ``num_tokens`` and its first decode write."""
+        return len(self._free_pages) >= self._pages_for(num_tokens + 1)
+
     def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
         n = len(tokens)
         if not 0 < n < self.max_seq_len:
             raise ValueError(f"a prompt needs 1 to {self.max_seq_len - 1} tokens, got {n}")
+        if not self.can_prefill(n):
+            raise RuntimeError(f"{self._pages_for(n + 1)} KV pages needed, {len(self._free_pages)} free "
+                               "(ask can_prefill first)")
+        pages = [self._free_pages.pop() for _ in range(self._pages_for(n))]
+        page_row = np.full(self.pages_per_seq, NULL_PAGE, np.int32)
+        page_row[:len(pages)] = pages
         padded = np.zeros(_bucket(n, self.pages_per_seq * self.page_size), np.int32)
         padded[:n] = tokens
-        row = _sampling_row(sampling)
-        kv, first, first_lp, prompt = prefill(self.params, padded, np.int32(n), row, cfg=self.cfg,
-                                              top_n=self.max_top_logprobs, prompt_logprobs=want_prompt_logprobs)
-        first, first_lp = jax.device_get((first, first_lp))
+        try:
+            self.cache, first, first_lp, prompt = prefill(
+                self.params, self.cache, padded, np.int32(n), page_row, _sampling_row(sampling), cfg=self.cfg,
+                top_n=self.max_top_logprobs, prompt_logprobs=want_prompt_logprobs)
+            first, first_lp = jax.device_get((first, first_lp))
+        except BaseException:
+            self._free_pages.extend(reversed(pages))
+            raise
         prompt_lps = None
         if prompt is not None:
             chosen, ids, lps = jax.device_get(prompt)
             prompt_lps = [_token_logprobs(chosen[i], ids[i], lps[i]) for i in range(n - 1)]
         return Prefix(list(tokens), sampling, int(first), _token_logprobs(*first_lp), prompt_lps,
-                      {"kv": kv, "length": n})
+                      {"pages": pages, "length": n})
 
     def can_insert(self, prefix: Prefix) -> bool:
-        # Room for the prompt and the first decode step's write.
-        return bool(self._free_slots()) and len(self._free_pages) >= self._pages_for(prefix.kv["length"] + 1)
+        return bool(self._free_slots())  # its pages were taken at prefill
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         if self.lengths[slot] >= 0:
             raise ValueError(f"slot {slot} is in use")
-        n = prefix.kv["length"]
-        need = self._pages_for(n)
-        if len(self._free_pages) < need:
-            raise RuntimeError(f"{need} KV pages needed, {len(self._free_pages)} free")
-        self._slot_pages[slot] = [self._free_pages.pop() for _ in range(need)]
+        if not prefix.kv["pages"] and prefix.kv["length"]:
+            raise ValueError("this prefix was inserted or released already")
+        n, pages = prefix.kv["length"], prefix.kv["pages"]
+        self._slot_pages[slot], prefix.kv["pages"] = pages, []
         self.page_table[slot] = NULL_PAGE
-        self.page_table[slot, :need] = self._slot_pages[slot]
-        self.cache = insert(self.cache, prefix.kv["kv"], self.page_table[slot], np.int32(n))
+        self.page_table[slot, :len(pages)] = pages
         s = prefix.sampling
         self.lengths[slot], self.last_tokens[slot] = n, prefix.first_token
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = s.temperature, s.top_k, s.top_p
         self.seeds[slot] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
+
+    def release(self, prefix: Prefix) -> None:
+        """Give back the pages of a prefix that will not be inserted."""
+        self._free_pages.extend(reversed(prefix.kv["pages"]))
+        prefix.kv["pages"] = []
 
     def reserve_step(self) -> list[int]:
         short = []
@@ -215,10 +209,10 @@ class PagedEngine:
         self.cache, *out = generate(self.params, self.cache, self.last_tokens, self.lengths,
                                     self.page_table[:, :self._table_width()], sampling, cfg=self.cfg,
                                     top_n=self.max_top_logprobs)
-        tokens, logprobs, top_ids, top_lps = jax.device_get(out)
+        tokens, lps, top_ids, top_lps = jax.device_get(out)
         self.last_tokens = np.where(active, tokens, 0).astype(np.int32)
         self.lengths = np.where(active, self.lengths + 1, -1).astype(np.int32)
-        return StepOutput(tokens, logprobs, top_ids, top_lps)
+        return StepOutput(tokens, lps, top_ids, top_lps)
 
     def free(self, slot: int) -> None:
         self._free_pages.extend(reversed(self._slot_pages[slot]))

@@ -4,13 +4,34 @@ for inference (or int8) and the tokenizer, checked against each other once."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from hypertron import checkpoint as checkpoints
-from hypertron.config import ModelConfig
-from hypertron.models import bundle, hf
-from hypertron.serve.generate import inference_config, prepare_params
+from hypertron.config import ModelConfig, choices
+from hypertron.config.schema import WeightQuantization
+from hypertron.models import bundle, cast_params, hf, quantize_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
+
+
+def inference_config(cfg: ModelConfig) -> ModelConfig:
+    """The model config generation and serving run: a model trained with quantised matmuls
+    (``model.quantization``) computes in its compute dtype here, as fp8-trained models are
+    usually served; weight quantisation for serving is ``--quantize``."""
+    return dataclasses.replace(cfg, quantization="none")
+
+
+def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):
+    """Parameters as generation uses them, cast once here rather than in every step: for ``"none"``
+    the matmul and embedding weights in the compute dtype (``cfg.dtype``: bf16 on an accelerator),
+    norms and the MoE router in float32 (:func:`hypertron.models.cast_params`); for ``"int8"`` every
+    matmul weight int8 with per-output-channel scales (:func:`hypertron.models.quantize_params`,
+    from the full-precision weights), about a quarter of float32's bytes."""
+    if quantize == "none":
+        return cast_params(params, cfg)
+    if quantize == "int8":
+        return cast_params(quantize_params(params, cfg), cfg)
+    raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(choices(WeightQuantization))}")
 
 
 def is_hf_dir(path: str | Path) -> bool:

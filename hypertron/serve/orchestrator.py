@@ -3,8 +3,9 @@
 One background thread owns the engine (which is not thread-safe) and runs a plain loop:
 
 1. drop cancelled requests (client gone, stop string seen), freeing their slots at once;
-2. admit waiting requests into free slots (:meth:`Engine.prefill`, then :meth:`Engine.insert`
-   once :meth:`Engine.can_insert`), at most ``max_prefills_per_step`` while others decode,
+2. admit waiting requests into free slots (once :meth:`Engine.can_prefill` finds pages for
+   the prompt, :meth:`Engine.prefill`, then :meth:`Engine.insert`), at most
+   ``max_prefills_per_step`` while others decode,
    so that a burst of arrivals does not starve the running sequences;
 3. :meth:`Engine.reserve_step`; while it names slots left without a KV page, pre-empt the
    most recently admitted request: free its slot and put it back at the front of the
@@ -370,6 +371,7 @@ class Orchestrator:
             if req in self._waiting:
                 self._waiting.remove(req)
         if self._pending and self._pending[0] is req:
+            self.engine.release(self._pending[1])
             self._pending = None
         if req.slot is not None:
             self._release_slot(req)
@@ -386,17 +388,21 @@ class Orchestrator:
                 with self._cv:
                     if not self._waiting:
                         return
-                    req = self._waiting.popleft()
+                    req = self._waiting[0]
+                    fits = self.engine.can_prefill(len(req.prompt) + len(req.generated))
+                    if fits or not self._active:
+                        self._waiting.popleft()
+                if not fits:
+                    if self._active:
+                        return  # wait for running sequences to end and give back pages
+                    self._finish(req, LENGTH)  # it does not fit even into an empty cache
+                    continue
                 budget -= 1
                 if self._prefill(req) is None:
                     continue
             req, prefix = self._pending
             if not self.engine.can_insert(prefix):
-                if self._active:
-                    return  # wait for running sequences to end and give back pages
-                self._pending = None  # it does not fit even into an empty cache
-                self._finish(req, LENGTH)
-                continue
+                return  # no slot (cannot happen inside this loop; kept for other engines)
             self._pending = None
             slot = self._free_slots.pop()
             try:
@@ -404,6 +410,7 @@ class Orchestrator:
             except Exception as e:
                 log.exception("insert failed")
                 self._free_slots.append(slot)
+                self.engine.release(prefix)
                 self._finish(req, ERROR, f"insert failed: {e}")
                 continue
             req.slot, req.admitted = slot, next(self._order)
@@ -430,6 +437,7 @@ class Orchestrator:
         ended = self._emit(req, prefix.first_token, _top(prefix.first_logprobs, n))
         self._flush()  # the first token goes out now, not after the other prefills of this step
         if ended:
+            self.engine.release(prefix)
             return None
         self._pending = (req, prefix)
         return prefix

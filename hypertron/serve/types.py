@@ -81,14 +81,21 @@ class Engine(Protocol):
     max_top_logprobs: int  # largest N for SamplingParams.logprobs
     eos_ids: frozenset[int]  # tokens that end a sequence (unless ignore_eos)
 
+    def can_prefill(self, num_tokens: int) -> bool:
+        """Whether KV pages are free for a prompt of ``num_tokens`` (and its first decode write)."""
+
     def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
-        """Run the prompt through the model and sample its first token (touches no slot)."""
+        """Run the prompt through the model, its KV into pages taken for it now, and sample its
+        first token (touches no slot). Only after :meth:`can_prefill` said yes."""
 
     def can_insert(self, prefix: Prefix) -> bool:
-        """Whether a slot is free and enough KV pages are free for the prompt."""
+        """Whether a slot is free for the prefilled prompt."""
 
     def insert(self, prefix: Prefix, slot: int) -> None:
-        """Put a prefilled prompt into free slot ``slot``: take pages, write its KV, start decoding."""
+        """Put a prefilled prompt (and its pages) into free slot ``slot`` and start decoding it."""
+
+    def release(self, prefix: Prefix) -> None:
+        """Give back the pages of a prefilled prompt that will not be inserted."""
 
     def reserve_step(self) -> list[int]:
         """Take the pages the next :meth:`generate` writes into; return the active slots left

@@ -1,0 +1,93 @@
+"""Attention over one sequence of queries: the training path and the reference.
+
+:func:`self_attention` is what training (and a cold prompt's prefill) runs: cuDNN flash
+attention on NVIDIA GPUs through ``jax.nn.dot_product_attention``, XLA's otherwise, or the
+explicit-mask :func:`plain_attention`. :func:`attention_mask` is the one definition of who
+may attend to whom (causal, same document, inside the sliding window). The caches of
+:mod:`hypertron.models.kv_cache` attend with these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hypertron.config import ModelConfig
+
+
+def attention_mask(
+    q_pos_bt: jax.Array,
+    kv_pos_bs: jax.Array,
+    cfg: ModelConfig,
+    q_seg_bt: jax.Array | None = None,
+    kv_seg_bs: jax.Array | None = None,
+    kv_valid_bs: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean mask [b, 1, t, s]: causal, same document, inside the sliding window."""
+    q = q_pos_bt[:, None, :, None]
+    kv = kv_pos_bs[:, None, None, :]
+    mask = kv <= q
+    if cfg.sliding_window is not None:
+        mask &= q - kv < cfg.sliding_window
+    if q_seg_bt is not None:
+        mask &= q_seg_bt[:, None, :, None] == kv_seg_bs[:, None, None, :]
+    if kv_valid_bs is not None:
+        mask &= kv_valid_bs[:, None, None, :]
+    return mask
+
+
+def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
+    """Reference attention in plain XLA ops (float32 softmax); GQA by grouping query heads."""
+    b, t, n, h = q_btnh.shape
+    kv_heads = k_bskh.shape[2]
+    q = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)  # [b, t, k, g, h]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    mask = mask_b1ts[:, :, None]  # [b, 1, 1, t, s]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
+    """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape, else XLA.
+
+    cuDNN's flash kernel needs bf16/fp16, a head dim that is a multiple of 8 and
+    at most 128 (256 on Hopper only, which we cannot tell apart here), and an
+    even sequence length; anything else would fail at compile time.
+    """
+    if cfg.attention != "auto":
+        return cfg.attention
+    if (
+        jax.default_backend() == "gpu"
+        and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        and cfg.head_dim % 8 == 0
+        and cfg.head_dim <= 128
+        and seq_len % 2 == 0
+    ):
+        return "cudnn"
+    return "xla"
+
+
+def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
+    """Causal self-attention over one packed sequence, never across documents.
+
+    ``xla`` and ``cudnn`` go through ``jax.nn.dot_product_attention`` (cuDNN
+    flash attention on GPU); ``plain`` is the explicit-mask reference.
+    """
+    impl = attention_impl(cfg, q_btnh.dtype, q_btnh.shape[1])
+    if impl == "plain":
+        mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
+        return plain_attention(q_btnh, k_btkh, v_btkh, mask)
+    mask = None
+    if segment_ids_bt is not None:
+        mask = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
+    window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
+        implementation=impl,
+    )
