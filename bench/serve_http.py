@@ -23,7 +23,7 @@ One model, written once in Hugging Face format into a temporary directory, nothi
   servers stream text from the first token on (the load generator's TTFT is the first chunk
   with text: a random model repeating a lone UTF-8 continuation byte streams none, and its TTFT
   would be the end of the request on one server and missing on the other).
-- ``hypertron convert --from-hf`` makes the hypertron run directory (it copies the tokenizer).
+- ``hypertron convert --from-hf`` makes hypertron's model bundle (it copies the tokenizer).
 
 Prompts: text cut from the standard library's sources at seeded random offsets, each
 ``--input-len`` tokens of the tokenizer (cut at a token boundary; re-encoding may differ by a

@@ -58,30 +58,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from hypertron.checkpoint import load_params, require_new_run_dir, save_params
-    from hypertron.config import Config, ConfigError
-    from hypertron.models import hf
+    from pathlib import Path
+
+    from hypertron.checkpoint import load_params
+    from hypertron.config import ConfigError
+    from hypertron.models import bundle, hf
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
     if args.from_hf:
-        require_new_run_dir(args.out)
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"{out} already exists and is not an empty directory; choose a new one")
         model_cfg, params = hf.load_hf(args.from_hf)
-        import dataclasses
-
-        base = Config()
-        train = dataclasses.replace(base.train, seq_len=min(base.train.seq_len, model_cfg.max_seq_len))
-        data = dataclasses.replace(base.data, tokenizer=_copy_tokenizer(args.from_hf, args.out))
-        cfg = Config(run_dir=args.out, model=model_cfg, train=train, data=data)
-        save_params(args.out, cfg, params)
-        print(f"wrote hypertron checkpoint {args.out} ({model_cfg.name})")
+        has_tokenizer = any((Path(args.from_hf) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+        bundle.save_model(out, model_cfg, params, args.from_hf if has_tokenizer else "byte")
+        print(f"wrote the model bundle {out} ({model_cfg.name})")
     else:
-        from hypertron.models import bundle
-
         if not args.checkpoint:
             raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR (or a model bundle)")
         if bundle.is_bundle(args.checkpoint):
-            model_cfg, tokenizer = bundle.read_config(args.checkpoint)
+            _, tokenizer = bundle.read_config(args.checkpoint)
             model_cfg, params, _ = bundle.load_model(args.checkpoint)
         else:
             cfg, params = load_params(args.checkpoint)
@@ -90,20 +87,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         copied = bundle.copy_tokenizer(tokenizer, args.to_hf, names=("tokenizer.json", "tokenizer.model"))
         print(f"wrote Hugging Face checkpoint {args.to_hf}" + (" with its tokenizer" if copied else ""))
     return 0
-
-
-def _copy_tokenizer(hf_dir: str, run_dir: str) -> str:
-    """Copy an HF model's tokenizer files into ``run_dir/tokenizer``; returns the ``data.tokenizer``
-    value for them ("byte" if the model came without a tokenizer)."""
-    from pathlib import Path
-
-    from hypertron.models.bundle import copy_tokenizer
-
-    if not any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        return "byte"
-    target = Path(run_dir).absolute() / "tokenizer"
-    copy_tokenizer(hf_dir, target)
-    return str(target)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -230,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
     c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
-    c.add_argument("--out", metavar="RUN_DIR", help="hypertron run directory to write (with --from-hf)")
+    c.add_argument("--out", metavar="DIR", help="model bundle to write (with --from-hf): a new or empty directory")
     c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
-    c.add_argument("--checkpoint", metavar="RUN_DIR", help="hypertron run directory to export")
+    c.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
+                   help="model bundle or run directory to export (with --to-hf)")
     c.set_defaults(func=cmd_convert)
 
     la = sub.add_parser("launch", help="run a command as several cooperating processes")
@@ -318,7 +302,7 @@ def _leave_distributed_job(code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "convert" and args.from_hf and not args.out:
-        print("error: convert --from-hf needs --out RUN_DIR", file=sys.stderr)
+        print("error: convert --from-hf needs --out DIR", file=sys.stderr)
         return 2
     try:
         return args.func(args)

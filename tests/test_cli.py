@@ -54,6 +54,13 @@ def test_convert_round_trip(tmp_path):
             cwd=tmp_path)
     assert g.returncode == 0, g.stderr
     assert g.stdout.startswith("hello world")  # encoded and decoded with the model's own tokenizer
+    assert (tmp_path / "imported" / "model.json").is_file()  # a model bundle, no training config
+    # Fine-tuning starts from the bundle: its model, its parameters, its tokenizer.
+    ft = run("train", "model=imported", "train.init_from=imported", "data.tokenizer=imported/tokenizer",
+             "train.steps=1", "train.global_batch=8", "train.seq_len=16", "run_dir=ft", cwd=tmp_path)
+    assert ft.returncode == 0 and "starting from the parameters in imported" in ft.stderr, ft.stderr
+    into = run("train", "model=imported", "train.steps=1", "train.seq_len=16", "run_dir=imported", cwd=tmp_path)
+    assert into.returncode == 2 and "holds a model bundle" in into.stderr, into.stderr
     e = run("convert", "--checkpoint", "imported", "--to-hf", "exported", cwd=tmp_path)
     assert e.returncode == 0, e.stderr
     assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()

@@ -447,28 +447,23 @@ def test_train_different_model_into_converted_dir_refuses(converted):
 
 
 def test_train_same_model_into_converted_dir_refuses(converted):
-    """A params-only directory cannot be resumed; the refusal is one line and points at real keys."""
+    """A converted model is a bundle, not a run: training into it is refused in one line that says
+    how to start from it instead."""
     c, base = converted["C"], converted["base"]
     before = snapshot(c)
     r = run_all(
-        {"t": Spec(["train", str(c / "config.yaml"), "train.steps=2", "train.global_batch=8",
+        {"t": Spec(["train", f"model={c}", f"run_dir={c}", "train.steps=2", "train.global_batch=8",
                     "train.seq_len=16", "data.source=synthetic"], base / "cwd_resume_c")},
         base / "logs_resume_c",
     )["t"]
-    assert r.rc == 2, r.describe()
-    assert "Traceback" not in r.stdout + r.stderr, r.describe()
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(c) in errors[0], r.describe()
-    assert not _bad_keys_mentioned(errors[0]), (
-        f"the error suggests config keys that do not exist: {_bad_keys_mentioned(errors[0])}\n"
-        + r.describe()
-    )
+    _assert_one_error_line(r, str(c), f"train.init_from={c}")
+    _assert_no_compile(r)
     assert_unchanged(c, before, r)
 
 
 def test_converted_checkpoints_are_usable(converted):
-    """A converted run directory is a valid one: generate reads it, also when the HF model's
-    max_position_embeddings (64) is below the default train.seq_len (128)."""
+    """A converted model (a bundle) is served as it is: generate reads it, also when the HF
+    model's max_position_embeddings (64) is below the default train.seq_len (128)."""
     base = converted["base"]
     spec = Spec(["generate", "--checkpoint", str(converted["C64"]), "--prompt", "hi",
                  "--max-new-tokens", "4"], base / "cwd_gen_C64", log_compiles=False)

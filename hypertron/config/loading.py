@@ -23,6 +23,7 @@ fit. What is left is about eighty lines of one recursive function.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -151,6 +152,35 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: Any) -> None:
         node[last] = value
 
 
+BUNDLE_FORMAT, BUNDLE_VERSION, BUNDLE_MANIFEST = "hypertron-model", 1, "model.json"
+
+
+def bundle_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a model bundle (:mod:`hypertron.models.bundle`), checked: a dict with its
+    ``model`` (the ModelConfig's fields) and ``tokenizer``. Read here, below the models, so that
+    ``model=BUNDLE`` works in any config."""
+    manifest_file = Path(path) / BUNDLE_MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not a model bundle (no {BUNDLE_MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{manifest_file}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise ConfigError(f"{manifest_file}: not a {BUNDLE_FORMAT} manifest")
+    if manifest.get("version") != BUNDLE_VERSION:
+        raise ConfigError(f"{manifest_file}: version {manifest.get('version')!r}, this hypertron reads "
+                          f"{BUNDLE_VERSION}")
+    return manifest
+
+
+def bundle_model(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` a model bundle holds."""
+    manifest = bundle_manifest(path)
+    return build(ModelConfig, manifest.get("model") or {}, "model.",
+                 where=f" in {Path(path) / BUNDLE_MANIFEST}")
+
+
 def _resolve_model(raw: Any) -> ModelConfig:
     if raw is None:
         return PRESETS["tiny"]
@@ -160,10 +190,13 @@ def _resolve_model(raw: Any) -> ModelConfig:
     preset = raw.pop("preset", None)
     if preset is None:
         base = PRESETS["tiny"]
+    elif (Path(str(preset)) / BUNDLE_MANIFEST).is_file():  # model=BUNDLE: the bundle's model
+        base = bundle_model(str(preset))
     else:
         if str(preset) not in PRESETS:
             raise ConfigError(
-                f"model={preset}: unknown preset (choose from {', '.join(sorted(PRESETS))})"
+                f"model={preset}: unknown preset (choose from {', '.join(sorted(PRESETS))}) "
+                "and not a model bundle"
             )
         base = PRESETS[str(preset)]
     if isinstance(raw.get("rope_scaling"), dict):

@@ -195,7 +195,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     peak_flops: float = 0.0  # per-device bf16 peak; 0 = look it up from the device kind
-    init_from: str = ""  # a run directory (e.g. a converted HF model) whose parameters start this run
+    init_from: str = ""  # a model bundle (e.g. a converted HF model) or run directory whose parameters start this run
     eval_every: int = 0  # steps between eval-loss measurements on the held-out split (0 = off)
     eval_batches: int = 4  # global batches per evaluation
 

@@ -29,13 +29,15 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from hypertron.config import ConfigError, ModelConfig
-from hypertron.config.loading import build, to_dict
+from hypertron.config.loading import BUNDLE_FORMAT as FORMAT
+from hypertron.config.loading import BUNDLE_MANIFEST as MANIFEST
+from hypertron.config.loading import BUNDLE_VERSION as VERSION
+from hypertron.config.loading import bundle_manifest, bundle_model, to_dict
 from hypertron.models import declare
 from hypertron.models.params import leaves_with_paths
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer, tokenizer_file
 
-FORMAT, VERSION = "hypertron-model", 1
-MANIFEST, WEIGHTS, TOKENIZER_DIR = "model.json", "model.safetensors", "tokenizer"
+WEIGHTS, TOKENIZER_DIR = "model.safetensors", "tokenizer"
 # The files that travel with a tokenizer file: its config (chat template), and generation_config.json,
 # which carries the extra end-of-turn ids (hypertron.tokenizer reads them).
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -100,21 +102,13 @@ def save_model(path: str | Path, cfg: ModelConfig, params: Any, tokenizer: str =
 
 def read_config(path: str | Path) -> tuple[ModelConfig, str]:
     """``(model config, tokenizer)`` of a bundle's manifest; ``tokenizer`` as ``get_tokenizer`` takes it."""
-    path = Path(path)
-    manifest_file = path / MANIFEST
     try:
-        manifest = json.loads(manifest_file.read_text())
-    except FileNotFoundError:
-        raise BundleError(f"{path}: not a model bundle (no {MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise BundleError(f"{manifest_file}: unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{manifest_file}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise BundleError(f"{manifest_file}: version {manifest.get('version')!r}, this hypertron reads {VERSION}")
-    cfg = build(ModelConfig, manifest.get("model") or {}, "model.", where=f" in {manifest_file}")
+        manifest = bundle_manifest(path)
+        cfg = bundle_model(path)
+    except ConfigError as e:
+        raise BundleError(str(e)) from None
     tok = manifest.get("tokenizer", "byte")
-    return cfg, tok if tok == "byte" else str(path / tok)
+    return cfg, tok if tok == "byte" else str(Path(path) / tok)
 
 
 def load_model(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict, Tokenizer]:

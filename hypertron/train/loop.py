@@ -34,7 +34,10 @@ from hypertron.checkpoint import (
 )
 from hypertron.config import Config
 from hypertron.data import check_source, make_batches
-from hypertron.models.bundle import save_model
+from hypertron.models import resolve_dtype
+from hypertron.models.bundle import is_bundle, save_model
+from hypertron.models.bundle import load_model as load_bundle
+from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
 from hypertron.parallel.mesh import make_mesh
@@ -77,19 +80,27 @@ def data_fingerprint(cfg: Config) -> dict[str, Any]:
 
 
 def check_init_from(cfg: Config) -> None:
-    """``train.init_from`` must name a run with a checkpoint of the same parameter shapes."""
+    """``train.init_from`` must name a model bundle, or a run with a checkpoint, of the same
+    parameter shapes; ``run_dir`` must not be a model bundle (nothing saved is overwritten)."""
+    if is_bundle(cfg.run_dir) and not (Path(cfg.run_dir) / "config.yaml").exists():
+        raise CheckpointError(f"run_dir={cfg.run_dir} holds a model bundle; to train from it, use a new "
+                              f"run_dir and train.init_from={cfg.run_dir}")
     if not cfg.train.init_from:
         return
     from hypertron.models import declare
     from hypertron.models.params import abstract
 
-    src = read_run_config(cfg.train.init_from)
-    latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
+    if is_bundle(cfg.train.init_from):
+        src_model, _ = read_bundle_config(cfg.train.init_from)
+    else:
+        src_model = read_run_config(cfg.train.init_from).model
+        latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
     shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
-    if shapes(src.model) != shapes(cfg.model):
+    if shapes(src_model) != shapes(cfg.model):
         raise CheckpointError(
-            f"train.init_from={cfg.train.init_from} holds a {src.model.name} model whose parameter "
-            f"shapes differ from model={cfg.model.name}; set model to match it"
+            f"train.init_from={cfg.train.init_from} holds a {src_model.name} model whose parameter "
+            f"shapes differ from model={cfg.model.name}; set model to match it (model={cfg.train.init_from} "
+            "for a model bundle)"
         )
 
 
@@ -215,7 +226,15 @@ def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int |
     state = trainer.init(jax.random.key(cfg.train.seed))
     if cfg.train.init_from:
         console.print(f"starting from the parameters in {cfg.train.init_from}")
-        _, state["params"] = load_params(cfg.train.init_from, shardings=trainer.abstract_state()["params"])
+        shardings = trainer.abstract_state()["params"]
+        if is_bundle(cfg.train.init_from):
+            _, params, _ = load_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
+            # Each process places the slices its devices hold, from the whole array it read.
+            state["params"] = jax.tree.map(
+                lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
+                params, shardings)
+        else:
+            _, state["params"] = load_params(cfg.train.init_from, shardings=shardings)
     return state, 0
 
 
