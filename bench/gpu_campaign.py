@@ -28,7 +28,9 @@ out; rerun them with ``--only``. A row that fails records its error in one line 
 on. ``--smoke`` runs every row at tiny sizes on CPU (Pallas in interpret mode): the rows and
 their fields are the same in both modes, only the sizes differ; ``tests/test_gpu_campaign.py``
 runs it in ``make test``. Fields that only a known accelerator can fill (the datasheet peak, the
-driver, the allocator's peak memory) are null elsewhere: :data:`HARDWARE_FIELDS`. ``peak_mem_gib`` is
+driver, the allocator's peak memory) are null elsewhere: :data:`HARDWARE_FIELDS`. The T2 and T3
+measurements and the two sets of sizes are in ``bench/gpu_measure.py``; the plan, the runner and
+T0/T1 here. ``peak_mem_gib`` is
 the allocator's peak over the process so far (it has no reset); ``xla_mem_gib`` is the compiled
 step's own plan (arguments + outputs - donated + temporaries).
 """
@@ -38,18 +40,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
 import glob
-import gzip
 import importlib
 import json
 import os
 import pkgutil
 import platform
-import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import traceback
@@ -59,6 +57,11 @@ from typing import Callable
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
+
+from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
+    DECODE_FIELDS, GMM_FIELDS, GPU, MOE_FIELDS, RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes, decode_row,
+    device_row, gmm_row, moe_row, profile_row, ragged_row, train_case, train_row,
+)
 
 TIERS = ("T0", "T1", "T2", "T3")
 TIER_BUDGET = {"T0": 120.0, "T1": 300.0, "T2": 480.0, "T3": 480.0}  # seconds on a device, inside one 10-minute call
@@ -106,68 +109,10 @@ T1_SMOKE_K = ("test_edge_cases or test_bad_arguments_are_refused or test_cudnn_i
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
-    """Every size the tiers use; :data:`GPU` and :data:`SMOKE` differ only here."""
-
-    preset: str = "llama-1b"
-    model: tuple[str, ...] = ()  # extra model overrides
-    batch: int = 8
-    seq: int = 2048
-    steps: int = 10
-    warmup: int = 2
-    doc_len: int = 512  # mean document length of the packed rows
-    t0_overrides: tuple[str, ...] = ("model=tiny", "train.global_batch=8", "train.seq_len=128")
-    matmul: int = 8192
-    copy_elems: int = 2**29  # bf16: 1 GiB read + 1 GiB written
-    iters: int = 10
-    gmm: tuple[int, int, int, int] = (16384, 4096, 14336, 8)  # m = tokens x top_k, k, n, experts (Mixtral)
-    ragged: tuple[int, int, int, int, int, int] = (64, 8192, 16, 4, 128, 16)  # batch, ctx, heads, kv, hd, page
-    decode_batches: tuple[int, int] = (1, 64)
-    decode_contexts: tuple[int, int] = (512, 8192)
-    decode_steps: int = 16
-    decode_max_seq: int = 8192 + 64
-    t3_seq: int = 4096
-    t3_batches: tuple[int, int] = (4, 16)
-    moe: tuple[int, int, int, int] = (8192, 2048, 2048, 2)  # tokens, d_model, d_ff, top_k
-    moe_experts: tuple[int, ...] = (8, 16, 32, 64)
-    t3_decode_batches: tuple[int, ...] = (1, 8, 32, 128)
-    t3_decode_context: int = 2048
-    gmm_tiles: tuple[int, int] = (64, 256)
-    budget: float = 480.0  # seconds; per tier: TIER_BUDGET
-
-
-GPU = Sizes()
-SMOKE = Sizes(
-    preset="tiny", model=("model.num_layers=1",), batch=2, seq=64, steps=1, warmup=1, doc_len=16,
-    t0_overrides=("model=tiny", "model.num_layers=1", "train.global_batch=2", "train.seq_len=32"),
-    matmul=128, copy_elems=2**16, iters=1, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
-    decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
-    t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
-    t3_decode_context=16, gmm_tiles=(16, 32), budget=float("inf"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
 class Row:
     id: str
     fields: tuple[str, ...]
     run: Callable  # (ctx) -> dict of fields
-
-
-class Ctx:
-    """What one tier's rows share: sizes, the output folder, measured peaks, kept objects."""
-
-    def __init__(self, tier: str, sizes: Sizes, out: str | None, smoke: bool):
-        self.tier, self.s, self.out, self.smoke = tier, sizes, out, smoke
-        self.keep: dict = {}
-        self.peaks: dict = {}
-
-    def log(self, msg: str) -> None:
-        line = f"[{datetime.datetime.now():%H:%M:%S}] {msg}"
-        print(line, file=sys.stderr, flush=True)
-        if self.out:
-            with open(os.path.join(self.out, f"{self.tier}.log"), "a") as f:
-                f.write(line + "\n")
 
 
 # ---------------------------------------------------------------------------
@@ -326,322 +271,6 @@ def t1_group(group):
 
 def remaining(ctx) -> float:
     return ctx.s.budget - (time.monotonic() - ctx.keep["start"])
-
-
-def device_row(ctx):
-    """The device, and its two ceilings measured here: a bf16 matmul and a device-to-device copy."""
-    import jax
-    import jax.numpy as jnp
-
-    from gmm import time_fn  # bench/gmm.py: median of synced calls after a warm-up
-    from hypertron.train.flops import device_peak_flops
-    from serve import peak_bandwidth  # bench/serve.py
-
-    dev = jax.devices()[0]
-    n = ctx.s.matmul
-    a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    t_mm = time_fn(jax.jit(lambda a, b: a @ b), (a, b), ctx.s.iters)
-    x = jax.random.normal(jax.random.key(1), (ctx.s.copy_elems,), jnp.bfloat16)
-    t_copy = time_fn(jax.jit(lambda x: x + 1), (x,), ctx.s.iters)
-    ctx.peaks = {"tflops": 2 * n**3 / t_mm / 1e12, "bw": 2 * x.nbytes / t_copy}
-    del a, b, x
-    driver = None
-    if shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True)
-        driver = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
-    peak, bw = device_peak_flops(), peak_bandwidth(None)
-    return {"device_kind": getattr(dev, "device_kind", dev.platform), "device_count": jax.device_count(),
-            "driver": driver, "jax": jax.__version__, "python": platform.python_version(),
-            "matmul_tflops": ctx.peaks["tflops"], "copy_gbs": ctx.peaks["bw"] / 1e9,
-            "datasheet_tflops": None if peak is None else peak / 1e12,
-            "datasheet_bw_gbs": None if bw is None else bw / 1e9, "matmul_n": n, "copy_bytes": 2 * 2 * ctx.s.copy_elems}
-
-
-def _peaks(ctx) -> dict:
-    if not ctx.peaks:
-        device_row(ctx)
-    return ctx.peaks
-
-
-def packed(batch: dict, mean_len: int, seed: int = 0) -> dict:
-    """The same rows cut into documents (lengths ~ geometric, mean ``mean_len``): segment ids
-    1, 2, ... and positions restarting at each document, as the packer writes them."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = dict(batch)
-    seg, pos = np.zeros_like(batch["segment_ids"]), np.zeros_like(batch["positions"])
-    for r in range(seg.shape[0]):
-        start, doc = 0, 1
-        while start < seg.shape[1]:
-            n = int(min(rng.geometric(1.0 / mean_len), seg.shape[1] - start))
-            seg[r, start:start + n], pos[r, start:start + n] = doc, np.arange(n)
-            start, doc = start + n, doc + 1
-    out["segment_ids"], out["positions"] = seg, pos
-    return out
-
-
-def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: str | None = None) -> dict:
-    """Compile the sharded train step ahead of time, run ``warmup`` untimed steps, then ``steps``
-    with one sync at the end: compile seconds, seconds per step, last loss, peak memory."""
-    import jax
-    import numpy as np
-
-    from hypertron.data import make_batches
-    from hypertron.parallel.mesh import make_mesh
-    from hypertron.train.step import global_batch, make_trainer
-
-    t = cfg.train
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state = trainer.init(jax.random.key(0))
-    data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
-                        vocab_size=cfg.model.vocab_size)
-    rows = [next(data) for _ in range(2)]
-    if pack:
-        rows = [packed(r, ctx.s.doc_len, seed=i) for i, r in enumerate(rows)]
-    batches = [global_batch(r, trainer.batch_sharding) for r in rows]
-    start = time.perf_counter()
-    step = trainer.step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - start
-    metrics = None
-    for i in range(warmup):
-        state, metrics = step(state, batches[i % 2])
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    for i in range(steps):
-        state, metrics = step(state, batches[i % 2])
-    loss = float(metrics["loss"])
-    step_s = (time.perf_counter() - start) / max(steps, 1)
-    if not np.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss}")
-    stats = jax.devices()[0].memory_stats() or {}
-    plan = step.memory_analysis()  # the compiler's plan for this step: per row, unlike the allocator's peak
-    xla_bytes = (plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
-                 + plan.temp_size_in_bytes)
-    if keep:
-        ctx.keep[keep] = (step, state, batches)
-    return {"compile_s": compile_s, "step_s": step_s, "loss": loss, "xla_mem_gib": xla_bytes / 2**30,
-            "peak_mem_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None}
-
-
-TRAIN_FIELDS = ("preset", "params_m", "batch", "seq", "remat", "attention", "quantization", "packed", "compile_s",
-                "step_ms", "tokens_s", "tflops", "mfu_measured", "mfu_datasheet", "xla_mem_gib", "peak_mem_gib", "loss")
-
-
-def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, base=None):
-    """A training row: ``llama-1b`` (``tiny`` in smoke mode) with ``overrides``; ``shape``: sizes ->
-    (batch, seq), default the tier's; ``base``: the row whose step time this one is compared with
-    (adds ``vs_base``)."""
-
-    def run(ctx):
-        import jax
-
-        from hypertron.config import load_config
-        from hypertron.models import count_params, resolve_dtype
-        from hypertron.models.attention import attention_impl
-        from hypertron.train.flops import device_peak_flops, train_flops_per_token
-
-        s = ctx.s
-        batch, seq = shape(s) if shape else (s.batch, s.seq)
-        cfg = load_config(None, [f"model={s.preset}", *s.model,
-                                 "data.source=" + ("stdlib" if pack else "synthetic"),
-                                 f"train.global_batch={batch}", f"train.seq_len={seq}",
-                                 "model.remat=dots", f"model.quantization={quant}", *overrides])
-        r = train_case(ctx, cfg, steps=s.steps, warmup=s.warmup, pack=pack, keep=keep)
-        t, n_dev = cfg.train, jax.device_count()
-        tokens = t.global_batch * t.seq_len
-        tflops = train_flops_per_token(cfg.model, t.seq_len) * tokens / r["step_s"] / n_dev / 1e12
-        fmt = {"none": "bf16"}.get(quant, quant)
-        peak = device_peak_flops(0.0, fmt=fmt)
-        out = {"preset": cfg.model.name, "params_m": count_params(cfg.model) / 1e6, "batch": t.global_batch,
-               "seq": t.seq_len, "remat": cfg.model.remat,
-               "attention": attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), t.seq_len),
-               "quantization": quant, "packed": pack, "compile_s": r["compile_s"], "step_ms": r["step_s"] * 1e3,
-               "tokens_s": tokens / r["step_s"] / n_dev, "tflops": tflops,
-               "mfu_measured": tflops / _peaks(ctx)["tflops"],
-               "mfu_datasheet": None if peak is None else tflops * 1e12 / peak,
-               "xla_mem_gib": r["xla_mem_gib"], "peak_mem_gib": r["peak_mem_gib"], "loss": r["loss"]}
-        if quant != "none":
-            bf16 = device_peak_flops()
-            out["emfu_datasheet"] = None if bf16 is None else tflops * 1e12 / bf16
-        if base is not None:
-            ref = ctx.keep.get("step_ms", {}).get(base)
-            if ref is None:
-                raise RuntimeError(f"needs row {base} in the same run (add it to --only)")
-            out["vs_base"] = ref / out["step_ms"]
-        ctx.keep.setdefault("step_ms", {})[ROW_ID[run]] = out["step_ms"]
-        return out
-
-    return run
-
-
-ROW_ID: dict = {}  # run function -> row id, for rows that look themselves up
-
-
-def profile_row(ctx):
-    """The compiled HLO of the dots step (gzip) and a profile of two steps (tar.gz), each
-    under 16 MiB, for offline work."""
-    import jax
-
-    if "dots" not in ctx.keep:
-        train_row(keep="dots")(ctx)
-    step, state, batches = ctx.keep.pop("dots")
-    out = ctx.out or tempfile.mkdtemp()
-    hlo_path = os.path.join(out, f"{ctx.tier}_step_hlo.txt.gz")
-    with gzip.open(hlo_path, "wt") as f:
-        f.write(step.as_text())
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
-        for i in range(2):
-            state, metrics = step(state, batches[i % 2])
-        jax.block_until_ready(metrics)
-    trace_path = os.path.join(out, f"{ctx.tier}_profile.tar.gz")
-    with tarfile.open(trace_path, "w:gz") as tar:
-        tar.add(trace_dir, arcname="profile")
-    note = "ok"
-    if os.path.getsize(trace_path) > 15 * 2**20:
-        note = f"profile of {os.path.getsize(trace_path) / 2**20:.1f} MiB dropped (over 15 MiB)"
-        os.remove(trace_path)
-    del step, state, batches
-    return {"hlo_file": os.path.basename(hlo_path), "hlo_bytes": os.path.getsize(hlo_path),
-            "trace_file": os.path.basename(trace_path) if note == "ok" else note,
-            "trace_bytes": os.path.getsize(trace_path) if note == "ok" else 0}
-
-
-GMM_FIELDS = ("backend", "m", "k", "n", "groups", "tm", "fwd_ms", "fwd_tflops", "fwd_pct_dense", "fwdbwd_ms",
-              "fwdbwd_tflops", "fwdbwd_pct_dense")
-
-
-def gmm_row(backend: str, tm_index: int | None = None):
-    def run(ctx):
-        import jax.numpy as jnp
-
-        from gmm import measure  # bench/gmm.py
-        from hypertron.kernels.gmm import DEFAULT_TILING
-
-        m, k, n, g = ctx.s.gmm
-        tm = None if tm_index is None else ctx.s.gmm_tiles[tm_index]
-        tiling = None if tm is None else (tm, *DEFAULT_TILING[1:])
-        key = ("gmm", tm)
-        if key not in ctx.keep:  # one dense reference per tiling
-            ctx.keep[key] = {}
-        cache = ctx.keep[key]
-        if "dense" not in cache:
-            rows = measure(m, k, n, [g], ["even"], [], jnp.bfloat16, ctx.s.iters, tiling=tiling)
-            cache["dense"] = rows[0][3:]
-        if backend == "dense":
-            t_fwd, t_bwd = cache["dense"]
-        else:
-            (_, _, _, t_fwd, t_bwd), = measure(m, k, n, [g], ["even"], [backend], jnp.bfloat16, ctx.s.iters,
-                                               tiling=tiling)[1:]
-            if t_fwd is None:
-                raise RuntimeError(f"{backend} failed (its error is in the log)")
-        d_fwd, d_bwd = cache["dense"]
-        flops = 2 * m * k * n
-        return {"backend": backend, "m": m, "k": k, "n": n, "groups": g, "tm": tm or DEFAULT_TILING[0],
-                "fwd_ms": t_fwd * 1e3, "fwd_tflops": flops / t_fwd / 1e12, "fwd_pct_dense": 100 * d_fwd / t_fwd,
-                "fwdbwd_ms": t_bwd * 1e3, "fwdbwd_tflops": 3 * flops / t_bwd / 1e12,
-                "fwdbwd_pct_dense": 100 * d_bwd / t_bwd}
-    return run
-
-
-RAGGED_FIELDS = ("backend", "batch", "max_context", "heads", "kv_heads", "head_dim", "page_size", "ms", "kv_bytes",
-                 "bw_fraction_measured")
-
-
-def ragged_row(backend: str):
-    """The decode-attention kernel alone: ``batch`` sequences of lengths between half the context
-    and all of it, bf16 pages; bytes = the K and V of every token attended to."""
-
-    def run(ctx):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-
-        from gmm import time_fn  # bench/gmm.py
-        from hypertron.kernels.ragged_attention import ragged_decode_attention
-
-        b, ctx_len, h, kv, hd, ps = ctx.s.ragged
-        rng = np.random.default_rng(0)
-        lengths = rng.integers(ctx_len // 2, ctx_len + 1, b).astype(np.int32)
-        per_seq = -(-ctx_len // ps)
-        table = rng.permutation(b * per_seq).reshape(b, per_seq).astype(np.int32)
-        keys = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(keys[0], (b, h, hd), jnp.bfloat16)
-        k_pages = jax.random.normal(keys[1], (kv, b * per_seq, ps, hd), jnp.bfloat16)
-        v_pages = jax.random.normal(keys[2], (kv, b * per_seq, ps, hd), jnp.bfloat16)
-        f = jax.jit(lambda q, k, v, ln, t: ragged_decode_attention(q, k, v, ln, t, backend=backend))
-        t = time_fn(f, (q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(table)), ctx.s.iters)
-        kv_bytes = int(lengths.sum()) * kv * hd * 2 * 2
-        return {"backend": backend, "batch": b, "max_context": ctx_len, "heads": h, "kv_heads": kv, "head_dim": hd,
-                "page_size": ps, "ms": t * 1e3, "kv_bytes": kv_bytes,
-                "bw_fraction_measured": kv_bytes / t / _peaks(ctx)["bw"]}
-    return run
-
-
-DECODE_FIELDS = ("preset", "batch", "kv", "context", "prefill_s", "step_ms", "tokens_s", "bytes_per_step",
-                 "bw_fraction_measured", "bw_fraction_datasheet")
-
-
-def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool = False):
-    """Decode through the paged engine: bf16 weights, every slot prefilled with the same prompt
-    (``prefill_s``: all of them, compiles included), then timed steps of ``reserve_step`` +
-    ``generate`` (bench/serve.py's ``bench_engine``)."""
-
-    def run(ctx):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-
-        from hypertron.models import init_params
-        from serve import bench_engine, model_config, peak_bandwidth  # bench/serve.py
-
-        s = ctx.s
-        batch = (s.t3_decode_batches if t3 else s.decode_batches)[batch_index]
-        context = s.t3_decode_context if t3 else s.decode_contexts[context_index]
-        if "decode_model" not in ctx.keep:
-            cfg = model_config(s.preset, [*s.model, f"max_seq_len={s.decode_max_seq}", "dtype=bfloat16"])
-            ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
-        cfg, params = ctx.keep["decode_model"]
-        prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context))
-        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, 20)
-        peak = peak_bandwidth(None)
-        gc.collect()
-        return {"preset": cfg.name, "batch": batch, "kv": kv, "context": context,
-                "prefill_s": r["prefill_s"], "step_ms": r["step_s"] * 1e3, "tokens_s": r["tokens_s"],
-                "bytes_per_step": r["bytes_per_step"],
-                "bw_fraction_measured": r["bytes_per_step"] / r["step_s"] / _peaks(ctx)["bw"],
-                "bw_fraction_datasheet": None if peak is None else r["bytes_per_step"] / r["step_s"] / peak}
-    return run
-
-
-MOE_FIELDS = ("tokens", "d_model", "d_ff", "experts", "top_k", "backend", "step_ms", "tokens_s", "vs_e_first",
-              "expert_tflops")
-
-
-def moe_row(index: int):
-    def run(ctx):
-        import jax.numpy as jnp
-
-        from hypertron.config import PRESETS
-        from hypertron.kernels.gmm import resolve_backend
-        from moe import bench_layer, layer_config  # bench/moe.py
-
-        tokens, d, f, top_k = ctx.s.moe
-        experts = ctx.s.moe_experts[index]
-        cfg = layer_config(PRESETS["tiny-moe"], d, f, experts, top_k, "dropless")
-        seconds, _ = bench_layer(cfg, tokens, jnp.bfloat16, ctx.s.iters)
-        per = ctx.keep.setdefault("moe", {})
-        per[index] = tokens / seconds
-        first = per.get(0)
-        if first is None:
-            raise RuntimeError("needs the first expert count in the same run (add it to --only)")
-        return {"tokens": tokens, "d_model": d, "d_ff": f, "experts": experts, "top_k": top_k,
-                "backend": resolve_backend(cfg.moe.gmm_backend), "step_ms": seconds * 1e3,
-                "tokens_s": tokens / seconds, "vs_e_first": tokens / seconds / first,
-                "expert_tflops": 3 * 2 * 3 * tokens * top_k * d * f / seconds / 1e12}
-    return run
 
 
 # ---------------------------------------------------------------------------
