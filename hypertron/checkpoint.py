@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import grain.checkpoint
@@ -173,12 +173,15 @@ class Checkpointer:
             )
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
-             data_iterator=None, reason: str = "interval") -> None:
+             data_iterator=None, reason: str = "interval", wait: bool = False,
+             then: Callable[[], None] | None = None) -> None:
         """Start saving ``state`` (and the data iterator's position) at ``step``.
 
         With async saves this returns once the arrays are copied off the
         devices; training continues while they are written, and the manifest is
         written (and ``checkpoint_save_end`` emitted) when the step is final.
+        With ``wait`` (the last save of a job, which the job waits for anyway) it returns
+        when the step is final, after running ``then``; all of that time is blocking.
         """
         started = time.time()  # waiting for the previous save counts as this save's cost
         self._join_finisher()
@@ -195,26 +198,33 @@ class Checkpointer:
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if wait or not self.async_save:
+            self._finish(step, started, None, then)
+            self._join_finisher()  # raises what _finish met
+            return
         blocking = time.time() - started
-        if self.async_save:
-            self._finisher = threading.Thread(
-                target=self._finish, args=(step, started, blocking), name=f"checkpoint-{step}", daemon=True
-            )
-            self._finisher.start()
-        else:
-            self._finish(step, started, blocking)
+        self._finisher = threading.Thread(
+            target=self._finish, args=(step, started, blocking), name=f"checkpoint-{step}", daemon=True
+        )
+        self._finisher.start()
 
-    def _finish(self, step: int, started: float, blocking: float) -> None:
+    def _finish(self, step: int, started: float, blocking: float | None,
+                then: Callable[[], None] | None = None) -> None:
+        """Wait for ``step`` to be final, write its manifest, run ``then``, emit its end
+        (``blocking`` None: the caller waited for all of it)."""
         try:
             self.manager.wait_until_finished()
             if jax.process_index() == 0:
                 _write_manifest(self.directory / str(step))
+            if then is not None:
+                then()
         except BaseException as e:  # re-raised in the training thread by _join_finisher
             self._failure = e
             return
         if self.events:
-            self.events.emit("checkpoint_save_end", step, seconds=time.time() - started,
-                             blocking_seconds=blocking)
+            seconds = time.time() - started
+            self.events.emit("checkpoint_save_end", step, seconds=seconds,
+                             blocking_seconds=seconds if blocking is None else blocking)
 
     def _join_finisher(self) -> None:
         if self._finisher is not None:

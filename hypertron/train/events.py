@@ -22,29 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-
-# Every name ``EventLog.emit`` accepts, in the order they usually occur.
-EVENTS = (
-    "job_start",            # pid, host, process_count, argv
-    "backend_ready",        # platform, device_count, local_device_count, seconds (since job_start)
-    "checkpoint_skipped",   # step, reason: a checkpoint found unusable before restoring
-    "restore_start",        # step
-    "restore_end",          # step, seconds, data_restored (bool)
-    "first_step",           # step, seconds (since job_start: startup, restore and compile included)
-    "step",                 # step, step_time, data_wait (seconds)
-    "eval",                 # step, loss, tokens, seconds
-    "checkpoint_save_start",  # step, reason: interval | final | preemption
-    "checkpoint_save_end",  # step, seconds (start to final on disk), blocking_seconds
-    "preemption",           # step, signal: the step reached when SIGTERM was seen
-    "job_end",              # step, status: completed | preempted | interrupted | failed, seconds
-)
-
-
-def events_path(run_dir: str | Path, process_index: int = 0) -> Path:
-    name = EVENTS_FILE if process_index == 0 else f"events.{process_index}.jsonl"
-    return Path(run_dir) / name
+from hypertron.runfiles import EVENTS, TENSORBOARD_DIR, events_path
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
@@ -67,7 +45,10 @@ class EventLog:
         self.start_time = time.time() if start_time is None else start_time  # when the job began
         self._lock = threading.Lock()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self._file = events_path(run_dir, process_index).open("a", buffering=1)
+        path = events_path(run_dir, process_index)
+        self._file = path.open("a", buffering=1)
+        if _ends_mid_line(path):  # a killed writer's torn line: it stays alone on its line
+            self._file.write("\n")
         self._tb = None
         if tensorboard and process_index == 0:
             from tensorboardX import SummaryWriter
@@ -105,6 +86,15 @@ class EventLog:
                 self._tb.close()
                 self._tb = None
             self._file.close()
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def job_start_fields(process_count: int) -> dict[str, Any]:

@@ -300,7 +300,8 @@ class _Loop:
     the device always has the next step queued while the host logs. A step's
     ``step_time`` is the wall time between the ends of consecutive steps,
     which includes waiting for data but not evaluations or the blocking part
-    of checkpoint saves (those have their own events).
+    of checkpoint saves (those have their own events). The first step's runs
+    from the start of the loop, so it holds the compilation and the first batch.
     """
 
     def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, events: EventLog, stop: StopSignal,
@@ -327,6 +328,7 @@ class _Loop:
         with progress:
             self.progress, self.task = progress, progress.add_task("train", total=t.steps, completed=start,
                                                                    info="compiling")
+            self.last_end = time.perf_counter()  # the first step's time runs from here
             for step in range(start + 1, t.steps + 1):
                 t0 = time.perf_counter()
                 local = next(data)
@@ -348,11 +350,12 @@ class _Loop:
                     if evaluate:
                         self._evaluate(state, step)
                     if save:
+                        # The job waits for its last save (and the bundle) anyway: all of it blocks.
                         reason = "preemption" if preempted else "final" if step == t.steps else "interval"
+                        bundle = (lambda: write_bundle(cfg, state["params"], self.console)) \
+                            if reason == "final" else None
                         self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
-                                       reason=reason)
-                        if reason == "final":
-                            write_bundle(cfg, state["params"], self.console)
+                                       reason=reason, wait=reason != "interval", then=bundle)
                     self.last_end = time.perf_counter()
                 if preempted:
                     break
@@ -363,14 +366,15 @@ class _Loop:
     def _finish(self, step: int, metrics: dict, data_wait: float) -> None:
         """Fetch a step's metrics (waiting for it), then log, print and record its events."""
         host = jax.device_get(metrics)
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()  # the step's end, on both clocks
         step_time, self.last_end = now - self.last_end, now
         row = self.log.step_row(step, host, step_time)
         row["data_wait"] = data_wait
         first = step == self.start + 1
         if first:
-            self.events.emit("first_step", step, seconds=self.events.seconds())
-        self.events.emit("step", step, step_time=step_time, data_wait=data_wait)
+            self.events.emit("first_step", step, at=wall, seconds=wall - self.events.start_time)
+        # Stamped with the step's end, so ``time - step_time`` is when it began (docs/events.md).
+        self.events.emit("step", step, at=wall, step_time=step_time, data_wait=data_wait)
         self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
                                                        "tokens_per_sec_per_device", "mfu", "emfu", "moe_load_balance",
                                                        "moe_router_z", "moe_dropped") if k in row})
