@@ -89,6 +89,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from rich.console import Console
+
+    from hypertron.monitor import report as mon
+
+    def build():
+        now = time.time()
+        return mon.build(args.run_dir, now=now, hang_factor=args.hang_factor, hang_min=args.hang_min,
+                         window=mon.window_of(args.since, args.window, now))
+
+    if args.hang_factor <= 0 or args.hang_min < 0:
+        raise mon.MonitorError("--hang-factor must be positive and --hang-min not negative")
+    if args.follow is None:
+        rep = build()
+        if args.json:
+            print(json.dumps(mon.to_json(rep), indent=1, default=str))
+        else:
+            Console(soft_wrap=True).print(mon.render(rep))
+        return 1 if rep.alarms else 0
+    from rich.live import Live
+
+    console = Console()
+    with Live(mon.render(build()), console=console, refresh_per_second=1, screen=False) as live:
+        while True:
+            time.sleep(args.follow)
+            rep = build()
+            live.update(mon.render(rep))
+            if rep.goodput is not None and rep.goodput.jobs[-1].status != mon.RUNNING:
+                return 1 if rep.alarms else 0
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from hypertron.data.pretokenize import tokenize_corpus
 
@@ -231,6 +265,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run on the CPU with K simulated devices per process")
     lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     lo.set_defaults(func=cmd_launch)
+
+    mo = sub.add_parser(
+        "monitor", help="goodput, badput by cause, disruptions and alarms of a training run",
+        description="Report where a training run's time went, by ml-goodput-measurement's definitions, "
+        "from its run directory: goodput, badput by cause, jobs, disruptions, step-time deviation, and "
+        "alarms (a hung process, a NaN loss, loss spikes). Exit 1 when an alarm is raised. "
+        "docs/monitoring.md defines every figure.",
+    )
+    mo.add_argument("run_dir", metavar="RUN_DIR")
+    mo.add_argument("--json", action="store_true", help="print the report as JSON")
+    mo.add_argument("--follow", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 5) until the run's job stops")
+    mo.add_argument("--since", metavar="TIME", help="also report the window from TIME (ISO date-time, "
+                    "Unix time, or a duration before now such as 2h)")
+    mo.add_argument("--window", metavar="DURATION", help="the window's length (90s, 30m, 2h); alone: "
+                    "the last DURATION")
+    mo.add_argument("--hang-factor", type=float, default=10.0, metavar="K",
+                    help="hung: no step for K x the ideal step time (default %(default)s)...")
+    mo.add_argument("--hang-min", type=float, default=60.0, metavar="S",
+                    help="...and at least S seconds (default %(default)s)")
+    mo.set_defaults(func=cmd_monitor)
 
     k = sub.add_parser(
         "tokenize", help="pre-tokenise a corpus for data.source=tokens",

@@ -1,0 +1,120 @@
+"""How fast `hypertron monitor` analyses a big run: N steps x P processes of job events.
+
+    python bench/monitor.py [--steps 1000000] [--processes 8] [--jobs 3] [--repeats 3] [--dir DIR]
+
+Writes a synthetic run directory the way `hypertron train` writes one (``events.jsonl`` for process
+0, ``events.<i>.jsonl`` for the others, one ``step`` event per step plus job, restore, save and eval
+events, ``--jobs`` jobs with a disruption between each), then times the whole analysis,
+:func:`hypertron.monitor.report.build` (read every file, goodput over all jobs, step-time
+deviation, each process's progress and hang check) and the JSON report, best of ``--repeats``.
+The files are written once and kept in ``--dir`` (default: a temporary directory, removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hypertron.monitor import report as mon  # noqa: E402
+
+
+def write_run(run: Path, steps: int, processes: int, jobs: int, seed: int = 0) -> int:
+    """The run's event files; returns their total size in bytes."""
+    rng = np.random.default_rng(seed)
+    run.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    t, step = 1.7e9, 0
+    per_job = steps // jobs
+    for j in range(jobs):
+        lines.append(json.dumps({"time": t, "event": "job_start", "process": 0, "step": None, "pid": 1,
+                                 "host": "bench", "process_count": processes, "argv": ["hypertron", "train"]}))
+        t += 2.0
+        lines.append(json.dumps({"time": t, "event": "backend_ready", "process": 0, "step": None,
+                                 "platform": "gpu", "device_count": 8 * processes, "local_device_count": 8,
+                                 "seconds": 2.0}))
+        if j:
+            step = max(0, step - 500)  # resumed 500 steps back: a disruption
+            lines.append(json.dumps({"time": t + 1, "event": "restore_start", "process": 0, "step": step}))
+            t += 5.0
+            lines.append(json.dumps({"time": t, "event": "restore_end", "process": 0, "step": step,
+                                     "seconds": 4.0, "data_restored": True}))
+        t += 3.0
+        n = per_job if j < jobs - 1 else steps - per_job * (jobs - 1)
+        times = np.where(rng.random(n) < 0.01, 2.0, 0.5) + rng.random(n) * 0.01
+        times[0] += 60.0  # compile
+        ends = t + np.cumsum(times)
+        for i in range(n):
+            step += 1
+            lines.append(f'{{"time": {float(ends[i])!r}, "event": "step", "process": 0, "step": {step}, '
+                         f'"step_time": {float(times[i])!r}, "data_wait": 0.0001}}')
+            if step % 1000 == 0:
+                lines.append(json.dumps({"time": ends[i], "event": "checkpoint_save_start", "process": 0,
+                                         "step": step, "reason": "interval"}))
+                lines.append(json.dumps({"time": ends[i] + 3, "event": "checkpoint_save_end", "process": 0,
+                                         "step": step, "seconds": 3.0, "blocking_seconds": 0.2}))
+        t = float(ends[-1])
+        if j == jobs - 1:
+            lines.append(json.dumps({"time": t + 1, "event": "job_end", "process": 0, "step": step,
+                                     "status": "completed", "seconds": 1.0}))
+        t += 120.0  # killed; the next job starts two minutes later
+    text = ("\n".join(lines) + "\n").encode()
+    size = 0
+    for p in range(processes):
+        path = run / ("events.jsonl" if p == 0 else f"events.{p}.jsonl")
+        path.write_bytes(text if p == 0 else text.replace(b'"process": 0', b'"process": %d' % p))
+        size += path.stat().st_size
+    return size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, help="keep the run here (written if it holds no events.jsonl)")
+    args = ap.parse_args()
+    tmp = None if args.dir else tempfile.mkdtemp(prefix="hypertron-monitor-bench-")
+    run = args.dir or Path(tmp)
+    try:
+        t0 = time.perf_counter()
+        if not (run / "events.jsonl").exists():
+            size = write_run(run, args.steps, args.processes, args.jobs)
+        else:
+            size = sum(p.stat().st_size for p in run.glob("events*.jsonl"))
+        wrote = time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            rep = mon.build(run, now=2e9)
+            json.dumps(mon.to_json(rep), default=str)
+            best = min(best, time.perf_counter() - t0)
+        g = rep.goodput
+        print(f"# hypertron monitor bench  {datetime.date.today()}  {platform.node()}  "
+              f"{os.cpu_count()} CPUs  Python {platform.python_version()}")
+        print(f"# command: python bench/monitor.py --steps {args.steps} --processes {args.processes} "
+              f"--jobs {args.jobs} --repeats {args.repeats}")
+        print(f"events: {args.steps:,} steps x {args.processes} processes, {args.jobs} jobs, "
+              f"{size / 1e6:,.0f} MB (written in {wrote:.1f} s)")
+        print(f"analysis (read all files, goodput, deviation, per-process progress, JSON): best of "
+              f"{args.repeats} = {best:.2f} s")
+        print(f"check: goodput {g.goodput:.2f}%, {len(g.disruptions)} disruptions, "
+              f"{len(rep.processes)} processes, last step {g.last_step}, ideal step {g.steps.ideal:.4f} s")
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""``hypertron monitor RUN_DIR``: where a run's time went, whether it is healthy, as a table or JSON.
+
+Reads only the run directory (events of every process, ``metrics.jsonl``), never the training
+code: a finished, running, multi-job or multi-process run is reported the same way, locally, in
+about a second per million steps. Goodput is :mod:`hypertron.monitor.goodput`'s; the health checks:
+
+* **hung**: a running job (its process alive, or, seen from another host, an event in the last
+  minute) whose last step ended more than ``hang_factor`` x the ideal step time ago, and at least
+  ``hang_min`` seconds; checked for every process;
+* **loss**: a step whose loss is NaN or infinite, and loss spikes: a loss more than 6 MADs and
+  5% above the median of the previous block of 100 steps.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hypertron.errors import UserError
+from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
+from hypertron.monitor.read import EVENT_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
+from hypertron.runfiles import METRICS_FILE, event_files
+
+HANG_FACTOR, HANG_MIN = 10.0, 60.0
+SPIKE_MADS, SPIKE_BLOCK = 6.0, 100
+
+
+class MonitorError(UserError):
+    """A run directory that cannot be reported on; one line."""
+
+
+@dataclass
+class Process:
+    index: int
+    jobs: int
+    last_step: int | None
+    last_step_end: float | None
+    status: str | None
+    median_step_time: float | None
+    hung: bool = False
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    now: float
+    goodput: Goodput | None
+    processes: list[Process]
+    alarms: list[str] = field(default_factory=list)
+    bad_lines: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    window: dict[str, Any] | None = None
+
+
+def pid_alive(pid: int | None, host: str | None, started: float) -> bool | None:
+    """Whether the job's process still runs: None when it ran on another host (cannot tell)."""
+    if pid is None or host != socket.gethostname():
+        return None
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        # A pid reused by a later process is not the job's.
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= started + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HANG_FACTOR,
+          hang_min: float = HANG_MIN, window: tuple[float, float] | None = None) -> Report:
+    """The report of ``run_dir`` at ``now`` (default: the present)."""
+    run_dir = Path(run_dir)
+    now = time.time() if now is None else now
+    if not run_dir.exists():
+        raise MonitorError(f"{run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise MonitorError(f"{run_dir} is not a directory")
+    files = event_files(run_dir)
+    if 0 not in files:
+        what = "holds no events.jsonl" + (f" (but events of processes {sorted(files)})" if files else "")
+        raise MonitorError(f"{run_dir} {what}: not a hypertron training run, or it has not started yet")
+    report = Report(run_dir, now, None, [])
+    ev = read_jsonl(files[0], EVENT_COLUMNS)
+    _count_bad(report, files[0], ev.bad_lines)
+    jobs, orphans = split_jobs(ev)
+    if orphans:
+        report.notes.append(f"{orphans} events before the first job_start were ignored")
+    if not jobs:
+        report.notes.append("no job has started yet" if not ev.rows else "no job_start event: nothing to report")
+        return report
+    classify(jobs, pid_alive(jobs[-1].pid, jobs[-1].host, jobs[-1].start), now)
+    report.goodput = compute(jobs, now)
+    if window is not None:
+        report.window = report.goodput.window(*window)
+    ideal = report.goodput.steps.ideal
+    report.processes.append(_process(0, jobs, ideal, now, hang_factor, hang_min))
+    for index, path in files.items():
+        if index == 0:
+            continue
+        cols = read_jsonl(path, PROGRESS_COLUMNS, pick=JOB_START)
+        _count_bad(report, path, cols.bad_lines)
+        pjobs, _ = split_jobs(cols)
+        if pjobs:
+            classify(pjobs, pid_alive(pjobs[-1].pid, pjobs[-1].host, pjobs[-1].start), now)
+            report.processes.append(_process(index, pjobs, ideal, now, hang_factor, hang_min))
+    for p in report.processes:
+        if p.hung:
+            report.alarms.append(
+                f"hung: process {p.index} is alive but has not finished a step for "
+                f"{_duration(now - (p.last_step_end or now))} (last step {p.last_step}; "
+                f"ideal step time {_seconds(ideal)})")
+    _loss_alarms(report, run_dir / METRICS_FILE)
+    return report
+
+
+def _count_bad(report: Report, path: Path, bad: int) -> None:
+    if bad:
+        report.bad_lines[path.name] = bad
+
+
+def _process(index: int, jobs: list[Job], ideal: float | None, now: float, factor: float, floor: float) -> Process:
+    last = jobs[-1]
+    with_steps = [j for j in jobs if len(j.steps)]
+    times = np.concatenate([j.step_times[1:] for j in with_steps]) if with_steps else np.zeros(0)
+    p = Process(index=index, jobs=len(jobs), last_step=int(with_steps[-1].steps[-1]) if with_steps else None,
+                last_step_end=float(last.ends[-1]) if len(last.steps) else None, status=last.status,
+                median_step_time=float(np.median(times)) if len(times) else None)
+    if last.status == RUNNING and p.last_step_end is not None and ideal is not None:
+        p.hung = now - p.last_step_end > max(factor * ideal, floor)
+    return p
+
+
+def _loss_alarms(report: Report, path: Path) -> None:
+    if not path.is_file():
+        return
+    m = read_jsonl(path, METRICS_COLUMNS)
+    _count_bad(report, path, m.bad_lines)
+    # Step rows carry a loss (NaN when it diverged); eval rows carry eval_loss instead.
+    rows = np.flatnonzero((m["step"] >= 0) & np.isnan(m["eval_loss"]))
+    loss, steps = m["loss"][rows], m["step"][rows]
+    bad = ~np.isfinite(loss)
+    if bad.any():
+        report.alarms.append(f"loss is not finite at {int(bad.sum())} steps (first: step {int(steps[bad][0])})")
+    spikes = loss_spikes(loss)
+    if len(spikes):
+        report.alarms.append(f"loss spikes at {len(spikes)} steps (first: step {int(steps[spikes[0]])}, "
+                             f"loss {loss[spikes[0]]:.4g})")
+
+
+def loss_spikes(loss: np.ndarray) -> np.ndarray:
+    """Indices of losses more than SPIKE_MADS MADs and 5% above the median of the previous block."""
+    finite = np.where(np.isfinite(loss), loss, np.nan)
+    n = len(finite) // SPIKE_BLOCK
+    if n < 1:
+        return np.zeros(0, np.int64)
+    blocks = finite[: n * SPIKE_BLOCK].reshape(n, SPIKE_BLOCK)
+    med = np.nanmedian(blocks, axis=1)
+    mad = np.nanmedian(np.abs(blocks - med[:, None]), axis=1)
+    # Step i is judged against the last full block that ends before it.
+    idx = np.arange(SPIKE_BLOCK, len(finite))
+    b = idx // SPIKE_BLOCK - 1
+    b = np.minimum(b, n - 1)
+    limit = med[b] + np.maximum(SPIKE_MADS * mad[b], 0.05 * np.abs(med[b]))
+    return idx[finite[idx] > limit]
+
+
+# --- output -------------------------------------------------------------------------------
+
+def to_json(report: Report) -> dict[str, Any]:
+    g = report.goodput
+    out: dict[str, Any] = {"run_dir": str(report.run_dir), "time": report.now, "notes": report.notes,
+                           "alarms": report.alarms, "bad_lines": report.bad_lines}
+    if g is None:
+        return out
+    out.update({
+        "goodput_percent": g.goodput, "total_seconds": g.total, "start": g.start, "end": g.end,
+        "productive_seconds": g.seconds[PRODUCTIVE],
+        "badput_seconds": g.badput(),
+        "badput_percent": {k: 100 * v / g.total if g.total else None for k, v in g.badput().items()},
+        "data_loading_async_seconds": g.data_loading_async,
+        "disruptions": [vars(d) for d in g.disruptions],
+        "max_productive_step": g.max_productive_step, "last_step": g.last_step,
+        "jobs": [{"index": j.index, "start": j.start, "end": j.end, "status": j.status, "pid": j.pid,
+                  "host": j.host, "steps": len(j.steps), "first_step": int(j.steps[0]) if len(j.steps) else None,
+                  "last_step": int(j.steps[-1]) if len(j.steps) else None, "program_startup": s}
+                 for j, s in zip(g.jobs, g.startup)],
+        "step_time": {"ideal": g.steps.ideal, "deviation": g.steps.deviation,
+                      "deviation_interval": g.steps.deviation_interval, "steps": len(g.steps.times),
+                      "anomalous_steps": g.steps.anomalous, "anomalous_extra_seconds": g.steps.anomalous_extra},
+        "processes": [vars(p) for p in report.processes],
+    })
+    if report.window is not None:
+        out["window"] = report.window
+    return out
+
+
+_TITLES = {
+    "backend_init": "backend init", "training_prep": "training preparation",
+    "program_startup": "program startup (compile)", "data_loading_sync": "data loading (first batch)",
+    "checkpoint_save": "checkpoint save (blocking)", "checkpoint_restore": "checkpoint restore",
+    "evaluation": "evaluation", "wasted_progress": "wasted progress (redone steps)",
+    "infrastructure_recovery": "infrastructure recovery", "other": "other",
+}
+
+
+def render(report: Report):
+    """The report as rich renderables."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = []
+    g = report.goodput
+    head = Text(f"{report.run_dir}", style="bold")
+    if g is None:
+        parts.append(head)
+        parts += [Text(n) for n in report.notes]
+        return Group(*parts)
+    status = g.jobs[-1].status
+    head.append(f"  ·  {len(g.jobs)} job{'s' * (len(g.jobs) != 1)}  ·  step {g.last_step}  ·  {status}",
+                style="" if status != KILLED else "yellow")
+    parts.append(head)
+    parts.append(Text(f"goodput {g.goodput:.2f}%  (productive {_duration(g.seconds[PRODUCTIVE])} of "
+                      f"{_duration(g.total)})", style="bold green" if g.goodput >= 90 else "bold yellow"))
+    table = Table(title="badput by cause", title_justify="left", show_edge=False)
+    table.add_column("cause")
+    table.add_column("seconds", justify="right")
+    table.add_column("% of total", justify="right")
+    for key in BADPUT:
+        v = g.seconds[key]
+        table.add_row(_TITLES[key], f"{v:.3f}", f"{100 * v / g.total:.2f}" if g.total else "-")
+    table.add_row("data loading (later batches, overlapped; not badput)", f"{g.data_loading_async:.3f}", "",
+                  style="dim")
+    parts.append(table)
+    if report.window is not None:
+        w = report.window
+        parts.append(Text(f"window {_clock(w['start'])} .. {_clock(w['end'])}: goodput "
+                          + (f"{w['goodput']:.2f}%" if w["goodput"] is not None else "-")
+                          + f" of {_duration(w['total'])}"))
+    jobs = Table(title="jobs", title_justify="left", show_edge=False)
+    for col in ("job", "started", "ran", "steps", "status", "startup"):
+        jobs.add_column(col, justify="right" if col in ("ran", "startup") else "left")
+    for j, s in zip(g.jobs, g.startup):
+        end = j.end if j.end is not None else (report.now if j.status == RUNNING else j.last_event)
+        steps = f"{int(j.steps[0])}-{int(j.steps[-1])}" if len(j.steps) else "none"
+        jobs.add_row(str(j.index), _clock(j.start), _duration(end - j.start), steps, j.status or "", _duration(s))
+    parts.append(jobs)
+    if g.disruptions:
+        dis = Table(title=f"disruptions ({len(g.disruptions)})", title_justify="left", show_edge=False)
+        for col in ("job", "ended", "last step", "resumed at", "redone", "wasted", "recovery"):
+            dis.add_column(col)
+        for d in g.disruptions:
+            dis.add_row(str(d.job), d.status, str(d.last_step), str(d.resumed_at), str(d.redone_steps),
+                        _duration(d.wasted), _duration(d.recovery))
+        parts.append(dis)
+    s = g.steps
+    if s.ideal is not None:
+        parts.append(Text(f"step time: ideal {_seconds(s.ideal)}, deviation {_seconds(s.deviation)} "
+                          f"over {len(s.times)} steps; {s.anomalous} anomalous (+{_duration(s.anomalous_extra)})"))
+    if len(report.processes) > 1:
+        procs = Table(title="processes", title_justify="left", show_edge=False)
+        for col in ("process", "jobs", "last step", "since last step", "median step", "status"):
+            procs.add_column(col)
+        for p in report.processes:
+            since = _duration(report.now - p.last_step_end) if p.last_step_end else "-"
+            procs.add_row(str(p.index), str(p.jobs), str(p.last_step), since, _seconds(p.median_step_time),
+                          ("hung" if p.hung else p.status or ""), style="red" if p.hung else "")
+        parts.append(procs)
+    for alarm in report.alarms:
+        parts.append(Text("alarm: " + alarm, style="bold red"))
+    for name, n in report.bad_lines.items():
+        parts.append(Text(f"{name}: {n} unreadable line{'s' * (n != 1)} skipped", style="yellow"))
+    for note in report.notes:
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return (f"{d}d" if d else "") + (f"{h}h" if h or d else "") + f"{m:02d}m{s:02d}s"
+
+
+def _seconds(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+# --- time arguments ---------------------------------------------------------------------------
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d`` as seconds (positive)."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
+    except ValueError:
+        raise MonitorError(f"{what}={text!r}: not a duration (use 90s, 30m, 2h or 1d)") from None
+    if not value > 0 or not math.isfinite(value):
+        raise MonitorError(f"{what}={text!r}: must be a positive duration")
+    return value
+
+
+def parse_time(text: str, now: float) -> float:
+    """``--since``: a Unix time, an ISO date-time (local time unless it names its zone), or a
+    duration before now (``2h``)."""
+    from datetime import datetime
+
+    t = text.strip()
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(t).timestamp()
+    except ValueError:
+        pass
+    try:
+        return now - parse_duration(t, "--since")
+    except MonitorError:
+        raise MonitorError(f"--since={text!r}: not a time (use an ISO date-time, a Unix time, or a "
+                           "duration before now such as 2h)") from None
+
+
+def window_of(since: str | None, window: str | None, now: float) -> tuple[float, float] | None:
+    """[since, since + window], [since, now], or the last ``window`` seconds."""
+    if since is None and window is None:
+        return None
+    length = parse_duration(window, "--window") if window is not None else None
+    if since is None:
+        return (now - length, now)
+    lo = parse_time(since, now)
+    return (lo, lo + length if length is not None else now)
