@@ -168,6 +168,8 @@ def test_hand_built_history_gives_the_hand_computed_values(tmp_path):
     assert w["seconds"]["wasted_progress"] == pytest.approx(2.0, abs=1e-9)
     assert w["seconds"]["infrastructure_recovery"] == pytest.approx(9.0, abs=1e-9)
     assert w["goodput"] == pytest.approx(100 * 3.25 / 20, abs=1e-9)
+    assert g.window(0.0, 999.0)["total"] == 0 and g.window(0.0, 999.0)["goodput"] is None
+    assert g.window(0.0, 1e4)["seconds"] == pytest.approx(g.seconds, abs=1e-9)  # the whole run
 
 
 def _reference(entries, tmp_path):

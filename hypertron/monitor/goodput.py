@@ -245,10 +245,10 @@ class Goodput:
         return {k: self.seconds[k] for k in BADPUT}
 
     def window(self, lo: float, hi: float) -> dict[str, Any]:
-        """Goodput and badput over [lo, hi] clipped to the run."""
-        lo, hi = max(lo, self.start), min(hi, self.end)
-        total = max(0.0, hi - lo)
-        seconds = self.timeline.totals(lo, hi) if total > 0 else dict.fromkeys(LABELS, 0.0)
+        """Goodput and badput over the part of [lo, hi] the run covers (``total`` 0: none)."""
+        a, b = max(lo, self.start), min(hi, self.end)
+        total = max(0.0, b - a)
+        seconds = self.timeline.totals(a, b) if total > 0 else dict.fromkeys(LABELS, 0.0)
         return {"start": lo, "end": hi, "total": total, "seconds": seconds,
                 "goodput": 100.0 * seconds[PRODUCTIVE] / total if total > 0 else None}
 

@@ -240,9 +240,12 @@ def render(report: Report):
     parts.append(table)
     if report.window is not None:
         w = report.window
-        parts.append(Text(f"window {_clock(w['start'])} .. {_clock(w['end'])}: goodput "
-                          + (f"{w['goodput']:.2f}%" if w["goodput"] is not None else "-")
-                          + f" of {_duration(w['total'])}"))
+        text = f"window {_clock(w['start'])} .. {_clock(w['end'])}: "
+        if w["total"] > 0:
+            parts.append(Text(text + f"goodput {w['goodput']:.2f}% of the {_duration(w['total'])} the run "
+                              f"spent in it (productive {_duration(w['seconds'][PRODUCTIVE])})"))
+        else:
+            parts.append(Text(text + "the run did not run then", style="yellow"))
     jobs = Table(title="jobs", title_justify="left", show_edge=False)
     for col in ("job", "started", "ran", "steps", "status", "startup"):
         jobs.add_column(col, justify="right" if col in ("ran", "startup") else "left")
