@@ -246,11 +246,11 @@ def test_goodput_matches_ml_goodput_measurement(tmp_path, seed):
 
 @pytest.mark.slow
 def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
-    """SIGSTOP after step 9 (checkpoint at 6): alive but not stepping, so hung; SIGKILL: killed;
+    """SIGSTOP after step 9 (checkpoint at 6, final): alive but not stepping, so hung; SIGKILL: killed;
     resumed to 12: one disruption, wasted = the first job's steps 7-9, recovery as defined."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", "hypertron.cli", "train", "model=tiny", f"run_dir={run}", "data.source=stdlib",
-            "train.steps=12", "train.global_batch=8", "train.seq_len=128", "checkpoint.every=6",
+            "train.steps=12", "train.global_batch=8", "train.seq_len=64", "checkpoint.every=6",
             "train.log_every=100"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -258,7 +258,10 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
-            if events.exists() and '"step": 9,' in events.read_text():
+            # Stopped once step 9 is recorded and the asynchronous save of step 6 is final (else the
+            # resumed job would rightly start over): usually right after step 9.
+            text = events.read_text() if events.exists() else ""
+            if '"step": 9,' in text and '"checkpoint_save_end"' in text:
                 os.kill(proc.pid, signal.SIGSTOP)
                 break
             time.sleep(0.001)
