@@ -22,7 +22,8 @@ from rich.console import Console
 
 from hypertron.checkpoint import MANIFEST, CheckpointError
 from hypertron.config import load_config
-from hypertron.train.events import EVENTS, read_events
+from hypertron.runfiles import EVENTS
+from hypertron.train.events import read_events
 from hypertron.train.loop import train
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

@@ -104,7 +104,7 @@ def test_bfloat16_compute_tracks_float32():
         np.testing.assert_allclose(m["loss"], f32["loss"], rtol=2e-2)
 
 
-@pytest.mark.parametrize("source", ["stdlib", "synthetic"])
+@pytest.mark.parametrize("source", ["synthetic"])  # stdlib: tests/test_tracker.py
 def test_periodic_eval_on_the_held_out_split(tmp_path, source):
     run = tmp_path / "run"
     result = train(load_config(None, TINY + [f"run_dir={run}", f"data.source={source}", "train.steps=4",

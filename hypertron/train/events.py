@@ -5,24 +5,20 @@ directory: process 0 to ``events.jsonl``, process ``i > 0`` to
 ``events.<i>.jsonl``, so no line is written twice and no two writers share a
 file. Every event has ``time`` (Unix seconds, float), ``event`` (a name),
 ``process`` (the JAX process index) and ``step`` (or null); the other fields
-depend on the event. The schema is documented in ``docs/events.md``.
-
-Process 0 also writes the scalars (train and eval loss, step time, data
-wait, throughput) as TensorBoard event files under ``run_dir/tensorboard``,
-with ``tensorboardX``: it writes the TensorBoard file format without pulling
-in TensorFlow or the TensorBoard server.
+depend on the event. The schema is documented in ``docs/events.md``; the
+loop stamps events once (:class:`hypertron.train.tracker.Tracking`) and
+:class:`EventFile` is the sink that writes them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from hypertron.runfiles import EVENTS, TENSORBOARD_DIR, events_path
+from hypertron.runfiles import events_path
+from hypertron.train.tracker import Tracker
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
@@ -36,56 +32,21 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
-class EventLog:
-    """Appends events for this process; thread-safe (checkpoint ends arrive from Orbax's thread)."""
+class EventFile(Tracker):
+    """The sink that appends this process's events to its file in the run directory."""
 
-    def __init__(self, run_dir: str | Path, process_index: int = 0, tensorboard: bool = True,
-                 start_time: float | None = None):
-        self.process_index = process_index
-        self.start_time = time.time() if start_time is None else start_time  # when the job began
-        self._lock = threading.Lock()
+    def __init__(self, run_dir: str | Path, process_index: int = 0):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         path = events_path(run_dir, process_index)
         self._file = path.open("a", buffering=1)
         if _ends_mid_line(path):  # a killed writer's torn line: it stays alone on its line
             self._file.write("\n")
-        self._tb = None
-        if tensorboard and process_index == 0:
-            from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), flush_secs=10)
+    def event(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
 
-    def emit(self, event: str, step: int | None = None, *, at: float | None = None,
-             **fields: Any) -> dict[str, Any]:
-        """Write one event, stamped now (or ``at``, a Unix time); returns it."""
-        if event not in EVENTS:
-            raise ValueError(f"unknown event {event!r}")
-        record = {"time": time.time() if at is None else at, "event": event, "process": self.process_index, "step": step, **fields}
-        line = json.dumps(record)
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(line + "\n")
-        return record
-
-    def seconds(self) -> float:
-        """Seconds since this log (the job) started."""
-        return time.time() - self.start_time
-
-    def scalars(self, step: int, values: dict[str, float | None], prefix: str = "train") -> None:
-        """TensorBoard scalars ``prefix/name`` at ``step`` (process 0 only; None values skipped)."""
-        if self._tb is None:
-            return
-        with self._lock:
-            for name, value in values.items():
-                if value is not None:
-                    self._tb.add_scalar(f"{prefix}/{name}", value, step)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-            self._file.close()
+    def finish(self, status: str) -> None:
+        self._file.close()
 
 
 def _ends_mid_line(path: Path) -> bool:

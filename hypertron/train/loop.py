@@ -16,12 +16,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hypertron.checkpoint import (
     CheckpointError,
@@ -41,11 +40,13 @@ from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
 from hypertron.parallel.mesh import make_mesh
-from hypertron.train.events import EventLog, job_start_fields
+from hypertron.runfiles import METRICS_FILE, TENSORBOARD_DIR
+from hypertron.train.events import EventFile, job_start_fields
 from hypertron.train.flops import device_peak_flops, train_flops_per_token
-from hypertron.train.metrics import MetricsLog, Throughput, format_row, is_interactive, mean_row
+from hypertron.train.metrics import ConsoleTracker, MetricsFile, TensorBoard, Throughput
 from hypertron.train.preemption import StopSignal
 from hypertron.train.step import global_batch, make_trainer
+from hypertron.train.tracker import Tracker, Tracking
 
 
 @dataclass
@@ -104,8 +105,24 @@ def check_init_from(cfg: Config) -> None:
         )
 
 
-def train(cfg: Config, console: Console | None = None) -> TrainResult:
-    """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest usable checkpoint if there is one."""
+def standard_trackers(cfg: Config, console: Console) -> list[Tracker]:
+    """The sinks every run has: this process's event file; on process 0 also ``metrics.jsonl``,
+    TensorBoard and the console (the other processes print nothing but errors)."""
+    run_dir = Path(cfg.run_dir)
+    sinks: list[Tracker] = [EventFile(run_dir, jax.process_index())]
+    if jax.process_index() == 0:
+        sinks += [MetricsFile(run_dir / METRICS_FILE), TensorBoard(run_dir / TENSORBOARD_DIR),
+                  ConsoleTracker(console, cfg.train.log_every)]
+    return sinks
+
+
+def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracker] = ()) -> TrainResult:
+    """Train ``cfg`` in ``cfg.run_dir``, resuming from its latest usable checkpoint if there is one.
+
+    ``trackers`` are sinks beside the standard ones (:func:`standard_trackers`): each is told
+    when the loop begins, every step's and evaluation's scalars, every job event and the end
+    (:mod:`hypertron.train.tracker`).
+    """
     started = time.time()
     check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field, tokenizer=cfg.data.tokenizer)
     distributed.initialize(cfg.distributed)
@@ -125,14 +142,14 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         if ckpt:
             ckpt.close()
         raise
-    events = EventLog(run_dir, jax.process_index(), start_time=started)
-    events.emit("job_start", at=started, **job_start_fields(jax.process_count()))
-    events.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
+    tracking = Tracking([*standard_trackers(cfg, console), *trackers], jax.process_index(), start_time=started)
+    tracking.emit("job_start", at=started, **job_start_fields(jax.process_count()))
+    tracking.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
                 local_device_count=jax.local_device_count(), seconds=backend_ready - started)
     for step, problem in skipped:
-        events.emit("checkpoint_skipped", step, reason=problem)
+        tracking.emit("checkpoint_skipped", step, reason=problem)
     if ckpt:
-        ckpt.events = events
+        ckpt.events = tracking
     status, last = "failed", None
     try:
         with StopSignal() as stop:
@@ -145,8 +162,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             # Built now, so a bad eval split fails before compiling, not hours in.
             eval_data = batches_for(cfg, split="eval") if cfg.train.eval_every else None
             trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
-            state, start = _initial_state(cfg, trainer, ckpt, start, data, events, console)
-            loop = _Loop(cfg, trainer, ckpt, events, stop, console, eval_data)
+            state, start = _initial_state(cfg, trainer, ckpt, start, data, tracking, console)
+            loop = _Loop(cfg, trainer, ckpt, tracking, stop, console, eval_data)
             last = start
             try:
                 result = loop.run(state, start, data)
@@ -161,8 +178,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
             if ckpt:
                 ckpt.close()  # waits for an async save in flight, also on Ctrl-C
         finally:
-            events.emit("job_end", last, status=status, seconds=events.seconds())
-            events.close()
+            tracking.emit("job_end", last, status=status, seconds=tracking.seconds())
+            tracking.finish(status)
     _summarise(result, start, ckpt is not None, run_dir, console)
     return result
 
@@ -217,10 +234,10 @@ def _usable_start(ckpt: Checkpointer | None, console) -> tuple[int | None, list[
 
 
 def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int | None, data,
-                   events: EventLog, console):
+                   tracking: Tracking, console):
     """The state to start from: the latest checkpoint, else ``train.init_from``'s parameters, else random."""
     if start is not None:
-        state, start = _restore(cfg, trainer, ckpt, start, data, events, console)
+        state, start = _restore(cfg, trainer, ckpt, start, data, tracking, console)
         state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
         return state, start
     state = trainer.init(jax.random.key(cfg.train.seed))
@@ -238,7 +255,7 @@ def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int |
     return state, 0
 
 
-def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events: EventLog, console):
+def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, tracking: Tracking, console):
     """Restore ``start``, or the newest older usable step if it cannot be read.
 
     A step that fails to load is only set aside once an older one has loaded
@@ -252,7 +269,7 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events:
         if ckpt.unverified(step):
             console.print(f"checkpoint {step} has no manifest (older, or killed just after saving): "
                           "its files are not verified", highlight=False)
-        events.emit("restore_start", step)
+        tracking.emit("restore_start", step)
         t0 = time.time()
         try:
             state = ckpt.restore(step, trainer.abstract_state())
@@ -268,7 +285,7 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events:
                 raise CheckpointError(f"checkpoint {step} could not be read ({reason})") from None
             console.print(f"checkpoint {step} could not be read ({reason}); trying an earlier one",
                           highlight=False)
-            events.emit("checkpoint_skipped", step, reason=reason)
+            tracking.emit("checkpoint_skipped", step, reason=reason)
             failed.append((step, reason))
             continue
         if failed:  # out of the way, so this run can save those steps again; kept, not deleted
@@ -277,7 +294,7 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, events:
         if not data_restored:
             console.print(f"the data settings differ from those of step {step}: the data stream starts afresh",
                           highlight=False)
-        events.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored)
+        tracking.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored)
         return state, step
     first_step, first_reason = failed[0]
     raise CheckpointError(
@@ -304,15 +321,12 @@ class _Loop:
     from the start of the loop, so it holds the compilation and the first batch.
     """
 
-    def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, events: EventLog, stop: StopSignal,
+    def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, tracking: Tracking, stop: StopSignal,
                  console, eval_data=None):
-        self.cfg, self.trainer, self.ckpt, self.events, self.stop = cfg, trainer, ckpt, events, stop
+        self.cfg, self.trainer, self.ckpt, self.tracking, self.stop = cfg, trainer, ckpt, tracking, stop
         self.eval_data = None if eval_data is None else (eval_data, eval_data.get_state())
         self.console = console
-        t = cfg.train
-        tokens = t.global_batch * t.seq_len
-        self.log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", _throughput(cfg, tokens))
-        self.interval: list[dict] = []
+        self.throughput = _throughput(cfg, cfg.train.global_batch * cfg.train.seq_len)
         self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
 
@@ -320,75 +334,58 @@ class _Loop:
         t, cfg = self.cfg.train, self.cfg
         self.result = TrainResult(start, start, [], [])
         self.start = start
-        progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(), console=self.console, disable=not is_interactive(),
-        )
         pending = None
-        with progress:
-            self.progress, self.task = progress, progress.add_task("train", total=t.steps, completed=start,
-                                                                   info="compiling")
-            self.last_end = time.perf_counter()  # the first step's time runs from here
-            for step in range(start + 1, t.steps + 1):
-                t0 = time.perf_counter()
-                local = next(data)
-                data_wait = time.perf_counter() - t0
-                state, metrics = self.trainer.step(state, global_batch(local, self.trainer.batch_sharding))
-                if pending:
-                    self._finish(*pending)
-                pending = (step, metrics, data_wait)
-                # SIGTERM during the last step changes nothing: the run completes and saves anyway.
-                preempted = self.stop.reached(step) and step < t.steps
-                save = self.ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps or preempted)
-                evaluate = t.eval_every and step % t.eval_every == 0
-                if save or evaluate or preempted:
-                    self._finish(*pending)
-                    pending = None
-                    if preempted:
-                        self.events.emit("preemption", step, signal="SIGTERM")
-                        self.result.status = "preempted"
-                    if evaluate:
-                        self._evaluate(state, step)
-                    if save:
-                        # The job waits for its last save (and the bundle) anyway: all of it blocks.
-                        reason = "preemption" if preempted else "final" if step == t.steps else "interval"
-                        bundle = (lambda: write_bundle(cfg, state["params"], self.console)) \
-                            if reason == "final" else None
-                        self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
-                                       reason=reason, wait=reason != "interval", then=bundle)
-                    self.last_end = time.perf_counter()
-                if preempted:
-                    break
+        self.tracking.begin(start, t.steps)
+        self.last_end = time.perf_counter()  # the first step's time runs from here
+        for step in range(start + 1, t.steps + 1):
+            t0 = time.perf_counter()
+            local = next(data)
+            data_wait = time.perf_counter() - t0
+            state, metrics = self.trainer.step(state, global_batch(local, self.trainer.batch_sharding))
             if pending:
                 self._finish(*pending)
+            pending = (step, metrics, data_wait)
+            # SIGTERM during the last step changes nothing: the run completes and saves anyway.
+            preempted = self.stop.reached(step) and step < t.steps
+            save = self.ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps or preempted)
+            evaluate = t.eval_every and step % t.eval_every == 0
+            if save or evaluate or preempted:
+                self._finish(*pending)
+                pending = None
+                if preempted:
+                    self.tracking.emit("preemption", step, signal="SIGTERM")
+                    self.result.status = "preempted"
+                if evaluate:
+                    self._evaluate(state, step)
+                if save:
+                    # The job waits for its last save (and the bundle) anyway: all of it blocks.
+                    reason = "preemption" if preempted else "final" if step == t.steps else "interval"
+                    bundle = (lambda: write_bundle(cfg, state["params"], self.console)) \
+                        if reason == "final" else None
+                    self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
+                                   reason=reason, wait=reason != "interval", then=bundle)
+                self.last_end = time.perf_counter()
+            if preempted:
+                break
+        if pending:
+            self._finish(*pending)
         return self.result
 
     def _finish(self, step: int, metrics: dict, data_wait: float) -> None:
-        """Fetch a step's metrics (waiting for it), then log, print and record its events."""
+        """Fetch a step's metrics (waiting for it), then report its scalars and events."""
         host = jax.device_get(metrics)
         now, wall = time.perf_counter(), time.time()  # the step's end, on both clocks
         step_time, self.last_end = now - self.last_end, now
-        row = self.log.step_row(step, host, step_time)
-        row["data_wait"] = data_wait
-        first = step == self.start + 1
-        if first:
-            self.events.emit("first_step", step, at=wall, seconds=wall - self.events.start_time)
+        values = {k: (float(v) if getattr(v, "ndim", 0) == 0 else [float(x) for x in v]) for k, v in host.items()}
+        values.update(self.throughput.rates(step_time), data_wait=data_wait)
+        if step == self.start + 1:
+            self.tracking.emit("first_step", step, at=wall, seconds=wall - self.tracking.start_time)
         # Stamped with the step's end, so ``time - step_time`` is when it began (docs/events.md).
-        self.events.emit("step", step, at=wall, step_time=step_time, data_wait=data_wait)
-        self.events.scalars(step, {k: row[k] for k in ("loss", "grad_norm", "lr", "step_time", "data_wait",
-                                                       "tokens_per_sec_per_device", "mfu", "emfu", "moe_load_balance",
-                                                       "moe_router_z", "moe_dropped") if k in row})
-        self.result.losses.append(row["loss"])
-        self.result.rows.append(row)
+        self.tracking.emit("step", step, at=wall, step_time=step_time, data_wait=data_wait)
+        self.tracking.scalars(step, values)
+        self.result.losses.append(values["loss"])
+        self.result.rows.append({"step": step, **values})
         self.result.last_step = step
-        self.interval.append(row)
-        t = self.cfg.train
-        if first or step % t.log_every == 0 or step == t.steps:
-            # The first step carries the compile: it is printed alone.
-            self.console.print(format_row(mean_row(self.interval)), highlight=False)
-            self.progress.update(self.task, info=f"loss {row['loss']:.3f}")
-            self.interval = []
-        self.progress.update(self.task, completed=step)
 
     def _evaluate(self, state, step: int) -> None:
         """Mean loss over ``train.eval_batches`` batches of the held-out split (the same batches each time)."""
@@ -403,11 +400,9 @@ class _Loop:
         tokens = sum(float(x["weight"]) for x in totals)
         loss = nll / max(tokens, 1.0)
         seconds = time.time() - t0
-        row = self.log.write({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_seconds": seconds})
-        self.result.eval_rows.append(row)
-        self.events.emit("eval", step, loss=loss, tokens=tokens, seconds=seconds)
-        self.events.scalars(step, {"loss": loss}, prefix="eval")
-        self.console.print(f"step {step:>6} | eval_loss {loss:.4f} | {tokens:,.0f} tokens", highlight=False)
+        self.tracking.scalars(step, {"loss": loss, "tokens": tokens, "seconds": seconds}, group="eval")
+        self.tracking.emit("eval", step, loss=loss, tokens=tokens, seconds=seconds)
+        self.result.eval_rows.append({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_seconds": seconds})
 
 
 def steps_per_second(result: TrainResult) -> float:

@@ -1,4 +1,5 @@
-"""Step metrics: throughput arithmetic, the JSONL log, and the console display.
+"""Step metrics: throughput arithmetic, and the sinks that show and keep them (the console
+lines and progress bar, ``metrics.jsonl``, TensorBoard; :mod:`hypertron.train.tracker`).
 
 The loop fetches each step's metrics while the next step already runs on the
 device, so the host never leaves the device idle to log.
@@ -11,9 +12,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from hypertron.train.tracker import Tracker
 
 
 @dataclass
@@ -43,25 +47,77 @@ class Throughput:
         return out
 
 
-@dataclass
-class MetricsLog:
-    """Rows of step (and eval) metrics, appended to ``metrics.jsonl`` by process 0 only."""
+class MetricsFile(Tracker):
+    """The sink that appends one JSON line per step and per evaluation to ``metrics.jsonl``
+    (process 0's): ``step``, the values (an evaluation's prefixed ``eval_``), ``time``."""
 
-    path: Path | None
-    throughput: Throughput
+    def __init__(self, path: str | Path):
+        self._file = Path(path).open("a", buffering=1)
 
-    def step_row(self, step: int, metrics: dict[str, Any], step_time: float) -> dict[str, Any]:
-        """The row of one finished step (``metrics`` already on the host); written and returned."""
-        values = {k: (float(v) if getattr(v, "ndim", 0) == 0 else [float(x) for x in v]) for k, v in metrics.items()}
-        row = {"step": step, **values, **self.throughput.rates(step_time)}
-        return self.write(row)
+    def scalars(self, step: int, values: Mapping[str, Any], group: str = "train") -> None:
+        named = values if group == "train" else {f"{group}_{k}": v for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, **named, "time": time.time()}) + "\n")
 
-    def write(self, row: dict[str, Any]) -> dict[str, Any]:
-        row["time"] = time.time()
-        if self.path is not None and jax.process_index() == 0:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-        return row
+    def finish(self, status: str) -> None:
+        self._file.close()
+
+
+class TensorBoard(Tracker):
+    """The sink that writes every numeric scalar as ``group/name`` to TensorBoard event files,
+    with ``tensorboardX`` (the file format without TensorFlow or the TensorBoard server)."""
+
+    def __init__(self, logdir: str | Path, flush_secs: int = 10):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(str(logdir), flush_secs=flush_secs)
+
+    def scalars(self, step: int, values: Mapping[str, Any], group: str = "train") -> None:
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{group}/{name}", value, step)
+
+    def finish(self, status: str) -> None:
+        self._writer.close()
+
+
+class ConsoleTracker(Tracker):
+    """The sink that prints a line per ``log_every`` steps (their mean rates; the first step,
+    which carries the compile, alone) and per evaluation, and draws a progress bar on a terminal."""
+
+    def __init__(self, console: Console, log_every: int, interactive: bool | None = None):
+        self.console, self.log_every = console, log_every
+        self.interactive = is_interactive() if interactive is None else interactive
+        self.interval: list[dict[str, Any]] = []
+        self.first = self.total = None
+        self.progress = self.task = None
+
+    def begin(self, step: int, total: int) -> None:
+        self.first, self.total = step + 1, total
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(), console=self.console, disable=not self.interactive,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=total, completed=step, info="compiling")
+
+    def scalars(self, step: int, values: Mapping[str, Any], group: str = "train") -> None:
+        if group != "train":
+            extra = f" | {values['tokens']:,.0f} tokens" if "tokens" in values else ""
+            self.console.print(f"step {step:>6} | {group}_loss {values['loss']:.4f}{extra}", highlight=False)
+            return
+        self.interval.append({"step": step, **values})
+        if step == self.first or step % self.log_every == 0 or step == self.total:
+            self.console.print(format_row(mean_row(self.interval)), highlight=False)
+            self.interval = []
+            if self.progress:
+                self.progress.update(self.task, info=f"loss {values['loss']:.3f}")
+        if self.progress:
+            self.progress.update(self.task, completed=step)
+
+    def finish(self, status: str) -> None:
+        if self.progress:
+            self.progress.stop()
+            self.progress = None
 
 
 def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
