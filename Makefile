@@ -1,5 +1,5 @@
 # make demo: venv, install, train the tiny model on the embedded corpus (CPU), generate.
-# make test: install the test extras and run the suite.
+# make test: install the test extras (and, as root, the Debian packages some tests start) and run the suite.
 # make gpu-wheels: the cp312 wheels the GPU machines lack, into .whl/, checked (bench/gpu_wheels.py).
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +24,11 @@ demo: $(VENV)/.installed
 	$(BIN)/hypertron train recipes/demo.yaml
 	$(BIN)/hypertron generate --checkpoint runs/demo --prompt "def " --max-new-tokens 160 --temperature 0.7 --top-k 40
 
+# Debian packages some tests start on loopback (installed when missing and running as root).
+SYSTEM_PACKAGES := prometheus=prometheus
+
 test: $(VENV)/.test-installed
+	@sh tests/system/install.sh $(SYSTEM_PACKAGES)
 	$(BIN)/python -m pytest -n 2 --durations=15
 
 gpu-wheels: $(VENV)/.installed

@@ -8,6 +8,15 @@ events, ``--jobs`` jobs with a disruption between each), then times the whole an
 :func:`hypertron.monitor.report.build` (read every file, goodput over all jobs, step-time
 deviation, each process's progress and hang check) and the JSON report, best of ``--repeats``.
 The files are written once and kept in ``--dir`` (default: a temporary directory, removed).
+
+    python bench/monitor.py --collector [--train-steps 200] [--interval 10]
+
+What the host collector (:mod:`hypertron.monitor.collector`) costs a training step: the time of
+its per-step call (``scalars``), of one sample (every figure, with the host-to-device copy) and
+of one copy, measured directly, and per step of the ``tiny`` model on this machine (CPU) the
+cost they add at the default settings: a call per step, a sample every ``--interval`` seconds,
+a copy every ``monitor.h2d_every`` steps. Then the same training run with and without a
+collector sampling every second, for the end-to-end difference (noisy on a shared CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hypertron.config import MonitorConfig  # noqa: E402
 from hypertron.monitor import report as mon  # noqa: E402
 
 
@@ -77,14 +87,64 @@ def write_run(run: Path, steps: int, processes: int, jobs: int, seed: int = 0) -
     return size
 
 
+def _median_call(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def collector_cost(train_steps: int, interval: float) -> None:
+    from hypertron.config import MonitorConfig, load_config
+    from hypertron.monitor.collector import Collector
+    from hypertron.train.loop import train
+
+    def run(trackers, where):
+        cfg = load_config(None, ["model=tiny", f"train.steps={train_steps}", "train.log_every=1000000",
+                                 "checkpoint.enabled=false", f"run_dir={where}"])
+        rows = train(cfg, trackers=trackers).rows[1:]
+        return float(np.median([r["step_time"] for r in rows]))
+
+    defaults = MonitorConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Collector(tmp, MonitorConfig(interval=3600), process_index=0)
+        c.begin(0, 1)
+        values = {"loss": 1.0, "step_time": 0.1, "data_wait": 0.001, "mfu": None}
+        per_call = _median_call(lambda: c.scalars(1, values), 20_000)
+        sample = _median_call(c._sample, 50)
+        copy = _median_call(c._time_h2d, 50)
+        c.finish("completed")
+        plain = run([], Path(tmp) / "plain")
+        watched = run([Collector(Path(tmp) / "watched", MonitorConfig(interval=1.0))], Path(tmp) / "watched")
+    step = plain
+    added = per_call + sample * step / interval + copy / defaults.h2d_every
+    print(f"# hypertron collector bench  {datetime.date.today()}  {platform.node()}  {os.cpu_count()} CPUs  "
+          f"Python {platform.python_version()}")
+    print(f"# command: python bench/monitor.py --collector --train-steps {train_steps} --interval {interval:g}")
+    print(f"per step: scalars() {per_call * 1e6:.1f} us | one sample {sample * 1e3:.2f} ms | one "
+          f"{defaults.h2d_bytes >> 20} MiB host-to-device copy {copy * 1e3:.2f} ms")
+    print(f"tiny step (CPU, median of {train_steps - 1}): {step * 1e3:.1f} ms; the collector adds "
+          f"{added * 1e6:.0f} us per step at interval={interval:g} s, h2d_every={defaults.h2d_every}: "
+          f"{100 * added / step:.3f}% of a step")
+    print(f"end to end: median step {plain * 1e3:.1f} ms without, {watched * 1e3:.1f} ms with a collector "
+          f"sampling every 1 s ({100 * (watched / plain - 1):+.1f}%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--collector", action="store_true", help="measure the host collector's cost per step instead")
+    ap.add_argument("--train-steps", type=int, default=200)
+    ap.add_argument("--interval", type=float, default=MonitorConfig().interval)
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="keep the run here (written if it holds no events.jsonl)")
     args = ap.parse_args()
+    if args.collector:
+        return collector_cost(args.train_steps, args.interval)
     tmp = None if args.dir else tempfile.mkdtemp(prefix="hypertron-monitor-bench-")
     run = args.dir or Path(tmp)
     try:

@@ -7,7 +7,8 @@ A run directory holds::
                          "quant": fp8 amax histories, with delayed scaling),
                          and hypertron_manifest.json (file sizes, written when final)
     metrics.jsonl        one JSON line per training step (and per evaluation)
-    events.jsonl         job events (see hypertron.train.events)
+    events.jsonl         job events (see hypertron.train.events); events.<i>.jsonl for process i > 0
+    host_metrics.<i>.jsonl  process i's host samples (see hypertron.monitor.collector)
     tensorboard/         the same scalars for TensorBoard
 
 Converted Hugging Face models use the same layout with only the ``params``

@@ -26,7 +26,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(recipe, overrides)
     from hypertron.train.loop import train
 
-    train(cfg)
+    trackers = []
+    if cfg.monitor.collect or cfg.monitor.port:
+        from hypertron.monitor.collector import Collector
+
+        trackers.append(Collector(cfg.run_dir, cfg.monitor))
+    train(cfg, trackers=trackers)
     return 0
 
 
@@ -100,10 +105,13 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     def build():
         now = time.time()
         return mon.build(args.run_dir, now=now, hang_factor=args.hang_factor, hang_min=args.hang_min,
-                         window=mon.window_of(args.since, args.window, now))
+                         window=mon.window_of(args.since, args.window, now),
+                         straggler_threshold=args.straggler_threshold, top=args.top)
 
     if args.hang_factor <= 0 or args.hang_min < 0:
         raise mon.MonitorError("--hang-factor must be positive and --hang-min not negative")
+    if not 0 < args.straggler_threshold <= 1 or args.top < 1:
+        raise mon.MonitorError("--straggler-threshold must be in (0, 1] and --top at least 1")
     if args.follow is None:
         rep = build()
         if args.json:
@@ -285,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hung: no step for K x the ideal step time (default %(default)s)...")
     mo.add_argument("--hang-min", type=float, default=60.0, metavar="S",
                     help="...and at least S seconds (default %(default)s)")
+    mo.add_argument("--straggler-threshold", type=float, default=0.75, metavar="R",
+                    help="a process scoring under R is a straggler (default %(default)s)")
+    mo.add_argument("--top", type=int, default=5, metavar="N",
+                    help="outliers: the top N processes per metric (default %(default)s)")
     mo.set_defaults(func=cmd_monitor)
 
     k = sub.add_parser(

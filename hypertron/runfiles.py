@@ -13,6 +13,7 @@ from pathlib import Path
 EVENTS_FILE = "events.jsonl"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+HOST_METRICS = re.compile(r"^host_metrics\.(\d+)\.jsonl$")  # one per process (docs/monitoring.md)
 
 # Every event name, in the order they usually occur within a job, with the fields each adds
 # to the common ones (time, event, process, step).
@@ -47,4 +48,16 @@ def event_files(run_dir: str | Path) -> dict[int, Path]:
         m = _PROCESS_FILE.match(path.name)
         if m and path.is_file():
             found[int(m.group(1) or 0)] = path
+    return dict(sorted(found.items()))
+
+
+def host_metrics_path(run_dir: str | Path, process_index: int) -> Path:
+    """Process ``i`` samples its host into ``host_metrics.<i>.jsonl``."""
+    return Path(run_dir) / f"host_metrics.{process_index}.jsonl"
+
+
+def host_metrics_files(run_dir: str | Path) -> dict[int, Path]:
+    """``{process index: host metrics file}``, in process order."""
+    found = {int(m.group(1)): p for p in Path(run_dir).iterdir()
+             if (m := HOST_METRICS.match(p.name)) and p.is_file()}
     return dict(sorted(found.items()))

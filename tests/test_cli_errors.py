@@ -217,6 +217,8 @@ def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
         "coordinator_without_port": Case(
             train("coordinator_without_port", *SMALL, "distributed.num_processes=2", "distributed.process_id=0",
                   "distributed.coordinator=localhost"), ("localhost", "host:port")),
+        "monitor_interval_zero": Case(train("monitor_interval_zero", *SMALL, "monitor.interval=0"),
+                                      ("monitor.interval",)),
         "launch_zero_processes": Case(["launch", "local", "--processes", "0", "--", "train", "model=tiny"],
                                       ("--processes=0",)),
         "launch_without_command": Case(["launch", "local", "--processes", "2"], ("launch local",)),
@@ -317,7 +319,7 @@ _CASE_NAMES = [
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",
     "missing_tokenizer", "tokenizer_not_a_tokenizer", "process_id_out_of_range",
-    "processes_without_coordinator", "coordinator_without_port", "launch_zero_processes", "launch_without_command",
+    "processes_without_coordinator", "coordinator_without_port", "monitor_interval_zero", "launch_zero_processes", "launch_without_command",
     "generate_not_a_run", "generate_missing_dir",
     "convert_from_hf_without_config", "convert_from_hf_without_out",
     "convert_to_hf_not_a_run",

@@ -9,7 +9,7 @@ import pytest
 from hypertron.config import load_config
 from hypertron.train.events import read_events
 from hypertron.train.loop import train
-from hypertron.train.tracker import Tracker, Tracking
+from hypertron.tracker import Tracker, Tracking
 
 TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
         "train.seq_len=16", "train.log_every=1", "data.source=stdlib", "train.eval_every=2",

@@ -221,6 +221,19 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """What each process of ``hypertron train`` measures about its host, beside the steps
+    (``host_metrics.<i>.jsonl``; docs/monitoring.md), and where it serves those to Prometheus."""
+
+    collect: bool = True  # sample host, device and data-loading figures in a background thread
+    interval: float = 10.0  # seconds between samples
+    h2d_every: int = 100  # steps between host-to-device transfer timings (0 = never; each blocks on a copy)
+    h2d_bytes: int = 8 << 20  # the size of that copy
+    port: int = 0  # serve Prometheus metrics on port + process index (0 = off)
+    host: str = "127.0.0.1"  # the address they are served on (0.0.0.0 for a cluster's Prometheus)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything one run needs."""
 
@@ -231,6 +244,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 # ---------------------------------------------------------------------------

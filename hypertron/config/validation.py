@@ -126,6 +126,11 @@ def validate(cfg: Config) -> None:
         )
     if d.initialization_timeout <= 0 or d.heartbeat_timeout <= 0:
         raise ConfigError("distributed.initialization_timeout and distributed.heartbeat_timeout must be positive")
+    mon = cfg.monitor
+    if mon.interval <= 0 or mon.h2d_every < 0 or mon.h2d_bytes <= 0:
+        raise ConfigError("monitor.interval and monitor.h2d_bytes must be positive, monitor.h2d_every not negative")
+    if not 0 <= mon.port <= 65535:
+        raise ConfigError(f"monitor.port={mon.port}: must be a port number (0 = off)")
     for a in MeshConfig.AXES:
         s = getattr(cfg.mesh, a)
         if s == 0 or s < -1:

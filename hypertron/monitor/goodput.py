@@ -136,7 +136,10 @@ def split_jobs(ev: Columns) -> tuple[list[Job], int]:
         job.step_times = ev["step_time"][sl][is_step]
         job.data_waits = np.nan_to_num(ev["data_wait"][sl][is_step]) if "data_wait" in ev.data \
             else np.zeros(len(job.steps))
-        if "seconds" not in ev.data:  # a progress read: steps only
+        if "seconds" not in ev.data:  # a progress read: steps, and how the job ended
+            ended = np.flatnonzero(n == "job_end")
+            if len(ended) and "status" in ev.data:
+                job.end, job.status = float(t[ended[-1]]), ev["status"][lo + ended[-1]]
             jobs.append(job)
             continue
         seconds, blocking = ev["seconds"][sl], ev["blocking_seconds"][sl]

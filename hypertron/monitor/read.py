@@ -4,7 +4,7 @@ Event and metrics files grow by a line per step: a long run holds millions of
 lines per process. They are parsed with ``pyarrow.json`` (columnar, multi-threaded:
 about 0.6 s per million lines on two cores) into numpy columns, not line by line.
 
-A writer killed mid-line leaves a line without its newline (``EventLog`` starts the
+A writer killed mid-line leaves a line without its newline (the event file starts the
 next job on a fresh line), and a file being written may end mid-line. Such lines
 are skipped and counted, never fatal: when pyarrow refuses a file (a torn line, or the
 NaN that ``json.dumps`` writes for a diverged loss), its lines are read one by one.
@@ -28,11 +28,17 @@ EVENT_COLUMNS = {
     "status": pa.string(), "pid": pa.int64(), "host": pa.string(), "reason": pa.string(),
     "loss": pa.float64(), "process_count": pa.int64(),
 }
-# What a process other than 0 is read for: its progress and step times (its job_start lines are
+# What a process other than 0 is read for: its progress, step times, data waits and job ends (its job_start lines are
 # picked out whole, for their pid and host: few strings make pyarrow faster).
-PROGRESS_COLUMNS = {k: EVENT_COLUMNS[k] for k in ("time", "event", "step", "step_time")}
+PROGRESS_COLUMNS = {k: EVENT_COLUMNS[k] for k in ("time", "event", "step", "step_time", "data_wait", "status")}
 JOB_START = b'"event": "job_start"'
 METRICS_COLUMNS = {"step": pa.int64(), "loss": pa.float64(), "eval_loss": pa.float64(), "time": pa.float64()}
+# host_metrics.<i>.jsonl (hypertron.monitor.collector): every figure is a number, or null.
+HOST_COLUMNS = {"time": pa.float64(), "step": pa.int64(), **{k: pa.float64() for k in (
+    "cpu_utilization_mean", "cpu_utilization_max", "host_memory_used_bytes", "rss_bytes",
+    "device_memory_used_bytes", "device_memory_peak_bytes", "device_memory_limit_bytes", "gpu_utilization",
+    "gpu_power_watts", "gpu_temperature_celsius", "network_sent_bytes", "network_received_bytes",
+    "data_wait_mean", "data_wait_max", "step_time_mean", "step_time_max", "h2d_seconds", "h2d_bytes")}}
 
 
 @dataclass

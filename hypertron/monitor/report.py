@@ -24,8 +24,9 @@ import numpy as np
 
 from hypertron.errors import UserError
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
-from hypertron.monitor.read import EVENT_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
-from hypertron.runfiles import METRICS_FILE, event_files
+from hypertron.monitor import stragglers
+from hypertron.monitor.read import EVENT_COLUMNS, HOST_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
+from hypertron.runfiles import METRICS_FILE, event_files, host_metrics_files
 
 HANG_FACTOR, HANG_MIN = 10.0, 60.0
 SPIKE_MADS, SPIKE_BLOCK = 6.0, 100
@@ -56,6 +57,7 @@ class Report:
     bad_lines: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     window: dict[str, Any] | None = None
+    analysis: stragglers.Analysis | None = None
 
 
 def pid_alive(pid: int | None, host: str | None, started: float) -> bool | None:
@@ -73,7 +75,8 @@ def pid_alive(pid: int | None, host: str | None, started: float) -> bool | None:
 
 
 def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HANG_FACTOR,
-          hang_min: float = HANG_MIN, window: tuple[float, float] | None = None) -> Report:
+          hang_min: float = HANG_MIN, window: tuple[float, float] | None = None,
+          straggler_threshold: float = stragglers.THRESHOLD, top: int = stragglers.TOP) -> Report:
     """The report of ``run_dir`` at ``now`` (default: the present)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
@@ -100,11 +103,13 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
         report.window = report.goodput.window(*window)
     ideal = report.goodput.steps.ideal
     report.processes.append(_process(0, jobs, ideal, now, hang_factor, hang_min))
+    per_process = {0: ev}
     for index, path in files.items():
         if index == 0:
             continue
         cols = read_jsonl(path, PROGRESS_COLUMNS, pick=JOB_START)
         _count_bad(report, path, cols.bad_lines)
+        per_process[index] = cols
         pjobs, _ = split_jobs(cols)
         if pjobs:
             classify(pjobs, pid_alive(pjobs[-1].pid, pjobs[-1].host, pjobs[-1].start), now)
@@ -116,6 +121,17 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
                 f"{_duration(now - (p.last_step_end or now))} (last step {p.last_step}; "
                 f"ideal step time {_seconds(ideal)})")
     _loss_alarms(report, run_dir / METRICS_FILE)
+    hosts = {}
+    for index, path in host_metrics_files(run_dir).items():
+        hosts[index] = read_jsonl(path, HOST_COLUMNS)
+        _count_bad(report, path, hosts[index].bad_lines)
+    report.analysis = stragglers.analyse(per_process, hosts, window, straggler_threshold, top)
+    for s in report.analysis.scores:
+        if s.straggler:
+            report.alarms.append(
+                f"straggler: process {s.process}'s {s.metric} is {_seconds(s.current)} (median of its last "
+                f"{min(s.samples, stragglers.SCORED[s.metric][0])}); relative score {s.relative:.2f}, "
+                f"individual {s.individual:.2f} (under {straggler_threshold:g})")
     return report
 
 
@@ -197,6 +213,8 @@ def to_json(report: Report) -> dict[str, Any]:
     })
     if report.window is not None:
         out["window"] = report.window
+    if report.analysis is not None:
+        out.update(stragglers.to_json(report.analysis))
     return out
 
 
@@ -275,6 +293,8 @@ def render(report: Report):
             procs.add_row(str(p.index), str(p.jobs), str(p.last_step), since, _seconds(p.median_step_time),
                           ("hung" if p.hung else p.status or ""), style="red" if p.hung else "")
         parts.append(procs)
+    if report.analysis is not None:
+        parts += _render_analysis(report.analysis)
     for alarm in report.alarms:
         parts.append(Text("alarm: " + alarm, style="bold red"))
     for name, n in report.bad_lines.items():
@@ -282,6 +302,54 @@ def render(report: Report):
     for note in report.notes:
         parts.append(Text(note, style="dim"))
     return Group(*parts)
+
+
+def _render_analysis(a: stragglers.Analysis) -> list[Any]:
+    from rich.table import Table
+
+    parts: list[Any] = []
+    if len({s.process for s in a.scores}) > 1:
+        t = Table(title="straggler scores (1 = the fastest / its own best; under the threshold: straggler)",
+                  title_justify="left", show_edge=False)
+        for col in ("process", "metric", "median now", "best", "relative", "own", ""):
+            t.add_column(col, justify="right" if col not in ("metric", "") else "left")
+        for s in a.scores:
+            t.add_row(str(s.process), _METRIC_NAMES.get(s.metric, s.metric), _seconds(s.current), _seconds(s.best), f"{s.relative:.2f}",
+                      f"{s.individual:.2f}", "straggler" if s.straggler else "", style="red" if s.straggler else "")
+        parts.append(t)
+    if a.outliers and len({p for d in a.outliers.values() for p, _ in d["mean"]}) > 1:
+        t = Table(title="outliers: top processes by window mean | by window max", title_justify="left",
+                  show_edge=False)
+        t.add_column("metric")
+        t.add_column("by mean")
+        t.add_column("by max")
+        for m, d in a.outliers.items():
+            fmt = lambda rows: ", ".join(f"{p}: {_value(m, v)}" for p, v in rows)
+            t.add_row(_METRIC_NAMES.get(m, m), fmt(d["mean"]), fmt(d["max"]))
+        parts.append(t)
+    return parts
+
+
+_METRIC_NAMES = {"data_wait": "data wait", "h2d_seconds": "host to device", "cpu_utilization_mean": "CPU (mean)",
+                 "cpu_utilization_max": "CPU (busiest core)", "host_memory_used_bytes": "host memory",
+                 "rss_bytes": "process RSS", "device_memory_used_bytes": "device memory",
+                 "device_memory_peak_bytes": "device memory peak", "gpu_utilization": "GPU utilisation",
+                 "gpu_power_watts": "GPU power (W)", "gpu_temperature_celsius": "GPU temperature (C)",
+                 "network_sent_bytes_per_second": "network sent", "network_received_bytes_per_second": "network received"}
+
+
+def _value(metric: str, v: float) -> str:
+    if "bytes" in metric:
+        unit = "/s" if metric.endswith("per_second") else ""
+        for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(v) >= scale:
+                return f"{v / scale:.1f} {name}{unit}"
+        return f"{v:.0f} B{unit}"
+    if metric in ("data_wait", "h2d_seconds"):
+        return _seconds(v)
+    if "utilization" in metric:
+        return f"{100 * v:.0f}%"
+    return f"{v:.3g}"
 
 
 def _duration(seconds: float | None) -> str:

@@ -6,7 +6,7 @@ directory: process 0 to ``events.jsonl``, process ``i > 0`` to
 file. Every event has ``time`` (Unix seconds, float), ``event`` (a name),
 ``process`` (the JAX process index) and ``step`` (or null); the other fields
 depend on the event. The schema is documented in ``docs/events.md``; the
-loop stamps events once (:class:`hypertron.train.tracker.Tracking`) and
+loop stamps events once (:class:`hypertron.tracker.Tracking`) and
 :class:`EventFile` is the sink that writes them.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hypertron.runfiles import events_path
-from hypertron.train.tracker import Tracker
+from hypertron.tracker import Tracker
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ draws no random numbers (there is no dropout), so nothing else needs saving.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from hypertron.checkpoint import (
     read_run_config,
     write_run_config,
 )
-from hypertron.config import Config
+from hypertron.config import Config, ConfigError
 from hypertron.data import check_source, make_batches
 from hypertron.models import resolve_dtype
 from hypertron.models.bundle import is_bundle, save_model
@@ -46,7 +47,7 @@ from hypertron.train.flops import device_peak_flops, train_flops_per_token
 from hypertron.train.metrics import ConsoleTracker, MetricsFile, TensorBoard, Throughput
 from hypertron.train.preemption import StopSignal
 from hypertron.train.step import global_batch, make_trainer
-from hypertron.train.tracker import Tracker, Tracking
+from hypertron.tracker import Tracker, Tracking
 
 
 @dataclass
@@ -121,7 +122,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
 
     ``trackers`` are sinks beside the standard ones (:func:`standard_trackers`): each is told
     when the loop begins, every step's and evaluation's scalars, every job event and the end
-    (:mod:`hypertron.train.tracker`).
+    (:mod:`hypertron.tracker`).
     """
     started = time.time()
     check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field, tokenizer=cfg.data.tokenizer)
@@ -131,6 +132,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     console = console or Console(stderr=True, soft_wrap=True, quiet=jax.process_index() > 0)
     backend_ready = time.time()
     validate_for_devices(cfg, len(devices))
+    data_delay(jax.process_index())
     check_init_from(cfg)
     run_dir = Path(cfg.run_dir)
     write_run_config(run_dir, cfg, write=jax.process_index() == 0)
@@ -310,6 +312,27 @@ def _throughput(cfg: Config, tokens: int) -> Throughput:
                       None if q == "none" else device_peak_flops(0.0, fmt=q), quantized=q != "none")
 
 
+FAULT_DATA_DELAY = "HYPERTRON_FAULT_DATA_DELAY"
+
+
+def data_delay(process_index: int) -> float:
+    """Seconds this process sleeps in each batch's loading: fault injection for straggler tests,
+    set by ``HYPERTRON_FAULT_DATA_DELAY=PROCESS:SECONDS`` (e.g. ``2:0.3``; ``*:S`` for every process)."""
+    text = os.environ.get(FAULT_DATA_DELAY, "").strip()
+    if not text:
+        return 0.0
+    who, _, seconds = text.partition(":")
+    try:
+        delay = float(seconds)
+        if who != "*":
+            int(who)
+    except ValueError:
+        delay = -1.0
+    if delay < 0:
+        raise ConfigError(f"{FAULT_DATA_DELAY}={text!r}: expected PROCESS:SECONDS, e.g. 1:0.2")
+    return delay if who == "*" or int(who) == process_index else 0.0
+
+
 class _Loop:
     """Steps ``start + 1 .. train.steps``: feed batches, log, evaluate and save on schedule, stop on SIGTERM.
 
@@ -327,6 +350,7 @@ class _Loop:
         self.eval_data = None if eval_data is None else (eval_data, eval_data.get_state())
         self.console = console
         self.throughput = _throughput(cfg, cfg.train.global_batch * cfg.train.seq_len)
+        self.data_delay = data_delay(jax.process_index())  # checked before compiling, in train()
         self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
 
@@ -340,6 +364,8 @@ class _Loop:
         for step in range(start + 1, t.steps + 1):
             t0 = time.perf_counter()
             local = next(data)
+            if self.data_delay:
+                time.sleep(self.data_delay)  # fault injection: a slow input pipeline on this process
             data_wait = time.perf_counter() - t0
             state, metrics = self.trainer.step(state, global_batch(local, self.trainer.batch_sharding))
             if pending:

@@ -1,5 +1,5 @@
 """Step metrics: throughput arithmetic, and the sinks that show and keep them (the console
-lines and progress bar, ``metrics.jsonl``, TensorBoard; :mod:`hypertron.train.tracker`).
+lines and progress bar, ``metrics.jsonl``, TensorBoard; :mod:`hypertron.tracker`).
 
 The loop fetches each step's metrics while the next step already runs on the
 device, so the host never leaves the device idle to log.
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hypertron.train.tracker import Tracker
+from hypertron.tracker import Tracker
 
 
 @dataclass

@@ -1,0 +1,258 @@
+"""Watching every process: the host collector, its Prometheus endpoint, straggler scores and outliers.
+
+The end-to-end test trains with 4 real processes, one of them slowed by the documented fault
+injection, while Debian's Prometheus (when installed; ``make test`` installs it as root)
+scrapes each process's endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+from hypertron.config import MonitorConfig, load_config
+from hypertron.monitor import stragglers
+from hypertron.monitor.collector import Collector
+from hypertron.train import loop as train_loop
+
+TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
+        "train.seq_len=16", "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free on loopback (checked, then released)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+# --- scores, by hand ----------------------------------------------------------------------
+
+def test_straggler_scores_by_hand():
+    # Window 4: blocks of 4 values; the floor (10 ms) hides what is under it.
+    series = {0: np.full(8, 0.001), 1: np.full(8, 0.004), 2: np.full(8, 0.05),
+              3: np.array([0.02] * 4 + [0.03] * 4)}
+    got = {s.process: s for s in stragglers.score(series, "data_wait", window=4)}
+    want = {0: (1.0, 1.0), 1: (1.0, 1.0), 2: (0.2, 1.0), 3: (0.01 / 0.03, 0.02 / 0.03)}
+    for p, (relative, individual) in want.items():
+        assert (got[p].relative, got[p].individual) == pytest.approx((relative, individual), rel=1e-12)
+    assert [p for p, s in got.items() if s.straggler] == [2, 3]
+    assert got[3].current == 0.03 and got[3].best == 0.02
+    # Everyone slower than they were: no relative straggler, but each individual score says so.
+    both = stragglers.score({0: np.array([0.1] * 4 + [0.2] * 4), 1: np.array([0.1] * 4 + [0.2] * 4)},
+                            "data_wait", window=4)
+    assert [(s.relative, s.individual, s.straggler) for s in both] == [(1.0, 0.5, True)] * 2
+    # An incomplete first block is dropped; with fewer values than a window, one median of all.
+    np.testing.assert_array_equal(stragglers.block_medians(np.arange(10.0), 4), [3.5, 7.5])
+    np.testing.assert_array_equal(stragglers.block_medians(np.arange(3.0), 4), [1.0])
+
+
+# --- the collector, alone -------------------------------------------------------------------
+
+def test_collector_samples_the_host_and_serves_prometheus(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = _free_ports(1)
+    c = Collector(tmp_path, MonitorConfig(interval=0.05, h2d_every=2, h2d_bytes=1 << 16, port=port), process_index=0)
+    c.begin(0, 10)
+    for step in range(1, 11):
+        c.scalars(step, {"loss": 5.0 - step / 10, "step_time": 0.01, "data_wait": 0.001 * step})
+        time.sleep(0.02)
+    c.scalars(10, {"loss": 1.0, "tokens": 1, "seconds": 1}, group="eval")  # not a step: ignored
+    time.sleep(0.1)
+    text = _get(f"http://127.0.0.1:{port}/metrics")
+    c.finish("completed")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    step = families["hypertron_step"].samples[0]
+    assert step.value == 10 and step.labels == {"run": tmp_path.name, "host": socket.gethostname(), "process": "0"}
+    assert families["hypertron_steps"].type == "counter"
+    assert families["hypertron_steps"].samples[0].value == 10  # hypertron_steps_total
+    assert families["hypertron_loss"].samples[0].value == pytest.approx(4.0)  # the last step's, not the eval
+    for name in ("hypertron_host_cpu_utilization_ratio", "hypertron_host_memory_used_bytes",
+                 "hypertron_process_rss_bytes", "hypertron_host_to_device_seconds",
+                 "hypertron_network_received_bytes"):
+        assert name in families, name
+    with pytest.raises(OSError):  # the endpoint is gone with the job
+        _get(f"http://127.0.0.1:{port}/metrics")
+
+    rows = [json.loads(line) for line in (tmp_path / "host_metrics.0.jsonl").read_text().splitlines()]
+    assert len(rows) >= 2 and sum(r["steps"] for r in rows) == 10 and rows[-1]["step"] == 10
+    assert all(0 <= r["cpu_utilization_mean"] <= r["cpu_utilization_max"] <= 1 for r in rows)
+    assert all(r["rss_bytes"] > 0 and r["host_memory_used_bytes"] > 0 for r in rows)
+    waits = [r["data_wait_max"] for r in rows if r["steps"]]
+    assert max(waits) == pytest.approx(0.010)
+    timed = [r for r in rows if r["h2d_seconds"] is not None]
+    assert timed and all(r["h2d_bytes"] == 1 << 16 and r["h2d_seconds"] > 0 for r in timed)
+    assert rows[0]["device_memory_used_bytes"] is None if jax.default_backend() == "cpu" else True
+
+
+def test_a_taken_port_is_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        c = Collector(tmp_path, MonitorConfig(port=port), process_index=0)
+        with pytest.raises(Exception, match=f"monitor.port: cannot serve process 0's metrics on 127.0.0.1:{port}"):
+            c.begin(0, 1)
+
+
+# --- the loop is not slowed down ------------------------------------------------------------
+
+def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monkeypatch):
+    """Step n + 1 is dispatched before step n's metrics are fetched, one fetch per step, with a
+    collector sampling as often as it can (and timing a host-to-device copy at every step)."""
+    calls = []
+    real_get, real_make = jax.device_get, train_loop.make_trainer
+
+    def spy_get(x):
+        calls.append("fetch")
+        return real_get(x)
+
+    def make(*a, **k):
+        trainer = real_make(*a, **k)
+        real_step = trainer.step
+
+        def step(state, batch):
+            calls.append("step")
+            return real_step(state, batch)
+
+        trainer.step = step
+        return trainer
+
+    monkeypatch.setattr(jax, "device_get", spy_get)
+    monkeypatch.setattr(train_loop, "make_trainer", make)
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "train.steps=6"])
+    collector = Collector(tmp_path, MonitorConfig(interval=0.001, h2d_every=1, h2d_bytes=1 << 16))
+    train_loop.train(cfg, trackers=[collector])
+    assert calls == ["step", "step", "fetch"] + ["step", "fetch"] * 4 + ["fetch"]
+    rows = [json.loads(line) for line in (tmp_path / "host_metrics.0.jsonl").read_text().splitlines()]
+    assert sum(r["steps"] for r in rows) == 6 and any(r["h2d_seconds"] for r in rows)
+
+
+# --- 4 processes, one slowed, scraped by Prometheus ------------------------------------------
+
+SLOW_PROCESS, DELAY, PROCESSES = 2, 0.25, 4
+
+
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory):
+    """A 4-process run with process 2's data loading slowed; Prometheus scrapes it when installed."""
+    root = tmp_path_factory.mktemp("hosts")
+    run, port = root / "run", _free_ports(PROCESSES)
+    prom, seen, why = None, {}, ""
+    if shutil.which("prometheus"):
+        prom_port = _free_ports(1)
+        targets = ", ".join(f"'127.0.0.1:{port + i}'" for i in range(PROCESSES))
+        (root / "prometheus.yml").write_text(
+            f"global: {{scrape_interval: 1s, scrape_timeout: 1s}}\n"
+            f"scrape_configs:\n  - job_name: hypertron\n    static_configs:\n      - targets: [{targets}]\n")
+        prom = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=subprocess.DEVNULL, stderr=open(root / "prometheus.log", "w"))
+    else:
+        why = "Debian's prometheus is not installed (make test installs it when run as root)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env["HYPERTRON_FAULT_DATA_DELAY"] = f"{SLOW_PROCESS}:{DELAY}"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", str(PROCESSES), "--cpu-devices", "1",
+         "--", "train", *TINY, f"run_dir={run}", "train.steps=30", "monitor.interval=0.5", "monitor.h2d_every=2",
+         "monitor.h2d_bytes=65536", f"monitor.port={port}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 400
+        while job.poll() is None and time.time() < deadline:
+            if prom is not None and len(seen) < PROCESSES:
+                try:
+                    q = urllib.parse.quote("hypertron_step")
+                    body = json.loads(_get(f"http://127.0.0.1:{prom_port}/api/v1/query?query={q}"))
+                    for r in body["data"]["result"]:
+                        seen[r["metric"]["process"]] = (r["metric"], float(r["value"][1]))
+                except OSError:
+                    pass  # Prometheus is still starting
+            time.sleep(0.5)
+        out = job.communicate(timeout=max(1, deadline - time.time()))[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if prom is not None:
+            prom.terminate()
+            prom.wait(10)
+    assert job.returncode == 0, out[-4000:]
+    return run, seen, why if prom is None else ""
+
+
+@pytest.mark.slow
+def test_the_slowed_process_and_only_it_is_a_straggler(slowed_run):
+    run, _, _ = slowed_run
+    proc = subprocess.run([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # a straggler is an alarm
+    report = json.loads(proc.stdout)
+    assert report["stragglers"] == [SLOW_PROCESS]
+    assert [p["status"] for p in report["processes"]] == ["completed"] * PROCESSES
+    waits = {s["process"]: s for s in report["scores"] if s["metric"] == "data_wait"}
+    assert sorted(waits) == list(range(PROCESSES))
+    assert waits[SLOW_PROCESS]["current"] >= DELAY and waits[SLOW_PROCESS]["relative"] < 0.1
+    assert {p for p, s in waits.items() if s["relative"] == 1.0} == set(range(PROCESSES)) - {SLOW_PROCESS}
+    top = report["outliers"]["data_wait"]
+    assert top["mean"][0]["process"] == top["max"][0]["process"] == SLOW_PROCESS
+    assert len(top["mean"]) == PROCESSES
+    assert all(f"host_metrics.{i}.jsonl" in os.listdir(run) for i in range(PROCESSES))
+    assert len({s["process"] for s in report["scores"] if s["metric"] == "h2d_seconds"}) == PROCESSES
+    assert [a for a in report["alarms"] if a.startswith("straggler")] and \
+        all(f"process {SLOW_PROCESS}'s" in a for a in report["alarms"] if a.startswith("straggler"))
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_every_process(slowed_run):
+    run, seen, why = slowed_run
+    if why:
+        pytest.skip(why)
+    assert sorted(seen) == [str(i) for i in range(PROCESSES)]
+    for process, (labels, step) in seen.items():
+        assert labels["run"] == run.name and labels["host"] == socket.gethostname()
+        assert labels["job"] == "hypertron" and 0 <= step <= 30
+
+
+def test_the_fault_injection_setting(monkeypatch):
+    from hypertron.config import ConfigError
+
+    for text, want in (("2:0.25", [0, 0, 0.25]), ("*:0.1", [0.1] * 3), ("", [0] * 3), (" 0:1 ", [1, 0, 0])):
+        monkeypatch.setenv(train_loop.FAULT_DATA_DELAY, text)
+        assert [train_loop.data_delay(i) for i in range(3)] == want
+    for bad in ("2", "x:0.1", "1:-1", "1:soon"):
+        monkeypatch.setenv(train_loop.FAULT_DATA_DELAY, bad)
+        with pytest.raises(ConfigError, match="HYPERTRON_FAULT_DATA_DELAY=.*expected PROCESS:SECONDS"):
+            train_loop.data_delay(0)
