@@ -103,14 +103,14 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
         report.window = report.goodput.window(*window)
     ideal = report.goodput.steps.ideal
     report.processes.append(_process(0, jobs, ideal, now, hang_factor, hang_min))
-    per_process = {0: ev}
+    per_process = {0: jobs}
     for index, path in files.items():
         if index == 0:
             continue
         cols = read_jsonl(path, PROGRESS_COLUMNS, pick=JOB_START)
         _count_bad(report, path, cols.bad_lines)
-        per_process[index] = cols
         pjobs, _ = split_jobs(cols)
+        per_process[index] = pjobs
         if pjobs:
             classify(pjobs, pid_alive(pjobs[-1].pid, pjobs[-1].host, pjobs[-1].start), now)
             report.processes.append(_process(index, pjobs, ideal, now, hang_factor, hang_min))

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from hypertron.monitor.goodput import Job
 from hypertron.monitor.read import Columns
 
 THRESHOLD, TOP = 0.75, 5
@@ -93,29 +94,21 @@ def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHO
     return out
 
 
-def analyse(steps: dict[int, Columns], hosts: dict[int, Columns], window: tuple[float, float] | None = None,
+def analyse(jobs: dict[int, list[Job]], hosts: dict[int, Columns], window: tuple[float, float] | None = None,
             threshold: float = THRESHOLD, top: int = TOP) -> Analysis:
-    """Scores and outliers from each process's step events (``time``, ``event``, ``data_wait``) and
-    host samples (``host_metrics.<i>.jsonl`` columns)."""
+    """Scores and outliers from each process's jobs (:func:`hypertron.monitor.goodput.split_jobs`:
+    their step ends and data waits) and host samples (``host_metrics.<i>.jsonl`` columns)."""
     out = Analysis()
-    waits = {}  # per process: (times, data waits) of its step events, time-ordered
-    for p, cols in steps.items():
-        # A job's first batch holds the input pipeline's start (badput "data loading" of goodput):
-        # only the later ones, the steady state, are compared.
-        event = cols["event"]
-        job = np.cumsum(event == "job_start")
-        is_step = event == "step"
-        first = np.zeros(len(event), bool)
-        idx = np.flatnonzero(is_step)
-        first[idx[np.r_[True, job[idx][1:] != job[idx][:-1]]] if len(idx) else idx] = True
-        keep = is_step & ~first
-        order = np.argsort(cols["time"][keep], kind="stable")
-        waits[p] = (cols["time"][keep][order], cols["data_wait"][keep][order])
+    # Per process, its steps' (ends, data waits) in time order. A job's first batch holds the input
+    # pipeline's start (goodput's synchronous data loading): only the later ones are compared.
+    waits = {p: (np.concatenate([j.ends[1:] for j in js]), np.concatenate([j.data_waits[1:] for j in js]))
+             for p, js in jobs.items() if js}
     out.scores += score({p: v for p, (_, v) in waits.items()}, "data_wait", threshold)
     h2d = {p: h["h2d_seconds"][np.isfinite(h["h2d_seconds"])] for p, h in hosts.items()}
     out.scores += score({p: v for p, v in h2d.items() if len(v)}, "h2d_seconds", threshold)
 
-    lo, hi = window if window is not None else (_last_job_start(steps), np.inf)
+    last_start = jobs[0][-1].start if jobs.get(0) else -np.inf  # process 0's last job
+    lo, hi = window if window is not None else (last_start, np.inf)
     series: dict[str, dict[int, np.ndarray]] = {m: {} for m in OUTLIER_METRICS}
     for p, (t, v) in waits.items():
         series["data_wait"][p] = v[(t >= lo) & (t <= hi)]
@@ -138,15 +131,6 @@ def analyse(steps: dict[int, Columns], hosts: dict[int, Columns], window: tuple[
             by = lambda f: sorted(((p, float(f(v))) for p, v in stats.items()), key=lambda x: (-x[1], x[0]))[:top]
             out.outliers[m] = {"mean": by(np.mean), "max": by(np.max)}
     return out
-
-
-def _last_job_start(steps: dict[int, Columns]) -> float:
-    """When process 0's last job started (the outliers' default window); -inf without one."""
-    cols = steps.get(0) or next(iter(steps.values()), None)
-    if cols is None:
-        return -np.inf
-    starts = cols["time"][cols["event"] == "job_start"]
-    return float(starts.max()) if len(starts) else -np.inf
 
 
 def to_json(a: Analysis) -> dict[str, Any]:

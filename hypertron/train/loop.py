@@ -132,7 +132,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     console = console or Console(stderr=True, soft_wrap=True, quiet=jax.process_index() > 0)
     backend_ready = time.time()
     validate_for_devices(cfg, len(devices))
-    data_delay(jax.process_index())
+    delay = data_delay(jax.process_index())  # a bad setting fails before compiling
     check_init_from(cfg)
     run_dir = Path(cfg.run_dir)
     write_run_config(run_dir, cfg, write=jax.process_index() == 0)
@@ -165,7 +165,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
             eval_data = batches_for(cfg, split="eval") if cfg.train.eval_every else None
             trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
             state, start = _initial_state(cfg, trainer, ckpt, start, data, tracking, console)
-            loop = _Loop(cfg, trainer, ckpt, tracking, stop, console, eval_data)
+            loop = _Loop(cfg, trainer, ckpt, tracking, stop, console, eval_data, delay)
             last = start
             try:
                 result = loop.run(state, start, data)
@@ -345,12 +345,12 @@ class _Loop:
     """
 
     def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, tracking: Tracking, stop: StopSignal,
-                 console, eval_data=None):
+                 console, eval_data=None, data_delay: float = 0.0):
         self.cfg, self.trainer, self.ckpt, self.tracking, self.stop = cfg, trainer, ckpt, tracking, stop
         self.eval_data = None if eval_data is None else (eval_data, eval_data.get_state())
         self.console = console
         self.throughput = _throughput(cfg, cfg.train.global_batch * cfg.train.seq_len)
-        self.data_delay = data_delay(jax.process_index())  # checked before compiling, in train()
+        self.data_delay = data_delay  # fault injection (HYPERTRON_FAULT_DATA_DELAY)
         self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
 
