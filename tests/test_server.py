@@ -403,17 +403,23 @@ def test_preemption_under_a_small_page_pool_keeps_the_streamed_text():
 
 
 def test_full_queue_answers_429_with_retry_after():
-    engine = FakeEngine(max_slots=1, step_delay=0.01)
+    # The first request holds the only slot for up to 30 x 1 s, so the queue fills however slow the
+    # machine is; once the third is refused, the engine runs at full speed.
+    engine = FakeEngine(max_slots=1, step_delay=1.0)
     with Server(engine, max_queue=2) as s:
+        async def until(what, name, value):
+            deadline = time.monotonic() + 20
+            while s.metrics()[name] < value:
+                assert time.monotonic() < deadline, f"{what}: {name} stayed under {value}"
+                await asyncio.sleep(0.01)
+
         async def run():
-            async with httpx.AsyncClient(base_url=s.url, timeout=30) as http:
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
                 body = {"model": MODEL, "prompt": "q", "max_tokens": 30, "seed": 0}
                 first = asyncio.create_task(_stream(http, body))
-                while s.metrics()["hypertron_slots_in_use"] < 1:
-                    await asyncio.sleep(0.01)
+                await until("the first request", "hypertron_slots_in_use", 1)
                 waiting = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
-                while s.metrics()["hypertron_queue_depth"] < 2:
-                    await asyncio.sleep(0.01)
+                await until("two waiting requests", "hypertron_queue_depth", 2)
                 refused = await http.post("/v1/completions", json=body)
                 engine.step_delay = 0.0
                 return refused, await first, [await w for w in waiting]
