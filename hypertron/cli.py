@@ -112,6 +112,20 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         raise mon.MonitorError("--hang-factor must be positive and --hang-min not negative")
     if not 0 < args.straggler_threshold <= 1 or args.top < 1:
         raise mon.MonitorError("--straggler-threshold must be in (0, 1] and --top at least 1")
+    if args.serve:
+        from hypertron.monitor import dashboard
+
+        if not args.refresh > 0 or not 0 <= args.port <= 65535:
+            raise mon.MonitorError("--refresh must be positive and --port in 0..65535")
+        if args.json or args.follow is not None:
+            raise mon.MonitorError("--serve shows the run on a page: --json and --follow do not apply")
+        if not os.path.isdir(args.run_dir):
+            raise mon.MonitorError(f"{args.run_dir} is not a directory")
+        try:
+            dashboard.serve(args.run_dir, build, args.host, args.port, args.refresh)
+        except KeyboardInterrupt:
+            pass
+        return 0
     if args.follow is None:
         rep = build()
         if args.json:
@@ -297,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a process scoring under R is a straggler (default %(default)s)")
     mo.add_argument("--top", type=int, default=5, metavar="N",
                     help="outliers: the top N processes per metric (default %(default)s)")
+    mo.add_argument("--serve", action="store_true",
+                    help="serve a live dashboard of the run (one page, updated while it runs)")
+    mo.add_argument("--host", default="127.0.0.1", help="--serve: the address to listen on (default %(default)s; "
+                    "0.0.0.0 for every interface)")
+    mo.add_argument("--port", type=int, default=8090, help="--serve: the port (default %(default)s; 0: any free one)")
+    mo.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
+                    help="--serve: how often the page updates (default %(default)s)")
     mo.set_defaults(func=cmd_monitor)
 
     k = sub.add_parser(

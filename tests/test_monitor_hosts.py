@@ -1,12 +1,15 @@
-"""Watching every process: the host collector, its Prometheus endpoint, straggler scores and outliers.
+"""Watching every process: the host collector, its Prometheus endpoint, straggler scores and
+outliers, the live dashboard.
 
 The end-to-end test trains with 4 real processes, one of them slowed by the documented fault
 injection, while Debian's Prometheus (when installed; ``make test`` installs it as root)
-scrapes each process's endpoint.
+scrapes each process's endpoint; headless Chromium (Debian's, installed the same way) then
+loads the run's dashboard.
 """
 
 from __future__ import annotations
 
+import html.parser
 import json
 import os
 import shutil
@@ -256,3 +259,147 @@ def test_the_fault_injection_setting(monkeypatch):
         monkeypatch.setenv(train_loop.FAULT_DATA_DELAY, bad)
         with pytest.raises(ConfigError, match="HYPERTRON_FAULT_DATA_DELAY=.*expected PROCESS:SECONDS"):
             train_loop.data_delay(0)
+
+
+# --- the dashboard ------------------------------------------------------------------------------
+
+
+def test_thinning_averages_buckets_at_their_last_step():
+    from hypertron.monitor.dashboard import _last_per_step, _thin
+
+    x, y = np.arange(1, 11), np.array([1, 2, 3, 4, 5, 6, 7, 8, np.nan, 10.0])
+    small = _thin(x, y, 20)
+    assert small["x"] == list(range(1, 11)) and small["y"][:2] == [1, 2] and np.isnan(small["y"][8])
+    thin = _thin(x, y, 3)  # buckets of 3, 3, 4 rows; the NaN is left out of its mean
+    assert thin["x"] == [3, 6, 10] and thin["y"] == [2.0, 5.0, pytest.approx((7 + 8 + 10) / 3)]
+    # A resumed run logs steps 4 and 5 again: the later rows win.
+    assert _last_per_step(np.array([1, 2, 3, 4, 5, 4, 5, 6])).tolist() == [0, 1, 2, 5, 6, 7]
+
+
+@pytest.mark.slow
+def test_the_dashboard_data_of_the_slowed_run(slowed_run, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from hypertron.monitor import dashboard, report as mon
+
+    run, _, _ = slowed_run
+    rep = mon.build(run)
+    d = dashboard.data(rep, bins=12)
+    assert d["curves"]["loss"]["x"] == list(range(1, 31))
+    assert d["curves"]["tokens_per_sec_per_device"]["x"] == list(range(2, 31))  # step 1 compiles
+    waits = d["heatmaps"]["data_wait"]
+    assert waits["processes"] == list(range(PROCESSES)) and all(len(row) == 12 for row in waits["z"])
+    mean = {p: np.nanmean(np.array(row, float)) for p, row in zip(waits["processes"], waits["z"])}
+    assert mean[SLOW_PROCESS] >= DELAY and all(mean[p] < DELAY / 2 for p in mean if p != SLOW_PROCESS)
+    # Every bin's causes add up to the bin; the line ends at the run's goodput.
+    width, seconds = d["bins"]["width"], d["timeline"]["seconds"]
+    np.testing.assert_allclose(np.sum(list(seconds.values()), axis=0), width, rtol=1e-4)
+    assert d["timeline"]["goodput"][-1] == pytest.approx(d["goodput_percent"], rel=1e-4)
+    assert d["stragglers"] == [SLOW_PROCESS] and d["status"] == "completed"
+
+    # The server: the page, its script from the plotly package, and data that follows the files.
+    live = tmp_path / "run"
+    live.mkdir()
+    names = sorted(p.name for p in run.iterdir() if p.suffix == ".jsonl")
+    for name in names:
+        lines = (run / name).read_text().splitlines(keepends=True)
+        (live / name).write_text("".join(lines[: len(lines) // 2]))
+    client = TestClient(dashboard.app(live, lambda: mon.build(live), refresh=0.01))
+    page = client.get("/")
+    assert page.status_code == 200 and 'src="static/plotly.min.js"' in page.text and str(live) in page.text
+    script = client.get("/static/plotly.min.js")
+    assert script.status_code == 200 and "plotly" in script.text[:2000].lower()
+    before = client.get("/api/data").json()
+    for name in names:
+        (live / name).write_text((run / name).read_text())
+    time.sleep(0.02)
+    after = client.get("/api/data").json()
+    # (the half-written copy reads as a job whose process is gone)
+    assert before["last_step"] < after["last_step"] == 30 and before["status"] == "killed"
+    assert after["status"] == "completed" and after["refresh"] == 0.01
+
+
+def test_serve_errors_are_one_line(tmp_path, capsys):
+    from hypertron import cli
+
+    assert cli.main(["monitor", str(tmp_path / "nope"), "--serve"]) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a directory")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cli.main(["monitor", str(tmp_path), "--serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}" in err
+    assert cli.main(["monitor", str(tmp_path), "--serve", "--json"]) == 2
+    assert "--json and --follow do not apply" in capsys.readouterr().err
+
+
+class _Page(html.parser.HTMLParser):
+    """Each element's attributes by id, the body's, and the text of every table cell and list item."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.body, self.cells, self._in, self._ids = {}, {}, {}, [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        if "id" in attrs:
+            self.ids[attrs["id"]] = attrs
+        self._ids.append(attrs.get("id"))
+        self._in.append(tag)
+
+    def handle_endtag(self, tag):
+        while self._in:
+            self._ids.pop()
+            if self._in.pop() == tag:
+                break
+
+    def handle_data(self, data):
+        owner = next((i for i in reversed(self._ids) if i), None)
+        if owner and self._in and self._in[-1] in ("td", "li") and data.strip():
+            self.cells.setdefault(owner, []).append(data.strip())
+
+
+@pytest.mark.slow
+def test_headless_chromium_shows_the_dashboard_of_a_real_run(slowed_run, tmp_path, record_property):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it when run as root)")
+    run, _, _ = slowed_run
+    server = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--serve", "--port", "0",
+                               "--refresh", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = server.stdout.readline()
+        assert "http://127.0.0.1:" in line, line + server.stdout.read()
+        url = line.split()[3]
+        # Chromium as root needs --no-sandbox; virtual time lets the page poll several times at once.
+        browse = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
+                  f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=6000", "--window-size=1400,2600"]
+        dom = subprocess.run(browse + ["--enable-logging=stderr", "--v=0", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=120)
+        shot = tmp_path / "dashboard.png"
+        subprocess.run(browse + [f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    finally:
+        server.terminate()
+        server.wait(10)
+    record_property("screenshot", str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console  # the page logs nothing: no error, no warning
+    page = _Page()
+    page.feed(dom.stdout)
+    assert int(page.body["data-updates"]) >= 2  # it updates itself
+    points = {k: int(page.ids[k]["data-points"]) for k in ("loss", "throughput", "heat-step", "heat-wait", "goodput")}
+    assert points["loss"] == 30 and points["throughput"] == 29, points
+    assert points["heat-step"] >= PROCESSES and points["heat-wait"] >= PROCESSES and points["goodput"] > 0, points
+    assert "display: none" in page.ids["banner"].get("style", "")
+    assert int(page.ids["scores"]["data-rows"]) == 2 * PROCESSES
+    scores = page.cells["scores"]
+    assert scores.count("straggler") == 1 and scores[scores.index("straggler") - 6] == str(SLOW_PROCESS)
+    outliers = page.cells["outliers"]
+    assert outliers[outliers.index("data wait") + 1].startswith(f"{SLOW_PROCESS}: ")
+    assert any(a.startswith(f"straggler: process {SLOW_PROCESS}'s") for a in page.cells["alarms"])
+    assert page.cells["processes"].count("completed") == PROCESSES

@@ -32,7 +32,8 @@ EVENT_COLUMNS = {
 # picked out whole, for their pid and host: few strings make pyarrow faster).
 PROGRESS_COLUMNS = {k: EVENT_COLUMNS[k] for k in ("time", "event", "step", "step_time", "data_wait", "status")}
 JOB_START = b'"event": "job_start"'
-METRICS_COLUMNS = {"step": pa.int64(), "loss": pa.float64(), "eval_loss": pa.float64(), "time": pa.float64()}
+METRICS_COLUMNS = {"step": pa.int64(), "loss": pa.float64(), "eval_loss": pa.float64(), "time": pa.float64(),
+                   "mfu": pa.float64(), "tokens_per_sec_per_device": pa.float64()}
 # host_metrics.<i>.jsonl (hypertron.monitor.collector): every figure is a number, or null.
 HOST_COLUMNS = {"time": pa.float64(), "step": pa.int64(), **{k: pa.float64() for k in (
     "cpu_utilization_mean", "cpu_utilization_max", "host_memory_used_bytes", "rss_bytes",

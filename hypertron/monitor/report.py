@@ -25,7 +25,7 @@ import numpy as np
 from hypertron.errors import UserError
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
 from hypertron.monitor import stragglers
-from hypertron.monitor.read import EVENT_COLUMNS, HOST_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
+from hypertron.monitor.read import EVENT_COLUMNS, Columns, HOST_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
 from hypertron.runfiles import METRICS_FILE, event_files, host_metrics_files
 
 HANG_FACTOR, HANG_MIN = 10.0, 60.0
@@ -58,6 +58,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     window: dict[str, Any] | None = None
     analysis: stragglers.Analysis | None = None
+    jobs: dict[int, list[Job]] = field(default_factory=dict)  # every process's jobs (process 0's classified)
+    metrics: Columns | None = None  # metrics.jsonl's METRICS_COLUMNS
 
 
 def pid_alive(pid: int | None, host: str | None, started: float) -> bool | None:
@@ -103,7 +105,7 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
         report.window = report.goodput.window(*window)
     ideal = report.goodput.steps.ideal
     report.processes.append(_process(0, jobs, ideal, now, hang_factor, hang_min))
-    per_process = {0: jobs}
+    per_process = report.jobs = {0: jobs}
     for index, path in files.items():
         if index == 0:
             continue
@@ -155,7 +157,7 @@ def _process(index: int, jobs: list[Job], ideal: float | None, now: float, facto
 def _loss_alarms(report: Report, path: Path) -> None:
     if not path.is_file():
         return
-    m = read_jsonl(path, METRICS_COLUMNS)
+    m = report.metrics = read_jsonl(path, METRICS_COLUMNS)
     _count_bad(report, path, m.bad_lines)
     # Step rows carry a loss (NaN when it diverged); eval rows carry eval_loss instead.
     rows = np.flatnonzero((m["step"] >= 0) & np.isnan(m["eval_loss"]))
