@@ -29,7 +29,7 @@ SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium
 
 test: $(VENV)/.test-installed
 	@sh tests/system/install.sh $(SYSTEM_PACKAGES)
-	$(BIN)/python -m pytest -n 2 --durations=15
+	$(BIN)/python -m pytest -n 3 --dist worksteal --durations=15
 
 gpu-wheels: $(VENV)/.installed
 	$(BIN)/python bench/gpu_wheels.py --dest .whl

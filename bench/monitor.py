@@ -4,9 +4,11 @@
 
 Writes a synthetic run directory the way `hypertron train` writes one (``events.jsonl`` for process
 0, ``events.<i>.jsonl`` for the others, one ``step`` event per step plus job, restore, save and eval
-events, ``--jobs`` jobs with a disruption between each), then times the whole analysis,
-:func:`hypertron.monitor.report.build` (read every file, goodput over all jobs, step-time
-deviation, each process's progress and hang check) and the JSON report, best of ``--repeats``.
+events, ``--jobs`` jobs with a disruption between each, and ``metrics.jsonl`` with a row per step),
+then times the whole analysis, :func:`hypertron.monitor.report.build` (read every file, goodput over
+all jobs, step-time deviation, each process's progress and hang check, loss alarms) and the JSON
+report, and what the live dashboard computes on top for each update
+(:func:`hypertron.monitor.dashboard.data`), best of ``--repeats``.
 The files are written once and kept in ``--dir`` (default: a temporary directory, removed).
 
     python bench/monitor.py --collector [--train-steps 200] [--interval 10]
@@ -36,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hypertron.config import MonitorConfig  # noqa: E402
+from hypertron.monitor import dashboard  # noqa: E402
 from hypertron.monitor import report as mon  # noqa: E402
 
 
@@ -44,6 +47,7 @@ def write_run(run: Path, steps: int, processes: int, jobs: int, seed: int = 0) -
     rng = np.random.default_rng(seed)
     run.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
+    metrics: list[str] = []
     t, step = 1.7e9, 0
     per_job = steps // jobs
     for j in range(jobs):
@@ -64,10 +68,16 @@ def write_run(run: Path, steps: int, processes: int, jobs: int, seed: int = 0) -
         times = np.where(rng.random(n) < 0.01, 2.0, 0.5) + rng.random(n) * 0.01
         times[0] += 60.0  # compile
         ends = t + np.cumsum(times)
+        loss = 2.0 + 8.0 / np.sqrt(step + np.arange(1, n + 1)) + rng.random(n) * 0.05
         for i in range(n):
             step += 1
             lines.append(f'{{"time": {float(ends[i])!r}, "event": "step", "process": 0, "step": {step}, '
                          f'"step_time": {float(times[i])!r}, "data_wait": 0.0001}}')
+            tps = 4096 / float(times[i])
+            metrics.append(f'{{"step": {step}, "grad_norm": 1.0, "loss": {float(loss[i])!r}, "lr": 0.0003, '
+                           f'"tokens": 32768.0, "step_time": {float(times[i])!r}, "tokens_per_sec_per_device": '
+                           f'{tps!r}, "tflops_per_device": {tps * 6e9 / 1e12!r}, "mfu": {tps * 6e9 / 989e12!r}, '
+                           f'"data_wait": 0.0001, "time": {float(ends[i])!r}}}')
             if step % 1000 == 0:
                 lines.append(json.dumps({"time": ends[i], "event": "checkpoint_save_start", "process": 0,
                                          "step": step, "reason": "interval"}))
@@ -79,7 +89,8 @@ def write_run(run: Path, steps: int, processes: int, jobs: int, seed: int = 0) -
                                      "status": "completed", "seconds": 1.0}))
         t += 120.0  # killed; the next job starts two minutes later
     text = ("\n".join(lines) + "\n").encode()
-    size = 0
+    (run / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
+    size = (run / "metrics.jsonl").stat().st_size
     for p in range(processes):
         path = run / ("events.jsonl" if p == 0 else f"events.{p}.jsonl")
         path.write_bytes(text if p == 0 else text.replace(b'"process": 0', b'"process": %d' % p))
@@ -152,14 +163,18 @@ def main() -> None:
         if not (run / "events.jsonl").exists():
             size = write_run(run, args.steps, args.processes, args.jobs)
         else:
-            size = sum(p.stat().st_size for p in run.glob("events*.jsonl"))
+            size = sum(p.stat().st_size for p in run.glob("*.jsonl"))
         wrote = time.perf_counter() - t0
-        best = float("inf")
+        best = page = float("inf")
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             rep = mon.build(run, now=2e9)
             json.dumps(mon.to_json(rep), default=str)
             best = min(best, time.perf_counter() - t0)
+            # What the dashboard adds to each of its updates: the series and heatmaps from the report.
+            t0 = time.perf_counter()
+            body = json.dumps(dashboard.data(rep), allow_nan=False, separators=(",", ":"))
+            page = min(page, time.perf_counter() - t0)
         g = rep.goodput
         print(f"# hypertron monitor bench  {datetime.date.today()}  {platform.node()}  "
               f"{os.cpu_count()} CPUs  Python {platform.python_version()}")
@@ -169,6 +184,8 @@ def main() -> None:
               f"{size / 1e6:,.0f} MB (written in {wrote:.1f} s)")
         print(f"analysis (read all files, goodput, deviation, per-process progress, JSON): best of "
               f"{args.repeats} = {best:.2f} s")
+        print(f"dashboard data on top (curves thinned to {dashboard.POINTS} points, {dashboard.BINS} time bins): "
+              f"best of {args.repeats} = {page:.2f} s, {len(body) / 1e3:,.0f} kB of JSON per update")
         print(f"check: goodput {g.goodput:.2f}%, {len(g.disruptions)} disruptions, "
               f"{len(rep.processes)} processes, last step {g.last_step}, ideal step {g.steps.ideal:.4f} s")
     finally:

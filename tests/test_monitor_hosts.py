@@ -304,16 +304,16 @@ def test_the_dashboard_data_of_the_slowed_run(slowed_run, tmp_path):
     for name in names:
         lines = (run / name).read_text().splitlines(keepends=True)
         (live / name).write_text("".join(lines[: len(lines) // 2]))
-    client = TestClient(dashboard.app(live, lambda: mon.build(live), refresh=0.01))
-    page = client.get("/")
-    assert page.status_code == 200 and 'src="static/plotly.min.js"' in page.text and str(live) in page.text
-    script = client.get("/static/plotly.min.js")
-    assert script.status_code == 200 and "plotly" in script.text[:2000].lower()
-    before = client.get("/api/data").json()
-    for name in names:
-        (live / name).write_text((run / name).read_text())
-    time.sleep(0.02)
-    after = client.get("/api/data").json()
+    with TestClient(dashboard.app(live, lambda: mon.build(live), refresh=0.01)) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and 'src="static/plotly.min.js"' in page.text and str(live) in page.text
+        script = client.get("/static/plotly.min.js")
+        assert script.status_code == 200 and "plotly" in script.text[:2000].lower()
+        before = client.get("/api/data").json()
+        for name in names:
+            (live / name).write_text((run / name).read_text())
+        time.sleep(0.02)
+        after = client.get("/api/data").json()
     # (the half-written copy reads as a job whose process is gone)
     assert before["last_step"] < after["last_step"] == 30 and before["status"] == "killed"
     assert after["status"] == "completed" and after["refresh"] == 0.01
