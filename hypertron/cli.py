@@ -115,8 +115,9 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     if args.serve:
         from hypertron.monitor import dashboard
 
-        if not args.refresh > 0 or not 0 <= args.port <= 65535:
-            raise mon.MonitorError("--refresh must be positive and --port in 0..65535")
+        if not 0 < args.refresh <= 3600 or not 0 <= args.port <= 65535:
+            raise mon.MonitorError("--refresh must be in (0, 3600] seconds and --port in 0..65535")
+        mon.window_of(args.since, args.window, time.time())  # a bad --since or --window: one line now
         if args.json or args.follow is not None:
             raise mon.MonitorError("--serve shows the run on a page: --json and --follow do not apply")
         if not os.path.isdir(args.run_dir):

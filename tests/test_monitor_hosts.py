@@ -333,6 +333,10 @@ def test_serve_errors_are_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}" in err
     assert cli.main(["monitor", str(tmp_path), "--serve", "--json"]) == 2
     assert "--json and --follow do not apply" in capsys.readouterr().err
+    assert cli.main(["monitor", str(tmp_path), "--serve", "--refresh", "inf"]) == 2
+    assert "--refresh must be in (0, 3600]" in capsys.readouterr().err
+    assert cli.main(["monitor", str(tmp_path), "--serve", "--window", "soon"]) == 2  # before serving anything
+    assert "--window='soon': not a duration" in capsys.readouterr().err
 
 
 class _Page(html.parser.HTMLParser):

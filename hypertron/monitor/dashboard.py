@@ -7,7 +7,7 @@ served by this server: no CDN, so the page works on a cluster without internet.
 
 Long runs stay cheap to show: the loss and throughput curves are averaged into at most
 ``POINTS`` points and the per-process heatmaps and the goodput breakdown into ``BINS`` time
-bins, so the page receives a few hundred kilobytes whatever the run's length.
+bins, so what the page receives grows with the number of processes, not with the run's length.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def _heatmap(report: Report, edges: np.ndarray, field: str) -> dict[str, Any]:
         jobs = [j for j in report.jobs[p] if len(j.steps) > 1]
         t = np.concatenate([j.ends[1:] for j in jobs]) if jobs else np.zeros(0)
         v = np.concatenate([getattr(j, field)[1:] for j in jobs]) if jobs else np.zeros(0)
-        keep = np.isfinite(v)
+        # Steps that ended outside process 0's span (another host's clock, or process 0 gone) are left out.
+        keep = np.isfinite(v) & (t >= edges[0]) & (t <= edges[-1])
         k = np.clip(np.searchsorted(edges, t[keep], side="right") - 1, 0, len(edges) - 2)
         n = np.bincount(k, minlength=len(edges) - 1)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -133,15 +134,17 @@ def _timeline(report: Report, edges: np.ndarray) -> dict[str, Any]:
 
 
 def _clean(x: Any) -> Any:
-    """JSON-ready: NaN and infinities as null, floats to 6 significant digits, arrays as lists."""
+    """JSON-ready: NaN and infinities as null, numpy scalars and arrays as Python ones."""
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     if isinstance(x, np.ndarray):
         return _clean(x.tolist())
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
     if isinstance(x, (float, np.floating)):
-        return float(f"{x:.6g}") if math.isfinite(x) else None
+        return float(x) if math.isfinite(x) else None
     if isinstance(x, np.integer):
         return int(x)
     if isinstance(x, (str, int, bool)) or x is None:
@@ -171,6 +174,8 @@ class Source:
                     body: dict[str, Any] = data(self.build())
                 except MonitorError as e:
                     body = {"error": str(e)}
+                except Exception as e:  # a file that vanished mid-read, say: shown on the page, tried again later
+                    body = {"error": f"cannot read the run: {type(e).__name__}: {e}"}
                 body["refresh"] = self.refresh
                 self._body = json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
                 self._at = time.monotonic()
@@ -185,7 +190,7 @@ def app(run_dir: str | Path, build: Callable[[], Report], refresh: float):
 
     script = plotly_script()
     page = PAGE.read_text().replace("{{ config }}", json.dumps(
-        {"run_dir": str(run_dir), "refresh": refresh}).replace("</", "<\\/"))
+        {"run_dir": str(run_dir), "refresh": refresh}).replace("<", "\\u003c"))
     source = Source(build, refresh)
     api = FastAPI(title="hypertron monitor", docs_url=None, redoc_url=None, openapi_url=None)
     api.add_middleware(GZipMiddleware, minimum_size=1024)
@@ -216,11 +221,12 @@ def serve(run_dir: str | Path, build: Callable[[], Report], host: str, port: int
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(128)  # before the URL is printed: whoever reads it can connect at once
     except OSError as e:
         sock.close()
         raise MonitorError(f"the dashboard cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = sock.getsockname()[1]
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    shown = socket.gethostname() if host in ("0.0.0.0", "::") else f"[{host}]" if family == socket.AF_INET6 else host
     log(f"dashboard of {run_dir}: http://{shown}:{bound}/ (refreshes every {refresh:g} s; Ctrl-C stops)")
     server = uvicorn.Server(uvicorn.Config(application, log_level="warning", access_log=False))
     server.run(sockets=[sock])
