@@ -3,7 +3,8 @@
 ``hypertron launch local`` starts both; each reads its own half of the
 documents and feeds its own rows of the global batch. The losses must equal
 one process fed the same global batch (both halves, concatenated in process
-order), also across a resume, where each process restores its own data position.
+order), also across a resume, where each process restores its own data position, onto a mesh
+split across the processes (``mesh.dcn.data=-1``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_pa
     run = tmp_path / "run"
     first = _launch(*TINY, "train.steps=2", f"run_dir={run}")
     assert first.returncode == 0, first.stdout + first.stderr
-    second = _launch(*TINY, "train.steps=4", f"run_dir={run}")
+    # The resumed job splits the mesh across nodes (processes): data across, fsdp inside each.
+    second = _launch(*TINY, "train.steps=4", f"run_dir={run}", "mesh.dcn.data=-1")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from step 2" in second.stdout + second.stderr
 
@@ -74,6 +76,13 @@ def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_pa
         assert {e["process"] for e in events} == {index}
         assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
         assert [e["event"] for e in events if e["event"].startswith("restore")] == ["restore_start", "restore_end"]
+        # Where this process's 4 devices sat: first fsdp=8 over both processes, then data=2 x fsdp=4,
+        # the process on the across-node axis and its devices along the inside one.
+        flat, hybrid = [e for e in events if e["event"] == "backend_ready"]
+        assert flat["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+        assert flat["mesh_coords"] == [[0, 4 * index + i, 0, 0] for i in range(4)]
+        assert hybrid["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+        assert hybrid["mesh_coords"] == [[index, i, 0, 0] for i in range(4)]
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path):

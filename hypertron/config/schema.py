@@ -12,6 +12,7 @@ to build its parser.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -123,42 +124,73 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
+def _resolve(sizes: dict[str, int], total: int, what: str, prefix: str) -> dict[str, int]:
+    """Sizes with their one -1 resolved, multiplying to ``total`` (``what`` names the total)."""
+    sizes = dict(sizes)
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"{prefix}: at most one axis may be -1, got {', '.join(free)}")
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ConfigError(f"{prefix}.{a}={s}: sizes must be positive (or -1 for the rest)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if total % fixed:
+            raise ConfigError(f"{prefix}: fixed axes multiply to {fixed}, which does not divide {total} {what}")
+        sizes[free[0]] = total // fixed
+    if math.prod(sizes.values()) != total:
+        desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(f"{prefix}: {desc} = {math.prod(sizes.values())} {what}, but {total} are available")
+    return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcnConfig:
+    """The across-node part of each mesh axis: how many nodes (processes) it spans. One may be -1
+    (the remaining processes). All 1 (the default): the mesh ignores node boundaries."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    @property
+    def hybrid(self) -> bool:
+        return any(getattr(self, a) != 1 for a in MeshConfig.AXES)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh sizes. One axis may be -1: it takes the remaining devices."""
+    """Device mesh sizes. One axis may be -1: it takes the remaining devices.
+
+    With ``dcn`` (``mesh.dcn.data=-1``), each axis is split into an inside-node part (these
+    sizes, over one process's devices) and an across-node part (``dcn``, over the processes): the
+    axis's size is their product, and the devices of one process fill the inside parts, so
+    collectives over those stay on the node's links (MaxText's ``ici_*`` and ``dcn_*``).
+    """
 
     data: int = 1
     fsdp: int = -1
     expert: int = 1  # MoE expert parallelism; a data-parallel axis outside the experts
     tensor: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)
 
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "tensor")
 
-    def shape(self, num_devices: int) -> dict[str, int]:
-        """Resolve -1 and check the product against ``num_devices``."""
-        sizes = {a: getattr(self, a) for a in self.AXES}
-        free = [a for a, s in sizes.items() if s == -1]
-        if len(free) > 1:
-            raise ConfigError(f"mesh: at most one axis may be -1, got {', '.join(free)}")
-        for a, s in sizes.items():
-            if s == 0 or s < -1:
-                raise ConfigError(f"mesh.{a}={s}: sizes must be positive (or -1 for the rest)")
-        fixed = 1
-        for s in sizes.values():
-            fixed *= s if s != -1 else 1
-        if free:
-            if num_devices % fixed:
-                raise ConfigError(
-                    f"mesh: fixed axes multiply to {fixed}, which does not divide {num_devices} devices"
-                )
-            sizes[free[0]] = num_devices // fixed
-        prod = 1
-        for s in sizes.values():
-            prod *= s
-        if prod != num_devices:
-            desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
-            raise ConfigError(f"mesh: {desc} = {prod} devices, but {num_devices} are available")
-        return sizes
+    def split(self, num_devices: int, num_processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+        """(inside-node sizes, across-node sizes), resolved; across-node all 1 unless ``dcn`` is set."""
+        ici = {a: getattr(self, a) for a in self.AXES}
+        if not self.dcn.hybrid:
+            return _resolve(ici, num_devices, "devices", "mesh"), dict.fromkeys(self.AXES, 1)
+        if num_devices % num_processes:
+            raise ConfigError(f"mesh.dcn: {num_devices} devices do not split evenly over {num_processes} processes")
+        dcn = _resolve({a: getattr(self.dcn, a) for a in self.AXES}, num_processes, "processes", "mesh.dcn")
+        return _resolve(ici, num_devices // num_processes, "devices per process", "mesh"), dcn
+
+    def shape(self, num_devices: int, num_processes: int = 1) -> dict[str, int]:
+        """Each axis's size (inside-node x across-node); checks the product against ``num_devices``."""
+        ici, dcn = self.split(num_devices, num_processes)
+        return {a: ici[a] * dcn[a] for a in self.AXES}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -131,10 +131,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("monitor.interval and monitor.h2d_bytes must be positive, monitor.h2d_every not negative")
     if not 0 <= mon.port <= 65535:
         raise ConfigError(f"monitor.port={mon.port}: must be a port number (0 = off)")
-    for a in MeshConfig.AXES:
-        s = getattr(cfg.mesh, a)
-        if s == 0 or s < -1:
-            raise ConfigError(f"mesh.{a}={s}: sizes must be positive (or -1 for the rest)")
+    for where, sizes in (("mesh", cfg.mesh), ("mesh.dcn", cfg.mesh.dcn)):
+        for a in MeshConfig.AXES:
+            s = getattr(sizes, a)
+            if s == 0 or s < -1:
+                raise ConfigError(f"{where}.{a}={s}: sizes must be positive (or -1 for the rest)")
+        free = [a for a in MeshConfig.AXES if getattr(sizes, a) == -1]
+        if len(free) > 1:
+            raise ConfigError(f"{where}: at most one axis may be -1, got {', '.join(free)}")
 
 
 def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,

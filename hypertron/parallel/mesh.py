@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from hypertron.config import MeshConfig
+from hypertron.errors import ConfigError
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -16,9 +17,60 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices (same host, fastest links), then ``expert`` (whose all-to-alls come
     next in traffic); ``data`` varies slowest. Devices are
     ordered by process, so each process holds a contiguous block of the batch
-    axes and feeds exactly its own rows.
+    axes and feeds exactly its own rows. With ``mesh.dcn``, see :func:`device_grid`.
     """
-    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
-    shape = cfg.shape(len(devices))
-    grid = np.array(devices, dtype=object).reshape([shape[a] for a in MeshConfig.AXES])
-    return Mesh(grid, MeshConfig.AXES)
+    devices = jax.devices() if devices is None else devices
+    return Mesh(device_grid(cfg, devices), MeshConfig.AXES)
+
+
+def device_grid(cfg: MeshConfig, devices: list) -> np.ndarray:
+    """The devices as an array of the mesh's shape.
+
+    Without ``mesh.dcn``: in (process, id) order, reshaped. With it, a hybrid mesh
+    (``mesh_utils.create_hybrid_device_mesh`` with ``process_is_granule=True``): each process's
+    devices form a block of the inside-node shape, the blocks are laid out in the across-node
+    shape, and along each axis index ``i`` is block ``i // inside``, position ``i % inside``. One
+    process's devices then differ only in their inside-node coordinates, so a collective over an
+    inside part never leaves the node.
+    """
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    processes = sorted({d.process_index for d in devices})
+    ici, dcn = cfg.split(len(devices), len(processes))
+    axes = MeshConfig.AXES
+    if not cfg.dcn.hybrid:
+        return np.array(devices, dtype=object).reshape([ici[a] for a in axes])
+    if len({sum(d.process_index == p for d in devices) for p in processes}) != 1:
+        raise ConfigError("mesh.dcn: every process must have the same number of devices")
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_hybrid_device_mesh([ici[a] for a in axes], [dcn[a] for a in axes], devices,
+                                                process_is_granule=True)
+    check_process_rows(grid, len(processes))
+    return grid
+
+
+def check_process_rows(grid: np.ndarray, processes: int) -> None:
+    """Each process feeds its own rows of the batch: its devices must hold one contiguous block of
+    the batch shards (data x fsdp x expert, in that order), block p for process p."""
+    shards = grid.shape[0] * grid.shape[1] * grid.shape[2]
+    if shards % processes:
+        raise ConfigError(f"mesh: the {shards} batch shards (data x fsdp x expert) do not divide over "
+                          f"{processes} processes")
+    per = shards // processes
+    owners: dict[int, set[int]] = {}
+    for index, device in np.ndenumerate(grid):
+        shard = (index[0] * grid.shape[1] + index[1]) * grid.shape[2] + index[2]
+        owners.setdefault(shard, set()).add(device.process_index)
+    for shard, procs in sorted(owners.items()):
+        if procs != {shard // per}:
+            raise ConfigError(
+                "mesh.dcn: this split gives a process batch rows that are not one contiguous block "
+                f"(batch shard {shard} is on processes {sorted(procs)}); split across nodes along "
+                "mesh.dcn.data (or fsdp alone, with data 1 inside), never tensor")
+
+
+def local_coords(mesh: Mesh) -> list[list[int]]:
+    """This process's devices' coordinates in ``mesh`` (one list per device, in id order)."""
+    coords = {d.id: list(map(int, index)) for index, d in np.ndenumerate(mesh.devices)
+              if d.process_index == jax.process_index()}
+    return [coords[i] for i in sorted(coords)]

@@ -25,7 +25,7 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
     if cfg.data.source != "synthetic":
         check_vocab(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
-    shape = cfg.mesh.shape(num_devices)
+    shape = cfg.mesh.shape(num_devices, jax.process_count())
     data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
     if micro % data_shards:

@@ -40,7 +40,7 @@ from hypertron.models.bundle import load_model as load_bundle
 from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
-from hypertron.parallel.mesh import make_mesh
+from hypertron.parallel.mesh import local_coords, make_mesh
 from hypertron.runfiles import METRICS_FILE, TENSORBOARD_DIR
 from hypertron.train.events import EventFile, job_start_fields
 from hypertron.train.flops import device_peak_flops, train_flops_per_token
@@ -132,6 +132,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     console = console or Console(stderr=True, soft_wrap=True, quiet=jax.process_index() > 0)
     backend_ready = time.time()
     validate_for_devices(cfg, len(devices))
+    mesh = make_mesh(cfg.mesh, devices)
     delay = data_delay(jax.process_index())  # a bad setting fails before compiling
     check_init_from(cfg)
     run_dir = Path(cfg.run_dir)
@@ -147,7 +148,8 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     tracking = Tracking([*standard_trackers(cfg, console), *trackers], jax.process_index(), start_time=started)
     tracking.emit("job_start", at=started, **job_start_fields(jax.process_count()))
     tracking.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
-                local_device_count=jax.local_device_count(), seconds=backend_ready - started)
+                local_device_count=jax.local_device_count(), seconds=backend_ready - started,
+                mesh=dict(mesh.shape), mesh_coords=local_coords(mesh))
     for step, problem in skipped:
         tracking.emit("checkpoint_skipped", step, reason=problem)
     if ckpt:
@@ -163,7 +165,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
             data = batches_for(cfg)
             # Built now, so a bad eval split fails before compiling, not hours in.
             eval_data = batches_for(cfg, split="eval") if cfg.train.eval_every else None
-            trainer = make_trainer(cfg, make_mesh(cfg.mesh, devices))
+            trainer = make_trainer(cfg, mesh)
             state, start = _initial_state(cfg, trainer, ckpt, start, data, tracking, console)
             loop = _Loop(cfg, trainer, ckpt, tracking, stop, console, eval_data, delay)
             last = start
