@@ -384,7 +384,9 @@ def test_256_concurrent_streams_each_get_exactly_their_tokens(server):
 
 
 def test_preemption_under_a_small_page_pool_keeps_the_streamed_text():
-    engine = FakeEngine(max_slots=4, max_seq_len=64, page_size=4, num_pages=16)  # one sequence fits, four do not
+    # One sequence fits, four do not. Each step takes 20 ms, so the six streams overlap however slowly
+    # the loaded machine sends them (without it, a busy CI could serve them one after another).
+    engine = FakeEngine(max_slots=4, max_seq_len=64, page_size=4, num_pages=16, step_delay=0.02)
     with Server(engine) as s:
         bodies = [{"model": MODEL, "prompt": f"p{i}", "max_tokens": 40, "seed": i, "temperature": 0.8}
                   for i in range(6)]
