@@ -85,7 +85,7 @@ def device_row(ctx):
     import jax.numpy as jnp
 
     from gmm import time_fn  # bench/gmm.py: median of synced calls after a warm-up
-    from hypertron.train.flops import device_peak_flops
+    from hypertron.models.flops import device_peak_flops
     from serve import peak_bandwidth  # bench/serve.py
 
     dev = jax.devices()[0]
@@ -191,7 +191,7 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
         from hypertron.config import load_config
         from hypertron.models import count_params, resolve_dtype
         from hypertron.models.attention import attention_impl
-        from hypertron.train.flops import device_peak_flops, train_flops_per_token
+        from hypertron.models.flops import device_peak_flops, train_flops_per_token
 
         s = ctx.s
         batch, seq = shape(s) if shape else (s.batch, s.seq)

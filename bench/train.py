@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from hypertron.config import ConfigError, load_config
     from hypertron.train.checks import validate_for_devices
     from hypertron.models import count_params, resolve_dtype
-    from hypertron.train.flops import device_peak_flops, train_flops_per_token
+    from hypertron.models.flops import device_peak_flops, train_flops_per_token
 
     try:
         cfg = load_config(None, [f"model={args.preset}", "data.source=synthetic", *args.overrides])

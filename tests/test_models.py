@@ -10,7 +10,7 @@ import pytest
 from hypertron.config import ModelConfig, load_config
 from hypertron.models import count_params, declare, forward, init_params
 from hypertron.config import PRESETS
-from hypertron.train.flops import forward_flops_per_token, train_flops_per_token
+from hypertron.models.flops import forward_flops_per_token, train_flops_per_token
 
 
 @pytest.mark.parametrize(

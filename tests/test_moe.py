@@ -148,7 +148,7 @@ def test_tiny_moe_trains_on_the_embedded_corpus_like_the_dense_tiny_model(tmp_pa
 
 
 def test_flops_count_only_the_active_experts():
-    from hypertron.train.flops import forward_flops_per_token
+    from hypertron.models.flops import forward_flops_per_token
 
     moe, dense = PRESETS["tiny-moe"], PRESETS["tiny"]  # 2 of 4 experts of 192 = one MLP of 384
     router = 2 * moe.embed_dim * moe.moe.num_experts

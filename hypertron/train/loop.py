@@ -43,7 +43,7 @@ from hypertron.parallel import distributed
 from hypertron.parallel.mesh import local_coords, make_mesh
 from hypertron.runfiles import METRICS_FILE, TENSORBOARD_DIR
 from hypertron.train.events import EventFile, job_start_fields
-from hypertron.train.flops import device_peak_flops, train_flops_per_token
+from hypertron.models.flops import device_peak_flops, train_flops_per_token
 from hypertron.train.metrics import ConsoleTracker, MetricsFile, TensorBoard, Throughput
 from hypertron.train.preemption import StopSignal
 from hypertron.train.step import global_batch, make_trainer

@@ -1,4 +1,4 @@
-"""Model FLOPs per token and the peak table used for MFU.
+"""Model FLOPs per token, and the device's peak for MFU (from :mod:`hypertron.models.hardware`).
 
 Counted from the config, matmuls only (as MaxText and the PaLM paper do):
 QKV and output projections, the gated MLP (for MoE: the router and the
@@ -11,30 +11,7 @@ from __future__ import annotations
 import jax
 
 from hypertron.config import ModelConfig
-
-# Dense bf16 peak FLOP/s per device (no sparsity).
-# Matched in order against the lower-cased device kind: specific names first.
-PEAK_FLOPS = {
-    "h100 pcie": 756e12,
-    "h100 nvl": 835e12,
-    "h100": 989e12,
-    "h200": 989e12,
-    "a100": 312e12,
-    "tpu v5p": 459e12,
-    "tpu v5 lite": 197e12,
-    "tpu v5e": 197e12,
-    "tpu v6": 918e12,
-}
-
-
-# Dense fp8 / int8 peak FLOP/s (OP/s for int8) per device, for the MFU of quantised training
-# (EMFU stays against the bf16 peak above). Same matching as PEAK_FLOPS; no entry: unknown.
-QUANT_PEAK_FLOPS = {
-    "fp8": {"h100 pcie": 1513e12, "h100 nvl": 1671e12, "h100": 1979e12, "h200": 1979e12},
-    "int8": {"h100 pcie": 1513e12, "h100 nvl": 1671e12, "h100": 1979e12, "h200": 1979e12,
-             "a100": 624e12, "tpu v5p": 918e12, "tpu v5 lite": 394e12, "tpu v5e": 394e12, "tpu v6": 1836e12},
-}
-
+from hypertron.models.hardware import match
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward matmul FLOPs for one token at sequence length ``seq_len`` (2 per multiply-add)."""
@@ -60,15 +37,12 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def device_peak_flops(override: float = 0.0, device=None, fmt: str = "bf16") -> float | None:
     """Peak FLOP/s of ``device`` (default: the first device) in ``fmt`` ("bf16", "fp8" or
-    "int8"), or ``override`` when set.
+    "int8"), or ``override`` when set: the hardware table's (:mod:`hypertron.models.hardware`).
 
     Returns None when unknown (CPU), in which case MFU is not reported.
     """
     if override > 0:
         return override
     device = device or jax.devices()[0]
-    kind = getattr(device, "device_kind", "").lower()
-    for name, peak in (PEAK_FLOPS if fmt == "bf16" else QUANT_PEAK_FLOPS[fmt]).items():
-        if name in kind:
-            return peak
-    return None
+    h = match(getattr(device, "device_kind", ""))
+    return h.peak(fmt) if h is not None else None

@@ -1,0 +1,90 @@
+"""The memory model against the trainer's real arrays, and the hardware table.
+
+Bytes per device of parameters, gradients and optimiser state come from the declarations and
+the rules alone; here they are compared with the shards ``make_trainer`` actually allocates on
+8 CPU devices, for several meshes and models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from hypertron.config import load_config
+from hypertron.models import hardware, memory
+from hypertron.models.flops import device_peak_flops
+from hypertron.parallel.mesh import make_mesh
+from hypertron.train.step import make_trainer
+
+SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=128", "model.vocab_size=512",
+         "train.global_batch=8", "train.seq_len=16", "data.source=synthetic"]
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of the first device's shards of every array in ``tree``."""
+    first = jax.devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = next(s for s in x.addressable_shards if s.device == first)
+        total += math.prod(shard.data.shape) * x.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("model,mesh", [
+    ("tiny", ["mesh.data=8", "mesh.fsdp=1"]),
+    ("tiny", []),                                            # fsdp 8
+    ("tiny", ["mesh.fsdp=4", "mesh.tensor=2"]),
+    ("tiny-moe", ["mesh.expert=4", "mesh.fsdp=2"]),
+    ("tiny-moe", ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "model.quantization=fp8"]),
+])
+def test_state_bytes_per_device_are_exact(model, mesh):
+    cfg = load_config(None, [f"model={model}", *SMALL, *mesh])
+    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+    state = trainer.init(jax.random.key(0))
+    want = memory.state_bytes(cfg, dict(trainer.mesh.shape))
+    assert want.params == _shard_bytes(state["params"])
+    assert want.optimizer == _shard_bytes(state["opt_state"])
+    assert want.fp8_histories == (_shard_bytes(state["quant"]) if "quant" in state else 0)
+    # The gradients the step computes carry the parameters' shardings.
+    grads = jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p), out_shardings=trainer.state_shardings["params"])(
+        state["params"])
+    assert want.grads == _shard_bytes(grads)
+    # Sharding really splits: fsdp 8 holds an eighth of what data 8 (replicated) holds, give or take
+    # the tensors too small to split.
+    if model == "tiny" and not mesh:
+        replicated = memory.state_bytes(cfg, {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}).params
+        assert replicated / 8 <= want.params < replicated / 4
+
+
+def test_kv_cache_bytes_follow_the_page_layout():
+    from hypertron.models.kv_pages import init_pages
+
+    model = load_config(None, ["model=tiny-llama3"]).model
+    for dtype in ("bfloat16", "int8", "float32"):
+        cache = jax.eval_shape(lambda: init_pages(model, num_pages=6, page_size=4, dtype=dtype))
+        real = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+        assert memory.kv_cache_bytes(model, 6 * 4, dtype) == real, dtype
+    # Split over tensor by KV head, when it divides them.
+    assert memory.kv_cache_bytes(model, 100, "bfloat16", tensor=2) * 2 == memory.kv_cache_bytes(model, 100)
+
+
+def test_the_hardware_table_names_each_device_and_feeds_mfu():
+    assert hardware.match("NVIDIA H100 80GB HBM3").name == "h100"
+    assert hardware.match("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert hardware.match("NVIDIA H200").name == "h200"
+    assert hardware.match("TPU v5 lite").name == "tpu-v5e"
+    assert hardware.match("TPU v5p").name == "tpu-v5p"
+    assert hardware.match("cpu").bf16 is None and hardware.match("something new") is None
+    h100 = hardware.HARDWARE["h100"]
+    assert (h100.bf16, h100.fp8, h100.memory, h100.per_node) == (989e12, 1979e12, 80e9, 8)
+
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    assert device_peak_flops(device=Device()) == 989e12
+    assert device_peak_flops(device=Device(), fmt="fp8") == 1979e12
+    assert device_peak_flops(device=jax.devices()[0]) is None  # CPU: no MFU
+    assert np.isclose(device_peak_flops(123.0), 123.0)
