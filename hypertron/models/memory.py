@@ -15,8 +15,9 @@ Exact (``tests/test_memory.py`` compares them with the trainer's real arrays):
 
 Serving: the paged KV cache's bytes for a number of tokens (:func:`kv_cache_bytes`).
 
-Activations (an estimate under each remat policy) and the fit check come next; the hardware
-they are checked against is :mod:`hypertron.models.hardware`.
+Estimated: the activations of a training step under each remat policy (:func:`step_bytes`),
+from coefficients fitted to XLA's memory analysis (below). The hardware a plan is checked
+against is :mod:`hypertron.models.hardware`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,74 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
                         for x in jax.tree.leaves(jax.eval_shape(lambda: fp8_histories(cfg.model))))
     return StateBytes(params=params, grads=params, optimizer=OPTIMIZER_MOMENTS * params + OPTIMIZER_SCALARS,
                       fp8_histories=histories)
+
+
+# Activation coefficients, fitted to XLA's own accounting (``compiled.memory_analysis()``'s
+# temporaries) of hypertron's train step on CPU, float32, XLA attention, for 14 configurations
+# (seq 512-4096, width 512-1024, 1-3 layers, MHA and GQA, vocab 259-64,000; within 7% of each).
+# S is one layer's attention scores, b x heads x t x t in float32, when attention materialises
+# them; flash attention (cuDNN) keeps b x heads x t instead. A, M, Q are one layer's residual
+# stream (b t d), MLP hidden (b t f) and q/k/v projections (b t (n + 2k) h) in the compute dtype.
+ONE_LAYER = {"S": 3.7, "A": 4, "M": 3, "Q": 2}  # a layer's forward and backward, live at once
+SAVED = {  # kept per layer for the backward pass, by remat policy
+    "none": {"S": 4.6, "A": 6, "M": 3, "Q": 2},
+    "dots": {"S": 0.3, "A": 3, "M": 2, "Q": 1},
+    "full": {"S": 0.0, "A": 1, "M": 0, "Q": 0},
+}
+# The loss and the unembedding's backward: x the logits (b t v, float32) and x one vocabulary
+# table (v d, param dtype). That phase and a layer's backward are not live at once: the peak is
+# the larger of the two.
+LOGITS, VOCAB_GRADS = 1.45, 1.96
+
+
+@dataclass
+class StepBytes:
+    """Per-device bytes of one training step: the state (exact) and its activations (an estimate)."""
+
+    state: StateBytes
+    activations: int
+    micro_batch: int  # rows per device per micro-batch
+    flash: bool       # whether attention is flash (no t x t scores)
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations
+
+
+def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool) -> bool:
+    """Whether the step's attention keeps no t x t scores: cuDNN's flash kernel, which ``auto``
+    picks on NVIDIA GPUs in bf16 (:func:`hypertron.models.attention.attention_impl`)."""
+    if model.attention == "cudnn":
+        return True
+    return model.attention == "auto" and gpu and compute_dtype == "bfloat16" and model.head_dim % 8 == 0 \
+        and model.head_dim <= 128
+
+
+def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False, gpu: bool = False,
+               rules: dict = DEFAULT_RULES) -> StepBytes:
+    """The state per device (exact) and the activations of a training step (an estimate, see the
+    coefficients above; XLA counts the gradients among its temporaries too)."""
+    m, tr = cfg.model, cfg.train
+    state = state_bytes(cfg, mesh_shape, accelerator, rules)
+    compute = m.dtype if m.dtype != "auto" else ("bfloat16" if accelerator else "float32")
+    c = DTYPE_BYTES[compute]
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
+    micro = tr.global_batch // tr.grad_accum
+    b = -(-micro // shards)
+    t = tr.seq_len
+    tp = mesh_shape.get("tensor", 1)
+    split = lambda n: n // tp if n % tp == 0 else n
+    n, k, f, v = split(m.num_heads), split(m.num_kv_heads), split(m.mlp_dim), split(m.vocab_size)
+    if m.moe is not None:  # the routed copies go through top_k experts' MLPs (and shared ones)
+        f = f * (m.moe.top_k + m.moe.shared_experts)
+    flash = flash_attention(m, compute, gpu)
+    terms = {"S": b * n * t * (1 if flash else t) * 4, "A": b * t * m.embed_dim * c, "M": b * t * f * c,
+             "Q": b * t * (n + 2 * k) * m.head_dim * c}
+    one = sum(ONE_LAYER[x] * terms[x] for x in terms)
+    saved = sum(SAVED[m.remat][x] * terms[x] for x in terms)
+    p = DTYPE_BYTES[param_dtype(m, accelerator)]
+    vocab = LOGITS * b * t * v * 4 + VOCAB_GRADS * v * m.embed_dim * p
+    return StepBytes(state, int((m.num_layers - 1) * saved + max(one, vocab)), b, flash)
 
 
 def kv_cache_bytes(model: ModelConfig, tokens: int, kv_dtype: str = "bfloat16", tensor: int = 1) -> int:
