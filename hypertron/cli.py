@@ -35,6 +35,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from hypertron.config import load_config
+    from hypertron.models import plan as planner
+
+    recipe, overrides = None, list(args.overrides)
+    if overrides and "=" not in overrides[0]:
+        recipe = overrides.pop(0)
+    p = planner.plan(load_config(recipe, overrides), args.hardware, args.devices)
+    if args.json:
+        print(json.dumps(planner.to_json(p), indent=1))
+    else:
+        Console(soft_wrap=True).print(planner.render(p))
+    return 0 if p.fits is not False else 1
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from hypertron.config import ConfigError
     from hypertron.serve.generate import generate
@@ -254,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
     t.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser(
+        "plan", help="memory per device, compute and communication time of a training config, before launch",
+        description="Plan a training run on hardware you may not have: per-device memory (parameters, "
+        "gradients, optimiser state exact; activations estimated), compute time at the device's peak, "
+        "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
+        "docs/memory.md has the formulas.")
+    pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    pl.add_argument("--hardware", default="h100", help="h100, h100-pcie, h100-nvl, h200, a100, tpu-v5p, tpu-v5e, "
+                    "tpu-v6e or cpu (default %(default)s)")
+    pl.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
 
     g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
     g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",

@@ -30,11 +30,13 @@ def _campaign(*args, timeout=600):
 
 
 # In make test, T2 and T3 run one row of each code path (their other rows are the same
-# measurements at other sizes); HYPERTRON_SMOKE_ALL=1 runs every row, as the campaign does.
+# measurements at other sizes or settings: t2.train.none is t2.train.dots with another remat
+# policy, t3.moe.e16 is t3.moe.e8 with more experts); HYPERTRON_SMOKE_ALL=1 runs every row, as
+# the campaign does.
 SMOKE_ROWS = {
-    "T2": ["t2.device", "t2.train", "t2.profile", "t2.quant", "t2.gmm", "t2.ragged", "t2.decode.b64.bfloat16.ctx8192",
-           "t2.decode.b64.int8.ctx8192"],
-    "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.moe.e16", "t3.decode.b8", "t3.gmm.pallas.tm64"],
+    "T2": ["t2.device", "t2.train.dots", "t2.train.packed", "t2.profile", "t2.quant", "t2.gmm", "t2.ragged",
+           "t2.decode.b64.bfloat16.ctx8192", "t2.decode.b64.int8.ctx8192"],
+    "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.decode.b8", "t3.gmm.pallas.tm64"],
 }
 
 

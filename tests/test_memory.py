@@ -120,3 +120,43 @@ def test_activation_estimate_is_within_15_percent_of_xla(remat, model, mesh):
     est = memory.step_bytes(cfg, dict(trainer.mesh.shape))
     assert not est.flash
     assert abs(est.activations + est.state.grads - xla) <= 0.15 * xla, (est.activations + est.state.grads, xla)
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line_and_the_override_lets_it_through(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from hypertron import cli
+    from hypertron.train import checks
+
+    args = ["train", "model=tiny", *SMALL, "train.steps=1", "checkpoint.enabled=false", "monitor.collect=false"]
+    monkeypatch.setattr(checks, "device_memory", lambda device: 2**16)  # a 64 KiB device
+    assert cli.main([*args, f"run_dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "per device" in err and "more than the 64.0 KiB a device has" in err
+    assert "train.memory_check=false" in err and not (tmp_path / "a" / "events.jsonl").exists()  # nothing started
+    assert cli.main([*args, f"run_dir={tmp_path / 'b'}", "train.memory_check=false"]) == 0
+
+
+def test_plan_prints_the_breakdown_and_a_predicted_step(capsys):
+    import json
+
+    from hypertron import cli
+
+    assert cli.main(["plan", "--hardware", "h100", "--devices", "16", "--json", "model=llama3-8b",
+                     "train.global_batch=32", "train.seq_len=8192", "mesh.dcn.data=-1"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["nodes"] == 2 and p["mesh"] == {"data": 2, "fsdp": 8, "expert": 1, "tensor": 1}
+    mem = p["memory"]
+    # llama3-8b's 8.03B float32 parameters over fsdp 8; AdamW's two moments.
+    assert mem["params"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01) and mem["optimizer"] == 2 * mem["params"] + 8
+    assert mem["fits"] and mem["total"] < 80e9
+    axes = {a["name"]: a for a in p["axes"]}
+    assert axes["fsdp"]["across"] is False and axes["data"]["across"] is True
+    # Compute at the bf16 peak: 6 x params x tokens, plus attention, over 16 devices.
+    assert p["compute_seconds"] == pytest.approx(6 * 8.03e9 * 32 * 8192 / 16 / 989e12, rel=0.25)
+    lo, hi = p["step_seconds"]
+    assert p["compute_seconds"] <= lo <= hi and 0 < p["mfu"][0] <= p["mfu"][1] <= 1
+    # Too big for one device: exit 1, and it says so.
+    assert cli.main(["plan", "--hardware", "h100", "--devices", "1", "model=llama3-8b"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert cli.main(["plan", "--hardware", "b300"]) == 2
+    assert "--hardware='b300': not one of h100" in capsys.readouterr().err

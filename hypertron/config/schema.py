@@ -230,6 +230,7 @@ class TrainConfig:
     init_from: str = ""  # a model bundle (e.g. a converted HF model) or run directory whose parameters start this run
     eval_every: int = 0  # steps between eval-loss measurements on the held-out split (0 = off)
     eval_batches: int = 4  # global batches per evaluation
+    memory_check: bool = True  # refuse, before compiling, a run the memory model says cannot fit a device
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,4 +50,47 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
             raise ConfigError(
                 f"mesh.tensor={shape['tensor']} does not divide the {jax.local_device_count()} devices of a process"
             )
+    if cfg.train.memory_check:
+        check_memory(cfg, shape, jax.devices()[0])
     return shape
+
+
+def device_memory(device) -> float | None:
+    """Bytes one device can hold: what its allocator says, else the hardware table's figure, else
+    (CPU) the host's memory shared by this process's devices."""
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # backends without memory statistics
+        limit = None
+    if limit:
+        return float(limit)
+    from hypertron.models.hardware import match
+
+    h = match(getattr(device, "device_kind", ""))
+    if h is not None and h.memory:
+        return h.memory
+    if device.platform == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().total / jax.local_device_count()
+    return None
+
+
+def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
+    """Refuse a run whose predicted bytes per device (:func:`hypertron.models.memory.step_bytes`)
+    exceed the device's, in one line that says what would make it fit."""
+    from hypertron.models.memory import describe, step_bytes
+
+    limit = device_memory(device)
+    if limit is None:
+        return
+    need = step_bytes(cfg, shape, accelerator=device.platform != "cpu", gpu=device.platform == "gpu")
+    if need.total <= limit:
+        return
+    s = need.state
+    raise ConfigError(
+        f"this run needs about {describe(need.total)} per device (parameters {describe(s.params)}, gradients "
+        f"{describe(s.grads)}, optimiser {describe(s.optimizer)}, activations {describe(need.activations)} for "
+        f"{need.micro_batch} rows of {cfg.train.seq_len}), more than the {describe(limit)} a device has: fewer rows "
+        "per device (train.global_batch, train.grad_accum, more devices), model.remat=full, a larger mesh.fsdp, "
+        "or train.memory_check=false to try anyway (hypertron plan shows the breakdown)")
