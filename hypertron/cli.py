@@ -17,13 +17,18 @@ from hypertron.config.schema import WeightQuantization
 from hypertron.errors import UserError
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace):
+    """The config of ``[RECIPE] key=value ...`` (train, plan)."""
     from hypertron.config import load_config
 
     recipe, overrides = None, list(args.overrides)
     if overrides and "=" not in overrides[0]:
         recipe = overrides.pop(0)
-    cfg = load_config(recipe, overrides)
+    return load_config(recipe, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     from hypertron.train.loop import train
 
     trackers = []
@@ -40,13 +45,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hypertron.config import load_config
     from hypertron.models import plan as planner
 
-    recipe, overrides = None, list(args.overrides)
-    if overrides and "=" not in overrides[0]:
-        recipe = overrides.pop(0)
-    p = planner.plan(load_config(recipe, overrides), args.hardware, args.devices)
+    p = planner.plan(_config(args), args.hardware, args.devices)
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
     else:

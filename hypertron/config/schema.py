@@ -124,15 +124,21 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-def _resolve(sizes: dict[str, int], total: int, what: str, prefix: str) -> dict[str, int]:
-    """Sizes with their one -1 resolved, multiplying to ``total`` (``what`` names the total)."""
-    sizes = dict(sizes)
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(f"{prefix}: at most one axis may be -1, got {', '.join(free)}")
+def check_sizes(sizes: dict[str, int], prefix: str) -> list[str]:
+    """Refuse sizes that are neither positive nor -1, or more than one -1; returns the -1 axes."""
     for a, s in sizes.items():
         if s == 0 or s < -1:
             raise ConfigError(f"{prefix}.{a}={s}: sizes must be positive (or -1 for the rest)")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"{prefix}: at most one axis may be -1, got {', '.join(free)}")
+    return free
+
+
+def _resolve(sizes: dict[str, int], total: int, what: str, prefix: str) -> dict[str, int]:
+    """Sizes with their one -1 resolved, multiplying to ``total`` (``what`` names the total)."""
+    sizes = dict(sizes)
+    free = check_sizes(sizes, prefix)
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if free:
         if total % fixed:

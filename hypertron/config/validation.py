@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from hypertron.config.schema import Config, MeshConfig, ModelConfig, ServeConfig, choices
+from hypertron.config.schema import Config, MeshConfig, ModelConfig, ServeConfig, check_sizes, choices
 from hypertron.errors import ConfigError
 
 
@@ -132,13 +132,7 @@ def validate(cfg: Config) -> None:
     if not 0 <= mon.port <= 65535:
         raise ConfigError(f"monitor.port={mon.port}: must be a port number (0 = off)")
     for where, sizes in (("mesh", cfg.mesh), ("mesh.dcn", cfg.mesh.dcn)):
-        for a in MeshConfig.AXES:
-            s = getattr(sizes, a)
-            if s == 0 or s < -1:
-                raise ConfigError(f"{where}.{a}={s}: sizes must be positive (or -1 for the rest)")
-        free = [a for a in MeshConfig.AXES if getattr(sizes, a) == -1]
-        if len(free) > 1:
-            raise ConfigError(f"{where}: at most one axis may be -1, got {', '.join(free)}")
+        check_sizes({a: getattr(sizes, a) for a in MeshConfig.AXES}, where)
 
 
 def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,

@@ -49,6 +49,13 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
 )}
 
 
+def host_memory_per_device(devices: int) -> float:
+    """The ``cpu`` entry's memory: this host's, shared by ``devices`` devices."""
+    import psutil
+
+    return psutil.virtual_memory().total / devices
+
+
 def match(device_kind: str) -> Hardware | None:
     """The table's entry for a JAX ``device_kind`` (most specific name first), or None."""
     kind = device_kind.lower()

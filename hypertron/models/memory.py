@@ -59,11 +59,17 @@ def shard_shape(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape
     return tuple(out)
 
 
+def _resolved(name: str, accelerator: bool) -> str:
+    """A dtype setting as the trainer resolves it on that kind of device (``auto``: float32 on CPU)."""
+    return ("bfloat16" if accelerator else "float32") if name == "auto" else name
+
+
 def param_dtype(model: ModelConfig, accelerator: bool) -> str:
-    """``model.param_dtype`` resolved as the trainer would on that kind of device."""
-    if model.param_dtype == "auto":
-        return "bfloat16" if accelerator else "float32"
-    return model.param_dtype
+    return _resolved(model.param_dtype, accelerator)
+
+
+def compute_dtype(model: ModelConfig, accelerator: bool) -> str:
+    return _resolved(model.dtype, accelerator)
 
 
 @dataclass
@@ -146,7 +152,7 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
     coefficients above; XLA counts the gradients among its temporaries too)."""
     m, tr = cfg.model, cfg.train
     state = state_bytes(cfg, mesh_shape, accelerator, rules)
-    compute = m.dtype if m.dtype != "auto" else ("bfloat16" if accelerator else "float32")
+    compute = compute_dtype(m, accelerator)
     c = DTYPE_BYTES[compute]
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
     micro = tr.global_batch // tr.grad_accum

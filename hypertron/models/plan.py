@@ -30,8 +30,8 @@ from typing import Any
 
 from hypertron.config import Config, ConfigError
 from hypertron.models.flops import train_flops_per_token
-from hypertron.models.hardware import HARDWARE, Hardware
-from hypertron.models.memory import DTYPE_BYTES, StepBytes, describe, param_dtype, step_bytes
+from hypertron.models.hardware import HARDWARE, Hardware, host_memory_per_device
+from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, describe, param_dtype, step_bytes
 
 GPUS = ("h100", "h100-pcie", "h100-nvl", "h200", "a100")
 
@@ -88,9 +88,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
     mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu)
     device_memory = hw.memory
     if device_memory is None and hw.name == "cpu":
-        import psutil
-
-        device_memory = psutil.virtual_memory().total / devices
+        device_memory = host_memory_per_device(devices)
     m, t = cfg.model, cfg.train
     fmt = {"fp8": "fp8", "int8": "int8"}.get(m.quantization, "bf16")
     peak = hw.peak(fmt)
@@ -99,7 +97,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
     if peak is None:
         out.notes.append(f"{hw.name} has no {fmt} peak in the table: no compute time or MFU")
 
-    c = DTYPE_BYTES[m.dtype if m.dtype != "auto" else ("bfloat16" if accelerator else "float32")]
+    c = DTYPE_BYTES[compute_dtype(m, accelerator)]
     p = DTYPE_BYTES[param_dtype(m, accelerator)]
     params_per_device = mem.state.params / p  # elements
     act = mem.micro_batch * t.seq_len * m.embed_dim * c * t.grad_accum
@@ -110,7 +108,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
             continue
         # An axis crosses nodes when mesh.dcn splits it, or when it is longer than what is left
         # of a node after the faster axes.
-        across = dcn[a] > 1 or (nodes > 1 and not dcn_set(cfg) and inner * size > hw.per_node)
+        across = dcn[a] > 1 or (nodes > 1 and not cfg.mesh.dcn.hybrid and inner * size > hw.per_node)
         inner *= size
         frac = (size - 1) / size
         if a == "fsdp":
@@ -128,10 +126,6 @@ def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
             out.notes.append(f"{hw.name}: no {'across-node' if across else 'inside-node'} bandwidth in the "
                              f"table: no time for the {a} axis")
     return out
-
-
-def dcn_set(cfg: Config) -> bool:
-    return cfg.mesh.dcn.hybrid
 
 
 def to_json(p: Plan) -> dict[str, Any]:

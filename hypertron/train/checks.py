@@ -64,15 +64,13 @@ def device_memory(device) -> float | None:
         limit = None
     if limit:
         return float(limit)
-    from hypertron.models.hardware import match
+    from hypertron.models.hardware import host_memory_per_device, match
 
     h = match(getattr(device, "device_kind", ""))
     if h is not None and h.memory:
         return h.memory
     if device.platform == "cpu":
-        import psutil
-
-        return psutil.virtual_memory().total / jax.local_device_count()
+        return host_memory_per_device(jax.local_device_count())
     return None
 
 
