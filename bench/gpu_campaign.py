@@ -46,6 +46,7 @@ import json
 import os
 import pkgutil
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -68,27 +69,33 @@ TIER_BUDGET = {"T0": 120.0, "T1": 300.0, "T2": 480.0, "T3": 480.0}  # seconds on
 HARDWARE_FIELDS = frozenset({"driver", "datasheet_tflops", "datasheet_bw_gbs", "mfu_datasheet", "emfu_datasheet",
                              "bw_fraction_datasheet", "peak_mem_gib"})
 
-# The XLA flags of the GPU recipes (MaxText / gpu-recipes on A3 Mega, H100), each with its reason.
-# T1 records which this XLA accepts: flags come and go between XLA versions, and an unknown flag
-# aborts the process at start. The recipes of issue 18 take this list over.
-RECIPE_XLA_FLAGS = (
-    ("--xla_gpu_enable_latency_hiding_scheduler=true", "overlap collectives with compute"),
-    ("--xla_gpu_enable_triton_gemm=false", "cuBLAS GEMMs rather than Triton-generated ones"),
-    ("--xla_gpu_enable_command_buffer=", "no CUDA graphs (replaces --xla_gpu_graph_level=0)"),
-    ("--xla_gpu_graph_level=0", "no CUDA graphs (older XLA)"),
-    ("--xla_gpu_enable_highest_priority_async_stream=true", "collectives on the highest-priority stream"),
-    ("--xla_gpu_all_reduce_combine_threshold_bytes=134217728", "fewer, larger all-reduces"),
-    ("--xla_gpu_all_gather_combine_threshold_bytes=134217728", "fewer, larger all-gathers (FSDP)"),
-    ("--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864", "fewer, larger reduce-scatters (FSDP)"),
-    ("--xla_gpu_enable_pipelined_all_gather=true", "prefetch the next layer's weights in the scan"),
-    ("--xla_gpu_enable_pipelined_reduce_scatter=true", "overlap gradient reduce-scatter with the scan"),
-    ("--xla_gpu_enable_pipelined_all_reduce=true", "overlap all-reduces with the scan"),
-    ("--xla_gpu_enable_while_loop_double_buffering=true", "double-buffer the layer scan"),
-    ("--xla_gpu_enable_all_gather_combine_by_dim=false", "combine all-gathers across dimensions"),
-    ("--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "combine reduce-scatters across dimensions"),
-    ("--xla_disable_hlo_passes=rematerialization", "memory is planned by remat policy, not by XLA"),
+# Other spellings of the recipes' XLA flags that XLA versions use (a flag renamed, one retired):
+# with the recipes' own, T1 records which of each this XLA accepts, since an unknown flag aborts
+# the process at start.
+OTHER_SPELLINGS = (
+    ("--xla_gpu_graph_level=0", "no CUDA graphs (XLA before --xla_gpu_enable_command_buffer)"),
+    ("--xla_gpu_pipeline_all_gather=on", "newer XLA's --xla_gpu_enable_pipelined_all_gather=true"),
+    ("--xla_gpu_pipeline_reduce_scatter=on", "newer XLA's --xla_gpu_enable_pipelined_reduce_scatter=true"),
+    ("--xla_gpu_pipeline_all_reduce=on", "newer XLA's --xla_gpu_enable_pipelined_all_reduce=true"),
     ("--xla_gpu_enable_triton_softmax_fusion=false", "older recipes: no Triton softmax fusion"),
 )
+
+
+def _recipe_xla_flags() -> tuple[tuple[str, str], ...]:
+    """The XLA flags of every GPU recipe (recipes/<machine>/<model>.yaml), each once, then
+    :data:`OTHER_SPELLINGS`."""
+    from hypertron.config import load_config
+    from hypertron.launch import recipes
+
+    flags: dict[str, str] = {}
+    for name in recipes.names():
+        cfg = load_config(recipes.path_of(name))
+        if cfg.launch.hardware != "cpu":
+            flags.update((f.value, f.reason) for f in cfg.launch.xla_flags if f.value not in flags)
+    return tuple(flags.items()) + OTHER_SPELLINGS
+
+
+RECIPE_XLA_FLAGS = _recipe_xla_flags()
 
 # T1: which group a test of the ``gpu`` selection reports under: (group, file, test-name prefix).
 T1_GROUPS = (
@@ -200,9 +207,11 @@ def t1_xla_flags(ctx):
     r = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
     rejected = []
     if r.returncode != 0:
-        line = next((ln for ln in r.stderr.splitlines() if "Unknown flags in XLA_FLAGS:" in ln), None)
+        # "Unknown flag in XLA_FLAGS: F" for one, "Unknown flags in XLA_FLAGS: F G" for several
+        line = next((m for ln in r.stderr.splitlines() if (m := re.search(r"Unknown flags? in XLA_FLAGS:(.*)", ln))),
+                    None)
         if line is not None:
-            rejected = line.split("Unknown flags in XLA_FLAGS:", 1)[1].split()
+            rejected = line.group(1).split()
         else:  # some other refusal (a bad value): try each flag alone
             for f in flags:
                 one = subprocess.run(probe, env=dict(os.environ, XLA_FLAGS=f), capture_output=True, timeout=300)

@@ -38,7 +38,12 @@ WANTED = ("grain==0.2.18", "array-record==0.8.6", "tensorboardX==2.6.5", "fastap
           "pydantic==2.14.3", "pydantic-core==2.50.4", "uvicorn==0.54.0", "openai==3.54.0")
 # hypertron's runtime needs the campaign never uses, left out of the set (the T0 import of every module does not
 # import them).
-NOT_CARRIED = {"plotly": "the dashboard page's script (hypertron monitor --serve); the campaign serves no page"}
+NOT_CARRIED = {
+    "plotly": "the dashboard page's script (hypertron monitor --serve); the campaign serves no page",
+    "kubernetes": "hypertron workload / cluster talk to a cluster; the campaign runs on one machine",
+    "kubernetes-validate": "validates what hypertron workload renders; not used on the GPU machine",
+    "kubeflow-trainer-api": "the JobSet models hypertron workload validates with; not used on the GPU machine",
+}
 TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
     a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
                 "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")

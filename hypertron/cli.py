@@ -36,8 +36,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from hypertron.monitor.collector import Collector
 
         trackers.append(Collector(cfg.run_dir, cfg.monitor))
-    train(cfg, trackers=trackers)
-    return 0
+    result = train(cfg, trackers=trackers)
+    return cfg.train.preempt_exit_code if result.status == "preempted" else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -179,9 +179,148 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from hypertron.launch import launch_local
+    from hypertron.launch.local import launch_local
 
     return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices)
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from hypertron.launch import recipes
+    from hypertron.models.memory import describe
+
+    if args.name:
+        r = recipes.load(args.name, args.nodes)
+        p = r.predict()
+        if args.json:
+            print(json.dumps(_recipe_json(r, p), indent=1))
+            return 0
+        from hypertron.config import dump_yaml
+        from hypertron.models import plan as planner
+
+        console = Console(soft_wrap=True, highlight=False)
+        console.print(f"[bold]{r.name}[/bold]: {r.machine.name} ({r.machine.note}) x {r.nodes} nodes")
+        for title, settings in (("XLA flags", r.cfg.launch.xla_flags), ("environment", r.cfg.launch.env)):
+            if settings:
+                console.print(f"[bold]{title}[/bold]")
+                for st in settings:
+                    console.print(f"  {st.value}  [dim]{st.reason}[/dim]")
+        console.print(planner.render(p))
+        if args.config:
+            print(dump_yaml(r.cfg))
+        return 0
+    rows = []
+    for name in recipes.names():
+        r = recipes.load(name, args.nodes)
+        rows.append((r, r.predict()))
+    if args.json:
+        print(json.dumps([_recipe_json(r, p) for r, p in rows], indent=1))
+        return 0
+    table = Table(show_edge=False)
+    for col in ("recipe", "nodes", "devices", "mesh", "batch x seq", "memory per device", "of", "fits"):
+        table.add_column(col, justify="right" if col in ("nodes", "devices", "memory per device", "of") else "left",
+                         no_wrap=True)
+    for r, p in rows:
+        mesh = " x ".join(f"{a} {n}" for a, n in r.mesh.items() if n > 1) or "1 device"
+        table.add_row(r.name, str(r.nodes), str(r.devices), mesh, f"{r.cfg.train.global_batch} x {r.cfg.train.seq_len}",
+                      describe(p.memory.total), describe(p.device_memory) if p.device_memory else "?",
+                      {True: "yes", False: "NO", None: "?"}[p.fits])
+    console = Console()
+    console.width = max(console.width, 120)
+    console.print(table)
+    return 0
+
+
+def _recipe_json(r, p) -> dict:
+    from hypertron.models import plan as planner
+
+    return {"recipe": r.name, "machine": r.machine.name, "nodes": r.nodes, "devices": r.devices, "mesh": r.mesh,
+            "model": r.cfg.model.name, "xla_flags": r.xla_flags(), "env": r.env(), "plan": planner.to_json(p)}
+
+
+def _workload(args: argparse.Namespace):
+    from hypertron.launch import k8s, recipes
+
+    recipe = recipes.load(args.recipe, args.nodes, args.overrides)
+    image = args.image or os.environ.get("HYPERTRON_IMAGE", "")
+    w = k8s.Workload(args.name, recipe, image=image, storage=args.storage or "", priority=args.priority,
+                     max_restarts=args.max_restarts, queue=args.queue, namespace=args.namespace)
+    if not args.storage:
+        raise UserError("--storage: give the shared storage the run directory lives on, pvc:CLAIM or gs://BUCKET "
+                        "(a restart on a node's own disk would lose every checkpoint)")
+    p = recipe.predict()
+    if p.fits is False and recipe.cfg.train.memory_check:
+        from hypertron.models.memory import describe
+
+        raise UserError(f"recipe {recipe.name} on {recipe.nodes} nodes needs {describe(p.memory.total)} per device, "
+                        f"more than the {describe(p.device_memory)} of a {p.hardware.name} (hypertron recipes "
+                        f"{recipe.name} shows the parts; train.memory_check=false submits anyway)")
+    return w
+
+
+def _render_or_apply(objects: list[dict], args: argparse.Namespace, what: str, create_only: bool) -> int:
+    from hypertron.launch import k8s, validate
+
+    validate.check(objects)
+    text = k8s.to_yaml(objects)
+    if not args.dry_run and not args.output:
+        from hypertron.launch import cluster
+
+        cluster.api()  # no cluster to apply to: one line now, before anything is shown or sent
+    if args.output:
+        out = os.path.abspath(args.output)
+        if os.path.exists(out):
+            raise UserError(f"--output {args.output} already exists; choose a new file (nothing is overwritten)")
+        with open(out, "x") as f:
+            f.write(text)
+        print(f"wrote {len(objects)} objects to {args.output} (valid for Kubernetes {validate.KUBERNETES}); "
+              f"apply them with kubectl apply -f {args.output}")
+        return 0
+    print(text, end="")
+    if args.dry_run:
+        return 0
+    done = cluster.apply(objects, create_only=create_only)
+    print(f"{what}: " + ", ".join(done), file=sys.stderr)
+    return 0
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    from hypertron.launch import cluster, k8s
+
+    if args.action == "create":
+        w = _workload(args)
+        return _render_or_apply(k8s.workload_objects(w), args, f"created workload {w.name}", create_only=True)
+    if args.action == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(show_edge=False)
+        for col in ("name", "recipe", "nodes", "status", "restarts", "age"):
+            table.add_column(col)
+        for r in cluster.list_workloads(args.namespace):
+            table.add_row(r["name"], r["recipe"], str(r["nodes"]), r["status"], str(r["restarts"]),
+                          cluster.age(r["created"]))
+        Console(soft_wrap=True).print(table)
+    elif args.action == "describe":
+        import json
+
+        print(json.dumps(cluster.describe(args.name, args.namespace), indent=1, default=str))
+    elif args.action == "logs":
+        print(cluster.logs(args.name, args.namespace, args.process), end="")
+    else:
+        print("deleted " + ", ".join(cluster.delete(args.name, args.namespace)))
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from hypertron.launch import k8s, machines
+
+    objects = k8s.cluster_objects(machines.machine(args.hardware), args.nodes, args.queue, args.namespace)
+    return _render_or_apply(objects, args, "applied", create_only=False)
 
 
 # The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
@@ -263,6 +402,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def _add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--dry-run", action="store_true", help=f"print the objects; {verb} nothing")
+    out.add_argument("--output", metavar="FILE", help=f"write the objects to a new FILE; {verb} nothing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hypertron", description="Train and serve LLMs in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,6 +466,67 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run on the CPU with K simulated devices per process")
     lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     lo.set_defaults(func=cmd_launch)
+
+    rc = sub.add_parser(
+        "recipes", help="the recipes per model x machine, with their predicted memory per device",
+        description="List the recipes (recipes/<machine>/<model>.yaml) with their machine, node count, mesh and "
+        "the memory model's prediction per device; with a NAME, its XLA flags and environment with their reasons "
+        "and its whole plan.")
+    rc.add_argument("name", nargs="?", metavar="NAME", help="one recipe, e.g. a3mega-h100/llama3.1-70b")
+    rc.add_argument("--nodes", type=int, default=None, metavar="N", help="on N nodes (default: each recipe's own)")
+    rc.add_argument("--json", action="store_true", help="print as JSON")
+    rc.add_argument("--config", action="store_true", help="with NAME: also print the resolved config as YAML")
+    rc.set_defaults(func=cmd_recipes)
+
+    wl = sub.add_parser("workload", help="training workloads on Kubernetes (JobSet + Kueue)")
+    wla = wl.add_subparsers(dest="action", required=True)
+    wc = wla.add_parser(
+        "create", help="render, validate and submit a recipe as a JobSet",
+        description="Render a recipe as a ConfigMap (the resolved recipe) and a JobSet of one pod per node, "
+        "validate both strictly, print them, and submit them (or only print them with --dry-run, or write them "
+        "with --output). key=value overrides after the options change the recipe. docs/launch.md shows the objects.")
+    wc.add_argument("name", metavar="NAME", help="the workload's name (a DNS label; its pods' host names must "
+                    "stay within 63 characters)")
+    wc.add_argument("--recipe", required=True, metavar="R", help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
+    wc.add_argument("--nodes", type=int, default=None, metavar="N", help="default: the recipe's")
+    wc.add_argument("--image", metavar="IMG", help="the container image with hypertron installed "
+                    "(default: $HYPERTRON_IMAGE)")
+    from hypertron.launch.k8s import PRIORITIES
+
+    wc.add_argument("--priority", default="medium", metavar="P",
+                    help=f"{', '.join(PRIORITIES)} (default %(default)s)")
+    wc.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                    help="gang restarts before the workload fails (default %(default)s)")
+    wc.add_argument("--queue", default="hypertron", metavar="Q", help="the Kueue LocalQueue (default %(default)s)")
+    wc.add_argument("--storage", metavar="PVC_OR_BUCKET", help="where the run directory lives: pvc:CLAIM or gs://BUCKET")
+    wc.add_argument("--namespace", default="default", help="default %(default)s")
+    _add_output_flags(wc, "submit")
+    wc.add_argument("overrides", nargs="*", metavar="key=value")
+    for action, text in (("list", "hypertron's workloads and their state"), ("describe", "a workload's state and pods"),
+                         ("logs", "a process's log"), ("delete", "delete a workload (its checkpoints stay)")):
+        a = wla.add_parser(action, help=text)
+        if action != "list":
+            a.add_argument("name", metavar="NAME")
+        if action == "logs":
+            a.add_argument("--process", type=int, default=0, metavar="I", help="default %(default)s")
+        a.add_argument("--namespace", default="default", help="default %(default)s")
+    wl.set_defaults(func=cmd_workload)
+
+    cl = sub.add_parser("cluster", help="a cluster's queueing objects (Kueue and priority classes)")
+    cla = cl.add_subparsers(dest="action", required=True)
+    cs = cla.add_parser(
+        "setup", help="Kueue's ResourceFlavor, ClusterQueue and LocalQueue, and five PriorityClasses",
+        description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
+        "and JobSet installed: a ResourceFlavor for the machine, a ClusterQueue with a quota of --nodes of them, "
+        "the LocalQueue workloads name, and the PriorityClasses very-low .. very-high.")
+    from hypertron.launch.machines import MACHINES
+
+    cs.add_argument("--hardware", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
+    cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
+    cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
+    cs.add_argument("--namespace", default="default", help="the LocalQueue's (default %(default)s)")
+    _add_output_flags(cs, "apply")
+    cl.set_defaults(func=cmd_cluster)
 
     mo = sub.add_parser(
         "monitor", help="goodput, badput by cause, disruptions and alarms of a training run",

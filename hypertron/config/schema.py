@@ -237,6 +237,9 @@ class TrainConfig:
     eval_every: int = 0  # steps between eval-loss measurements on the held-out split (0 = off)
     eval_batches: int = 4  # global batches per evaluation
     memory_check: bool = True  # refuse, before compiling, a run the memory model says cannot fit a device
+    # The exit code of a run stopped by SIGTERM before its last step (its checkpoint saved). 0 counts
+    # it done; a workload sets a code its restart set holds (42), so the scheduler restarts the gang.
+    preempt_exit_code: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +276,25 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One XLA flag or environment variable of a recipe, with why it is there."""
+
+    value: str  # "--xla_flag=value" or "NAME=value"
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Where a recipe runs: read by ``hypertron recipes``, ``workload`` and ``launch``, not by the
+    training loop (a workload puts the flags and the environment into each process's environment)."""
+
+    hardware: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
+    nodes: int = 1  # the default node count; the mesh's dcn axes take the rest
+    xla_flags: tuple[Setting, ...] = ()
+    env: tuple[Setting, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything one run needs."""
 
@@ -284,6 +306,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
 # ---------------------------------------------------------------------------

@@ -133,6 +133,51 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"monitor.port={mon.port}: must be a port number (0 = off)")
     for where, sizes in (("mesh", cfg.mesh), ("mesh.dcn", cfg.mesh.dcn)):
         check_sizes({a: getattr(sizes, a) for a in MeshConfig.AXES}, where)
+    if not 0 <= t.preempt_exit_code <= 255:
+        raise ConfigError(f"train.preempt_exit_code={t.preempt_exit_code}: must be an exit code, 0..255")
+    la = cfg.launch
+    if la.nodes < 1:
+        raise ConfigError(f"launch.nodes={la.nodes}: must be at least 1")
+    for s in la.xla_flags:
+        if not s.value.startswith("--xla_") or "=" not in s.value or " " in s.value:
+            raise ConfigError(f"launch.xla_flags: {s.value!r} is not --xla_name=value")
+    for s in la.env:
+        name, eq, _ = s.value.partition("=")
+        if not eq or not name.replace("_", "").isalnum() or name[0].isdigit():
+            raise ConfigError(f"launch.env: {s.value!r} is not NAME=value")
+
+
+def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int) -> dict[str, int]:
+    """The mesh shape of ``cfg`` on ``num_devices`` devices in ``processes`` processes of
+    ``local_devices`` each, with no devices needed (``hypertron train`` checks the ones it has,
+    ``hypertron recipes`` and ``workload`` a cluster's): a mesh that does not match the devices, a
+    batch that does not split over the data shards or the processes, an expert axis that does not
+    divide the experts, and a tensor-parallel group that would span two processes."""
+    shape = cfg.mesh.shape(num_devices, processes)
+    data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
+    micro = cfg.train.global_batch // cfg.train.grad_accum
+    if micro % data_shards:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} (micro-batch {micro}) is not divisible "
+            f"by the {data_shards} data shards (mesh data x fsdp x expert)"
+        )
+    moe = cfg.model.moe
+    if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
+        raise ConfigError(
+            f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
+        )
+    if processes > 1:
+        # Each process feeds its own rows, so the batch axes must split over the processes and a
+        # tensor-parallel group must not span two of them (its devices would get different rows).
+        if data_shards % processes:
+            raise ConfigError(
+                f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
+            )
+        if local_devices % shape["tensor"]:
+            raise ConfigError(
+                f"mesh.tensor={shape['tensor']} does not divide the {local_devices} devices of a process"
+            )
+    return shape
 
 
 def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,

@@ -72,16 +72,19 @@ class Plan:
         return max(self.compute, self.comm), self.compute + self.comm
 
 
-def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
+def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int | None = None) -> Plan:
+    """The plan of ``cfg`` on ``devices`` devices of ``hardware`` (default: one node's), in nodes
+    (processes) of ``per_node`` devices (default: the hardware's)."""
     if hardware not in HARDWARE:
         raise ConfigError(f"--hardware={hardware!r}: not one of {', '.join(HARDWARE)}")
     hw = HARDWARE[hardware]
-    devices = devices or hw.per_node
+    per_node = per_node or hw.per_node
+    devices = devices or per_node
     if devices < 1:
         raise ConfigError(f"--devices={devices}: must be at least 1")
-    nodes = -(-devices // hw.per_node)
+    nodes = -(-devices // per_node)
     if devices % nodes:
-        raise ConfigError(f"--devices={devices}: does not fill {nodes} nodes of {hw.per_node} evenly")
+        raise ConfigError(f"--devices={devices}: does not fill {nodes} nodes of {per_node} evenly")
     accelerator, gpu = hw.name != "cpu", hw.name in GPUS
     ici, dcn = cfg.mesh.split(devices, nodes)
     mesh = {a: ici[a] * dcn[a] for a in ici}
@@ -108,7 +111,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None) -> Plan:
             continue
         # An axis crosses nodes when mesh.dcn splits it, or when it is longer than what is left
         # of a node after the faster axes.
-        across = dcn[a] > 1 or (nodes > 1 and not cfg.mesh.dcn.hybrid and inner * size > hw.per_node)
+        across = dcn[a] > 1 or (nodes > 1 and not cfg.mesh.dcn.hybrid and inner * size > per_node)
         inner *= size
         frac = (size - 1) / size
         if a == "fsdp":

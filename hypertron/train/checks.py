@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 
 from hypertron.config import Config
+from hypertron.config.validation import check_mesh
 from hypertron.errors import ConfigError
 from hypertron.tokenizer import check_vocab, get_tokenizer
 
@@ -16,40 +17,15 @@ from hypertron.tokenizer import check_vocab, get_tokenizer
 def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks for training ``cfg`` on ``num_devices`` devices; returns the resolved mesh shape.
 
-    Refuses cuDNN attention off NVIDIA GPUs, a vocabulary smaller than the tokenizer's, a mesh
-    that does not match the devices, a batch that does not split over the data shards or the
-    processes, an expert axis that does not divide the experts, and a tensor-parallel group that
-    would span two processes.
+    Refuses cuDNN attention off NVIDIA GPUs, a vocabulary smaller than the tokenizer's, what
+    :func:`hypertron.config.validation.check_mesh` refuses for these devices and processes, and
+    (with ``train.memory_check``) a run the memory model says cannot fit a device.
     """
     if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
     if cfg.data.source != "synthetic":
         check_vocab(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
-    shape = cfg.mesh.shape(num_devices, jax.process_count())
-    data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    if micro % data_shards:
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} (micro-batch {micro}) is not divisible "
-            f"by the {data_shards} data shards (mesh data x fsdp x expert)"
-        )
-    moe = cfg.model.moe
-    if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
-        raise ConfigError(
-            f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
-        )
-    processes = jax.process_count()
-    if processes > 1:
-        # Each process feeds its own rows, so the batch axes must split over the processes and a
-        # tensor-parallel group must not span two of them (its devices would get different rows).
-        if data_shards % processes:
-            raise ConfigError(
-                f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
-            )
-        if jax.local_device_count() % shape["tensor"]:
-            raise ConfigError(
-                f"mesh.tensor={shape['tensor']} does not divide the {jax.local_device_count()} devices of a process"
-            )
+    shape = check_mesh(cfg, num_devices, jax.process_count(), jax.local_device_count())
     if cfg.train.memory_check:
         check_memory(cfg, shape, jax.devices()[0])
     return shape

@@ -1,0 +1,119 @@
+"""Recipes: ``recipes/<machine>/<model>.yaml``, a training config tuned for one machine, with the
+XLA flags and environment it runs under (``launch:``) and a default node count.
+
+A recipe is named by its path under the recipes folder without ``.yaml``
+(``a3mega-h100/llama3.1-70b``) or by a path to any YAML file. The folder is ``$HYPERTRON_RECIPES``
+when set, else the ``recipes`` folder of this checkout. :func:`load` resolves a recipe for a node
+count before anything else happens: the mesh, the batch over the processes and the memory model's
+prediction per device, all from abstract shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hypertron.config import Config, ConfigError, load_config
+from hypertron.config.validation import check_mesh
+from hypertron.errors import UserError
+from hypertron.launch.machines import Machine, machine
+from hypertron.models.plan import Plan, plan
+
+_CPU_DEVICES = re.compile(r"^--xla_force_host_platform_device_count=(\d+)$")
+
+
+def root() -> Path:
+    env = os.environ.get("HYPERTRON_RECIPES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def names() -> list[str]:
+    """Every recipe under :func:`root` written for a machine (``<machine>/<model>``), sorted."""
+    base = root()
+    return sorted(str(p.relative_to(base).with_suffix("")) for p in base.glob("*/*.yaml"))
+
+
+def path_of(name: str) -> Path:
+    as_path = Path(name)
+    if as_path.suffix in (".yaml", ".yml") and as_path.is_file():
+        return as_path
+    found = root() / f"{name}.yaml"
+    if found.is_file():
+        return found
+    known = names()
+    raise UserError(f"unknown recipe {name!r}: " + (f"one of {', '.join(known)}, or a YAML file" if known
+                                                      else f"no recipes under {root()} and no such YAML file"))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    cfg: Config               # with launch.nodes the node count asked for
+    machine: Machine
+    devices_per_node: int
+    mesh: dict[str, int]      # resolved over every device
+
+    @property
+    def nodes(self) -> int:
+        return self.cfg.launch.nodes
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def xla_flags(self) -> str:
+        return " ".join(s.value for s in self.cfg.launch.xla_flags)
+
+    def env(self) -> dict[str, str]:
+        """The recipe's environment, ``XLA_FLAGS`` included."""
+        out = dict(s.value.split("=", 1) for s in self.cfg.launch.env)
+        if self.cfg.launch.xla_flags:
+            out["XLA_FLAGS"] = self.xla_flags()
+        return out
+
+    def predict(self) -> Plan:
+        """The memory model's plan for this recipe on its nodes, against the share of each device
+        that ``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves JAX when the recipe sets it."""
+        p = plan(self.cfg, self.machine.device, self.devices, self.devices_per_node)
+        fraction = self.env().get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        if fraction and p.device_memory is not None:
+            try:
+                share = float(fraction)
+            except ValueError:
+                raise UserError(f"recipe {self.name}: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a number") from None
+            p = replace(p, device_memory=p.device_memory * share)
+            p.notes.append(f"device memory: {share:g} of each device's (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+        return p
+
+
+def devices_per_node(cfg: Config, m: Machine) -> int:
+    """A GPU machine's GPUs; on the CPU, the simulated devices the recipe's XLA flags ask for."""
+    if m.gpus:
+        return m.gpus
+    forced = [int(g.group(1)) for s in cfg.launch.xla_flags if (g := _CPU_DEVICES.match(s.value))]
+    return forced[-1] if forced else 1
+
+
+def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """The recipe ``name`` on ``nodes`` nodes (default: its own), checked for them: one clear line
+    when the mesh cannot use that many devices or the batch does not split over them."""
+    path = path_of(name)
+    cfg = load_config(path, list(overrides))
+    if not cfg.launch.hardware:
+        raise UserError(f"recipe {name}: no launch.hardware, so no machine to run on (recipes/<machine>/ have one)")
+    m = machine(cfg.launch.hardware)
+    if nodes is not None:
+        if nodes < 1:
+            raise UserError(f"--nodes={nodes}: must be at least 1")
+        cfg = replace(cfg, launch=replace(cfg.launch, nodes=nodes))
+    per_node = devices_per_node(cfg, m)
+    n = cfg.launch.nodes
+    try:
+        mesh = check_mesh(cfg, n * per_node, n, per_node)
+    except ConfigError as e:
+        raise UserError(f"recipe {name} on {n} node{'s' * (n > 1)} ({n * per_node} devices): {e}") from None
+    return Recipe(name, cfg, m, per_node, mesh)

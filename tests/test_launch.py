@@ -1,0 +1,250 @@
+"""Recipes and Kubernetes workloads: every recipe resolves and fits, its XLA flags are XLA's, the
+rendered objects equal their golden files and pass strict validation, the validators catch what
+they must, bad input is one line, and two processes started with exactly the environment pods 0
+and 1 would get form one job, train, and exit with the workload's code on SIGTERM.
+
+Golden files: ``HYPERTRON_UPDATE_GOLDEN=1 pytest tests/test_launch.py`` rewrites them (read the diff).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hypertron import cli
+from hypertron.config import load_config
+from hypertron.errors import UserError
+from hypertron.launch import k8s, machines, recipes, validate
+from hypertron.train.events import read_events
+
+GOLDEN = Path(__file__).parent / "golden" / "launch"
+IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
+REQUIRED = {"a3mega-h100/llama2-7b", "a3mega-h100/llama2-70b", "a3mega-h100/llama3.1-8b",
+            "a3mega-h100/llama3.1-70b", "a3mega-h100/mixtral-8x7b", "a3ultra-h200/llama3.1-70b", "cpu/tiny"}
+
+
+def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
+    assert REQUIRED <= set(recipes.names())
+    for name in recipes.names():
+        r = recipes.load(name)
+        assert r.machine.name == name.split("/")[0] == r.cfg.launch.hardware, name
+        assert r.cfg.model.name == load_config(None, [f"model={name.split('/')[1]}"]).model.name or name == "cpu/tiny"
+        size = 1
+        for n in r.mesh.values():
+            size *= n
+        assert size == r.devices == r.nodes * r.devices_per_node, (name, r.mesh)
+        if r.machine.gpus:  # across-node axes: the mesh splits over the nodes
+            assert r.cfg.mesh.dcn.hybrid and r.cfg.launch.xla_flags and r.cfg.launch.env, name
+            assert all(s.reason for s in (*r.cfg.launch.xla_flags, *r.cfg.launch.env)), name
+        p = r.predict()  # abstract shapes: nothing is allocated
+        assert p.fits is True, (name, p.memory.total, p.device_memory)
+        if name.startswith("a3mega-h100/"):  # what GPUDirect-TCPXO needs is in every A3 Mega recipe
+            env = r.env()
+            assert env["NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY"] == "/dev/aperture_devices", name
+            assert env["NCCL_FASTRAK_IFNAME"].split(",") == [f"eth{i}" for i in range(1, 9)], name
+
+
+def _xla_accepts(flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_each_recipes_xla_flags_are_accepted_by_xla():
+    flag_sets = {recipes.load(n).xla_flags() for n in recipes.names()}
+    assert len(flag_sets) >= 3
+    for flags in sorted(flag_sets):
+        r = _xla_accepts(flags)
+        assert r.returncode == 0, (flags, r.stderr[-2000:])
+    # The check has teeth: XLA aborts on a flag it does not know.
+    r = _xla_accepts("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_no_such_flag=true")
+    assert r.returncode != 0 and "--xla_gpu_no_such_flag" in r.stderr
+
+
+def _workload(recipe: str, name: str = "llama70", nodes: int | None = None, **kw) -> k8s.Workload:
+    options = dict(image=IMAGE, storage="gs://my-runs", priority="high", max_restarts=5) | kw
+    return k8s.Workload(name, recipes.load(recipe, nodes), **options)
+
+
+CASES = {  # golden file: (objects, the command line that prints them)
+    "llama3.1-70b-a3mega.yaml": (lambda: k8s.workload_objects(_workload("a3mega-h100/llama3.1-70b")),
+                                 ["workload", "create", "llama70", "--recipe", "a3mega-h100/llama3.1-70b",
+                                  "--image", IMAGE, "--storage", "gs://my-runs", "--priority", "high",
+                                  "--max-restarts", "5"]),
+    "tiny-cpu.yaml": (lambda: k8s.workload_objects(_workload("cpu/tiny", "tiny", storage="pvc:runs", priority="low",
+                                                             max_restarts=2, queue="cpu-queue")),
+                      ["workload", "create", "tiny", "--recipe", "cpu/tiny", "--image", IMAGE, "--storage", "pvc:runs",
+                       "--priority", "low", "--max-restarts", "2", "--queue", "cpu-queue"]),
+    "cluster-a3mega.yaml": (lambda: k8s.cluster_objects(machines.machine("a3mega-h100"), 32),
+                            ["cluster", "setup", "--hardware", "a3mega-h100", "--nodes", "32"]),
+}
+
+
+@pytest.mark.parametrize("golden", sorted(CASES))
+def test_rendered_objects_equal_their_golden_files_and_pass_strict_validation(golden, capsys):
+    build, argv = CASES[golden]
+    objects = build()
+    validate.check(objects)  # kubernetes-validate strict, the JobSet's typed round trip, Kueue's fields
+    text = k8s.to_yaml(objects)
+    path = GOLDEN / golden
+    if os.environ.get("HYPERTRON_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{golden} changed: HYPERTRON_UPDATE_GOLDEN=1 rewrites it; read the diff"
+    assert list(yaml.safe_load_all(text)) == objects  # the YAML reads back as the objects
+    # The command prints exactly these objects, and applies nothing with --dry-run.
+    assert cli.main([*argv, "--dry-run"]) == 0
+    assert capsys.readouterr().out == text
+    for js in (o for o in objects if o["kind"] == "JobSet"):
+        nodes = js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"]
+        name = js["metadata"]["name"]
+        env = k8s.pod_environment(js, nodes - 1)
+        assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-workers-0-0.{name}:{k8s.PORT}"
+        assert env["JAX_NUM_PROCESSES"] == str(nodes) and env["JAX_PROCESS_ID"] == str(nodes - 1)
+        (cm,) = [o for o in objects if o["kind"] == "ConfigMap"]
+        run = yaml.safe_load(cm["data"]["recipe.yaml"])
+        assert run["run_dir"] == f"/mnt/run/{name}" and run["train"]["preempt_exit_code"] == k8s.PREEMPT_EXIT_CODE
+        rules = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+        assert k8s.PREEMPT_EXIT_CODE in rules[0]["onExitCodes"]["values"] and 2 not in rules[0]["onExitCodes"]["values"]
+
+
+def _broken(mutate):
+    objects = k8s.workload_objects(_workload("cpu/tiny", "tiny", storage="pvc:runs"))
+    objects = copy.deepcopy(objects)
+    mutate({o["kind"]: o for o in objects})
+    with pytest.raises(UserError) as e:
+        validate.check(objects)
+    return str(e.value)
+
+
+def _pod(o):
+    return o["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def test_the_validators_refuse_what_the_api_server_would_drop_or_reject():
+    # An unknown field in the pod spec: the typed models drop it, so the round trip catches it.
+    msg = _broken(lambda o: _pod(o).update(restartPolicyy="Never"))
+    assert "restartPolicyy" in msg and "JobSet tiny" in msg
+    # An unknown field of the JobSet itself.
+    assert "failurePolicyy" in _broken(lambda o: o["JobSet"]["spec"].update(failurePolicyy={}))
+    # A failure-policy action JobSet does not have (the models take any string).
+    msg = _broken(lambda o: o["JobSet"]["spec"]["failurePolicy"]["rules"][0].update(action="FailJobset"))
+    assert "FailJobset" in msg and "FailJobSet" in msg
+    # A wrong type in the container (an integer where Kubernetes wants a string).
+    msg = _broken(lambda o: _pod(o)["containers"][0]["env"].append({"name": "X", "value": 5}))
+    assert "JobSet tiny" in msg and "env" in msg
+    # A ConfigMap with a field Kubernetes does not have: strict mode.
+    msg = _broken(lambda o: o["ConfigMap"].update(spec={}))
+    assert "ConfigMap tiny-recipe" in msg and "spec" in msg
+    # Kueue: a misspelt field, and an unknown preemption policy.
+    cq = k8s.cluster_objects(machines.machine("cpu"), 2)[1]
+    bad = copy.deepcopy(cq)
+    bad["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["nominalQuta"] = 2
+    with pytest.raises(UserError, match="nominalQuta"):
+        validate.check([bad])
+    bad = copy.deepcopy(cq)
+    bad["spec"]["preemption"]["withinClusterQueue"] = "Lower"
+    with pytest.raises(UserError, match="withinClusterQueue"):
+        validate.check([bad])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["workload", "create", "w", "--recipe", "a3mega-h100/llama9-7b"], "unknown recipe 'a3mega-h100/llama9-7b'"),
+    (["workload", "create", "w", "--recipe", "cpu/tiny", "--nodes", "3"],
+     "recipe cpu/tiny on 3 nodes (6 devices): train.global_batch=8"),
+    (["workload", "create", "w" * 60, "--recipe", "cpu/tiny"], "must be at most 63"),
+    (["workload", "create", "w", "--recipe", "cpu/tiny", "--priority", "urgent"], "--priority='urgent'"),
+    (["workload", "create", "w", "--recipe", "cpu/tiny", "--storage", "/local/disk"], "--storage='/local/disk'"),
+    (["workload", "create", "w", "--recipe", "a3mega-h100/llama3.1-70b", "--nodes", "2"],
+     "more than the 67.1 GiB of a h100"),
+    (["workload", "create", "w", "--recipe", "cpu/tiny"], "no kubeconfig"),  # a real apply
+    (["workload", "list"], "no kubeconfig"),
+    (["cluster", "setup", "--nodes", "4"], "no kubeconfig"),
+    (["recipes", "cpu/nothing"], "unknown recipe 'cpu/nothing'"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_is_applied(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    if argv[:2] == ["workload", "create"] and "--storage" not in argv:
+        argv = [*argv, "--storage", "pvc:runs", "--image", IMAGE]
+    elif argv[:2] == ["workload", "create"]:
+        argv = [*argv, "--image", IMAGE]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_output_writes_a_new_file_and_never_overwrites(tmp_path, capsys):
+    out = tmp_path / "objects.yaml"
+    argv = ["cluster", "setup", "--hardware", "cpu", "--nodes", "2", "--output", str(out)]
+    assert cli.main(argv) == 0
+    text = out.read_text()
+    assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ResourceFlavor", "ClusterQueue", "LocalQueue"] + [
+        "PriorityClass"] * 5
+    assert cli.main(argv) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_text() == text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_on_sigterm(tmp_path):
+    """Pods 0 and 1 of the cpu/tiny workload, as local processes: the recipe from the ConfigMap,
+    the environment from the JobSet as the kubelet would set it. Replaced for loopback: the
+    coordinator's host name by 127.0.0.1 (and its port by a free one), the run directory by a temp
+    one; added: the coordinator binds to 127.0.0.1 only."""
+    config_map, js = k8s.workload_objects(_workload("cpu/tiny", "tiny", storage="pvc:runs"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config_map["data"]["recipe.yaml"])
+    run, port = tmp_path / "run", _free_port()
+    command = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command == ["hypertron", "train", "/etc/hypertron/recipe.yaml"]
+    procs = []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    for index in (0, 1):
+        env = k8s.pod_environment(js, index)
+        host, _, _ = env["JAX_COORDINATOR_ADDRESS"].rpartition(":")
+        assert host == "tiny-workers-0-0.tiny"
+        env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+        env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hypertron.cli", "train", str(recipe), f"run_dir={run}", "train.steps=100000",
+             "train.log_every=1", "monitor.collect=false"],
+            env=base | env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        events = run / "events.jsonl"
+        deadline = time.monotonic() + 240
+        while not (events.exists() and sum(e["event"] == "step" for e in read_events(events)) >= 3):
+            assert all(p.poll() is None for p in procs), [p.stderr.read()[-2000:] for p in procs]
+            assert time.monotonic() < deadline, "no third step in 240 s"
+            time.sleep(0.2)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [k8s.PREEMPT_EXIT_CODE] * 2, [p.stderr.read()[-2000:] for p in procs]
+    rows = read_events(events)
+    assert [r["process_count"] for r in rows if r["event"] == "job_start"] == [2]
+    ready = [r for r in rows if r["event"] == "backend_ready"]
+    assert [(r["device_count"], r["local_device_count"]) for r in ready] == [(4, 2)]
+    assert read_events(run / "events.1.jsonl")[0]["process"] == 1  # pod 1 was process 1 of the same job
+    reached = max(r["step"] for r in rows if r["event"] == "step")
+    assert [r["status"] for r in rows if r["event"] == "job_end"] == ["preempted"]
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == reached < 100000  # saved at the step reached, then exited with the restart code
