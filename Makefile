@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(BIN)/hypertron generate --checkpoint runs/demo --prompt "def " --max-new-tokens 160 --temperature 0.7 --top-k 40
 
 # Debian packages some tests start on loopback (installed when missing and running as root).
-SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium
+SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium slurmctld=slurm-wlm munged=munge
 
 test: $(VENV)/.test-installed
 	@sh tests/system/install.sh $(SYSTEM_PACKAGES)

@@ -179,9 +179,20 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from hypertron.launch.local import launch_local
+    from hypertron.launch.local import launch_local, launch_recipe
 
-    return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices)
+    if args.recipe:
+        if args.processes is not None or args.cpu_devices is not None:
+            raise UserError("launch local --recipe: the recipe gives the processes and devices "
+                            "(no --processes or --cpu-devices)")
+        if args.cmd and args.cmd[0] == "--":
+            args.cmd = args.cmd[1:]
+        if any("=" not in c for c in args.cmd):
+            raise UserError("launch local --recipe R: only key=value overrides may follow")
+        return launch_recipe(args.recipe, args.cmd, gpus=args.gpus)
+    if args.processes is None:
+        raise UserError("launch local: give --processes N (and the command after --), or --recipe R")
+    return launch_local(args.cmd, processes=args.processes, cpu_devices=args.cpu_devices, gpus=args.gpus)
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -242,16 +253,11 @@ def _recipe_json(r, p) -> dict:
             "model": r.cfg.model.name, "xla_flags": r.xla_flags(), "env": r.env(), "plan": planner.to_json(p)}
 
 
-def _workload(args: argparse.Namespace):
-    from hypertron.launch import k8s, recipes
+def _recipe_that_fits(args: argparse.Namespace):
+    """The recipe of ``workload create``, refused in one line when the memory model says it cannot fit."""
+    from hypertron.launch import recipes
 
     recipe = recipes.load(args.recipe, args.nodes, args.overrides)
-    image = args.image or os.environ.get("HYPERTRON_IMAGE", "")
-    w = k8s.Workload(args.name, recipe, image=image, storage=args.storage or "", priority=args.priority,
-                     max_restarts=args.max_restarts, queue=args.queue, namespace=args.namespace)
-    if not args.storage:
-        raise UserError("--storage: give the shared storage the run directory lives on, pvc:CLAIM or gs://BUCKET "
-                        "(a restart on a node's own disk would lose every checkpoint)")
     p = recipe.predict()
     if p.fits is False and recipe.cfg.train.memory_check:
         from hypertron.models.memory import describe
@@ -259,7 +265,18 @@ def _workload(args: argparse.Namespace):
         raise UserError(f"recipe {recipe.name} on {recipe.nodes} nodes needs {describe(p.memory.total)} per device, "
                         f"more than the {describe(p.device_memory)} of a {p.hardware.name} (hypertron recipes "
                         f"{recipe.name} shows the parts; train.memory_check=false submits anyway)")
-    return w
+    return recipe
+
+
+def _workload(args: argparse.Namespace):
+    from hypertron.launch import k8s
+
+    if not args.storage:
+        raise UserError("--storage: give the shared storage the run directory lives on, pvc:CLAIM or gs://BUCKET "
+                        "(a restart on a node's own disk would lose every checkpoint)")
+    image = args.image or os.environ.get("HYPERTRON_IMAGE", "")
+    return k8s.Workload(args.name, _recipe_that_fits(args), image=image, storage=args.storage, priority=args.priority,
+                        max_restarts=args.max_restarts, queue=args.queue, namespace=args.namespace)
 
 
 def _render_or_apply(objects: list[dict], args: argparse.Namespace, what: str, create_only: bool) -> int:
@@ -275,8 +292,11 @@ def _render_or_apply(objects: list[dict], args: argparse.Namespace, what: str, c
         out = os.path.abspath(args.output)
         if os.path.exists(out):
             raise UserError(f"--output {args.output} already exists; choose a new file (nothing is overwritten)")
-        with open(out, "x") as f:
-            f.write(text)
+        try:
+            with open(out, "x") as f:
+                f.write(text)
+        except OSError as e:
+            raise UserError(f"--output {args.output}: {e.strerror}") from None
         print(f"wrote {len(objects)} objects to {args.output} (valid for Kubernetes {validate.KUBERNETES}); "
               f"apply them with kubectl apply -f {args.output}")
         return 0
@@ -288,9 +308,56 @@ def _render_or_apply(objects: list[dict], args: argparse.Namespace, what: str, c
     return 0
 
 
+def _slurm_workload(args: argparse.Namespace) -> int:
+    from hypertron.launch import slurm
+
+    if args.action == "create":
+        job = slurm.Job(args.name, _recipe_that_fits(args), storage=args.storage or "runs",
+                        partition=args.partition or "", time=args.time or "")
+        slurm.check(job)
+        if args.dry_run or args.output:
+            text = slurm.script(job)
+            if args.dry_run:
+                print(text, end="")
+                return 0
+            if os.path.exists(args.output):
+                raise UserError(f"--output {args.output} already exists; choose a new file (nothing is overwritten)")
+            try:
+                with open(args.output, "x") as f:
+                    f.write(text)
+            except OSError as e:
+                raise UserError(f"--output {args.output}: {e.strerror}") from None
+            print(f"wrote the sbatch script to {args.output}")
+            return 0
+        job_id, path = slurm.submit(job)
+        print(f"submitted Slurm job {job_id} ({path}); its output: {job.run_dir}/slurm-{job_id}.out")
+    elif args.action == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(show_edge=False)
+        for col in ("id", "name", "state", "nodes", "time", "reason", "directory"):
+            table.add_column(col)
+        for r in slurm.jobs():
+            table.add_row(r["id"], r["name"], r["state"], r["nodes"], r["time"], r["reason"], r["workdir"])
+        Console(soft_wrap=True).print(table)
+    elif args.action == "describe":
+        print(slurm.describe(args.name), end="")
+    elif args.action == "logs":
+        print(slurm.logs(args.name, args.storage or "runs"), end="")
+    else:
+        print("cancelled Slurm job " + ", ".join(slurm.cancel(args.name)))
+    return 0
+
+
 def cmd_workload(args: argparse.Namespace) -> int:
     from hypertron.launch import cluster, k8s
 
+    if args.scheduler == "slurm":
+        return _slurm_workload(args)
+    for flag in ("partition", "time"):
+        if getattr(args, flag, None):
+            raise UserError(f"--{flag} is a Slurm setting (with --scheduler slurm)")
     if args.action == "create":
         w = _workload(args)
         return _render_or_apply(k8s.workload_objects(w), args, f"created workload {w.name}", create_only=True)
@@ -461,7 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
         "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.",
     )
-    lo.add_argument("--processes", type=int, required=True, metavar="N")
+    lo.add_argument("--processes", type=int, metavar="N")
+    lo.add_argument("--recipe", metavar="R", help="train this recipe as its processes (nodes x processes per node), "
+                    "with its environment; key=value overrides may follow")
+    lo.add_argument("--gpus", metavar="N_OR_LIST", help="split these GPUs (a count or 0,1,2,3) over the processes, "
+                    "each its own CUDA_VISIBLE_DEVICES slice (default: the launcher's CUDA_VISIBLE_DEVICES)")
     lo.add_argument("--cpu-devices", type=int, default=None, metavar="K",
                     help="run on the CPU with K simulated devices per process")
     lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
@@ -486,19 +557,23 @@ def build_parser() -> argparse.ArgumentParser:
         "validate both strictly, print them, and submit them (or only print them with --dry-run, or write them "
         "with --output). key=value overrides after the options change the recipe. docs/launch.md shows the objects.")
     wc.add_argument("name", metavar="NAME", help="the workload's name (a DNS label; its pods' host names must "
-                    "stay within 63 characters)")
+                    "stay within 57 characters)")
     wc.add_argument("--recipe", required=True, metavar="R", help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
     wc.add_argument("--nodes", type=int, default=None, metavar="N", help="default: the recipe's")
     wc.add_argument("--image", metavar="IMG", help="the container image with hypertron installed "
                     "(default: $HYPERTRON_IMAGE)")
-    from hypertron.launch.k8s import PRIORITIES
+    from hypertron.launch.machines import MACHINES, PRIORITIES
 
     wc.add_argument("--priority", default="medium", metavar="P",
                     help=f"{', '.join(PRIORITIES)} (default %(default)s)")
-    wc.add_argument("--max-restarts", type=int, default=3, metavar="K",
-                    help="gang restarts before the workload fails (default %(default)s)")
+    wc.add_argument("--max-restarts", type=int, default=10, metavar="K",
+                    help="gang restarts before the workload fails; each preemption or eviction uses one "
+                    "(default %(default)s)")
     wc.add_argument("--queue", default="hypertron", metavar="Q", help="the Kueue LocalQueue (default %(default)s)")
-    wc.add_argument("--storage", metavar="PVC_OR_BUCKET", help="where the run directory lives: pvc:CLAIM or gs://BUCKET")
+    wc.add_argument("--storage", metavar="WHERE", help="where the run directory lives: pvc:CLAIM or gs://BUCKET; "
+                    "with --scheduler slurm, a directory on the shared file system (default runs)")
+    wc.add_argument("--partition", metavar="P", help="--scheduler slurm: the partition (default: the cluster's)")
+    wc.add_argument("--time", metavar="T", help="--scheduler slurm: the time limit (minutes, HH:MM:SS, D-HH:MM)")
     wc.add_argument("--namespace", default="default", help="default %(default)s")
     _add_output_flags(wc, "submit")
     wc.add_argument("overrides", nargs="*", metavar="key=value")
@@ -509,7 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("name", metavar="NAME")
         if action == "logs":
             a.add_argument("--process", type=int, default=0, metavar="I", help="default %(default)s")
+            a.add_argument("--storage", metavar="DIR", help="--scheduler slurm: as at create (default runs)")
         a.add_argument("--namespace", default="default", help="default %(default)s")
+    for a in (wc, *wla.choices.values()):
+        if "--scheduler" not in a._option_string_actions:
+            a.add_argument("--scheduler", choices=("kubernetes", "slurm"), default="kubernetes",
+                           help="a JobSet on Kubernetes, or an sbatch job on Slurm (default %(default)s)")
     wl.set_defaults(func=cmd_workload)
 
     cl = sub.add_parser("cluster", help="a cluster's queueing objects (Kueue and priority classes)")
@@ -519,8 +599,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
         "and JobSet installed: a ResourceFlavor for the machine, a ClusterQueue with a quota of --nodes of them, "
         "the LocalQueue workloads name, and the PriorityClasses very-low .. very-high.")
-    from hypertron.launch.machines import MACHINES
-
     cs.add_argument("--hardware", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
     cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
@@ -628,7 +706,13 @@ def _leave_distributed_job(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may come after options (argparse takes a positional list only in one piece)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "command", None) == "convert" and args.from_hf and not args.out:
         print("error: convert --from-hf needs --out DIR", file=sys.stderr)
         return 2

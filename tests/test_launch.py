@@ -139,6 +139,8 @@ def test_the_validators_refuse_what_the_api_server_would_drop_or_reject():
     # A failure-policy action JobSet does not have (the models take any string).
     msg = _broken(lambda o: o["JobSet"]["spec"]["failurePolicy"]["rules"][0].update(action="FailJobset"))
     assert "FailJobset" in msg and "FailJobSet" in msg
+    # A rule name JobSet's webhook refuses (no '-').
+    assert "no-restart" in _broken(lambda o: o["JobSet"]["spec"]["failurePolicy"]["rules"][0].update(name="no-restart"))
     # A wrong type in the container (an integer where Kubernetes wants a string).
     msg = _broken(lambda o: _pod(o)["containers"][0]["env"].append({"name": "X", "value": 5}))
     assert "JobSet tiny" in msg and "env" in msg
@@ -161,7 +163,8 @@ def test_the_validators_refuse_what_the_api_server_would_drop_or_reject():
     (["workload", "create", "w", "--recipe", "a3mega-h100/llama9-7b"], "unknown recipe 'a3mega-h100/llama9-7b'"),
     (["workload", "create", "w", "--recipe", "cpu/tiny", "--nodes", "3"],
      "recipe cpu/tiny on 3 nodes (6 devices): train.global_batch=8"),
-    (["workload", "create", "w" * 60, "--recipe", "cpu/tiny"], "must be at most 63"),
+    # 46 + "-workers-0-1" is 58: JobSet refuses it (its pods' names add 6), though a DNS label allows 63
+    (["workload", "create", "w" * 46, "--recipe", "cpu/tiny"], "must be at most 57; use at most 45 characters"),
     (["workload", "create", "w", "--recipe", "cpu/tiny", "--priority", "urgent"], "--priority='urgent'"),
     (["workload", "create", "w", "--recipe", "cpu/tiny", "--storage", "/local/disk"], "--storage='/local/disk'"),
     (["workload", "create", "w", "--recipe", "a3mega-h100/llama3.1-70b", "--nodes", "2"],
@@ -248,3 +251,17 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
     assert [r["status"] for r in rows if r["event"] == "job_end"] == ["preempted"]
     saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == reached < 100000  # saved at the step reached, then exited with the restart code
+
+
+def test_launch_local_gives_each_process_its_own_gpus():
+    from hypertron.launch.local import gpu_slices, parse_gpus, process_env
+
+    assert gpu_slices(parse_gpus("8"), 4) == ["0,1", "2,3", "4,5", "6,7"]
+    assert gpu_slices(parse_gpus(None, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}), 2) == ["4,5", "6,7"]
+    assert parse_gpus(None, {}) == []  # nothing visible: nothing to split
+    env = process_env({"PATH": "/bin"}, 1, 2, 1234, None, {"NCCL_DEBUG": "WARN"}, "6,7")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["JAX_PROCESS_ID"] == "1" and env["NCCL_DEBUG"] == "WARN"
+    with pytest.raises(UserError, match="do not split evenly over 3 processes"):
+        gpu_slices(parse_gpus("8"), 3)
+    with pytest.raises(UserError, match="distinct GPU ids"):
+        parse_gpus("0,0")

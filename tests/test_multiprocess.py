@@ -86,15 +86,19 @@ def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_pa
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path):
-    """The launcher forwards SIGTERM; JAX's preemption sync point makes both processes save the same step."""
+    """The launcher forwards SIGTERM; JAX's preemption sync point makes both processes save the same
+    step. Started from a recipe (``launch local --recipe``): its 1 node x 2 processes, its 4 CPU
+    devices each (XLA flags) and its environment."""
     import signal
     import time
 
-    run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    proc = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", "2",
-                             "--cpu-devices", "4", "--", "train", *TINY, "train.steps=100000",
-                             "checkpoint.every=100000", f"run_dir={run}"],
+    from test_slurm import RECIPE  # the same tiny run, as a recipe of 1 node x 2 processes
+
+    run, recipe = tmp_path / "run", tmp_path / "tiny2.yaml"
+    recipe.write_text(RECIPE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "launch", "local", "--recipe", str(recipe),
+                             "train.steps=100000", "checkpoint.every=100000", f"run_dir={run}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -113,3 +117,5 @@ def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path)
         assert [e["status"] for e in events if e["event"] == "job_end"] == ["preempted"]
     assert len(stops[0]) == 1 and stops[0] == stops[1]
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == [str(stops[0][0])]
+    ready = [e for e in read_events(run / "events.jsonl") if e["event"] == "backend_ready"]
+    assert [(e["device_count"], e["local_device_count"]) for e in ready] == [(8, 4)]  # the recipe's devices

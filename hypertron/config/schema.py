@@ -290,6 +290,7 @@ class LaunchConfig:
 
     hardware: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
     nodes: int = 1  # the default node count; the mesh's dcn axes take the rest
+    processes_per_node: int = 1  # 1: one process drives a node's devices; a GPU machine's GPU count: one per GPU
     xla_flags: tuple[Setting, ...] = ()
     env: tuple[Setting, ...] = ()
 

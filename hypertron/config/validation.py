@@ -136,8 +136,9 @@ def validate(cfg: Config) -> None:
     if not 0 <= t.preempt_exit_code <= 255:
         raise ConfigError(f"train.preempt_exit_code={t.preempt_exit_code}: must be an exit code, 0..255")
     la = cfg.launch
-    if la.nodes < 1:
-        raise ConfigError(f"launch.nodes={la.nodes}: must be at least 1")
+    if la.nodes < 1 or la.processes_per_node < 1:
+        raise ConfigError(f"launch.nodes={la.nodes}, launch.processes_per_node={la.processes_per_node}: "
+                          "must be at least 1")
     for s in la.xla_flags:
         if not s.value.startswith("--xla_") or "=" not in s.value or " " in s.value:
             raise ConfigError(f"launch.xla_flags: {s.value!r} is not --xla_name=value")

@@ -7,6 +7,8 @@ service account inside a cluster): :func:`api` says so in one line before anythi
 
 from __future__ import annotations
 
+import calendar
+import json
 import os
 import time
 from pathlib import Path
@@ -50,10 +52,18 @@ def _call(what: str, fn, *args, **kwargs):
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
+    from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError, ResourceNotUniqueError
+
     try:
         return fn(*args, **kwargs)
-    except ApiException as e:
-        raise UserError(f"{what}: the cluster said {e.status} {e.reason}") from None
+    except (ApiException, DynamicApiError) as e:
+        try:
+            detail = json.loads(e.body).get("message", "")
+        except (TypeError, ValueError, AttributeError):
+            detail = ""
+        raise UserError(f"{what}: the cluster said {e.status} {e.reason}" + (f": {detail}" if detail else "")) from None
+    except (ResourceNotFoundError, ResourceNotUniqueError):
+        raise UserError(f"{what}: the cluster does not serve this kind (are JobSet and Kueue installed?)") from None
     except HTTPError as e:
         raise UserError(f"{what}: cannot reach the cluster ({type(e).__name__})") from None
 
@@ -63,20 +73,29 @@ def apply(objects: list[dict], create_only: bool = False) -> list[str]:
     returns "Kind name" per object."""
     from kubernetes.dynamic import DynamicClient
 
-    dyn = DynamicClient(api())
-    done = []
-    for obj in objects:
-        kind, meta = obj["kind"], obj["metadata"]
-        what = f"{kind} {meta['name']}"
-        resource = _call(what, dyn.resources.get, api_version=obj["apiVersion"], kind=kind)
-        ns = meta.get("namespace") if resource.namespaced else None
-        if create_only:
-            _call(what, resource.create, body=obj, namespace=ns)
-        else:
-            _call(what, resource.server_side_apply, body=obj, name=meta["name"], namespace=ns,
-                  field_manager="hypertron", force_conflicts=True)
-        done.append(what)
-    return done
+    dyn = _call("connecting", DynamicClient, api())
+    done: list[tuple[object, dict]] = []
+    try:
+        for obj in objects:
+            kind, meta = obj["kind"], obj["metadata"]
+            what = f"{kind} {meta['name']}"
+            resource = _call(what, dyn.resources.get, api_version=obj["apiVersion"], kind=kind)
+            ns = meta.get("namespace") if resource.namespaced else None
+            if create_only:
+                _call(what, resource.create, body=obj, namespace=ns)
+            else:
+                _call(what, resource.server_side_apply, body=obj, name=meta["name"], namespace=ns,
+                      field_manager="hypertron", force_conflicts=True)
+            done.append((resource, obj))
+    except UserError:
+        if create_only:  # all or nothing: what this call created goes again
+            for resource, obj in reversed(done):
+                try:
+                    resource.delete(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace"))
+                except Exception:  # noqa: BLE001  (the first error is the one to report)
+                    pass
+        raise
+    return [f"{o['kind']} {o['metadata']['name']}" for _, o in done]
 
 
 def _jobsets(client, namespace: str, name: str | None = None):
@@ -142,15 +161,22 @@ def delete(name: str, namespace: str) -> list[str]:
     from kubernetes import client as k
 
     client = api()
+    from kubernetes.client.exceptions import ApiException
+
     group, version = JOBSET_API.split("/")
-    _call(f"JobSet {name}", k.CustomObjectsApi(client).delete_namespaced_custom_object, group, version, namespace,
-          "jobsets", name, propagation_policy="Foreground")
-    done = [f"JobSet {name}"]
-    try:
-        k.CoreV1Api(client).delete_namespaced_config_map(f"{name}-recipe", namespace)
-        done.append(f"ConfigMap {name}-recipe")
-    except Exception:  # noqa: BLE001  (already gone: nothing to do)
-        pass
+    done = []
+    for what, fn, args in ((f"JobSet {name}", k.CustomObjectsApi(client).delete_namespaced_custom_object,
+                            (group, version, namespace, "jobsets", name)),
+                           (f"ConfigMap {name}-recipe", k.CoreV1Api(client).delete_namespaced_config_map,
+                            (f"{name}-recipe", namespace))):
+        try:
+            fn(*args, propagation_policy="Foreground")
+            done.append(what)
+        except ApiException as e:
+            if e.status != 404:  # already gone is fine; anything else (403, ...) is said
+                _call(what, fn, *args, propagation_policy="Foreground")
+    if not done:
+        raise UserError(f"no workload {name} in namespace {namespace}")
     return done
 
 
@@ -158,6 +184,6 @@ def age(created: str) -> str:
     """'3h' from an RFC 3339 time."""
     if not created:
         return ""
-    t = time.mktime(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    t = calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
     s = max(0, time.time() - t)
     return f"{s / 86400:.0f}d" if s >= 86400 else f"{s / 3600:.0f}h" if s >= 3600 else f"{s / 60:.0f}m"

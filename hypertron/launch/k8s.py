@@ -27,32 +27,30 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import yaml
 
-from hypertron.config import dump_yaml
 from hypertron.errors import UserError
-from hypertron.launch.machines import Machine
-from hypertron.launch.recipes import Recipe
+from hypertron.launch.machines import PRIORITIES, Machine
+from hypertron.launch.recipes import PREEMPT_EXIT_CODE, Recipe
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 JOB = "workers"                   # the replicated job's name (part of every pod's host name)
 CONTAINER = "train"
 PORT = 6002                       # the coordinator's port on pod 0 (XPK's and gpu-recipes')
-PREEMPT_EXIT_CODE = 42            # train.preempt_exit_code under a workload
 # Exit codes that restart the gang: a preemption, and death by a signal (128 + n: killed past the
 # grace period or by the OOM killer, or aborted when a peer vanished from jax.distributed), as XPK.
 # Any other (2: a config mistake, 1: an uncaught error) would repeat: the JobSet fails.
 RESTART_CODES = (PREEMPT_EXIT_CODE, *range(129, 256))
 GRACE_SECONDS = 300               # SIGTERM to SIGKILL: time to write a checkpoint
-HOSTNAME_LIMIT = 63               # a pod's host name is a DNS label
+# A pod's name, <jobset>-<job>-<i>-<j>-<5 random characters>, must be a DNS label (63): JobSet
+# refuses a JobSet whose pods' names could pass it, so the host name part has 57.
+HOSTNAME_LIMIT = 57
 RUN_MOUNT = "/mnt/run"
 RECIPE_MOUNT = "/etc/hypertron"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-# XPK's five classes and values; Kueue orders workloads by their pods' priority class.
-PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
 GPU = "nvidia.com/gpu"
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -85,7 +83,8 @@ def check(w: Workload) -> None:
                         "and not ending with '-' (it becomes a DNS label)")
     if len(last_host) > HOSTNAME_LIMIT:
         raise UserError(f"workload name {w.name!r} is too long: its pods' host names ({last_host!r}, "
-                        f"{len(last_host)} characters) must be at most {HOSTNAME_LIMIT}; use at most "
+                        f"{len(last_host)} characters, and 6 more for the pod's suffix) must be at most "
+                        f"{HOSTNAME_LIMIT}; use at most "
                         f"{HOSTNAME_LIMIT - len(last_host) + len(w.name)} characters")
     if w.priority not in PRIORITIES:
         raise UserError(f"--priority={w.priority!r}: one of {', '.join(PRIORITIES)}")
@@ -93,6 +92,9 @@ def check(w: Workload) -> None:
         raise UserError(f"--max-restarts={w.max_restarts}: must not be negative")
     if not _LABEL.match(w.queue):
         raise UserError(f"--queue={w.queue!r}: not a valid queue name (a DNS label)")
+    if w.recipe.processes_per_node != 1:
+        raise UserError(f"recipe {w.recipe.name}: launch.processes_per_node={w.recipe.processes_per_node}, but a "
+                        "Kubernetes workload runs one process per pod (node); set it to 1")
     if not w.image.strip() or any(c.isspace() for c in w.image):
         raise UserError("--image: give the container image that has hypertron installed (or set $HYPERTRON_IMAGE)")
     storage_volume(w.storage)
@@ -115,12 +117,8 @@ def storage_volume(storage: str) -> tuple[dict, dict]:
 
 
 def run_config(w: Workload) -> str:
-    """The recipe as the pods run it: resolved, the run directory on the shared volume, and
-    SIGTERM's exit code in the restart set."""
-    cfg = w.recipe.cfg
-    cfg = replace(cfg, run_dir=w.run_dir, train=replace(cfg.train, preempt_exit_code=PREEMPT_EXIT_CODE))
-    return f"# {w.recipe.name} on {w.nodes} node{'s' * (w.nodes > 1)}, rendered by hypertron workload create\n" \
-        + dump_yaml(cfg)
+    """The recipe as the pods run it (:meth:`Recipe.run_config`), the run directory on the shared volume."""
+    return w.recipe.run_config(w.run_dir, "hypertron workload create")
 
 
 def coordinator(name: str) -> str:
@@ -216,7 +214,7 @@ def jobset(w: Workload) -> dict:
                      "annotations": {"hypertron.dev/recipe": w.recipe.name}},
         "spec": {
             "failurePolicy": {"maxRestarts": w.max_restarts, "rules": [
-                {"name": "no-restart-for-a-failure-that-would-repeat", "action": "FailJobSet",
+                {"name": "NoRestartOnPodFailurePolicy", "action": "FailJobSet",
                  "onJobFailureReasons": ["PodFailurePolicy"]}]},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             "replicatedJobs": [{"name": JOB, "replicas": 1, "template": {"spec": {

@@ -6,8 +6,10 @@ Each process is ``python -m hypertron.cli COMMAND...`` with ``JAX_COORDINATOR_AD
 :mod:`hypertron.parallel.distributed` needs; the coordinator listens on
 127.0.0.1 only. Process 0 writes to the launcher's stdout and stderr as it
 is; the others' lines go to stderr prefixed with ``[process i]`` (they print
-only warnings and errors). On a machine with several GPUs, give each process
-its own with ``CUDA_VISIBLE_DEVICES`` yourself: the launcher does not split them. SIGTERM
+only warnings and errors). With ``--gpus`` (or the ``CUDA_VISIBLE_DEVICES`` the launcher
+was started with), each process gets its own contiguous slice of the GPUs in its
+``CUDA_VISIBLE_DEVICES``. With ``--recipe``, the recipe gives the command (``train``
+on it), the processes (its nodes x processes per node) and their environment. SIGTERM
 is passed on to every process, so a preemption drill works as on a cluster;
 a Ctrl-C reaches them from the terminal. When one process fails the others are stopped, and the launcher
 exits with the failing process's code.
@@ -35,8 +37,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int | None) -> dict:
+def gpu_slices(gpus: list[str], processes: int) -> list[str]:
+    """Each process's ``CUDA_VISIBLE_DEVICES``: the GPUs split into equal contiguous slices."""
+    if len(gpus) % processes:
+        raise UserError(f"{len(gpus)} GPUs ({','.join(gpus)}) do not split evenly over {processes} processes")
+    per = len(gpus) // processes
+    return [",".join(gpus[i * per:(i + 1) * per]) for i in range(processes)]
+
+
+def parse_gpus(value: str | None, environ=os.environ) -> list[str]:
+    """``--gpus``: a count (``8``: GPUs 0..7) or a list (``0,1,2,3``); else the launcher's own
+    ``CUDA_VISIBLE_DEVICES``; else none (no splitting)."""
+    if value is None:
+        value = environ.get("CUDA_VISIBLE_DEVICES", "")
+    elif value.strip().isdigit():  # a count
+        if int(value) < 1:
+            raise UserError(f"--gpus={value}: at least 1")
+        return [str(i) for i in range(int(value))]
+    value = value.strip()
+    if not value:
+        return []
+    ids = [v.strip() for v in value.split(",") if v.strip()]
+    if not ids or len(set(ids)) != len(ids):
+        raise UserError(f"--gpus={value!r}: a count (8) or a list of distinct GPU ids (0,1,2,3)")
+    return ids
+
+
+def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int | None,
+                extra: dict | None = None, gpus: str | None = None) -> dict:
     env = dict(base)
+    env.update(extra or {})
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
                JAX_NUM_PROCESSES=str(count), JAX_PROCESS_ID=str(index))
     if cpu_devices:
@@ -46,7 +78,16 @@ def process_env(base: dict, index: int, count: int, port: int, cpu_devices: int 
     return env
 
 
-def launch_local(command: list[str], processes: int, cpu_devices: int | None = None) -> int:
+def launch_recipe(name: str, overrides: list[str], gpus: str | None = None) -> int:
+    """``train`` on a recipe, as its processes on this machine, with its environment."""
+    from hypertron.launch import recipes
+
+    r = recipes.load(name, None, overrides)
+    return launch_local(["train", str(recipes.path_of(name)), *overrides], r.processes, env=r.env(), gpus=gpus)
+
+
+def launch_local(command: list[str], processes: int, cpu_devices: int | None = None, env: dict | None = None,
+                 gpus: str | None = None) -> int:
     """Run ``hypertron COMMAND...`` as ``processes`` cooperating processes; returns the exit code."""
     if processes < 1:
         raise UserError(f"--processes={processes}: must be at least 1")
@@ -56,10 +97,13 @@ def launch_local(command: list[str], processes: int, cpu_devices: int | None = N
         command = command[1:]
     if not command:
         raise UserError("launch local: give the command after --, e.g. -- train recipes/demo.yaml")
+    found = [] if cpu_devices else parse_gpus(gpus)
+    slices = gpu_slices(found, processes) if found and processes > 1 else [None] * processes
     port = free_port()
     procs = []
+    extra = env
     for i in range(processes):
-        env = process_env(os.environ, i, processes, port, cpu_devices)
+        env = process_env(os.environ, i, processes, port, cpu_devices, extra, slices[i])
         # Process 0 writes to this terminal directly; the others through _pump, prefixed.
         piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) if i else {}
         procs.append(subprocess.Popen([sys.executable, "-m", "hypertron.cli", *command], env=env, **piped))

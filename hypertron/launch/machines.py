@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from hypertron.errors import UserError
 
 
+# The cluster's priority classes (XPK's five names and values; Kueue orders workloads by their
+# pods' priority class). Here, not in k8s.py, so that the CLI's help imports nothing heavy.
+PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
+
+
 @dataclass(frozen=True)
 class Machine:
     name: str

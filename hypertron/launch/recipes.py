@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hypertron.config import Config, ConfigError, load_config
+from hypertron.config import Config, ConfigError, dump_yaml, load_config
 from hypertron.config.validation import check_mesh
 from hypertron.errors import UserError
 from hypertron.launch.machines import Machine, machine
@@ -49,12 +49,17 @@ def path_of(name: str) -> Path:
                                                       else f"no recipes under {root()} and no such YAML file"))
 
 
+# The exit code of a run stopped by SIGTERM under a scheduler (train.preempt_exit_code): a
+# Kubernetes workload's restart set holds it, and a Slurm job requeues itself on it.
+PREEMPT_EXIT_CODE = 42
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
     cfg: Config               # with launch.nodes the node count asked for
     machine: Machine
-    devices_per_node: int
+    devices_per_process: int
     mesh: dict[str, int]      # resolved over every device
 
     @property
@@ -62,8 +67,27 @@ class Recipe:
         return self.cfg.launch.nodes
 
     @property
+    def processes_per_node(self) -> int:
+        return self.cfg.launch.processes_per_node
+
+    @property
+    def processes(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.processes_per_node * self.devices_per_process
+
+    @property
     def devices(self) -> int:
-        return self.nodes * self.devices_per_node
+        return self.processes * self.devices_per_process
+
+    def run_config(self, run_dir: str, rendered_by: str) -> str:
+        """The recipe as a scheduler's processes run it: resolved, in ``run_dir``, and SIGTERM's
+        exit code :data:`PREEMPT_EXIT_CODE`, so that a preempted run is restarted, not counted done."""
+        cfg = replace(self.cfg, run_dir=run_dir, train=replace(self.cfg.train, preempt_exit_code=PREEMPT_EXIT_CODE))
+        return f"# {self.name} on {self.nodes} node{'s' * (self.nodes > 1)}, rendered by {rendered_by}\n" \
+            + dump_yaml(cfg)
 
     def xla_flags(self) -> str:
         return " ".join(s.value for s in self.cfg.launch.xla_flags)
@@ -90,10 +114,14 @@ class Recipe:
         return p
 
 
-def devices_per_node(cfg: Config, m: Machine) -> int:
-    """A GPU machine's GPUs; on the CPU, the simulated devices the recipe's XLA flags ask for."""
+def devices_per_process(cfg: Config, m: Machine) -> int:
+    """A GPU machine's GPUs over its processes; on the CPU, the simulated devices the recipe's XLA
+    flags ask for."""
     if m.gpus:
-        return m.gpus
+        per_node = cfg.launch.processes_per_node
+        if m.gpus % per_node:
+            raise UserError(f"launch.processes_per_node={per_node} does not divide the {m.gpus} GPUs of a {m.name} node")
+        return m.gpus // per_node
     forced = [int(g.group(1)) for s in cfg.launch.xla_flags if (g := _CPU_DEVICES.match(s.value))]
     return forced[-1] if forced else 1
 
@@ -110,10 +138,10 @@ def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, 
         if nodes < 1:
             raise UserError(f"--nodes={nodes}: must be at least 1")
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=nodes))
-    per_node = devices_per_node(cfg, m)
-    n = cfg.launch.nodes
+    per_process = devices_per_process(cfg, m)
+    n, processes = cfg.launch.nodes, cfg.launch.nodes * cfg.launch.processes_per_node
     try:
-        mesh = check_mesh(cfg, n * per_node, n, per_node)
+        mesh = check_mesh(cfg, processes * per_process, processes, per_process)
     except ConfigError as e:
-        raise UserError(f"recipe {name} on {n} node{'s' * (n > 1)} ({n * per_node} devices): {e}") from None
-    return Recipe(name, cfg, m, per_node, mesh)
+        raise UserError(f"recipe {name} on {n} node{'s' * (n > 1)} ({processes * per_process} devices): {e}") from None
+    return Recipe(name, cfg, m, per_process, mesh)

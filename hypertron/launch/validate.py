@@ -16,6 +16,7 @@ A failure is a :class:`~hypertron.errors.UserError` naming the object and the fi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hypertron.errors import UserError
@@ -25,6 +26,7 @@ JOBSET_ACTIONS = ("FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxResta
 JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
                        "PodFailurePolicy")
 POD_FAILURE_ACTIONS = ("FailJob", "FailIndex", "Ignore", "Count")
+RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")  # JobSet's webhook: no '-', at most 128
 
 _NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253}
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -122,8 +124,9 @@ def jobset(obj: dict) -> None:
         at = f"{_where(obj)}: spec.failurePolicy.rules.{i}"
         if rule.get("action") not in JOBSET_ACTIONS:
             raise UserError(f"{at}.action={rule.get('action')!r}: one of {', '.join(JOBSET_ACTIONS)}")
-        if not rule.get("name"):
-            raise UserError(f"{at}.name: required")
+        if not RULE_NAME.match(rule.get("name", "")) or len(rule["name"]) > 128:
+            raise UserError(f"{at}.name={rule.get('name')!r}: letters, digits, '_', ',' and ':', starting with a "
+                            "letter, at most 128 (JobSet's rule)")
         for reason in rule.get("onJobFailureReasons", []):
             if reason not in JOB_FAILURE_REASONS:
                 raise UserError(f"{at}.onJobFailureReasons: {reason!r} is not one of {', '.join(JOB_FAILURE_REASONS)}")
