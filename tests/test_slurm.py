@@ -141,6 +141,10 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
     subprocess.run(["scancel", "--signal=TERM", third], env=env, check=True)
     _wait(lambda: {"Restarts=1", "JobState=PENDING", "Reason=BeginTime"} <= set(subprocess.run(
         ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout.split()), "the requeue")
+    # Not before the old allocation is gone (the node idle): a job started again while its
+    # credential is still revoked is killed as non-startable, which Slurm's hold is there to avoid.
+    _wait(lambda: subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                 text=True).stdout.strip() == "idle", "the node to be idle again")
 
     def released() -> bool:  # asked again until it runs: an update racing the requeue's own is lost
         subprocess.run(["scontrol", "update", f"JobId={third}", "StartTime=now"], env=env, capture_output=True)

@@ -131,6 +131,15 @@ class LocalSlurm:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        # Job steps and the processes they started (linuxproc tracks, it does not contain).
-        subprocess.run(["pkill", "-f", f"slurmstepd.*{self.root}"], capture_output=True)
+        # Job steps and the processes they started (linuxproc tracks, it does not contain): every
+        # process that inherited this Slurm's SLURM_CONF.
+        import psutil
+
+        conf = f"SLURM_CONF={self.env['SLURM_CONF']}"
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and conf in "\0".join(f"{k}={v}" for k, v in p.environ().items()):
+                    p.kill()
+            except (psutil.Error, OSError):
+                pass
         self.procs.clear()
