@@ -549,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--config", action="store_true", help="with NAME: also print the resolved config as YAML")
     rc.set_defaults(func=cmd_recipes)
 
-    wl = sub.add_parser("workload", help="training workloads on Kubernetes (JobSet + Kueue)")
+    wl = sub.add_parser("workload", help="training workloads on Kubernetes (JobSet + Kueue) or Slurm (sbatch)")
     wla = wl.add_subparsers(dest="action", required=True)
     wc = wla.add_parser(
         "create", help="render, validate and submit a recipe as a JobSet",
