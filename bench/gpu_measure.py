@@ -41,7 +41,7 @@ class Sizes:
     decode_batches: tuple[int, int] = (1, 64)
     decode_contexts: tuple[int, int] = (512, 8192)
     decode_steps: int = 16
-    decode_max_seq: int = 8192 + 64
+    decode_max_seq: int = 8192 + 256  # the context, + a token per slot while the others prefill, + the steps
     t3_seq: int = 4096
     t3_batches: tuple[int, int] = (4, 16)
     moe: tuple[int, int, int, int] = (8192, 2048, 2048, 2)  # tokens, d_model, d_ff, top_k
@@ -336,9 +336,9 @@ DECODE_FIELDS = ("preset", "batch", "kv", "context", "prefill_s", "step_ms", "to
 
 
 def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool = False):
-    """Decode through the paged engine: bf16 weights, every slot prefilled with the same prompt
-    (``prefill_s``: all of them, compiles included), then timed steps of ``reserve_step`` +
-    ``generate`` (bench/serve.py's ``bench_engine``)."""
+    """Decode through the scheduler and the paged engine: bf16 weights, every slot prefilled with
+    the same prompt (``prefill_s``: all of them, compiles included), then timed decode steps, no
+    log-probabilities (bench/serve.py's ``bench_engine``)."""
 
     def run(ctx):
         import jax
@@ -356,7 +356,7 @@ def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool
             ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
         cfg, params = ctx.keep["decode_model"]
         prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context))
-        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, 20)
+        r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, None)
         peak = peak_bandwidth(None)
         gc.collect()
         return {"preset": cfg.name, "batch": batch, "kv": kv, "context": context,

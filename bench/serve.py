@@ -9,10 +9,10 @@ CPU, bfloat16 on an accelerator); ``key=value`` overrides change the preset's fi
 (``num_layers=8`` or ``model.num_layers=8``).
 
 hypertron: a :class:`hypertron.serve.engine.PagedEngine` with ``max_slots`` = batch and
-just the pages the run needs; every slot gets a prompt of ``--context`` random tokens
-(prefill + insert, greedy), ``--warmup`` decode steps compile, then ``--steps`` steps are
-timed, each ``reserve_step()`` + ``generate()`` (which syncs: it returns the tokens to
-the host). tokens/s = batch x steps / time. Per row: the KV cache's bytes per token
+just the pages the run needs, driven by the scheduler; every slot gets a prompt of
+``--context`` random tokens (one prompt per step, greedy), ``--warmup`` decode steps compile,
+then ``--steps`` steps are timed, each scheduled, run and its tokens brought to the host
+(synchronously: no step runs ahead). tokens/s = batch x steps / time. Per row: the KV cache's bytes per token
 (``bytes_per_token``), the bytes of the pages in use at the end, and, on a GPU, the
 fraction of the HBM-bandwidth roofline: bytes one step must read (the weights, less the
 embedding table of an untied model, of which it reads one row per slot, plus the K/V of
@@ -66,50 +66,54 @@ def weight_bytes_per_step(cfg, params, batch: int) -> int:
 
 
 def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, warmup: int, page_size: int,
-                 top_logprobs: int) -> dict:
+                 top_logprobs: int | None) -> dict:
     """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures
     (``prefill_s``: the time to prefill every slot, compiles included)."""
     from hypertron.models.kv_pages import bytes_per_token
     from hypertron.serve.engine import PagedEngine
+    from hypertron.serve.scheduler import Scheduler, Sequence
     from hypertron.serve.types import SamplingParams
 
     batch, context = prompts.shape
-    pages_per_slot = -(-(context + warmup + steps + 1) // page_size)
+    new = batch + warmup + steps + 2  # the first slots decode while the later prompts prefill
+    pages_per_slot = -(-(context + new) // page_size)
     engine = PagedEngine(params, cfg, max_slots=batch, page_size=page_size,
                          num_pages=batch * pages_per_slot + 1, kv_cache_dtype=kv_dtype,
-                         max_top_logprobs=top_logprobs)
-    greedy = SamplingParams(temperature=0.0)
-    first_tokens = []
+                         max_top_logprobs=top_logprobs or 1)
+    sched = Scheduler(max_slots=batch, num_pages=engine.num_pages, page_size=page_size, max_seq_len=cfg.max_seq_len,
+                      max_num_batched_tokens=context + batch, max_prefill_rows=1)
+    greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
+    seqs = [Sequence(i, p.tolist(), greedy) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+
+    def run_step():
+        plan = sched.schedule()
+        sched.update(plan, engine.run(plan))
+        sched.take_outputs()
+        return plan
+
     start = time.perf_counter()
-    for slot, prompt in enumerate(prompts):
-        prefix = engine.prefill(prompt.tolist(), greedy)
-        engine.insert(prefix, slot)
-        first_tokens.append(prefix.first_token)
-    jax.block_until_ready(engine.cache)
+    while any(len(s.generated) == 0 for s in seqs):  # one prompt per step (each fills the budget)
+        run_step()
     prefill_s = time.perf_counter() - start
-    tokens0 = [first_tokens[0]]
-
-    def step():
-        if engine.reserve_step():
-            raise RuntimeError("ran out of KV pages")  # sized above so that it cannot
-        out = engine.generate()
-        tokens0.append(int(out.tokens[0]))
-
     for _ in range(warmup):
-        step()
+        run_step()
     kv_read = 0
     start = time.perf_counter()
-    for _ in range(steps):
-        kv_read += int(engine.lengths.sum())  # tokens each slot attends over, before its new one
-        step()
+    for _ in range(steps):  # each step dispatched, then its tokens brought to the host
+        kv_read += sum(s.computed for s in seqs)  # tokens each slot attends over, before its new one
+        assert len(run_step().decodes) == batch
     elapsed = time.perf_counter() - start
 
     per_token = bytes_per_token(cfg, engine.kv_dtype)
     kv_bytes_per_step = (kv_read + batch * steps) * per_token / steps  # + batch: each slot's new token
-    pages_used = engine.stats()["pages_total"] - engine.stats()["pages_free"]
-    return {"batch": batch, "kv": kv_dtype, "step_s": elapsed / steps, "prefill_s": prefill_s, "tokens_s": batch * steps / elapsed,
-            "kv_bytes_per_token": per_token, "kv_bytes_in_use": pages_used * page_size * per_token,
-            "bytes_per_step": weight_bytes_per_step(cfg, params, batch) + kv_bytes_per_step, "tokens0": tokens0}
+    pages_used = sched.stats()["pages_total"] - sched.stats()["pages_free"]
+    return {"batch": batch, "kv": kv_dtype, "step_s": elapsed / steps, "prefill_s": prefill_s,
+            "tokens_s": batch * steps / elapsed, "kv_bytes_per_token": per_token,
+            "kv_bytes_in_use": pages_used * page_size * per_token,
+            "bytes_per_step": weight_bytes_per_step(cfg, params, batch) + kv_bytes_per_step,
+            "tokens0": seqs[0].generated}
 
 
 def bench_hf(cfg, params, batch_sizes, prompts: np.ndarray, new_tokens: int, dtype, threads: int,
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--top-logprobs", type=int, default=20, help="the engine's max_top_logprobs (the server's 20)")
+    p.add_argument("--top-logprobs", type=int, default=None,
+                   help="every request asks for this many log-probabilities (default: none, none computed)")
     p.add_argument("--peak-bw", type=float, default=None, help="peak HBM bytes/s (default: H100 3.35e12, H200 4.8e12)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="default: the number of cores")
@@ -220,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.context = args.context or (512 if on_cpu else cfg.max_seq_len // 2)
-    if args.context + args.warmup + args.steps + 1 >= cfg.max_seq_len:
-        print(f"error: context + warm-up + steps must stay under max_seq_len={cfg.max_seq_len}", file=sys.stderr)
+    if args.context + max(args.batch_sizes) + args.warmup + args.steps + 2 >= cfg.max_seq_len:
+        print(f"error: context + largest batch + warm-up + steps must stay under max_seq_len={cfg.max_seq_len}",
+              file=sys.stderr)
         return 2
     dtype = resolve_dtype(cfg.dtype)
     kv_dtypes = args.kv_dtypes or [dtype.name, "int8"]

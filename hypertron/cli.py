@@ -398,7 +398,10 @@ _SERVE_FLAGS: dict[str, dict] = {
     "host": dict(help="address to bind"),
     "port": dict(),
     "api_key": dict(metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
-    "max_slots": dict(metavar="N", help="decode batch size"),
+    "max_slots": dict(metavar="N", help="sequences decoding at once, at most"),
+    "max_num_batched_tokens": dict(metavar="N", help="tokens per engine step: decode tokens + prompt chunks "
+                                                     "(a longer prompt is prefilled over several steps)"),
+    "max_prefill_rows": dict(metavar="N", help="prompts or prompt chunks per step, at most"),
     "page_size": dict(metavar="N", help="tokens per KV page"),
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),

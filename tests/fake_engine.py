@@ -1,8 +1,9 @@
 """A deterministic stand-in for the serving engine (no JAX), for the orchestrator and server tests.
 
 It implements :class:`hypertron.serve.types.Engine` over the byte tokenizer's ids, strictly:
-it refuses calls from a second thread, inserts into a busy slot, a :meth:`FakeEngine.generate`
-without the pages :meth:`FakeEngine.reserve_step` should have taken, and frees of idle slots.
+it refuses calls from a second thread, a row without the pages for what it writes, a page in
+two rows of a step, a row that does not continue what its slot holds, and rows past
+``max_seq_len``.
 
 Its tokens encode the request: the next token is a lowercase letter chosen by a CRC of
 (seed, every token before it), so a sequence's continuation depends on its whole prompt and
@@ -19,7 +20,7 @@ import zlib
 
 import numpy as np
 
-from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
+from hypertron.serve.types import SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 VOCAB, EOS, OFFSET = 259, 2, 3  # the byte tokenizer: byte b is id b + 3
 LETTERS = np.arange(ord("a"), ord("z") + 1) + OFFSET
@@ -62,21 +63,17 @@ def reference(prompt: list[int], sampling: SamplingParams, max_seq_len: int) -> 
             return out, "length"
 
 
-class _Seq:
-    def __init__(self, prefix: Prefix, pages: int):
-        self.tokens, self.last, self.sampling, self.pages = list(prefix.tokens), prefix.first_token, prefix.sampling, pages
-
-
 class FakeEngine:
-    """``max_slots`` decode slots over ``num_pages`` KV pages of ``page_size`` tokens."""
+    """``max_slots`` decode slots over ``num_pages`` KV pages of ``page_size`` tokens; each step
+    takes ``step_delay`` seconds (in :meth:`collect`, as a device would)."""
 
     def __init__(self, *, max_slots: int = 4, max_seq_len: int = 256, page_size: int = 4, num_pages: int = 256,
                  max_top_logprobs: int = 5, step_delay: float = 0.0):
         self.max_slots, self.max_seq_len, self.max_top_logprobs = max_slots, max_seq_len, max_top_logprobs
         self.eos_ids, self.page_size, self.num_pages = frozenset({EOS}), page_size, num_pages
         self.step_delay = step_delay
-        self.slots: list[_Seq | None] = [None] * max_slots
-        self.pages_free = num_pages
+        self.tokens: list[list[int] | None] = [None] * max_slots  # what each slot's pages hold
+        self.last = [0] * max_slots  # each slot's last sampled token ("on the device")
         self.steps = self.prefills = self.calls = 0
         self._thread: int | None = None
 
@@ -87,83 +84,47 @@ class FakeEngine:
             self._thread = me
         assert self._thread == me, "the engine was called from two threads"
 
-    def _pages(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
-
-    def can_prefill(self, num_tokens: int) -> bool:
+    def dispatch(self, plan: StepPlan):
         self._check()
-        return self.pages_free >= self._pages(num_tokens)
+        k = self.max_top_logprobs
+        n = len(plan.rows)
+        result = StepResult(np.zeros(n, np.int32))
+        if plan.logprobs:
+            result.logprobs, result.top_ids = np.zeros(n, np.float32), np.zeros((n, k), np.int32)
+            result.top_logprobs = np.zeros((n, k), np.float32)
+        if plan.prompt_logprobs:
+            result.prompt = [None] * len(plan.prefills)
+        pages = [p for row in plan.rows for p in row.pages]
+        assert len(pages) == len(set(pages)), f"step {plan.step}: a page in two rows"
+        assert all(0 < p <= self.num_pages for p in pages), f"step {plan.step}: a page outside the pool"
+        assert len({row.slot for row in plan.rows}) == n, f"step {plan.step}: a slot in two rows"
+        for i, row in enumerate(plan.rows):
+            assert row.end <= self.max_seq_len, f"slot {row.slot}: past max_seq_len"
+            assert -(-row.end // self.page_size) <= len(row.pages), f"slot {row.slot}: no page for {row.end - 1}"
+            if row.tokens and row.start == 0:
+                self.tokens[row.slot] = []
+                self.prefills += 1
+            seq = self.tokens[row.slot]
+            assert seq is not None and row.start == len(seq), f"slot {row.slot}: writes {row.start}, holds {seq}"
+            assert row.sampling.seed is not None
+            seq.extend(row.tokens or [self.last[row.slot]])
+            if row.prompt_targets is not None:
+                lps = [token_logprobs(seq[row.start + j], t, k) for j, t in enumerate(row.prompt_targets)]
+                result.prompt[i - len(plan.decodes)] = (np.array([lp.logprob for lp in lps]),
+                                                        np.array([lp.top_ids for lp in lps]),
+                                                        np.array([lp.top_logprobs for lp in lps]))
+            if not row.sample:
+                continue
+            self.last[row.slot] = token = next_token(seq, row.sampling)
+            result.tokens[i] = token
+            if plan.logprobs:
+                lp = token_logprobs(seq[-1], token, k)
+                result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = lp.logprob, lp.top_ids, lp.top_logprobs
+        self.steps += 1
+        return result
 
-    def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
-        self._check()
-        assert 0 < len(tokens) < self.max_seq_len and sampling.seed is not None
-        pages = self._pages(len(tokens))
-        assert self.pages_free >= pages, "prefill without can_prefill"
-        self.pages_free -= pages  # taken now, as the real engine writes the prompt's KV into them
-        self.prefills += 1
-        n = self.max_top_logprobs  # all of them, as the real engine does: the orchestrator keeps the first N
-        first = next_token(tokens, sampling)
-        prompt_lp = [token_logprobs(tokens[i], tokens[i + 1], n) for i in range(len(tokens) - 1)]
-        return Prefix(list(tokens), sampling, first, token_logprobs(tokens[-1], first, n),
-                      prompt_lp if want_prompt_logprobs else None, kv={"pages": pages})
-
-    def can_insert(self, prefix: Prefix) -> bool:
-        self._check()
-        return None in self.slots
-
-    def insert(self, prefix: Prefix, slot: int) -> None:
-        self._check()
-        assert self.slots[slot] is None, f"insert into busy slot {slot}"
-        assert prefix.kv["pages"], "insert of a released prefix"
-        self.slots[slot] = _Seq(prefix, prefix.kv["pages"])
-        prefix.kv["pages"] = 0
-
-    def release(self, prefix: Prefix) -> None:
-        self._check()
-        self.pages_free += prefix.kv["pages"]
-        prefix.kv["pages"] = 0
-
-    def reserve_step(self) -> list[int]:
-        self._check()
-        short = []
-        for slot, seq in enumerate(self.slots):
-            if seq is not None and self._pages(len(seq.tokens) + 1) > seq.pages:
-                if self.pages_free == 0:
-                    short.append(slot)
-                else:
-                    self.pages_free -= 1
-                    seq.pages += 1
-        return short
-
-    def generate(self) -> StepOutput:
+    def collect(self, result: StepResult) -> StepResult:
         self._check()
         if self.step_delay:
             time.sleep(self.step_delay)
-        self.steps += 1
-        k = self.max_top_logprobs
-        out = StepOutput(np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.float32),
-                         np.zeros((self.max_slots, k), np.int32), np.zeros((self.max_slots, k), np.float32))
-        for slot, seq in enumerate(self.slots):
-            if seq is None:
-                continue
-            assert self._pages(len(seq.tokens) + 1) <= seq.pages, f"slot {slot}: no page reserved"
-            assert len(seq.tokens) < self.max_seq_len, f"slot {slot}: past max_seq_len"
-            seq.tokens.append(seq.last)
-            seq.last = next_token(seq.tokens, seq.sampling)
-            lp = token_logprobs(seq.tokens[-1], seq.last, k)
-            out.tokens[slot], out.logprobs[slot] = seq.last, lp.logprob
-            out.top_ids[slot], out.top_logprobs[slot] = lp.top_ids, lp.top_logprobs
-        return out
-
-    def free(self, slot: int) -> None:
-        self._check()
-        seq = self.slots[slot]
-        assert seq is not None, f"free of idle slot {slot}"
-        self.pages_free += seq.pages
-        self.slots[slot] = None
-
-    def stats(self) -> dict[str, int]:
-        self.calls += 1
-        used = sum(s is not None for s in self.slots)
-        return {"slots_in_use": used, "slots_total": self.max_slots,
-                "pages_free": self.pages_free, "pages_total": self.num_pages}
+        return result

@@ -1,7 +1,9 @@
-"""The serving engine: paged KV cache bookkeeping, int8 pages, per-request sampling.
+"""The serving engine: one jitted step per plan over the paged KV cache.
 
-Parity with ``transformers`` greedy generation through the engine (several
-requests of different lengths sharing decode steps) is in ``test_hf.py``.
+Parity with ``transformers`` through the scheduler and the engine (chunked prefill, mixed
+steps, one step ahead, log-probabilities) for every family is in ``test_hf.py``; the
+scheduler's own logic (budget, pages, pre-emption, stops) over a fake engine in
+``test_scheduler.py``.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from serving import run, teacher_forced_logprobs  # tests/
 
-from hypertron.config import ConfigError, load_config
-from hypertron.models import init_params
+from hypertron.config import PRESETS, ConfigError, load_config
+from hypertron.models import forward, init_params
 from hypertron.models.kv_pages import bytes_per_token
-from hypertron.config import PRESETS
-from hypertron.serve.engine import PagedEngine, decode_logits
+from hypertron.serve.engine import PagedEngine, bucket
 from hypertron.serve.sampling import sample_rows
-from hypertron.serve.types import SamplingParams
+from hypertron.serve.scheduler import LENGTH, STOP
+from hypertron.serve.types import Row, SamplingParams, StepPlan
 
 CFG = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0, seed=0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -30,77 +33,66 @@ def params():
     return init_params(CFG, jax.random.key(0))
 
 
-def _run(engine, prompt, sampling, steps, slot=0):
-    prefix = engine.prefill(prompt, sampling)
-    engine.insert(prefix, slot)
-    out = [prefix.first_token]
-    for _ in range(steps):
-        assert engine.reserve_step() == []
-        out.append(int(engine.generate().tokens[slot]))
-    return out
+def _is_greedy(params, cfg, prompt, generated) -> bool:
+    """Whether each generated token is the argmax of the full forward (no cache) before it."""
+    logits = forward(params, jnp.asarray([list(prompt) + list(generated)]), cfg)[0, len(prompt) - 1:-1]
+    return list(generated) == [int(t) for t in jnp.argmax(logits, -1)]
 
 
-def test_pages_follow_the_real_length_and_come_back(params):
-    engine = PagedEngine(params, CFG, max_slots=2, page_size=4, num_pages=9)  # 8 usable pages
-    assert engine.stats() == {"slots_in_use": 0, "slots_total": 2, "pages_free": 8, "pages_total": 8}
-    prefix = engine.prefill(list(range(10, 16)), GREEDY)  # 6 tokens: 2 pages
-    engine.insert(prefix, 1)
-    assert engine.stats()["pages_free"] == 6 and engine.stats()["slots_in_use"] == 1
-    for step in range(3):  # writes positions 6, 7, 8: the third needs a third page
-        assert engine.reserve_step() == []
-        engine.generate()
-        assert engine.stats()["pages_free"] == (6 if step < 2 else 5)
-    engine.free(1)
-    assert engine.stats() == {"slots_in_use": 0, "slots_total": 2, "pages_free": 8, "pages_total": 8}
+def test_one_step_ahead_drops_the_token_after_eos_and_frees_everything(params):
+    """Greedy tokens equal the full forward's; with the third of them as EOS, the run one step
+    ahead stops before it (the step already dispatched after it is dropped) exactly as the run
+    collecting each step does, and every slot and page comes back."""
+    prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
+    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, num_pages=20)
+    seqs, _, _ = run(engine, prompts, [GREEDY, GREEDY])
+    full = [s.generated for s in seqs]
+    assert all(_is_greedy(params, CFG, p, g) and len(g) == 8 for p, g in zip(prompts, full))
+    eos = full[0][2]
+    want = [(g[:g.index(eos)], STOP) if eos in g else (g, LENGTH) for g in full]
+    for ahead in (False, True):
+        engine = PagedEngine(params, CFG, max_slots=4, page_size=4, num_pages=20, eos_ids=frozenset({eos}))
+        seqs, outs, sched = run(engine, prompts, [GREEDY, GREEDY], ahead=ahead)
+        assert [(s.generated, outs[s.id][-1].finish_reason) for s in seqs] == want
+        assert sched.stats() == {"slots_in_use": 0, "slots_total": 4, "pages_free": 19, "pages_total": 19,
+                                 "waiting": 0}
 
 
-def test_an_exhausted_pool_names_the_slots_left_without_a_page(params):
-    engine = PagedEngine(params, CFG, max_slots=2, page_size=4, num_pages=4)  # 3 usable pages
-    a = engine.prefill([5, 6, 7], GREEDY)
-    b = engine.prefill([8, 9, 10, 11, 12, 13, 14], GREEDY)  # 7 tokens: 2 pages
-    engine.insert(a, 0)
-    engine.insert(b, 1)
-    assert not engine.can_prefill(1)  # pages are taken at prefill: none is left for another prompt
-    with pytest.raises(RuntimeError, match="ask can_prefill first"):
-        engine.prefill([1], GREEDY)
-    assert engine.stats()["pages_free"] == 0  # the refused prefill took none
-    assert engine.reserve_step() == []  # slot 0 writes position 3 (page 0), slot 1 position 7 (page 1)
-    engine.generate()
-    assert engine.reserve_step() == [0, 1]  # both cross into a new page; none is free
-    engine.free(1)  # pre-empt one: the other goes on
-    assert engine.reserve_step() == []
-    engine.generate()
+def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 11, 13, 16, 17, 33, 100)] == \
+        [1, 2, 4, 8, 8, 10, 12, 14, 16, 20, 40, 112]
+    assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
+    engine = PagedEngine(params, CFG, max_slots=16, page_size=4)  # 16 columns per sequence
+    rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
+    batch, nd, _, _ = engine._batch(StepPlan(0, rows, ()))
+    assert nd == 4 and batch["table"].shape == (4, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
+    chunk = Row(7, 7, 0, tuple(range(3, 14)), tuple(range(20, 23)), GREEDY)  # 11 prompt tokens
+    batch, nd, _, cold = engine._batch(StepPlan(1, rows[:1], (chunk,)))
+    assert (nd, batch["pre_tokens"].shape, batch["table"].shape, cold) == (1, (12,), (2, 4), True)
 
 
-def test_a_step_reads_only_the_page_table_columns_the_longest_slot_needs(params):
-    engine = PagedEngine(params, CFG, max_slots=2, page_size=4)  # 16 columns per slot
-    assert engine._table_width() == 1
-    engine.insert(engine.prefill(list(range(10, 17)), GREEDY), 0)  # 7 tokens + this step's: 2 pages
-    assert engine._table_width() == 2
-    engine.insert(engine.prefill(list(range(20, 29)), GREEDY), 1)  # 9 + 1 tokens: 3 pages
-    assert engine._table_width() == 3
-    engine.lengths[1] = 36  # 37 tokens: 10 pages, rounded up to 10 (a quarter of 8 is 2)
-    assert engine._table_width() == 10
-    engine.lengths[1] = 9
-    assert engine.reserve_step() == []
-    full_logits, _ = decode_logits(params, engine.cache, engine.last_tokens, engine.lengths, engine.page_table,
-                                   CFG)
-    out = engine.generate()  # over the first 3 columns only
-    want = jax.nn.log_softmax(full_logits, axis=-1)[np.arange(2), out.tokens]
-    np.testing.assert_allclose(out.logprobs, want, atol=1e-5)
-    assert out.tokens.tolist() == np.argmax(full_logits, axis=-1).tolist()
+def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
+    engine = PagedEngine(params, CFG, max_slots=2, page_size=8, max_top_logprobs=4)
+    row = Row(0, 0, 0, (5, 6, 7), (1,), GREEDY)
+    plain = engine.run(StepPlan(0, (), (row,)))
+    assert plain.logprobs is None and plain.top_ids is None
+    asked = dataclasses.replace(row, slot=1, sampling=dataclasses.replace(GREEDY, logprobs=2), pages=(2,))
+    result = engine.run(StepPlan(1, (), (asked,), logprobs=True))
+    logp = jax.nn.log_softmax(forward(params, jnp.asarray([[5, 6, 7]]), CFG)[0, -1])
+    assert result.tokens[0] == plain.tokens[0] == int(jnp.argmax(logp))
+    np.testing.assert_allclose(result.top_logprobs[0], np.sort(np.asarray(logp))[::-1][:4], atol=1e-5)
 
 
 def test_the_same_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(params):
-    sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    alone = _run(PagedEngine(params, CFG, max_slots=3, page_size=8), [40, 41, 42], sampled, 6, slot=0)
-    engine = PagedEngine(params, CFG, max_slots=3, page_size=8)
-    engine.insert(engine.prefill([50, 51, 52, 53, 54], SamplingParams(temperature=0.7, seed=1)), 0)
-    together = _run(engine, [40, 41, 42], sampled, 6, slot=2)
-    assert together == alone
-    other_seed = _run(PagedEngine(params, CFG, max_slots=1, page_size=8), [40, 41, 42],
-                      dataclasses.replace(sampled, seed=8), 6)
-    assert other_seed != alone
+    sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=6)
+    other = SamplingParams(temperature=0.7, seed=1, max_tokens=6)
+    engine = lambda: PagedEngine(params, CFG, max_slots=3, page_size=8)  # noqa: E731
+    (alone,), _, _ = run(engine(), [[40, 41, 42]], [sampled])
+    (_, together), _, _ = run(engine(), [[50, 51, 52, 53, 54], [40, 41, 42]], [other, sampled],
+                              max_num_batched_tokens=4)
+    assert together.generated == alone.generated
+    (reseeded,), _, _ = run(engine(), [[40, 41, 42]], [dataclasses.replace(sampled, seed=8)])
+    assert reseeded.generated != alone.generated
 
 
 def test_sample_rows_applies_each_rows_settings():
@@ -145,28 +137,13 @@ def trained(tmp_path_factory):
     return load_params(run)
 
 
-def _teacher_forced_logprobs(params, cfg, kv_dtype, tokens, prompt_len):
-    engine = PagedEngine(params, cfg, max_slots=1, page_size=8, kv_cache_dtype=kv_dtype)
-    engine.insert(engine.prefill(tokens[:prompt_len], GREEDY), 0)
-    step = jax.jit(decode_logits, static_argnames="cfg")
-    out = []
-    for t in tokens[prompt_len:]:
-        engine.reserve_step()
-        logits, engine.cache = step(params, engine.cache, jnp.array([t], jnp.int32), jnp.asarray(engine.lengths),
-                                    jnp.asarray(engine.page_table), cfg=cfg)
-        engine.lengths = engine.lengths + 1
-        out.append(jax.nn.log_softmax(logits[0]))
-    return np.stack(out)
-
-
 @pytest.mark.gpu
 def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
     cfg, params = trained
     text = b"def main(argv):\n    for name in sorted(argv):\n        print(name)\n    return 0\n"
     tokens = [b + 3 for b in text]
-    ref = _teacher_forced_logprobs(params, cfg.model, "float32", tokens, 8)
-    bf16 = _teacher_forced_logprobs(params, cfg.model, "bfloat16", tokens, 8)
-    int8 = _teacher_forced_logprobs(params, cfg.model, "int8", tokens, 8)
+    ref, bf16, int8 = (teacher_forced_logprobs(params, cfg.model, kv, tokens, 8, page_size=8)
+                       for kv in ("float32", "bfloat16", "int8"))
     assert np.mean(np.exp(ref).max(-1)) > 0.2  # trained: the model is fairly sure of its next byte
     # Stated tolerance: over the whole vocabulary at every position, int8 pages put no
     # log-probability more than 0.05 nats from bf16 pages' (measured: 0.014; bf16 vs float32: 0.003).
@@ -176,13 +153,17 @@ def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
 
 
 def test_engine_settings_are_checked(params):
+    from hypertron.serve.scheduler import Scheduler, Sequence
+
     with pytest.raises(ConfigError, match="kv_cache_dtype=fp8"):
         PagedEngine(params, CFG, kv_cache_dtype="fp8")
     with pytest.raises(ConfigError, match="page_size=6"):
         PagedEngine(params, CFG, page_size=6)
-    engine = PagedEngine(params, CFG, max_slots=1)
-    with pytest.raises(ValueError, match="1 to 63 tokens"):
-        engine.prefill(list(range(3, 67)), GREEDY)
+    sched = Scheduler(max_slots=2, num_pages=8, page_size=8, max_seq_len=64)
+    with pytest.raises(ValueError, match="prompt of 64 tokens: expected 1 to 63"):
+        sched.add(Sequence(0, list(range(3, 67)), GREEDY))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 is below max_slots=8"):
+        Scheduler(max_slots=8, num_pages=8, page_size=8, max_seq_len=64, max_num_batched_tokens=4)
 
 
 def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
@@ -223,12 +204,8 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     ref_cfg = dataclasses.replace(model, dtype="float32")
     rounded = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), engine.params)
     prompt = [5, 17, 33, 101, 7]
-    prefix = engine.prefill(prompt, GREEDY)
-    engine.insert(prefix, 0)
-    tokens = [prefix.first_token]
-    for _ in range(7):
-        engine.reserve_step()
-        tokens.append(int(engine.generate().tokens[0]))
+    (served,), _, _ = run(engine, [prompt], [GREEDY])
+    tokens = served.generated
     seq = jnp.asarray([prompt + tokens])
     ref_logits = forward(rounded, seq, ref_cfg)[0, len(prompt) - 1:-1]
     ours = forward(engine.params, seq, engine.cfg)[0, len(prompt) - 1:-1].astype(jnp.float32)

@@ -215,45 +215,46 @@ def test_greedy_generation_matches(case):
     assert ours == [theirs]
 
 
-def test_engine_continuous_batching_matches_transformers_greedy(case):
-    """Several prompts of different lengths through the paged engine, admitted at different steps,
-    sharing decode steps: each continuation equals transformers' greedy ``generate``."""
+def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
+    """Four prompts of 3 to 12 tokens through the scheduler and the paged engine with a budget of
+    6 tokens a step: the long prompts are prefilled in chunks over several steps, while the
+    others decode (mixed steps). Each continuation equals transformers' greedy ``generate``, and
+    each token's log-probability and top-3 equal the log-softmax of transformers' logits at its
+    position. Dispatching one step ahead gives exactly what collecting each step at once gives."""
     from hypertron.serve.engine import PagedEngine
+        from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
     from hypertron.serve.types import SamplingParams
 
-    prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9)] + [[int(t) for t in case.tokens[1, :5]]]
+    prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9, 12)] + [[int(t) for t in case.tokens[1, :5]]]
     new = 7
-    engine = PagedEngine(case.params, case.cfg, max_slots=4, page_size=4, num_pages=16)
-    greedy = SamplingParams(max_tokens=new, temperature=0.0)
-    outs = {}
-
-    def admit(i, slot):
-        prefix = engine.prefill(prompts[i], greedy)
-        assert engine.can_insert(prefix)
-        engine.insert(prefix, slot)
-        outs[slot] = [prefix.first_token]
-
-    admit(0, 0)
-    admit(1, 2)
-    for step in range(new - 1):
-        if step == 2:
-            admit(2, 1)  # joins while the others are mid-way
-        assert engine.reserve_step() == []
-        tokens = engine.generate().tokens
-        for slot in outs:
-            if len(outs[slot]) < new:
-                outs[slot].append(int(tokens[slot]))
-    for _ in range(2):  # the late one finishes alone
-        engine.reserve_step()
-        outs[1].append(int(engine.generate().tokens[1]))
-    for slot in outs:
-        engine.free(slot)
-    assert engine.stats()["pages_free"] == 15 and engine.stats()["slots_in_use"] == 0
-    for slot, i in ((0, 0), (2, 1), (1, 2)):
+    runs = {}
+    for ahead in (False, True):
+        engine = PagedEngine(case.params, case.cfg, max_slots=4, page_size=4, num_pages=20, max_top_logprobs=3)
+        sched = Scheduler(max_slots=4, num_pages=engine.num_pages, page_size=4, max_seq_len=case.cfg.max_seq_len,
+                          max_num_batched_tokens=6, max_prefill_rows=2)
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
+                for i, p in enumerate(prompts)]
+        for seq in seqs:
+            sched.add(seq)
+        lps = {i: [] for i in range(len(prompts))}
+        run_until_done(engine, sched, lambda o: o.token is not None and lps[o.seq.id].append(o.logprobs), ahead=ahead)
+        assert sched.stats()["pages_free"] == 19 and sched.stats()["slots_in_use"] == 0
+        runs[ahead] = ([s.generated for s in seqs], lps, list(sched.records))
+    assert runs[True][:2] == runs[False][:2]
+    tokens, lps, records = runs[True]
+    assert any(r.decodes and r.prefills for r in records)  # mixed steps
+    assert any(start > 0 for r in records for _, start, _ in r.prefills)  # a chunk after a cached prefix
+    assert max(r.num_tokens for r in records) <= 6
+    for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            out = case.model.generate(torch.tensor([prompts[i]]), max_new_tokens=new, do_sample=False,
-                                      eos_token_id=None, pad_token_id=None)
-        assert outs[slot][:new] == out[0, len(prompts[i]):].tolist(), (slot, i)
+            out = case.model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                      eos_token_id=None, pad_token_id=None)[0]
+            logp = torch.log_softmax(case.model(out[None]).logits[0].double(), -1).numpy()
+        assert tokens[i] == out[len(prompt):].tolist(), i
+        for j, lp in enumerate(lps[i]):
+            row = logp[len(prompt) - 1 + j]
+            assert lp.logprob == pytest.approx(row[tokens[i][j]], abs=2e-4), (i, j)
+            np.testing.assert_allclose(lp.top_logprobs, np.sort(row)[::-1][:3], atol=2e-4)
 
 
 def test_pure_mapping_round_trip(case):
@@ -386,24 +387,14 @@ def test_logits_match_in_bf16(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "int8"])
 def test_engine_in_bf16_matches_transformers_teacher_forced(case, kv):
-    """The paged engine in bf16 (bf16 or int8 pages), fed the test tokens one at a time after a
-    5-token prefill, against transformers' float32 log-probabilities of the same positions.
+    """The paged engine in bf16 (bf16 or int8 pages), the test tokens after a 5-token prefill as one
+    chunk read back through the pages, against transformers' float32 log-probabilities of the same positions.
     Stated tolerance: relative error under 2e-2 (measured on CPU: <= 0.004 with either page
     dtype)."""
-    from hypertron.serve.engine import PagedEngine, decode_logits
-    from hypertron.serve.types import SamplingParams
+    from serving import teacher_forced_logprobs  # tests/
 
     cfg, params = _bf16(case)
     tokens, prompt = [int(t) for t in case.tokens[0]], 5
-    engine = PagedEngine(params, cfg, max_slots=1, page_size=4, num_pages=8, kv_cache_dtype=kv)
-    engine.insert(engine.prefill(tokens[:prompt], SamplingParams(temperature=0.0)), 0)
-    step = jax.jit(decode_logits, static_argnames="cfg")
-    ours = []
-    for t in tokens[prompt:]:  # feed token p, read the log-probabilities of token p + 1
-        engine.reserve_step()
-        logits, engine.cache = step(params, engine.cache, jnp.array([t], jnp.int32), jnp.asarray(engine.lengths),
-                                    jnp.asarray(engine.page_table), cfg=cfg)
-        engine.lengths = engine.lengths + 1
-        ours.append(jax.nn.log_softmax(logits[0].astype(jnp.float32)))
+    ours = teacher_forced_logprobs(params, cfg, kv, tokens + [0], prompt)  # read p + 1 after p, from 5 on
     ref = torch.log_softmax(torch.tensor(_hf_logits(case.model, case.tokens[:1])[0, prompt:]), -1).numpy()
-    assert _rel_err(np.stack(ours), ref) < 2e-2
+    assert _rel_err(ours, ref) < 2e-2

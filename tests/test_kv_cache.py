@@ -1,9 +1,9 @@
 """The KV caches of ``hypertron.models.kv_cache``: one forward for training, generation and serving.
 
-A paged cache's attention over queries of several tokens (a chunk of a prompt after a cached
-prefix) equals attention without any cache, for random page tables, GQA and a sliding window,
-with float and int8 pages; a cold prompt's prefill in the engine goes through the attention
-function training uses and allocates no contiguous cache.
+A paged step's attention (decode tokens and chunks of prompts after cached prefixes, flat in
+one row) equals attention without any cache, for random page tables, GQA and a sliding window,
+with float and int8 pages; cold prompts' prefill in the engine goes through the attention
+function training uses, packed, and allocates no contiguous cache.
 """
 
 from __future__ import annotations
@@ -32,38 +32,56 @@ def _pages_with_nan(cfg, num_pages, page_size, dtype):
     return {k: jnp.full_like(v, jnp.nan) for k, v in pages.items()}
 
 
+def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths, num_decode=0, cold=False):
+    cache = PagedCache(pages, table, jnp.asarray(lengths, jnp.int32), jnp.asarray(rows_n, jnp.int32),
+                       jnp.ones(len(tokens_n), bool), num_decode=num_decode, cold=cold)
+    return forward(params, jnp.asarray([tokens_n], jnp.int32), cfg, positions=jnp.asarray([positions_n], jnp.int32),
+                   cache=cache)
+
+
 @pytest.mark.parametrize("window,kv_dtype,tol", [(None, "float32", 1e-5), (6, "float32", 1e-5), (None, "int8", 5e-2)])
-def test_a_chunk_after_a_cached_prefix_equals_attention_without_a_cache(window, kv_dtype, tol):
+def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(window, kv_dtype, tol):
+    """Three sequences' prefixes prefilled in one packed cold step; then one step in which the
+    first decodes a token and the other two each take a chunk after their cached prefix (flat, in
+    one row): the logits equal the model's without any cache, with random page tables over a pool
+    whose every unwritten entry is NaN."""
     cfg = dataclasses.replace(BASE, sliding_window=window)
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(1)
     b, prefix, chunk, page_size, per_seq = 3, 11, 7, 4, 8
     num_pages = b * per_seq + 1
-    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, prefix + chunk)), jnp.int32)
+    tokens = rng.integers(3, cfg.vocab_size, (b, prefix + chunk))
     # Random, disjoint page tables over the pool (page 0 is the null page).
     table = jnp.asarray(rng.permutation(np.arange(1, num_pages))[: b * per_seq].reshape(b, per_seq), jnp.int32)
     pages = _pages_with_nan(cfg, num_pages, page_size, kv_dtype)
 
-    cold = PagedCache(pages, table, jnp.full((b,), prefix, jnp.int32), cold=True)
-    _, cache = forward(params, tokens[:, :prefix], cfg, cache=cold)
-    warm = PagedCache(cache.pages, table, jnp.full((b,), prefix + chunk, jnp.int32))
-    positions = jnp.broadcast_to(jnp.arange(prefix, prefix + chunk, dtype=jnp.int32), (b, chunk))
-    logits, _ = forward(params, tokens[:, prefix:], cfg, positions=positions, cache=warm)
+    rows = np.repeat(np.arange(b), prefix)
+    _, cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
+                     [prefix] * b, cold=True)
+    flat = [tokens[0, prefix]] + list(tokens[1:, prefix:].reshape(-1))
+    positions = [prefix] + list(np.tile(np.arange(prefix, prefix + chunk), b - 1))
+    rows = [0] + list(np.repeat(np.arange(1, b), chunk))
+    logits, _ = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
+                      num_decode=1)
 
-    want = forward(params, tokens, cfg)[:, prefix:]
+    full = forward(params, jnp.asarray(tokens), cfg)
+    want = jnp.concatenate([full[0, prefix:prefix + 1], full[1:, prefix:].reshape(-1, cfg.vocab_size)])
     assert np.isfinite(np.asarray(logits)).all()
-    err = float(jnp.linalg.norm(logits - want) / jnp.linalg.norm(want))
+    err = float(jnp.linalg.norm(logits[0] - want) / jnp.linalg.norm(want))
     assert err < tol, err
     # The contiguous cache gives the same, prefix then chunk.
     contiguous = init_cache(cfg, b, 32)
-    _, contiguous = forward(params, tokens[:, :prefix], cfg, cache=contiguous)
-    again, _ = forward(params, tokens[:, prefix:], cfg, positions=positions, cache=contiguous)
-    np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-5)
+    _, contiguous = forward(params, jnp.asarray(tokens[:, :prefix]), cfg, cache=contiguous)
+    positions = jnp.broadcast_to(jnp.arange(prefix, prefix + chunk, dtype=jnp.int32), (b, chunk))
+    again, _ = forward(params, jnp.asarray(tokens[:, prefix:]), cfg, positions=positions, cache=contiguous)
+    np.testing.assert_allclose(again, full[:, prefix:], rtol=1e-5, atol=1e-5)
     assert isinstance(contiguous, ContiguousCache)
 
 
 def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monkeypatch):
     import hypertron.models.kv_cache as kv_cache
+    from serving import run  # tests/
+
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.types import SamplingParams
 
@@ -71,7 +89,7 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
     training_attention = kv_cache.self_attention
 
     def spy(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape, args[4].shape))  # queries, segment ids
         return training_attention(*args, **kwargs)
 
     def no_contiguous(*args, **kwargs):
@@ -81,15 +99,14 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
     monkeypatch.setattr(kv_cache.ContiguousCache, "init", no_contiguous)
     cfg = dataclasses.replace(BASE, num_layers=1, max_seq_len=48)  # a shape no other test compiles
     params = init_params(cfg, jax.random.key(2))
-    engine = PagedEngine(params, cfg, max_slots=1, page_size=8)
-    prompt = [5, 9, 33, 17, 2, 40, 41]
-    prefix = engine.prefill(prompt, SamplingParams(temperature=0.0))
-    assert calls == [(1, 16, cfg.num_heads, cfg.head_dim)]  # the prompt, padded to its bucket
+    engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
+    prompts = [[5, 9, 33, 17, 2, 40, 41], [7, 8, 9, 10]]
+    seqs, _, _ = run(engine, prompts, [SamplingParams(temperature=0.0, seed=0, max_tokens=4)] * 2)
+    # Both prompts in one step, packed (11 tokens padded to 12), with a segment id per token.
+    assert calls == [((1, 12, cfg.num_heads, cfg.head_dim), (1, 12))]
     # What it wrote into the pages is what decoding reads: the next steps equal the full forward.
-    engine.insert(prefix, 0)
-    seq = prompt + [prefix.first_token]
-    for _ in range(3):
-        engine.reserve_step()
-        seq.append(int(engine.generate().tokens[0]))
-    full = forward(params, jnp.asarray([seq]), cfg)[0]
-    assert seq[len(prompt):] == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
+    for prompt, seq in zip(prompts, seqs):
+        full = forward(params, jnp.asarray([prompt + seq.generated]), cfg)[0]
+        assert seq.generated == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
+
+

@@ -124,7 +124,7 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
     this random model emits bytes that are not whole characters)."""
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_model
-    from hypertron.serve.orchestrator import IncrementalDetokenizer
+    from hypertron.serve.detokenize import IncrementalDetokenizer
 
     model, params, tok = load_model(run_dir)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")

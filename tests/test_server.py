@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hypertron.tokenizer import chat_template_beside, get_tokenizer
 from hypertron.errors import UserError
-from hypertron.serve.orchestrator import IncrementalDetokenizer, Orchestrator
+from hypertron.serve.detokenize import IncrementalDetokenizer
+from hypertron.serve.orchestrator import Orchestrator
 from hypertron.serve.server import create_app
 from hypertron.serve.types import SamplingParams
 
@@ -344,7 +345,7 @@ def test_orchestrator_ends_a_lone_sequence_past_the_pool_and_drops_cancelled_one
     out, _ = reference(prompt, SamplingParams(max_tokens=40, seed=0), 64)
     # 10 prompt tokens + 6 fed back fill the 16 tokens of KV: 7 tokens, then "length"
     assert [t for c in chunks for t in c.token_ids] == out[:7] and chunks[-1].finish_reason == "length"
-    assert cancelled == [] and engine.prefills == 1 and engine.stats()["pages_free"] == 4
+    assert cancelled == [] and engine.prefills == 1 and orch.scheduler.stats()["pages_free"] == 4
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(_submit_one(orch))
 

@@ -323,7 +323,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 endpoints
-    max_slots: int = 8  # decode batch size
+    max_slots: int = 8  # sequences decoding at once, at most
+    max_num_batched_tokens: int = 512  # tokens per engine step: decode tokens + prefill chunks (>= max_slots)
+    max_prefill_rows: int = 8  # prompts (or chunks of prompts) prefilled in one step, at most
     page_size: int = 16  # tokens per KV page (a power of two)
     num_pages: int | None = None  # KV pages; None: every slot at max_seq_len
     kv_cache_dtype: KvCacheDtype = "auto"

@@ -204,7 +204,10 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
         raise ConfigError(f"{name('checkpoint')}: required (the run directory or Hugging Face model directory to serve)")
     check_engine_settings(max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
                           kv_cache_dtype=cfg.kv_cache_dtype, name=name)
-    for key in ("max_queue", "max_prompt_tokens", "max_tokens_limit"):
+    if cfg.max_num_batched_tokens < cfg.max_slots:
+        raise ConfigError(f"{name('max_num_batched_tokens')}={cfg.max_num_batched_tokens}: must be at least "
+                          f"{name('max_slots')}={cfg.max_slots} (each decoding sequence takes a token of every step)")
+    for key in ("max_queue", "max_prompt_tokens", "max_tokens_limit", "max_prefill_rows"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")

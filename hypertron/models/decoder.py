@@ -169,7 +169,8 @@ _REMAT_POLICIES = {
 }
 
 
-def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: Cache | None):
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: Cache | None,
+             logits_at=None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for(cfg.quantization, dtype)
     b, t = tokens_bt.shape
@@ -207,6 +208,8 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
         stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     with jax.named_scope("unembed"):
+        if logits_at is not None:  # only the positions that are read: a step samples a few of many tokens
+            x_btd = jnp.take_along_axis(x_btd, logits_at[..., None], axis=1)
         x_btd = rms_norm(x_btd, params["final_norm"], cfg)
         # Logits leave the matmul in float32: the loss's logsumexp needs the precision.
         if cfg.tie_embeddings:
@@ -225,6 +228,7 @@ def forward(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     cache: Cache | None = None,
+    logits_at: jax.Array | None = None,
 ):
     """Logits [b, t, vocab] (float32) for token ids [b, t]; with ``cache``, ``(logits, cache)``.
 
@@ -232,8 +236,10 @@ def forward(
     attending to each other. With a cache (:mod:`hypertron.models.kv_cache`: contiguous or
     paged), the tokens' keys and values are written into it at their positions and they attend
     to what it holds; generation's prefill (t = the prompt) and decode (t = 1) both come here.
+    ``logits_at`` [b, k]: the logits of those token indices only ([b, k, vocab]), the others'
+    never computed.
     """
-    logits, new_cache, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache)
+    logits, new_cache, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache, logits_at)
     return logits if cache is None else (logits, new_cache)
 
 

@@ -6,17 +6,18 @@ layers with the cache in the scan's carry, so each layer's writes update it in p
 
 * :class:`ContiguousCache`: ``k`` / ``v [layers, batch, max_len, kv_heads, head_dim]``, each
   row's tokens at their positions. For a batch of sequences generated together.
-* :class:`PagedCache`: the serving engine's page pool (:mod:`hypertron.models.kv_pages`), a page
-  table per sequence and its length. Queries of any length: one token per sequence goes through
-  the ragged decode-attention kernel; several (a prompt, a chunk of one) attend over the
-  gathered pages; a *cold* prompt (nothing cached before it) attends through
-  :func:`~hypertron.models.attention.self_attention`, the function training uses (cuDNN flash
-  attention on GPU), while its keys and values go straight into its pages.
+* :class:`PagedCache`: one serving step over the engine's page pool
+  (:mod:`hypertron.models.kv_pages`): the tokens of many sequences in one flat row, decode
+  tokens (one per sequence, through the ragged decode-attention kernel) then prefill chunks
+  (packed, through the training attention when every chunk starts a sequence; over the
+  gathered pages when a chunk follows a cached prefix). Keys and values go straight into the
+  pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,42 +60,79 @@ class ContiguousCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """The page pool (``pages``: :func:`hypertron.models.kv_pages.init_pages`), layer 0's page
-    table ``[b, pages_per_seq]`` and ``lengths [b]``: the tokens each sequence holds once this
-    call's are written (0: an empty slot; its writes go to the null page). A query at position
-    ``p`` attends to positions ``<= p``. ``cold``: no sequence has anything cached before this
-    call's tokens, which start at position 0 (a prompt's prefill)."""
+    """One serving step over the page pool: the tokens of many sequences in one flat row.
+
+    The step's tokens come as ``[1, N]``: first ``num_decode`` decode tokens (one per sequence),
+    then the prefill tokens, each sequence's chunk contiguous (padding anywhere after them).
+    ``pages``: the pool (:func:`hypertron.models.kv_pages.init_pages`); ``page_table [rows,
+    width]`` layer 0's pages of each sequence of the step (decode rows first, then prefill rows);
+    ``lengths [rows]`` the tokens each sequence holds once this step's are written (0: a padding
+    row); ``token_rows [N]`` the row of each token; ``token_valid [N]`` False for padding (written
+    to the null page, never read). A token at position ``p`` attends to its own sequence's
+    positions ``<= p`` (and inside the sliding window).
+
+    Decode tokens attend through the ragged decode-attention kernel. Prefill tokens: when
+    ``cold`` (every prefill sequence starts at position 0 in this step), the chunks are a packed
+    batch of documents and attend through
+    :func:`~hypertron.models.attention.self_attention`, the function training uses (cuDNN flash
+    attention on GPU), with one segment per sequence; otherwise (a chunk after a cached prefix)
+    through :func:`chunk_attention` over the gathered pages.
+    """
 
     pages: dict
     page_table: jax.Array
     lengths: jax.Array
+    token_rows: jax.Array
+    token_valid: jax.Array
+    num_decode: int = dataclasses.field(default=0, metadata={"static": True})
     cold: bool = dataclasses.field(default=False, metadata={"static": True})
 
     def attend(self, layer, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
         table = layer_page_table(self.page_table, layer, pages_per_layer(self.pages, cfg.num_layers))
-        valid_bt = positions_bt < self.lengths[:, None]
-        pages = write_tokens(self.pages, k_btkh, v_btkh, positions_bt, table, valid_bt)
-        if self.cold:
-            attn = self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg)
-        elif q_btnh.shape[1] == 1:
-            attn = ragged_decode_attention(
-                q_btnh[:, 0], pages["k_pages"], pages["v_pages"], self.lengths, table,
-                k_scales=pages.get("k_scales"), v_scales=pages.get("v_scales"), window=cfg.sliding_window,
-            )[:, None]
-        else:
-            attn = paged_attention(q_btnh, pages, table, self.lengths, positions_bt, cfg)
-        return attn, dataclasses.replace(self, pages=pages)
+        pos_n = positions_bt[0]
+        pages = write_tokens(self.pages, k_btkh[0][:, None], v_btkh[0][:, None], pos_n[:, None],
+                             table[self.token_rows], self.token_valid[:, None])
+        nd = self.num_decode
+        parts = []
+        if nd:
+            parts.append(ragged_decode_attention(
+                q_btnh[0, :nd], pages["k_pages"], pages["v_pages"], self.lengths[:nd], table[:nd],
+                k_scales=pages.get("k_scales"), v_scales=pages.get("v_scales"), window=cfg.sliding_window))
+        if q_btnh.shape[1] > nd:
+            q, pos = q_btnh[:, nd:], positions_bt[:, nd:]
+            if self.cold:
+                segments = jnp.where(self.token_valid[nd:], self.token_rows[nd:] + 1, 0)[None]
+                parts.append(self_attention(q, k_btkh[:, nd:], v_btkh[:, nd:], pos, segments, cfg)[0])
+            else:
+                parts.append(chunk_attention(q[0], pages, table[nd:], self.lengths[nd:], self.token_rows[nd:] - nd,
+                                             pos[0], cfg))
+        attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        return attn[None], dataclasses.replace(self, pages=pages)
 
 
-def paged_attention(q_btnh, pages: dict, table_bp, lengths_b, positions_bt, cfg: ModelConfig) -> jax.Array:
-    """Queries of any length over each sequence's pages (gathered whole: the reference path,
-    for chunks of a prompt after a cached prefix). Positions past ``lengths`` are never read."""
-    k_bksh = gather_pages(pages["k_pages"], pages.get("k_scales"), table_bp)
-    v_bksh = gather_pages(pages["v_pages"], pages.get("v_scales"), table_bp)
-    b, s = k_bksh.shape[0], k_bksh.shape[2]
-    kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    kv_valid = kv_pos < lengths_b[:, None]
+def chunk_attention(q_nhd, pages: dict, table_rp, lengths_r, rows_n, positions_n, cfg: ModelConfig) -> jax.Array:
+    """Queries of several sequences' chunks, flat (``q [N, heads, head_dim]``, token ``n`` of
+    sequence ``rows_n[n]`` at ``positions_n[n]``), over each sequence's pages (gathered whole:
+    the reference path, for a chunk after a cached prefix). Each query scores every row's keys
+    and keeps its own row's, so the cost is ``N x rows x width``: meant for the few prefill
+    rows of a step. Positions at or past ``lengths`` are never read."""
+    k_rksh = gather_pages(pages["k_pages"], pages.get("k_scales"), table_rp)
+    v_rksh = gather_pages(pages["v_pages"], pages.get("v_scales"), table_rp)
+    r, kv_heads, s, h = k_rksh.shape
+    kv_pos = jnp.arange(s, dtype=jnp.int32)
+    kv_valid_rs = kv_pos[None, :] < lengths_r[:, None]
     # Rows never written may hold anything (NaN): zero them, so 0 * NaN cannot reach the output.
-    clean = lambda x: jnp.where(kv_valid[:, :, None, None], x.transpose(0, 2, 1, 3), 0).astype(q_btnh.dtype)  # noqa: E731
-    mask = attention_mask(positions_bt, kv_pos, cfg, kv_valid_bs=kv_valid)
-    return plain_attention(q_btnh, clean(k_bksh), clean(v_bksh), mask)
+    k_rksh = jnp.where(kv_valid_rs[:, None, :, None], k_rksh, 0.0)
+    v_rksh = jnp.where(kv_valid_rs[:, None, :, None], v_rksh, 0.0)
+    n, heads, _ = q_nhd.shape
+    q = q_nhd.astype(jnp.float32).reshape(n, kv_heads, heads // kv_heads, h)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("nkgh,rksh->nkgrs", q, k_rksh, precision=hi) / math.sqrt(h)
+    mask_nrs = (rows_n[:, None, None] == jnp.arange(r)[None, :, None]) & kv_valid_rs[None]
+    mask_nrs &= kv_pos[None, None, :] <= positions_n[:, None, None]
+    if cfg.sliding_window is not None:
+        mask_nrs &= positions_n[:, None, None] - kv_pos[None, None, :] < cfg.sliding_window
+    scores = jnp.where(mask_nrs[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores.reshape(n, kv_heads, -1, r * s), axis=-1).reshape(scores.shape)
+    out = jnp.einsum("nkgrs,rksh->nkgh", probs, v_rksh, precision=hi)
+    return out.reshape(n, heads, h).astype(q_nhd.dtype)

@@ -1,35 +1,37 @@
-"""The serving engine: prefill, insert, generate and free over a paged KV cache (JetStream's API).
+"""The serving engine: one jitted step runs a scheduler's plan over the paged KV cache.
 
-Device side, two jitted steps:
+A step (:func:`step`) takes the tokens of many sequences in one flat row: first one decode token
+per running sequence, then the prefill chunks (a whole short prompt, several of them, or a
+chunk of a long one), and runs the model once over all of them, so the weights are read once
+per step whatever its mix (:class:`hypertron.models.PagedCache` says how each part attends).
+Each token's keys and values go straight into its sequence's pages. Logits are computed only
+where a token is sampled (the decode rows and the last chunk of a prompt), unless prompt
+log-probabilities were asked for; each row samples with its own temperature, top-k, top-p and
+seed, and log-probabilities (of the model's distribution, before temperature, top-k and top-p,
+as OpenAI's and vLLM's are; with the top ``max_top_logprobs``) are computed only in steps where
+some request asked for them: a second compiled variant, not one per request.
 
-* :func:`prefill` runs one prompt (right-padded to a power-of-two bucket, so the
-  number of compiled programs stays logarithmic in the prompt length) through the
-  model, writing its K/V straight into the pages taken for it and attending as
-  training does (cuDNN flash attention on GPU), and samples its first token;
-  :meth:`PagedEngine.insert` then hands those pages to a slot (no device work);
-* :func:`generate` is one decode step for every slot at once: each slot feeds its
-  last token, writes its K/V into its pages, attends over its own pages only
-  (:func:`hypertron.kernels.ragged_attention.ragged_decode_attention`) and samples
-  its next token with its own temperature, top-k, top-p and seed.
+A decode row's input is the token its slot sampled last, and that never leaves the device:
+``last_tokens [max_slots + 1]`` is updated in place by each step (the extra entry takes the
+writes of rows that sample nothing). So the host can dispatch step n + 1 before step n's
+tokens reach it (:meth:`PagedEngine.dispatch` returns at once; :meth:`PagedEngine.collect`
+waits), and steps run in the order they were dispatched: the cache and ``last_tokens`` are
+donated to each step and threaded through.
 
-The cache is donated to :func:`prefill` and :func:`generate`, so it is updated in
-place. Log-probabilities are of the model's distribution (before temperature,
-top-k and top-p), as OpenAI's and vLLM's are; each step also returns the top
-``max_top_logprobs``.
+Shapes are bucketed so that compiles stay few (:func:`bucket`: powers of two up to 8, then under
+25 % padding): decode rows (so a step decodes about the live sequences, not ``max_slots``),
+prefill tokens, and the page table's columns (the pages of the step's longest sequence, so its
+attention cost follows the real lengths, not ``max_seq_len``); prefill rows to a power of two.
+Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
+whatever else is in the step.
 
-Host side, :class:`PagedEngine` keeps the slots and the page pool: a sequence
-takes a page each time it crosses a page boundary and returns them all when it
-ends, so cache memory follows the real lengths. Each step gets only the page-table
-columns the longest live sequence needs (rounded up to a few sizes), so its attention cost
-follows the real lengths too. Pages, slots and their small
-per-slot arrays (page table, lengths, last tokens, sampling settings) live on the
-host and travel with each step (a few KB); the cache never leaves the device.
-Sampling is repeatable: the key of the token at position ``p`` is
-``fold_in(key(seed), p)``, whatever else is in the batch.
+The pages, slots and requests themselves are the scheduler's (:mod:`hypertron.serve.scheduler`);
+this module only runs plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -43,72 +45,73 @@ from hypertron.config.validation import check_engine_settings
 from hypertron.models import PagedCache, forward, resolve_dtype
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.serve.sampling import logprobs, sample_rows
-from hypertron.serve.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
+from hypertron.serve.types import StepPlan, StepResult
 
-MIN_BUCKET = 16
+# ---------------------------------------------------------------------------
+# The device step
+
+
+@functools.partial(jax.jit, donate_argnums=(1, 2),
+                   static_argnames=("cfg", "top_n", "num_decode", "cold", "want_logprobs", "prompt_logprobs"))
+def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int, cold: bool,
+         want_logprobs: bool, prompt_logprobs: bool):
+    """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
+
+    ``batch``: decode tokens ``dec_slot`` / ``dec_pos [num_decode]`` (their input is
+    ``last_tokens[dec_slot]``); prefill tokens ``pre_tokens`` / ``pre_pos`` / ``pre_row`` /
+    ``pre_valid [P]``; per row (decode rows, then prefill rows) ``table [rows, width]``,
+    ``lengths`` (tokens after this step; 0: padding), ``out_idx`` (the flat index whose logits
+    sample the row), ``out_slot`` (where the sample goes in ``last_tokens``; ``max_slots``: nowhere),
+    ``temperature``, ``top_k``, ``top_p``, ``seed``, ``sample_pos``; with ``prompt_logprobs``,
+    ``targets [P]``. Returns ``(cache, last_tokens, out)``, ``out`` holding ``tokens [rows]`` and,
+    when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
+    every prefill token's target).
+    """
+    b, nd = batch, num_decode
+    n_pre, n_rows = b["pre_tokens"].shape[0], b["lengths"].shape[0]
+    tokens = jnp.concatenate([last_tokens[b["dec_slot"]], b["pre_tokens"]])
+    positions = jnp.concatenate([b["dec_pos"], b["pre_pos"]])
+    token_rows = jnp.concatenate([jnp.arange(nd, dtype=jnp.int32), nd + b["pre_row"]])
+    token_valid = jnp.concatenate([b["lengths"][:nd] > 0, b["pre_valid"]])
+    segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
+    paged = PagedCache(cache, b["table"], b["lengths"], token_rows, token_valid, num_decode=nd, cold=cold)
+    at = b["out_idx"]
+    if prompt_logprobs:
+        at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
+    logits, paged = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None],
+                            cache=paged, logits_at=at[None])
+    row_logits = logits[0, :n_rows]
+    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], b["sample_pos"])
+    out = {"tokens": nxt}
+    if want_logprobs:
+        out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
+    if prompt_logprobs:
+        out["prompt"] = logprobs(logits[0, n_rows:], jnp.maximum(b["targets"], 0), top_n)
+    return paged.pages, last_tokens.at[b["out_slot"]].set(nxt), out
 
 
 # ---------------------------------------------------------------------------
-# Device steps
+# Host side
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "top_n", "prompt_logprobs"), donate_argnums=1)
-def prefill(params, cache, tokens_t, true_length, page_row, sampling_row, *, cfg: ModelConfig, top_n: int,
-            prompt_logprobs: bool = False):
-    """One prompt ``tokens_t [T]`` (right-padded; ``true_length`` real) through the model: its
-    keys and values go straight into the pages of ``page_row`` (layer 0's numbering), and it
-    attends as training does (a cold prompt: :class:`~hypertron.models.PagedCache`).
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched step: its plan, where its rows sit in the padded batch, and its outputs
+    (device arrays, on their way to the host)."""
 
-    ``sampling_row``: ``(temperature, top_k, top_p, seed)`` scalars. Returns ``(cache, first,
-    first_logprobs, prompt)``, ``prompt`` the log-probabilities of tokens 1.. given the tokens
-    before them (or None).
-    """
-    paged = PagedCache(cache, page_row[None], true_length[None], cold=True)
-    logits_1tv, paged = forward(params, tokens_t[None], cfg, cache=paged)
-    last_v = jax.lax.dynamic_index_in_dim(logits_1tv[0], true_length - 1, keepdims=False)
-    temperature, top_k, top_p, seed = sampling_row
-    first = sample_rows(last_v[None], temperature[None], top_k[None], top_p[None], seed[None],
-                        true_length[None])
-    first_lp = logprobs(last_v[None], first, top_n)
-    prompt = logprobs(logits_1tv[0, :-1], tokens_t[1:], top_n) if prompt_logprobs else None
-    return paged.pages, first[0], jax.tree.map(lambda x: x[0], first_lp), prompt
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "top_n"), donate_argnums=1)
-def generate(params, cache, tokens_b, lengths_b, page_table_bp, sampling, *, cfg: ModelConfig, top_n: int):
-    """One decode step for every slot; ``lengths_b`` are the tokens cached (-1: empty slot).
-
-    Token ``tokens_b[i]`` sits at position ``lengths_b[i]``; its K/V are written there and it
-    attends to the ``lengths_b[i] + 1`` tokens of its pages (an empty slot reads nothing and
-    writes to the null page). ``sampling``: ``(temperature, top_k, top_p, seed)`` arrays
-    ``[slots]``. Returns ``(cache, next tokens, their log-probabilities, top ids, top
-    log-probabilities)``.
-    """
-    logits_bv, cache = decode_logits(params, cache, tokens_b, lengths_b, page_table_bp, cfg)
-    temperature, top_k, top_p, seed = sampling
-    nxt = sample_rows(logits_bv, temperature, top_k, top_p, seed, lengths_b + 1)
-    return (cache, nxt, *logprobs(logits_bv, nxt, top_n))
-
-
-def decode_logits(params, cache, tokens_b, lengths_b, page_table_bp, cfg: ModelConfig):
-    """``(logits [b, vocab], cache)`` of one decode step, as :func:`generate` runs it (not jitted)."""
-    lengths_b = jnp.asarray(lengths_b)
-    paged = PagedCache(cache, jnp.asarray(page_table_bp), jnp.where(lengths_b >= 0, lengths_b + 1, 0))
-    logits_b1v, paged = forward(params, jnp.asarray(tokens_b)[:, None], cfg,
-                                positions=jnp.maximum(lengths_b, 0)[:, None], cache=paged)
-    return logits_b1v[:, 0], paged.pages
-
-
-# ---------------------------------------------------------------------------
-# Host side: slots and pages
-
-
-def _bucket(n: int, limit: int) -> int:
-    return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), max(limit, n))
+    plan: StepPlan
+    num_decode: int
+    prefill_offsets: list[int]
+    out: dict
 
 
 class PagedEngine:
-    """Slots and KV pages around the jitted steps; implements :class:`hypertron.serve.types.Engine`."""
+    """Runs :class:`~hypertron.serve.types.StepPlan` s over a page pool; implements
+    :class:`hypertron.serve.types.Engine`.
+
+    ``num_pages``: the pool, page 0 included (it is the null page, never handed out); default
+    enough for every slot at ``max_seq_len``.
+    """
 
     def __init__(self, params, cfg: ModelConfig, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_dtype: str = "auto", max_top_logprobs: int = 20,
@@ -119,148 +122,100 @@ class PagedEngine:
         self.max_slots, self.page_size = max_slots, page_size
         self.max_seq_len, self.max_top_logprobs, self.eos_ids = cfg.max_seq_len, max_top_logprobs, frozenset(eos_ids)
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
-        num_pages = max_slots * self.pages_per_seq + 1 if num_pages is None else num_pages
+        total = max_slots * self.pages_per_seq + 1 if num_pages is None else num_pages
+        self.num_pages = total - 1
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
-        self.cache = init_pages(cfg, num_pages, page_size, self.kv_dtype)
-        self.num_pages = num_pages
-        self._free_pages = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out 1, 2, ...
-        self._slot_pages: list[list[int]] = [[] for _ in range(max_slots)]
-        self.page_table = np.full((max_slots, self.pages_per_seq), NULL_PAGE, np.int32)
-        self.lengths = np.full(max_slots, -1, np.int32)  # tokens cached; -1: free slot
-        self.last_tokens = np.zeros(max_slots, np.int32)
-        self.temperature = np.zeros(max_slots, np.float32)
-        self.top_k = np.zeros(max_slots, np.int32)
-        self.top_p = np.ones(max_slots, np.float32)
-        self.seeds = np.zeros(max_slots, np.uint32)
+        self.cache = init_pages(cfg, total, page_size, self.kv_dtype)
+        self.last_tokens = jnp.zeros(max_slots + 1, jnp.int32)
 
-    # -- the Engine protocol
+    def dispatch(self, plan: StepPlan) -> _Pending:
+        batch, nd, offsets, cold = self._batch(plan)
+        self.cache, self.last_tokens, out = step(
+            self.params, self.cache, self.last_tokens, batch, cfg=self.cfg, top_n=self.max_top_logprobs,
+            num_decode=nd, cold=cold, want_logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+        for x in jax.tree.leaves(out):
+            x.copy_to_host_async()
+        return _Pending(plan, nd, offsets, out)
 
-    def can_prefill(self, num_tokens: int) -> bool:
-        """Whether pages are free for a prompt of ``num_tokens`` and its first decode write."""
-        return len(self._free_pages) >= self._pages_for(num_tokens + 1)
+    def collect(self, pending: _Pending) -> StepResult:
+        out = jax.device_get(pending.out)
+        plan, nd = pending.plan, pending.num_decode
+        rows = list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        prompt = None
+        if "prompt" in out:
+            chosen, ids, lps = out["prompt"]
+            prompt = [None if row.prompt_targets is None else
+                      (chosen[o:o + len(row.tokens)], ids[o:o + len(row.tokens)], lps[o:o + len(row.tokens)])
+                      for row, o in zip(plan.prefills, pending.prefill_offsets)]
+        return StepResult(out["tokens"][rows], pick(out.get("logprobs")), pick(out.get("top_ids")),
+                          pick(out.get("top_logprobs")), prompt)
 
-    def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
-        n = len(tokens)
-        if not 0 < n < self.max_seq_len:
-            raise ValueError(f"a prompt needs 1 to {self.max_seq_len - 1} tokens, got {n}")
-        if not self.can_prefill(n):
-            raise RuntimeError(f"{self._pages_for(n + 1)} KV pages needed, {len(self._free_pages)} free "
-                               "(ask can_prefill first)")
-        pages = [self._free_pages.pop() for _ in range(self._pages_for(n))]
-        page_row = np.full(self.pages_per_seq, NULL_PAGE, np.int32)
-        page_row[:len(pages)] = pages
-        padded = np.zeros(_bucket(n, self.pages_per_seq * self.page_size), np.int32)
-        padded[:n] = tokens
-        try:
-            self.cache, first, first_lp, prompt = prefill(
-                self.params, self.cache, padded, np.int32(n), page_row, _sampling_row(sampling), cfg=self.cfg,
-                top_n=self.max_top_logprobs, prompt_logprobs=want_prompt_logprobs)
-            first, first_lp = jax.device_get((first, first_lp))
-        except BaseException:
-            self._free_pages.extend(reversed(pages))
-            raise
-        prompt_lps = None
-        if prompt is not None:
-            chosen, ids, lps = jax.device_get(prompt)
-            prompt_lps = [_token_logprobs(chosen[i], ids[i], lps[i]) for i in range(n - 1)]
-        return Prefix(list(tokens), sampling, int(first), _token_logprobs(*first_lp), prompt_lps,
-                      {"pages": pages, "length": n})
+    def run(self, plan: StepPlan) -> StepResult:
+        """:meth:`dispatch` then :meth:`collect`: one step, synchronously."""
+        return self.collect(self.dispatch(plan))
 
-    def can_insert(self, prefix: Prefix) -> bool:
-        return bool(self._free_slots())  # its pages were taken at prefill
+    def _batch(self, plan: StepPlan) -> tuple[dict, int, list[int], bool]:
+        """The padded arrays of ``plan`` (see :func:`step`), its decode rows, where each prefill
+        row's tokens start, and whether every prefill row starts its sequence."""
+        dec, pre = plan.decodes, plan.prefills
+        nd = min(bucket(len(dec)), self.max_slots) if dec else 0
+        nr = 1 << (len(pre) - 1).bit_length() if pre else 0
+        n_pad = bucket(sum(len(r.tokens) for r in pre)) if pre else 0
+        rows = nd + nr
+        width = min(bucket(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq)
+        i32 = lambda n, fill=0: np.full(n, fill, np.int32)  # noqa: E731
+        b = {"dec_slot": i32(nd, self.max_slots), "dec_pos": i32(nd),
+             "pre_tokens": i32(n_pad), "pre_pos": i32(n_pad), "pre_row": i32(n_pad),
+             "pre_valid": np.zeros(n_pad, bool), "table": np.full((rows, width), NULL_PAGE, np.int32),
+             "lengths": i32(rows), "out_idx": i32(rows), "out_slot": i32(rows, self.max_slots),
+             "temperature": np.zeros(rows, np.float32), "top_k": i32(rows), "top_p": np.ones(rows, np.float32),
+             "seed": np.zeros(rows, np.uint32), "sample_pos": i32(rows)}
+        if plan.prompt_logprobs:
+            b["targets"] = i32(n_pad)
+        offsets = []
+        flat = nd
+        for i, row in enumerate(dec):
+            b["dec_slot"][i], b["dec_pos"][i] = row.slot, row.start
+            self._row(b, i, row, i)
+        off = 0
+        for j, row in enumerate(pre):
+            n, sl = len(row.tokens), slice(off, off + len(row.tokens))
+            b["pre_tokens"][sl], b["pre_row"][sl], b["pre_valid"][sl] = row.tokens, j, True
+            b["pre_pos"][sl] = np.arange(row.start, row.end)
+            if row.prompt_targets is not None:
+                b["targets"][sl] = row.prompt_targets
+            self._row(b, nd + j, row, flat + off + n - 1)
+            offsets.append(off)
+            off += n
+        return b, nd, offsets, all(r.start == 0 for r in pre)
 
-    def insert(self, prefix: Prefix, slot: int) -> None:
-        if self.lengths[slot] >= 0:
-            raise ValueError(f"slot {slot} is in use")
-        if not prefix.kv["pages"] and prefix.kv["length"]:
-            raise ValueError("this prefix was inserted or released already")
-        n, pages = prefix.kv["length"], prefix.kv["pages"]
-        self._slot_pages[slot], prefix.kv["pages"] = pages, []
-        self.page_table[slot] = NULL_PAGE
-        self.page_table[slot, :len(pages)] = pages
-        s = prefix.sampling
-        self.lengths[slot], self.last_tokens[slot] = n, prefix.first_token
-        self.temperature[slot], self.top_k[slot], self.top_p[slot] = s.temperature, s.top_k, s.top_p
-        self.seeds[slot] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
-
-    def release(self, prefix: Prefix) -> None:
-        """Give back the pages of a prefix that will not be inserted."""
-        self._free_pages.extend(reversed(prefix.kv["pages"]))
-        prefix.kv["pages"] = []
-
-    def reserve_step(self) -> list[int]:
-        short = []
-        for slot in np.flatnonzero(self.lengths >= 0):
-            page = int(self.lengths[slot]) // self.page_size  # where this step writes
-            if page >= self.pages_per_seq:
-                raise RuntimeError(f"slot {slot} is at max_seq_len={self.max_seq_len}; it should have been freed")
-            if page < len(self._slot_pages[slot]):
-                continue
-            if not self._free_pages:
-                short.append(int(slot))
-                continue
-            self._slot_pages[slot].append(self._free_pages.pop())
-            self.page_table[slot, page] = self._slot_pages[slot][-1]
-        return short
-
-    def generate(self) -> StepOutput:
-        active = self.lengths >= 0
-        sampling = (self.temperature, self.top_k, self.top_p, self.seeds)
-        self.cache, *out = generate(self.params, self.cache, self.last_tokens, self.lengths,
-                                    self.page_table[:, :self._table_width()], sampling, cfg=self.cfg,
-                                    top_n=self.max_top_logprobs)
-        tokens, lps, top_ids, top_lps = jax.device_get(out)
-        self.last_tokens = np.where(active, tokens, 0).astype(np.int32)
-        self.lengths = np.where(active, self.lengths + 1, -1).astype(np.int32)
-        return StepOutput(tokens, lps, top_ids, top_lps)
-
-    def free(self, slot: int) -> None:
-        self._free_pages.extend(reversed(self._slot_pages[slot]))
-        self._slot_pages[slot] = []
-        self.page_table[slot] = NULL_PAGE
-        self.lengths[slot] = -1
-
-    def stats(self) -> dict[str, int]:
-        return {"slots_in_use": int(np.sum(self.lengths >= 0)), "slots_total": self.max_slots,
-                "pages_free": len(self._free_pages), "pages_total": self.num_pages - 1}
-
-    # -- helpers
-
-    def _free_slots(self) -> list[int]:
-        return [int(s) for s in np.flatnonzero(self.lengths < 0)]
-
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def _table_width(self) -> int:
-        """Page-table columns this step needs: enough for the longest slot after its write,
-        rounded up to one of four steps per power of two (at most 25 % more than needed, and
-        about 4 log2(pages_per_seq) compiled steps). Attention reads (the reference gathers)
-        only these columns, so a step's cost follows the longest live sequence, not
-        ``max_seq_len``."""
-        longest = int(self.lengths.max()) + 1  # tokens after this step's write; 0 when all free
-        return min(_round_up_quarter_octave(self._pages_for(max(longest, 1))), self.pages_per_seq)
+    def _row(self, b: dict, i: int, row, out_idx: int) -> None:
+        width = b["table"].shape[1]
+        pages = row.pages[:width]
+        b["table"][i, :len(pages)] = pages
+        b["lengths"][i], b["out_idx"][i] = row.end, out_idx
+        if row.sample:
+            b["out_slot"][i] = row.slot
+        s = row.sampling
+        b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
+        b["seed"][i], b["sample_pos"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF), row.end
 
 
-def _round_up_quarter_octave(n: int) -> int:
-    """``n`` rounded up to a multiple of a quarter of the power of two below it (1..8 exact)."""
-    step = max(1, (1 << (n.bit_length() - 1)) // 4)
+def bucket(n: int) -> int:
+    """The padded size of ``n`` rows, tokens or pages: a power of two up to 8, then a multiple of a
+    quarter of the power of two below it (10, 12, 14, 16, 20, ...: under 25 % padding), so that
+    about 4 sizes per doubling get compiled."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = (1 << (n.bit_length() - 1)) // 4
     return -(-n // step) * step
-
-
-def _sampling_row(s: SamplingParams):
-    return (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
-            np.uint32((s.seed or 0) & 0xFFFFFFFF))
-
-
-def _token_logprobs(chosen, ids, lps) -> TokenLogprobs:
-    return TokenLogprobs(float(chosen), tuple(int(i) for i in ids), tuple(float(x) for x in lps))
 
 
 def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
                 kv_cache_dtype: str = "auto", quantize: str = "none"):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
-    engine stops a sequence at any of the tokenizer's ``eos_ids``."""
+    engine's ``eos_ids`` are the tokenizer's."""
     from hypertron.serve.model import load_model, served_name
 
     model, params, tok = load_model(checkpoint, quantize)

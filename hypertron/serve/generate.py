@@ -1,8 +1,7 @@
 """``hypertron generate``: continue a few prompts through the serving engine.
 
-The same paged engine, sampler and prompt buckets as the server (:mod:`hypertron.serve.engine`),
-driven to completion for a fixed batch: every prompt gets a slot, is prefilled (its keys and
-values straight into its pages), then all decode together until each has its tokens or an
+The same scheduler, engine, sampler and buckets as the server (:mod:`hypertron.serve.scheduler`,
+:mod:`hypertron.serve.engine`), run step by step until every prompt has its tokens or an
 end-of-sequence id. What ``generate`` prints is what the server would stream for the same prompt
 and settings.
 """
@@ -13,6 +12,7 @@ from collections.abc import Iterable
 
 from hypertron.config import ModelConfig
 from hypertron.serve.engine import PagedEngine
+from hypertron.serve.scheduler import Output, Scheduler, Sequence, run_until_done
 from hypertron.serve.types import SamplingParams
 
 
@@ -28,11 +28,13 @@ def generate(
     seed: int = 0,
     eos_ids: Iterable[int] = (),
     page_size: int = 16,
+    max_num_batched_tokens: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
 
     Prompt ``i`` samples with seed ``seed + i`` (greedy when ``temperature == 0``). Returns the
     new tokens of each prompt, each ending at the first of ``eos_ids`` in it (included).
+    ``max_num_batched_tokens``: tokens per step (default: every prompt in one step).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -45,27 +47,19 @@ def generate(
     pages = sum(-(-(len(p) + max_new_tokens + 1) // page_size) for p in prompts) + 1
     engine = PagedEngine(params, cfg, max_slots=len(prompts), page_size=page_size, num_pages=pages,
                          max_top_logprobs=1)
+    budget = max_num_batched_tokens or max(sum(len(p) for p in prompts), len(prompts))
+    scheduler = Scheduler(max_slots=len(prompts), num_pages=engine.num_pages, page_size=page_size,
+                          max_seq_len=cfg.max_seq_len, max_num_batched_tokens=budget,
+                          max_prefill_rows=len(prompts))
+    seqs = [Sequence(i, list(p), SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                                top_p=top_p, seed=seed + i)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
     stops = frozenset(eos_ids)
-    out: list[list[int]] = [[] for _ in prompts]
-    live = set()
 
-    def take(slot: int, token: int) -> None:
-        out[slot].append(token)
-        if token in stops or len(out[slot]) == max_new_tokens:
-            engine.free(slot)
-            live.discard(slot)
+    def on_output(out: Output) -> None:
+        if out.token in stops:
+            scheduler.abort(out.seq)
 
-    for slot, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed + slot)
-        prefix = engine.prefill(list(prompt), sampling)
-        engine.insert(prefix, slot)
-        live.add(slot)
-        take(slot, prefix.first_token)
-    while live:
-        short = engine.reserve_step()
-        assert not short, "the page pool was sized for every token"
-        tokens = engine.generate().tokens
-        for slot in sorted(live):
-            take(slot, int(tokens[slot]))
-    return out
+    run_until_done(engine, scheduler, on_output)
+    return [seq.generated for seq in seqs]

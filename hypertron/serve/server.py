@@ -33,14 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ServeConfig
 from hypertron.errors import UserError
-from hypertron.serve.orchestrator import (
-    ABORT,
-    ERROR,
-    Generation,
-    IncrementalDetokenizer,
-    Orchestrator,
-    QueueFull,
-)
+from hypertron.serve.detokenize import IncrementalDetokenizer
+from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
 from hypertron.serve.types import SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -492,7 +486,9 @@ def main(serve: ServeConfig) -> int:
     engine, tokenizer, model_name = load_engine(
         serve.checkpoint, max_slots=serve.max_slots, page_size=serve.page_size, num_pages=serve.num_pages,
         kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize)
-    orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue)
+    orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue,
+                                max_num_batched_tokens=serve.max_num_batched_tokens,
+                                max_prefill_rows=serve.max_prefill_rows)
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
                      chat_template=tokenizer.chat_template)

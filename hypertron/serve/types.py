@@ -1,11 +1,11 @@
-"""What the serving engine and the orchestrator exchange (no JAX here).
+"""What the scheduler, the engine and the output side exchange (no JAX here).
 
-The engine (:mod:`hypertron.serve.engine`) owns the device state: a fixed number
-of decode *slots* and a pool of KV-cache *pages*. The orchestrator
-(:mod:`hypertron.serve.orchestrator`) owns requests: it admits them into free
-slots, steps the engine, streams tokens out, and frees slots. This module is
-the contract between the two, so that either can be tested against a fake of
-the other.
+The scheduler (:mod:`hypertron.serve.scheduler`) owns requests, decode slots and the KV-cache
+page pool, and decides each step: a :class:`StepPlan` of decode rows and prefill chunks within a
+token budget. The engine (:mod:`hypertron.serve.engine`) owns the device: it runs a plan
+(:meth:`Engine.dispatch`, which returns at once) and hands back its :class:`StepResult`
+(:meth:`Engine.collect`, which waits). This module is the contract between them, so that either
+can be tested against a fake of the other (``tests/fake_engine.py``).
 """
 
 from __future__ import annotations
@@ -34,79 +34,96 @@ class SamplingParams:
 class TokenLogprobs:
     """The chosen token's log-probability and the top alternatives (ids and log-probabilities).
 
-    Engines return their ``max_top_logprobs`` alternatives, best first; the orchestrator
-    keeps the N a request asked for."""
+    Engines return their ``max_top_logprobs`` alternatives, best first; the scheduler keeps
+    the N a request asked for."""
 
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
 
 
-@dataclasses.dataclass
-class Prefix:
-    """A prefilled prompt, ready for :meth:`Engine.insert`.
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sequence's part of a step.
 
-    ``first_token`` is sampled from the prompt's last position; ``prompt_logprobs[i]`` is
-    the log-probability of prompt token ``i + 1`` given the tokens before it (for ``echo``),
-    present only when asked for. ``kv`` is the engine's own device data.
+    A *decode* row (``tokens == ()``) feeds one token, the one its slot sampled last (it stays
+    on the device), at position ``start``. A *prefill* row feeds ``tokens`` at positions
+    ``start ..``: a prompt, or a chunk of one. ``pages`` are the sequence's KV pages (page
+    ``i`` holds positions ``i * page_size ..``), enough for every position written.
+    ``sample``: the step samples the token after the row's last input (every decode row, and
+    the last chunk of a prompt), with ``sampling`` and the key of its position, and keeps it
+    on the device as the slot's next input. ``prompt_targets``: when prompt log-probabilities
+    are wanted, the token after each input (-1 where it is not a prompt token).
     """
 
-    tokens: list[int]
+    request: int
+    slot: int
+    start: int
+    tokens: tuple[int, ...]
+    pages: tuple[int, ...]
     sampling: SamplingParams
-    first_token: int
-    first_logprobs: TokenLogprobs
-    prompt_logprobs: list[TokenLogprobs] | None
-    kv: object
+    sample: bool = True
+    prompt_targets: tuple[int, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) or 1
+
+    @property
+    def end(self) -> int:
+        """Tokens the sequence holds once this row is written."""
+        return self.start + self.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One engine step: ``decodes`` then ``prefills``. ``logprobs``: some row asked for them (the
+    engine then computes its ``max_top_logprobs`` for every row; otherwise none at all);
+    ``prompt_logprobs``: some prefill row has ``prompt_targets``."""
+
+    step: int
+    decodes: tuple[Row, ...]
+    prefills: tuple[Row, ...]
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
 
 
 @dataclasses.dataclass
-class StepOutput:
-    """One decode step for every slot (entries of inactive slots are meaningless).
-
-    ``tokens [slots]`` the token each active slot produced; ``logprobs [slots]`` its
-    log-probability; ``top_ids`` / ``top_logprobs [slots, N]`` the engine's top-N.
-    """
+class StepResult:
+    """What a step produced, one entry per row of :attr:`StepPlan.rows` (meaningless where the
+    row did not sample). ``tokens [rows]``; with ``plan.logprobs``, ``logprobs [rows]`` (of the
+    sampled token) and ``top_ids`` / ``top_logprobs [rows, N]``; with ``plan.prompt_logprobs``,
+    ``prompt[i]`` for prefill row ``i``: ``(chosen [n], top_ids [n, N], top_logprobs [n, N])``
+    of its ``prompt_targets`` (None for rows without them)."""
 
     tokens: np.ndarray
-    logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    prompt: list | None = None
 
 
 class Engine(Protocol):
-    """What the orchestrator needs from an engine. All methods are called from one thread."""
+    """What the scheduler and the serving loop need from an engine. Called from one thread."""
 
-    max_slots: int  # decode batch size
+    max_slots: int  # decode rows at most; slots are numbered 0 .. max_slots - 1
     max_seq_len: int  # prompt + generated tokens of one sequence, at most
     max_top_logprobs: int  # largest N for SamplingParams.logprobs
     eos_ids: frozenset[int]  # tokens that end a sequence (unless ignore_eos)
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages the scheduler may hand out: ids 1 .. num_pages (0 is the null page)
 
-    def can_prefill(self, num_tokens: int) -> bool:
-        """Whether KV pages are free for a prompt of ``num_tokens`` (and its first decode write)."""
+    def dispatch(self, plan: StepPlan) -> object:
+        """Start the step (device work queued, nothing waited for); returns a handle for
+        :meth:`collect`. Steps run in the order they are dispatched."""
 
-    def prefill(self, tokens: list[int], sampling: SamplingParams, want_prompt_logprobs: bool = False) -> Prefix:
-        """Run the prompt through the model, its KV into pages taken for it now, and sample its
-        first token (touches no slot). Only after :meth:`can_prefill` said yes."""
-
-    def can_insert(self, prefix: Prefix) -> bool:
-        """Whether a slot is free for the prefilled prompt."""
-
-    def insert(self, prefix: Prefix, slot: int) -> None:
-        """Put a prefilled prompt (and its pages) into free slot ``slot`` and start decoding it."""
-
-    def release(self, prefix: Prefix) -> None:
-        """Give back the pages of a prefilled prompt that will not be inserted."""
-
-    def reserve_step(self) -> list[int]:
-        """Take the pages the next :meth:`generate` writes into; return the active slots left
-        without one (the pool is exhausted). The orchestrator frees (pre-empts) slots until
-        this returns []."""
-
-    def generate(self) -> StepOutput:
-        """One decode step for every active slot: each feeds its last token and gets the next."""
-
-    def free(self, slot: int) -> None:
-        """End the sequence in ``slot`` at once and return its pages."""
-
-    def stats(self) -> dict[str, int]:
-        """``slots_in_use``, ``slots_total``, ``pages_free``, ``pages_total``."""
+    def collect(self, handle: object) -> StepResult:
+        """Wait for a dispatched step and return what it produced."""

@@ -1,0 +1,28 @@
+"""The server's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ServeMetrics:
+    """The server's Prometheus metrics, in a registry of its own (several servers per process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, "hypertron_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "submit to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "per request, after the first token",
+                              registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.latency = Histogram(p + "request_latency_seconds", "submit to finish", registry=r,
+                                 buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.requests = Counter(p + "requests", "finished requests", ["finish_reason"], registry=r)
+        self.preemptions = Counter(p + "preemptions", "requests pre-empted for KV pages", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.slots_in_use = Gauge(p + "slots_in_use", "decode slots holding a sequence", registry=r)
+        self.slots_total = Gauge(p + "slots_total", "decode slots", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "requests waiting for a slot", registry=r)
+        self.pages_free = Gauge(p + "kv_pages_free", "free KV-cache pages", registry=r)
+        self.pages_total = Gauge(p + "kv_pages_total", "KV-cache pages", registry=r)

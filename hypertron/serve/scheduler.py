@@ -1,0 +1,358 @@
+"""Which tokens each engine step runs: decode rows and prefill chunks within a token budget.
+
+One :class:`Scheduler` owns the requests (:class:`Sequence`), the decode slots and the KV-cache
+page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
+:class:`~hypertron.serve.types.StepPlan` of at most ``max_num_batched_tokens`` tokens:
+
+1. a decode token for every running sequence that has its prompt in the cache (running
+   streams never wait for a prompt), taking a page when it crosses into a new one. With no
+   page free, the most recently admitted sequence is pre-empted: its slot and pages go back,
+   and it waits at the front of the queue, to be recomputed from its prompt + what it
+   generated (those tokens are not streamed again). Until some sequence ends, nothing new is
+   admitted, so pre-emption cannot thrash;
+2. the next chunk of each sequence whose prompt is partly in the cache (a long prompt is
+   prefilled over several steps while the others decode);
+3. new sequences from the queue while budget, a free slot, a prefill row
+   (``max_prefill_rows``) and pages for the whole prompt (and its first decode write) are
+   there; several short prompts share one step.
+
+:meth:`Scheduler.update` takes a step's result: each sequence's token (dropped if the
+sequence ended meanwhile: with the engine running one step ahead, a sequence that hits EOS
+in step n was already scheduled in step n + 1), its log-probabilities, the stops (EOS unless
+``ignore_eos``, ``stop_token_ids``, ``max_tokens``, ``max_seq_len``), and returns
+:class:`Output` records. A step's plan counts on every running sequence going on; only
+``max_tokens`` and ``max_seq_len`` are known in advance, and a sequence is never scheduled
+past them. Each step leaves a :class:`StepRecord` in :attr:`Scheduler.records`.
+
+Written here rather than borrowed: vLLM's scheduler (the model for the token budget) is tied
+to its own engine; this one needs only :mod:`hypertron.serve.types`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+from hypertron.serve.types import Engine, Row, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_PREFILL_ROWS = 8
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request as the scheduler sees it."""
+
+    id: int
+    prompt: list[int]
+    sampling: SamplingParams
+    want_prompt_logprobs: bool = False
+    generated: list[int] = dataclasses.field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None
+    # Set at each admission:
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    fill: list[int] = dataclasses.field(default_factory=list)  # what is prefilled: prompt + generated then
+    computed: int = 0  # positions written or scheduled to be
+    admitted: int = 0  # admission order, for choosing whom to pre-empt
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # Steps dispatched and not collected yet: rows, and those of them that sample a token.
+    rows_in_flight: int = 0
+    tokens_in_flight: int = 0
+
+    @property
+    def outputs(self) -> int:
+        """Tokens generated, counting those of steps in flight."""
+        return len(self.generated) + self.tokens_in_flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What one sequence got from a step: a token (with its log-probabilities when asked for,
+    and the prompt's before the first token when asked for) and/or its end."""
+
+    seq: Sequence
+    token: int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One scheduled step: the decoded sequences' ids, the prefill chunks ``(id, start,
+    tokens)``, the sequences pre-empted for it and its tokens."""
+
+    step: int
+    decodes: tuple[int, ...]
+    prefills: tuple[tuple[int, int, int], ...]
+    preempted: tuple[int, ...]
+    num_tokens: int
+
+
+class Scheduler:
+    """Requests, slots and pages; one :class:`~hypertron.serve.types.StepPlan` per step (see the
+    module docstring). Not thread-safe: one thread calls it."""
+
+    def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
+                 eos_ids: frozenset[int] = frozenset(), max_top_logprobs: int = 20,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, keep_records: int = 10_000):
+        if max_num_batched_tokens < max_slots:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_slots={max_slots}: "
+                             "every running sequence needs its decode token in each step")
+        if max_prefill_rows < 1:
+            raise ValueError(f"max_prefill_rows={max_prefill_rows}: expected at least 1")
+        self.max_slots, self.num_pages, self.page_size, self.max_seq_len = max_slots, num_pages, page_size, max_seq_len
+        self.eos_ids, self.max_top_logprobs = frozenset(eos_ids), max_top_logprobs
+        self.max_num_batched_tokens, self.max_prefill_rows = max_num_batched_tokens, max_prefill_rows
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}  # by id, in admission order
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
+        self._live: dict[int, Sequence] = {}
+        self._free_pages = list(range(num_pages, 0, -1))  # pop() hands out 1, 2, ...
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._hold = False  # after a pre-emption, until a sequence ends
+        self._steps = itertools.count()
+        self._order = itertools.count(1)
+        self._out: list[Output] = []
+        self.preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (its prompt 1 .. max_seq_len - 1 tokens, its seed set)."""
+        if not 0 < len(seq.prompt) < self.max_seq_len:
+            raise ValueError(f"prompt of {len(seq.prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
+        if seq.sampling.seed is None:
+            raise ValueError("the sampling seed must be set before scheduling")
+        self._live[seq.id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """End ``seq`` now, wherever it is, without an output (its consumer went away or stopped)."""
+        if seq.status != FINISHED and seq.id in self._live:
+            self._finish(seq, ABORT, emit=False)
+
+    def finish_all(self, reason: str, error: str | None = None) -> None:
+        """End every sequence (the server is stopping, or a step failed)."""
+        for seq in list(self._live.values()):
+            self._finish(seq, reason, error)
+
+    def take_outputs(self) -> list[Output]:
+        """The outputs since the last call."""
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def stats(self) -> dict[str, int]:
+        return {"slots_in_use": len(self.running), "slots_total": self.max_slots,
+                "pages_free": len(self._free_pages), "pages_total": self.num_pages, "waiting": len(self.waiting)}
+
+    # -- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan (slots, pages and positions taken for it), or None: nothing to run."""
+        budget = self.max_num_batched_tokens
+        decodes: list[Row] = []
+        prefills: list[Row] = []
+        preempted: list[int] = []
+        for seq in list(self.running.values()):
+            if seq.status != RUNNING or seq.computed < len(seq.fill) or not self._goes_on(seq):
+                continue
+            while seq.status == RUNNING and not self._page_for(seq, seq.computed):
+                if len(self.running) == 1:  # alone and still no page: the cache is full for it
+                    if not seq.rows_in_flight:  # (once the tokens of steps in flight are in)
+                        self._finish(seq, LENGTH)
+                    break
+                victim = max(self.running.values(), key=lambda s: s.admitted)
+                self._preempt(victim)
+                preempted.append(victim.id)
+            if seq.status != RUNNING or seq.computed // self.page_size >= len(seq.pages):
+                continue
+            decodes.append(Row(seq.id, seq.slot, seq.computed, (), tuple(seq.pages), seq.sampling))
+            seq.computed += 1
+            budget -= 1
+        for seq in list(self.running.values()):  # prompts partly in the cache: their next chunk
+            if budget == 0 or len(prefills) == self.max_prefill_rows:
+                break
+            if seq.computed < len(seq.fill):
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].num_tokens
+        if not preempted and not (self._hold and self.running):
+            while budget and self._free_slots and len(prefills) < self.max_prefill_rows and self.waiting:
+                admitted = self._admit(self.waiting[0], busy=bool(self.running))
+                if admitted is None:
+                    continue  # it could never fit: ended, try the next
+                if not admitted:
+                    break
+                prefills.append(self._chunk(self.waiting.popleft(), budget))
+                budget -= prefills[-1].num_tokens
+        if not decodes and not prefills:
+            return None
+        rows = decodes + prefills
+        for row in rows:
+            seq = self._live[row.request]
+            seq.rows_in_flight += 1
+            seq.tokens_in_flight += row.sample
+        plan = StepPlan(next(self._steps), tuple(decodes), tuple(prefills),
+                        logprobs=any(r.sample and r.sampling.logprobs is not None for r in rows),
+                        prompt_logprobs=any(r.prompt_targets is not None for r in prefills))
+        self.records.append(StepRecord(plan.step, tuple(r.request for r in decodes),
+                                       tuple((r.request, r.start, r.num_tokens) for r in prefills),
+                                       tuple(preempted), plan.num_tokens))
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Take what ``plan``'s step produced (:meth:`take_outputs` then has the outputs)."""
+        for i, row in enumerate(plan.rows):
+            seq = self._live.get(row.request)
+            if seq is None:  # it ended while this step ran: what it produced is dropped
+                continue
+            seq.rows_in_flight -= 1
+            if row.prompt_targets is not None and result.prompt is not None:
+                self._add_prompt_logprobs(seq, row, result.prompt[i - len(plan.decodes)])
+            if not row.sample:
+                continue
+            seq.tokens_in_flight -= 1
+            n = seq.sampling.logprobs
+            lp = None
+            if n is not None and result.logprobs is not None:
+                lp = TokenLogprobs(float(result.logprobs[i]), tuple(int(t) for t in result.top_ids[i][:n]),
+                                   tuple(float(v) for v in result.top_logprobs[i][:n]))
+            self._emit(seq, int(result.tokens[i]), lp)
+
+    def fail(self, plan: StepPlan, error: str) -> None:
+        """A step failed: end the sequences it ran with ``"error"``."""
+        for row in plan.rows:
+            seq = self._live.get(row.request)
+            if seq is not None:
+                self._finish(seq, ERROR, error)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Whether another token may be sampled: not at max_tokens or max_seq_len yet."""
+        return seq.outputs < seq.sampling.max_tokens and len(seq.prompt) + seq.outputs < self.max_seq_len
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _page_for(self, seq: Sequence, position: int) -> bool:
+        """Take the page ``position`` is written into, if ``seq`` has none yet; False if none is free."""
+        if position // self.page_size < len(seq.pages):
+            return True
+        if not self._free_pages:
+            return False
+        seq.pages.append(self._free_pages.pop())
+        return True
+
+    def _admit(self, seq: Sequence, busy: bool) -> bool | None:
+        """Give ``seq`` (first in the queue) a slot and the pages of its prompt: True; False to
+        wait; None when it can never fit (it is ended)."""
+        if seq.rows_in_flight:  # pre-empted while a step of it ran: take its token first
+            return False
+        fill = seq.prompt + seq.generated
+        if len(self._free_pages) < self._pages_for(len(fill) + 1):
+            if busy:
+                return False  # running sequences will end and give pages back
+            self._finish(seq, LENGTH)  # it does not fit even into an empty cache
+            return None
+        seq.fill, seq.computed, seq.status = fill, 0, RUNNING
+        seq.pages = [self._free_pages.pop() for _ in range(self._pages_for(len(fill)))]
+        seq.slot, seq.admitted = self._free_slots.pop(), next(self._order)
+        seq.prompt_logprobs = [] if seq.want_prompt_logprobs and not seq.generated else None
+        self.running[seq.id] = seq
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> Row:
+        start = seq.computed
+        n = min(len(seq.fill) - start, budget)
+        seq.computed += n
+        targets = None
+        if seq.prompt_logprobs is not None:
+            targets = tuple(seq.fill[p + 1] if p + 1 < len(seq.fill) else -1 for p in range(start, start + n))
+        return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
+                   sample=seq.computed == len(seq.fill), prompt_targets=targets)
+
+    def _add_prompt_logprobs(self, seq: Sequence, row: Row, prompt) -> None:
+        if seq.prompt_logprobs is None or prompt is None:
+            return
+        chosen, ids, lps = prompt
+        n = seq.sampling.logprobs or 0
+        for j, target in enumerate(row.prompt_targets):
+            if target >= 0:
+                seq.prompt_logprobs.append(TokenLogprobs(float(chosen[j]), tuple(int(t) for t in ids[j][:n]),
+                                                         tuple(float(v) for v in lps[j][:n])))
+
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+        s = seq.sampling
+        prompt_lps = None
+        if seq.prompt_logprobs is not None and not seq.generated:
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
+            self._out.append(Output(seq, prompt_logprobs=prompt_lps))
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            self._finish(seq, STOP)
+            return
+        seq.generated.append(token)
+        self._out.append(Output(seq, token, logprobs if s.logprobs is not None else None))
+        if len(seq.generated) >= s.max_tokens or len(seq.prompt) + len(seq.generated) >= self.max_seq_len:
+            self._finish(seq, LENGTH)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back ``seq``'s slot and pages (the engine may still be running a step that writes
+        them; steps run in order, so the next owner's writes come after)."""
+        self._free_pages.extend(reversed(seq.pages))
+        self._free_slots.append(seq.slot)
+        seq.pages, seq.slot = [], None
+        del self.running[seq.id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        self._release(seq)
+        seq.status, seq.fill, seq.computed = WAITING, [], 0
+        self.waiting.appendleft(seq)
+        self._hold = True
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, emit: bool = True) -> None:
+        if seq.status == RUNNING:
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+        self._live.pop(seq.id, None)
+        self._hold = False
+        if emit:
+            self._out.append(Output(seq, finish_reason=reason, error=error))
+
+
+def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Output], None],
+                   *, ahead: bool = False) -> int:
+    """Step ``engine`` through ``scheduler``'s plans until no sequence is left; each output goes
+    to ``on_output`` (which may :meth:`Scheduler.abort` its sequence). ``ahead``: dispatch step
+    n + 1 before collecting step n, as the server does. Returns the steps run."""
+    pending, steps = None, 0
+    while scheduler.has_work or pending:
+        plan = scheduler.schedule() if scheduler.has_work else None
+        if plan is None and pending is None:
+            raise RuntimeError(f"the scheduler has sequences but nothing to run: {scheduler.stats()}")
+        current = (plan, engine.dispatch(plan)) if plan is not None else None
+        if current is not None and not ahead:
+            scheduler.update(plan, engine.collect(current[1]))
+            current = None
+        if pending is not None:
+            scheduler.update(pending[0], engine.collect(pending[1]))
+        pending = current
+        for out in scheduler.take_outputs():
+            on_output(out)
+        steps += plan is not None
+    return steps

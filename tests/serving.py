@@ -1,0 +1,46 @@
+"""Driving the real serving engine in tests: a scheduler + engine pair, run to the end."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hypertron.serve.engine import PagedEngine
+from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
+from hypertron.serve.types import Row, SamplingParams, StepPlan
+
+
+def scheduler_for(engine, **kw) -> Scheduler:
+    return Scheduler(max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
+                     max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids,
+                     max_top_logprobs=engine.max_top_logprobs, **kw)
+
+
+def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
+    """``(sequences, outputs per sequence, scheduler)`` of ``prompts`` run to the end."""
+    sched = scheduler_for(engine, **scheduler_kw)
+    seqs = [Sequence(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    for seq in seqs:
+        sched.add(seq)
+    outs = {i: [] for i in range(len(seqs))}
+    run_until_done(engine, sched, lambda o: outs[o.seq.id].append(o), ahead=ahead)
+    return seqs, outs, sched
+
+
+def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefix: int, page_size: int = 4):
+    """Log-probabilities ``[len(tokens) - prefix - 1, vocab]`` of the next token at each position
+    from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
+    chunk after that cached prefix, so that every key and value it attends to is read back from
+    the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id)."""
+    engine = PagedEngine(params, cfg, max_slots=1, page_size=page_size, kv_cache_dtype=kv_dtype,
+                         max_top_logprobs=cfg.vocab_size)
+    pages = tuple(range(1, -(-len(tokens) // page_size) + 1))
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))
+    rest = tuple(tokens[prefix:])
+    targets = tuple(tokens[prefix + 1:]) + (-1,)
+    result = engine.run(StepPlan(1, (), (Row(0, 0, prefix, rest, pages, greedy, prompt_targets=targets),),
+                                 prompt_logprobs=True))
+    _, top_ids, top_lps = result.prompt[0]
+    out = np.empty((len(rest) - 1, cfg.vocab_size), np.float32)
+    np.put_along_axis(out, np.asarray(top_ids[:-1]), np.asarray(top_lps[:-1]), axis=1)
+    return out
