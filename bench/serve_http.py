@@ -1,8 +1,11 @@
 """Serving over HTTP: ``hypertron bench serve`` against ``hypertron serve`` and ``transformers serve``, one model.
 
-    python bench/serve_http.py [--concurrency 1 4 16] [--num-requests 32] [--max-tokens 64] [--input-len 128]
-                               [--warmup-requests N] [--device cpu|cuda] [--no-continuous-batching]
-                               [--peer-pythonpath DIR] [--keep DIR] [--output FILE]
+    pip install -e ".[serve-bench]"   # the peer: torch (CPU), transformers, accelerate, openai
+    python bench/serve_http.py [--concurrency 1 4 16 64] [--num-requests 32] [--repeats 3] [--max-tokens 64]
+                               [--input-len 128] [--max-num-batched-tokens 512] [--warmup-requests N]
+                               [--device cpu|cuda] [--no-continuous-batching] [--no-interference]
+                               [--streams 8] [--stream-tokens 384] [--long-prompts 8] [--long-len 2000]
+                               [--long-interval 0.3] [--peer-pythonpath DIR] [--keep DIR] [--output FILE]
 
 One model, written once in Hugging Face format into a temporary directory, nothing downloaded:
 
@@ -13,7 +16,7 @@ One model, written once in Hugging Face format into a temporary directory, nothi
   ``<s>`` + the ids, as hypertron's server does for a text prompt (BOS + ``encode``); the two
   reports' ``usage.prompt_tokens`` totals are compared to show it.
 - weights: ``LlamaForCausalLM`` with random weights (``torch.manual_seed(0)``): hidden 256,
-  4 layers, 8 heads / 4 KV heads (head_dim 32), MLP 768, max_position_embeddings 2,048,
+  4 layers, 8 heads / 4 KV heads (head_dim 32), MLP 768, max_position_embeddings 4,096,
   untied, float32 (4.2M parameters), ``save_pretrained`` (safetensors). The ``lm_head`` rows of
   the special tokens (EOS among them) and of the byte tokens that are not whole UTF-8 are zeroed:
   their logits are then 0 against ~1,900 random ones, so greedy decoding never picks them. Every
@@ -35,24 +38,38 @@ Per server, in turn: start it on 127.0.0.1 on a free port (its own process group
 SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send the warm-up
 (``--warmup-requests`` at the largest concurrency; compiles and the continuous-batching manager
 start there; not reported), one non-streaming greedy request for the first prompt (its text is
-compared between the servers, to show they run the same model), then for each concurrency one
-``hypertron bench serve --prompts FILE --concurrency C --num-requests N --max-tokens M
---temperature 0 --model NAME --output JSON``: streaming ``/v1/completions``, C requests in
-flight, TTFT = first text chunk - send, TPOT = (end to end - TTFT) / (tokens - 1), throughput
-over the run (see ``hypertron/serve/loadgen.py``).
+compared between the servers, to show they run the same model), then for each concurrency C,
+``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
+--max-tokens M --temperature 0 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
+prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
+send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
+``hypertron/loadgen.py``). The tables show each figure's median over the runs, and every run's
+output tokens/s.
 
-- hypertron: ``hypertron serve --max-slots max(C) --page-size 16 --kv-cache-dtype float32``
-  (``float32`` on CPU, where compute is float32; ``bfloat16`` with ``--device cuda``), the
-  default page pool (every slot at max_seq_len), JAX on the device asked for.
-- transformers: ``transformers serve HF_DIR --continuous-batching --device cpu --dtype float32``
-  (``--no-continuous-batching``: one ``generate`` at a time), default continuous-batching
-  settings but for its KV pool, given hypertron's (``--cb-block-size 16 --cb-num-blocks`` = slots x
-  max_seq_len / 16; left alone it takes 90% of the free RAM on CPU), torch's default thread count,
+Both servers get the same batch and pool: ``--max-num-batched-tokens`` tokens per step
+(``--cb-max-batch-tokens`` for transformers) and 16-token pages enough for every slot's prompt
+and output (max(C) x ceil((input + 1 + max_tokens + 16) / 16)).
+
+- hypertron: ``hypertron serve --max-slots max(C) --page-size 16 --kv-cache-dtype float32
+  --num-pages P --max-num-batched-tokens B`` (``float32`` on CPU, where compute is float32;
+  ``bfloat16`` with ``--device cuda``), JAX on the device asked for.
+- transformers: ``transformers serve HF_DIR --continuous-batching --cb-block-size 16
+  --cb-num-blocks P --cb-max-batch-tokens B --device cpu --dtype float32``
+  (``--no-continuous-batching``: one ``generate`` at a time; left alone its pool takes 90% of
+  the free RAM on CPU), torch's default thread count,
   an empty ``HF_HUB_CACHE`` (its ``GET /v1/models`` lists that cache and answers 500 when there is
   none). It needs ``transformers[serving]`` (fastapi, uvicorn, pydantic, openai, accelerate); the
   script looks them up first, in the server's environment, and stops with one line (exit status 2)
   if any is missing. ``--peer-pythonpath DIR`` adds a directory holding them (e.g. ``accelerate``
   installed with ``pip install --no-deps --target DIR``) to the server's ``PYTHONPATH``.
+
+Interference (hypertron only; ``--no-interference`` skips it): ``--streams`` streaming requests
+of ``--stream-tokens`` tokens each decode; once all have their first token, ``--long-prompts``
+prompts of ``--long-len`` tokens arrive, one every ``--long-interval`` s (4 tokens each). The
+figure is the streams' inter-token gaps from the first long prompt on (p50, p99, max), median of
+``--repeats`` runs after a warm-up run, for two servers: at ``--max-num-batched-tokens`` (a long
+prompt is prefilled in chunks while the streams decode) and at 4,096 (each long prompt whole, in
+one step).
 
 The servers and the load generator share the machine. Prints one table per concurrency
 (request throughput, output tokens/s, TTFT / TPOT mean p50 p99, end to end p50 p99, errors),
@@ -82,7 +99,7 @@ import numpy as np
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 SERVERS = ("hypertron", "transformers")
-MAX_SEQ_LEN = 2048  # max_position_embeddings
+MAX_SEQ_LEN = 4096  # max_position_embeddings: room for the interference workload's long prompts
 
 
 def stdlib_files() -> list[str]:
@@ -136,8 +153,10 @@ def unstreamable_ids(tok) -> list[int]:
             if tok.id_to_token(i) in SPECIALS or "\ufffd" in tok.decode([i]) or not tok.decode([i])]
 
 
-def write_prompts(hf_dir: str, out_dir: str, runs: dict[str, int], input_len: int, seed: int = 0) -> dict[str, str]:
-    """One JSONL file per run (name -> number of prompts), prompts all distinct; returns name -> path."""
+def write_prompts(hf_dir: str, out_dir: str, runs: dict[str, int | tuple[int, int]], input_len: int,
+                  seed: int = 0) -> dict[str, str]:
+    """One JSONL file per run (name -> number of prompts, or (number, tokens) for another length than
+    ``input_len``), prompts all distinct; returns name -> path."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
@@ -148,15 +167,16 @@ def write_prompts(hf_dir: str, out_dir: str, runs: dict[str, int], input_len: in
     rng = np.random.default_rng(seed)
     seen, paths = set(), {}
     for name, count in runs.items():
+        count, n_tokens = count if isinstance(count, tuple) else (count, input_len)
         lines = []
         while len(lines) < count:
             text = texts[rng.integers(len(texts))]
-            start = int(rng.integers(max(1, len(text) - 8 * input_len)))
-            window = text[start:start + 16 * input_len]
+            start = int(rng.integers(max(1, len(text) - 8 * n_tokens)))
+            window = text[start:start + 16 * n_tokens]
             enc = tok.encode(window, add_special_tokens=False)
-            if len(enc.ids) < input_len:
+            if len(enc.ids) < n_tokens:
                 continue
-            prompt = window[:enc.offsets[input_len - 1][1]]
+            prompt = window[:enc.offsets[n_tokens - 1][1]]
             if prompt in seen or any(s in prompt for s in SPECIALS):
                 continue
             seen.add(prompt)
@@ -283,10 +303,10 @@ def fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def print_table(c: int, reports: dict[str, dict], args) -> None:
+def print_table(c: int, reports: dict[str, dict], args, num: int) -> None:
     names = [n for n in SERVERS if n in reports]
-    print(f"\nconcurrency {c}: {args.num_requests} requests, max_tokens {args.max_tokens}, "
-          f"~{args.input_len + 1}-token prompts")
+    print(f"\nconcurrency {c}: {num} requests a run, max_tokens {args.max_tokens}, ~{args.input_len + 1}-token "
+          f"prompts; medians of {args.repeats} runs")
     print(f"{'':<24}" + "".join(f"{n:>14}" for n in names) + (f"{'hyp / hf':>10}" if len(names) == 2 else ""))
     rows = [("requests/s", lambda r: r["request_throughput"], ".2f"),
             ("output tokens/s", lambda r: r["output_throughput"], ".1f")]
@@ -299,6 +319,8 @@ def print_table(c: int, reports: dict[str, dict], args) -> None:
         vals = [get(reports[n]) for n in names]
         ratio = f"{vals[0] / vals[1]:>10.2f}" if len(vals) == 2 and None not in vals and vals[1] else ""
         print(f"{label:<24}" + "".join(f"{fmt(v, spec):>14}" for v in vals) + ratio)
+    print(f"{'runs output tokens/s':<24}" + "".join(
+        f"{'/'.join(f'{v:.0f}' for v in reports[n]['runs_output_throughput']):>14}" for n in names))
     errs = [", ".join(f"{k} x{v}" for k, v in reports[n]["errors"].items()) or "0" for n in names]
     print(f"{'errors':<24}" + "".join(f"{e:>14}" for e in errs))
     for n in names:
@@ -306,10 +328,107 @@ def print_table(c: int, reports: dict[str, dict], args) -> None:
             print(f"  {n} first error: {reports[n]['first_error']}")
 
 
+def median_report(reports: list[dict]) -> dict:
+    """Several runs' reports as one: each figure the median over the runs (token totals and error
+    counts summed); ``runs_output_throughput`` lists every run's output tokens/s."""
+    def merge(values: list):
+        if isinstance(values[0], dict):
+            return {k: merge([v.get(k) for v in values]) for k in values[0]}
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            return float(np.median(values))
+        return next((v for v in values if v is not None), None)
+
+    out = merge([{k: v for k, v in r.items() if k != "requests"} for r in reports])
+    for key in ("total_input_tokens", "total_output_tokens", "completed", "failed"):
+        out[key] = sum(r[key] for r in reports)
+    out["errors"] = {k: sum(r["errors"].get(k, 0) for r in reports) for r in reports for k in r["errors"]}
+    out["runs_output_throughput"] = [r["output_throughput"] for r in reports]
+    return out
+
+
+async def _interference_run(base_url: str, model: str, streams: list[str], longs: list[str], stream_tokens: int,
+                            interval: float) -> dict:
+    """``streams`` decode (streaming, ``stream_tokens`` each); once every one has its first token, the
+    ``longs`` prompts arrive one every ``interval`` s (4 tokens each). Returns the gaps between the
+    streams' tokens from the first long prompt on (ms) and the long prompts' latencies (ms)."""
+    import asyncio
+
+    gaps, t_first_long = [], None
+    started = asyncio.Event()
+    ready = 0
+
+    async def stream(http, prompt):
+        nonlocal ready
+        body = {"model": model, "prompt": prompt, "max_tokens": stream_tokens, "temperature": 0, "stream": True}
+        last = None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    ready += 1
+                    if ready == len(streams):
+                        started.set()
+                elif t_first_long is not None and now >= t_first_long:
+                    gaps.append((now - last) * 1e3)
+                last = now
+
+    async def long_prompt(http, prompt, delay):
+        await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
+                                                      "temperature": 0})
+        r.raise_for_status()
+        return (time.perf_counter() - t0) * 1e3
+
+    async def longs_after_start(http):
+        nonlocal t_first_long
+        await started.wait()
+        t_first_long = time.perf_counter()
+        return await asyncio.gather(*(long_prompt(http, p, i * interval) for i, p in enumerate(longs)))
+
+    limits = httpx.Limits(max_connections=len(streams) + len(longs) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        *_, latencies = await asyncio.gather(*(stream(http, p) for p in streams), longs_after_start(http))
+    return {"gaps_ms": gaps, "long_latency_ms": list(latencies)}
+
+
+def interference(base_url: str, model: str, prompts: dict[str, str], args, repeats: int) -> dict:
+    """The interference workload ``repeats`` times (after one warm-up run): p50 / p99 / max of the
+    streams' token gaps, and the long prompts' mean latency, each the median over the runs."""
+    import asyncio
+
+    def read(name):
+        with open(prompts[name], encoding="utf-8") as f:
+            return [json.loads(line)["prompt"] for line in f]
+
+    runs = []
+    for rep_i in range(repeats + 1):
+        r = asyncio.run(_interference_run(base_url, model, read(f"streams{rep_i}"), read(f"longs{rep_i}"),
+                                          args.stream_tokens, args.long_interval))
+        if rep_i:  # the first is a warm-up (compiles)
+            g = np.asarray(r["gaps_ms"])
+            runs.append({"itl_p50": float(np.percentile(g, 50)), "itl_p99": float(np.percentile(g, 99)),
+                         "itl_max": float(g.max()), "gaps": len(g),
+                         "long_latency_mean": float(np.mean(r["long_latency_ms"]))})
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]} | {"runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--num-requests", type=int, default=32, help="per concurrency")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--num-requests", type=int, default=32, help="per concurrency C and run (at least 2 C)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the tables show medians")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="both servers' tokens per step (--cb-max-batch-tokens for transformers)")
+    p.add_argument("--no-interference", action="store_true", help="skip the long-prompt interference workload")
+    p.add_argument("--streams", type=int, default=8, help="interference: decode streams")
+    p.add_argument("--stream-tokens", type=int, default=384, help="interference: tokens per stream")
+    p.add_argument("--long-prompts", type=int, default=8, help="interference: long prompts per run")
+    p.add_argument("--long-len", type=int, default=2000, help="interference: tokens per long prompt")
+    p.add_argument("--long-interval", type=float, default=0.3, help="interference: seconds between long prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, before BOS")
     p.add_argument("--warmup-requests", type=int, default=None, help="default: the largest concurrency")
@@ -323,14 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it (default: a temp dir)")
     p.add_argument("--output", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
-    if min(args.concurrency + [args.num_requests, args.max_tokens, args.input_len]) <= 0:
-        p.error("--concurrency, --num-requests, --max-tokens and --input-len must be positive")
+    if min(args.concurrency + [args.num_requests, args.max_tokens, args.input_len, args.repeats]) <= 0:
+        p.error("--concurrency, --num-requests, --max-tokens, --input-len and --repeats must be positive")
     accelerate = None
     if "transformers" in args.servers:
         missing, accelerate = missing_serve_deps(args.peer_pythonpath)
         if missing:
-            print(f"error: transformers serve needs {', '.join(missing)} (in transformers[serving]): pip install "
-                  f"{' '.join(missing)}, or give --peer-pythonpath DIR holding them", file=sys.stderr)
+            print(f"error: transformers serve needs {', '.join(missing)}: pip install -e '.[serve-bench]' (or "
+                  f"pip install {' '.join(missing)}, or --peer-pythonpath DIR holding them)", file=sys.stderr)
             return 2
         script("transformers")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped (finally)
@@ -347,7 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     banned = build_model(hf_dir, args.vocab)
     convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
     subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    runs = {"warmup": warmup, **{f"c{c}": args.num_requests for c in args.concurrency}}
+    n_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
+    runs = {"warmup": warmup, **{f"c{c}r{i}": n_requests[c] for c in args.concurrency for i in range(args.repeats)}}
+    if not args.no_interference:
+        for i in range(args.repeats + 1):
+            runs |= {f"streams{i}": args.streams, f"longs{i}": (args.long_prompts, args.long_len)}
     prompts = write_prompts(hf_dir, work, runs, args.input_len)
     with open(prompts["warmup"], encoding="utf-8") as f:
         probe = json.loads(f.readline())["prompt"]
@@ -366,13 +489,21 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' continuous batching sizes its KV cache to 90% of free memory (of the RAM, on CPU:
     # tens of GB, zero-filled on the first request); it gets hypertron's pool instead: 16-token pages,
     # every slot at max_seq_len.
-    pool = ["--cb-block-size", "16", "--cb-num-blocks", str(max_c * -(-MAX_SEQ_LEN // 16))]
+    # Both servers get the same pool, 16-token pages enough for every slot's prompt and output, and
+    # the same tokens per step.
+    pages = max_c * -(-(args.input_len + 1 + args.max_tokens + 16) // 16)
+    pool = ["--cb-block-size", "16", "--cb-num-blocks", str(pages),
+            "--cb-max-batch-tokens", str(args.max_num_batched_tokens)]
     cb = [] if args.no_continuous_batching else ["--continuous-batching", *pool]
+
+    def hypertron_argv(port: int, slots: int, num_pages: int | None, budget: int) -> list[str]:
+        return [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots",
+                str(slots), "--page-size", "16", "--kv-cache-dtype", kv, "--model-name", "bench",
+                "--max-num-batched-tokens", str(budget)] + ([] if num_pages is None else ["--num-pages", str(num_pages)])
 
     def server_argv(name: str, port: int) -> tuple[list[str], str, dict]:
         if name == "hypertron":
-            return ([script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots",
-                     str(max_c), "--page-size", "16", "--kv-cache-dtype", kv, "--model-name", "bench"], "bench", env)
+            return hypertron_argv(port, max_c, pages + 1, max(args.max_num_batched_tokens, max_c)), "bench", env
         return ([script("transformers"), "serve", hf_dir, *cb, "--device", args.device, "--dtype", dtype,
                  "--host", "127.0.0.1", "--port", str(port)], hf_dir, peer_env)
 
@@ -392,19 +523,51 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {}
                 for c in args.concurrency:
                     t0 = time.perf_counter()
-                    results[name][c] = bench(srv.base_url, model, prompts[f"c{c}"], c, args.num_requests,
-                                             args.max_tokens, os.path.join(work, f"{name}-c{c}.json"), log)
+                    results[name][c] = median_report([
+                        bench(srv.base_url, model, prompts[f"c{c}r{i}"], c, n_requests[c], args.max_tokens,
+                              os.path.join(work, f"{name}-c{c}-r{i}.json"), log) for i in range(args.repeats)])
                     print(f"  ... {name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             except Exception:
                 print(f"{name} server log, last lines:\n{srv.tail()}", file=sys.stderr)
                 raise
 
+    # Interference: hypertron only, at the budget above (chunked prefill) and at one that takes a
+    # whole long prompt in a step (no chunking).
+    chunked = {}
+    if not args.no_interference and "hypertron" in args.servers:
+        slots = args.streams + args.long_prompts
+        for label, budget in (("chunked", args.max_num_batched_tokens), ("whole", MAX_SEQ_LEN)):
+            port = free_port()
+            argv_s = hypertron_argv(port, slots, None, budget)
+            commands[f"hypertron interference, {label}"] = " ".join([os.path.basename(argv_s[0]), *argv_s[1:]])
+            with Server("hypertron", argv_s, port, os.path.join(work, f"interference-{label}.log"), env) as srv:
+                srv.wait_ready(args.ready_timeout)
+                t0 = time.perf_counter()
+                try:
+                    chunked[label] = interference(srv.base_url, "bench", prompts, args, args.repeats)
+                except Exception:
+                    print(f"hypertron server log, last lines:\n{srv.tail()}", file=sys.stderr)
+                    raise
+                print(f"  ... interference, {label} prefill: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
     for c in args.concurrency:
-        print_table(c, {n: results[n][c] for n in results}, args)
+        print_table(c, {n: results[n][c] for n in results}, args, n_requests[c])
+    if chunked:
+        print(f"\ninterference: {args.streams} streams of {args.stream_tokens} tokens, then {args.long_prompts} "
+              f"prompts of {args.long_len} tokens one every {args.long_interval} s (hypertron; medians of "
+              f"{args.repeats} runs; the streams' token gaps from the first long prompt on, ms)")
+        print(f"{'prefill':<34}{'ITL p50':>10}{'ITL p99':>10}{'ITL max':>10}{'long e2e':>10}")
+        for label, r in chunked.items():
+            name = (f"chunked (budget {args.max_num_batched_tokens})" if label == "chunked"
+                    else f"whole prompts (budget {MAX_SEQ_LEN})")
+            print(f"{name:<34}{r['itl_p50']:>10.1f}{r['itl_p99']:>10.1f}{r['itl_max']:>10.1f}"
+                  f"{r['long_latency_mean']:>10.1f}")
+        if len(chunked) == 2:
+            print(f"ITL p99 chunked / whole: {chunked['chunked']['itl_p99'] / chunked['whole']['itl_p99']:.2f}")
 
     print()
-    want = args.num_requests * args.max_tokens
     for c in args.concurrency:
+        want = n_requests[c] * args.max_tokens * args.repeats
         counts = {n: (results[n][c]["total_input_tokens"], results[n][c]["total_output_tokens"]) for n in results}
         print(f"concurrency {c}: input / output tokens " +
               ", ".join(f"{n} {i:,} / {o:,}" for n, (i, o) in counts.items()) + f" (output wanted {want:,})")
@@ -412,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = texts.values()
         print(f"greedy completion of the first warm-up prompt: {'equal' if a == b else 'DIFFERENT'} "
               f"on both servers ({len(a)} vs {len(b)} characters)")
-    print(f"hypertron: --max-slots {max_c} --page-size 16 --kv-cache-dtype {kv}; transformers: "
+    print(f"hypertron: --max-slots {max_c} --page-size 16 --kv-cache-dtype {kv} --num-pages {pages + 1} "
+          f"--max-num-batched-tokens {max(args.max_num_batched_tokens, max_c)}; transformers: "
           f"{'continuous batching' if cb else 'no continuous batching'}, --dtype {dtype}, "
           f"torch {torch.get_num_threads()} threads (default); no ignore_eos: {banned} lm_head rows zeroed "
           f"(special tokens, EOS among them, and partial UTF-8 bytes)")
@@ -423,9 +587,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f", accelerate {accelerate} (transformers serve's)" if accelerate else ""))
     for name, cmd in commands.items():
         print(f"{name} server: {cmd.replace(work, '$WORK')}")
-    print(f"load: hypertron bench serve --base-url URL --model NAME --prompts $WORK/prompts-cC.jsonl "
-          f"--concurrency C --num-requests {args.num_requests} --max-tokens {args.max_tokens} --temperature 0 "
-          f"--output JSON")
+    print(f"load: hypertron bench serve --base-url URL --model NAME --prompts $WORK/prompts-cCrR.jsonl "
+          f"--concurrency C --num-requests max({args.num_requests}, 2C) --max-tokens {args.max_tokens} "
+          f"--temperature 0 --output JSON, {args.repeats} runs (R) per C")
     print(("command: python bench/serve_http.py " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
     elapsed = time.perf_counter() - t_start
     print(f"total {elapsed:.0f} s")
@@ -436,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "jax": version("jax"), "torch": torch.__version__,
                                                           "transformers": transformers.__version__,
                                                           "accelerate": accelerate},
-                       "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}}, f, indent=2)
+                       "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()},
+                       "interference": chunked}, f, indent=2)
         print(f"wrote {args.output}")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -458,7 +458,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from hypertron.serve.loadgen import BenchSettings, bench_serve
+    from hypertron.loadgen import BenchSettings, bench_serve
 
     names = {f.name for f in dataclasses.fields(BenchSettings)}
     return bench_serve(BenchSettings(**{k: v for k, v in vars(args).items() if k in names}))

@@ -222,7 +222,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     each token's log-probability and top-3 equal the log-softmax of transformers' logits at its
     position. Dispatching one step ahead gives exactly what collecting each step at once gives."""
     from hypertron.serve.engine import PagedEngine
-        from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
+    from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
     from hypertron.serve.types import SamplingParams
 
     prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9, 12)] + [[int(t) for t in case.tokens[1, :5]]]

@@ -37,8 +37,8 @@ from fastapi import Request  # at module level: the stub's annotations are strin
 from http_harness import ThreadedServer  # tests/
 
 from hypertron.cli import main
-from hypertron.serve import loadgen
-from hypertron.serve.loadgen import BenchSettings, Prompt, RequestRecord
+from hypertron import loadgen
+from hypertron.loadgen import BenchSettings, Prompt, RequestRecord
 
 TTFT_S = 0.05
 ITL_S = 0.02
@@ -250,7 +250,7 @@ def test_fixed_concurrency_accounts_for_every_request(server):
 
 def test_all_at_once_random_prompts(server):
     n = 20
-    server.state.ttft_s = 0.3  # room for all 20 to arrive before the first one ends
+    server.state.ttft_s = 1.0  # room for all 20 to arrive before the first one ends, on a busy machine too
     settings = BenchSettings(base_url=server.url + "/v1/", num_requests=n, random_input_len=6, max_tokens=3,
                              seed=3, ignore_eos=True, model="named", api_key="sekrit")
     run = _run(settings, loadgen.build_prompts(settings))
@@ -349,5 +349,5 @@ def test_cli_subprocess_one_line_and_no_jax():
                         f"http://127.0.0.1:{_free_port()}", "--num-requests", "2"],
                        check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot reach" in r.stderr, r.stderr
-    code = "import sys, hypertron.cli, hypertron.serve.loadgen; assert 'jax' not in sys.modules"
+    code = "import sys, hypertron.cli, hypertron.loadgen; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

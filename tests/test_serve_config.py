@@ -124,7 +124,7 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
     this random model emits bytes that are not whole characters)."""
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_model
-    from hypertron.serve.detokenize import IncrementalDetokenizer
+    from hypertron.serve.detokenize import detokenizer
 
     model, params, tok = load_model(run_dir)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
@@ -134,6 +134,6 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
             (out,) = generate(params, model, [ids], 10, eos_ids=tok.eos_ids, **settings)
             body = {"model": "run", "prompt": "def f", "max_tokens": 10, **settings}
             answer = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-            detok = IncrementalDetokenizer(tok, ids)
+            detok = detokenizer(tok, ids)
             text = "".join(detok.add(t) for t in out if t not in tok.eos_ids) + detok.flush()
             assert answer == text, (settings, out)

@@ -110,6 +110,37 @@ def test_openai_client_with_the_real_engine_repeats_a_seeded_sample(server):
     server.wait_idle()
 
 
+def test_256_concurrent_streams_through_the_real_engine_each_get_exactly_their_tokens(hf, server):
+    """256 streaming requests at once (16 distinct prompts of 2-9 tokens, 16 copies each) through the
+    scheduler and the real engine (4 slots, a budget of 512 tokens a step): every one completes with
+    200 and exactly transformers' greedy tokens, and every slot and page is free afterwards."""
+    import asyncio
+
+    from test_server import _stream  # tests/
+
+    from hypertron.serve.detokenize import detokenizer
+
+    model = hf[0]
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 259, 2 + i % 8)] for i in range(16)]
+    def streamed(prompt):  # the greedy tokens' text as the server streams it (bytes that are not whole
+        detok = detokenizer(TOK, prompt)  # characters included)
+        return "".join(detok.add(t) for t in _greedy(model, prompt, 6)) + detok.flush()
+
+    want = {tuple(p): streamed(p) for p in prompts}
+    bodies = [{"model": MODEL, "prompt": prompts[i % 16], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+              for i in range(256)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(_stream(http, b) for b in bodies))
+
+    for body, (status, text, reason, usage) in zip(bodies, asyncio.run(run())):
+        assert (status, text, reason, usage["completion_tokens"]) == (200, want[tuple(body["prompt"])], "length", 6)
+    server.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A Hugging Face directory as one is downloaded: weights, ``config.json``, a byte-level BPE

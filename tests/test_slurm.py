@@ -81,10 +81,10 @@ def test_bad_input_is_one_line(capsys, monkeypatch, tmp_path):
     assert code == 2 and err.startswith("error: --time='soon'") and err.count("\n") == 1
 
 
-def _wait(predicate, what: str, timeout: float = 240.0) -> None:
+def _wait(predicate, what: str, timeout: float = 240.0, detail=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}\n{detail()}"
         time.sleep(0.3)
 
 
@@ -149,9 +149,10 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
     def released() -> bool:  # asked again until it runs: an update racing the requeue's own is lost
         subprocess.run(["scontrol", "update", f"JobId={third}", "StartTime=now"], env=env, capture_output=True)
         time.sleep(1)
-        return _state(third, env) == "RUNNING"
+        return _state(third, env) not in ("PENDING", "")  # started (and maybe ended: the next waits say how)
 
-    _wait(released, "the requeued job to start")
+    _wait(released, "the requeued job to start", detail=lambda: subprocess.run(
+        ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout)
     events = run / "events.jsonl"
     _wait(lambda: [e["event"] for e in read_events(events)].count("first_step") == 4, "the requeued job's first step")
     assert _cli(capsys, "workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0

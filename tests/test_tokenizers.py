@@ -193,6 +193,30 @@ def test_sentencepiece_without_bos(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "sp"])
+def test_streamed_text_after_any_prompt_is_the_decoded_continuation(kind, bpe_path, sp_path):
+    """The serving detokenizer (``tokenizers``' DecodeStream for a tokenizer.json, the windowed one
+    for the others), given a prompt's ids as context, streams exactly the text the continuation
+    adds, at every split of every text between characters, characters split over ids included,
+    and never a piece of a character; a special id adds nothing."""
+    from hypertron.serve.detokenize import IncrementalDetokenizer, StreamDetokenizer, detokenizer
+
+    tokenizer = get_tokenizer({"byte": "byte", "bpe": bpe_path, "sp": sp_path}[kind])
+    assert isinstance(detokenizer(tokenizer), StreamDetokenizer if kind == "bpe" else IncrementalDetokenizer)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        for cut in range(len(ids)):
+            if tokenizer.decode(ids[:cut]).endswith("\ufffd"):
+                continue  # a prompt ending half-way through a character
+            stream = detokenizer(tokenizer, ids[:cut])
+            pieces = [stream.add(i) for i in ids[cut:]]
+            streamed = "".join(pieces) + stream.flush()
+            assert tokenizer.decode(ids[:cut]) + streamed == tokenizer.decode(ids), (text, cut)
+            assert all("\ufffd" not in p for p in pieces)
+    stream = detokenizer(tokenizer)
+    assert stream.add(tokenizer.eos_id) == "" and stream.flush() == ""
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sp"])
 def test_token_bytes_are_exactly_the_bytes_each_id_adds(kind, bpe_path, sp_path):
     """Joined, the bytes of a text's ids are the text's UTF-8, even where one id holds only part of
     a character (byte tokens, byte-level BPE pieces, SentencePiece byte fallback); special ids add none."""

@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from hypertron.serve.detokenize import IncrementalDetokenizer
+from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.metrics import ServeMetrics
 from hypertron.serve.scheduler import ABORT, STOP, Output
 from hypertron.serve.scheduler import Sequence as SchedSequence
@@ -52,7 +52,7 @@ class Generation:
                  cancel: Callable[[], None], stop: Sequence[str]):
         self._queue, self._metrics, self._cancel = queue, metrics, cancel
         self._stop = tuple(s for s in stop if s)
-        self._detok = IncrementalDetokenizer(tokenizer, seq.prompt)
+        self._detok = detokenizer(tokenizer, seq.prompt)
         self._held_text = ""  # decoded but not released (may start a stop string)
         self._held: list[tuple[int, TokenLogprobs | None, int]] = []  # (id, logprobs, offset)
         self._released = 0  # characters of completion text released

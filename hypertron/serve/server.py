@@ -33,7 +33,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ServeConfig
 from hypertron.errors import UserError
-from hypertron.serve.detokenize import IncrementalDetokenizer
+from pydantic import BaseModel, ValidationError
+
+from hypertron.serve.api import (
+    ApiError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    schema_error,
+)
+from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
 from hypertron.serve.types import SamplingParams, TokenLogprobs
 
@@ -44,20 +67,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-MAX_STOP_STRINGS = 16
-
-
-class ApiError(Exception):
-    """An HTTP error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_key: str | None = None,
@@ -131,65 +140,55 @@ class _Api:
         self.created = int(time.time())
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "hypertron", "max_model_len": self.orch.max_seq_len}]}
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.orch.max_seq_len)]).model_dump()
 
     # -- POST /v1/completions -----------------------------------------------------------
 
     async def completions(self, request: Request):
-        body = await self._read_json(request)
-        prompt = self._completion_prompt(body.get("prompt"))
-        echo = _field(body, "echo", bool, False)
-        n_logprobs = _field(body, "logprobs", int, None)
-        sampling, stop = self._sampling(body, "max_tokens", 16, n_logprobs, "logprobs")
-        if _field(body, "suffix", str, None):
-            raise ApiError(400, "'suffix' is not supported", param="suffix")
-        gen = self._submit(prompt, sampling, stop, want_prompt_logprobs=echo and n_logprobs is not None)
+        req = await self._read(request, CompletionRequest)
+        prompt = self._completion_prompt(req.prompt)
+        echo, n_logprobs = bool(req.echo), req.logprobs
+        sampling = self._sampling(req, req.max_tokens, 16, n_logprobs, "logprobs")
+        gen = self._submit(prompt, sampling, req.stop or [], want_prompt_logprobs=echo and n_logprobs is not None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_text, echo_offsets = _pieces(self.tok, prompt) if echo else ("", [])
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
 
-        def choice(text: str, ids, lps, offsets, finish, first: bool) -> dict:
+        def completion(text: str, ids, lps, offsets, finish, first: bool, usage: Usage | None = None) -> Completion:
             logprobs = None
             if n_logprobs is not None:
                 logprobs = self._legacy_logprobs(ids, lps, [len(echo_text) + o for o in offsets])
                 if first and echo:  # the first prompt token has no log-probability
                     echoed = self._legacy_logprobs(prompt, [None, *(gen.prompt_logprobs or [])], echo_offsets)
                     logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
-            return {"index": 0, "text": (echo_text if first else "") + text, "logprobs": logprobs,
-                    "finish_reason": finish}
+            choice = CompletionChoice(text=(echo_text if first else "") + text, finish_reason=finish,
+                                      logprobs=None if logprobs is None else CompletionLogprobs(**logprobs))
+            return Completion(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
 
-        if _field(body, "stream", bool, False):
+        if req.stream:
             async def events():
                 first = True
                 async for c in gen:
                     _raise_if_failed(c)
-                    yield {**head, "choices": [choice(c.text, c.token_ids, c.logprobs, c.offsets, c.finish_reason,
-                                                      first)]}
+                    yield completion(c.text, c.token_ids, c.logprobs, c.offsets, c.finish_reason, first)
                     first = False
-            return self._sse(gen, events(), head, body, len(prompt))
+            head = Completion(id=rid, created=created, model=self.model_name, choices=[])
+            return self._sse(gen, events(), head, req.include_usage, len(prompt))
         chunks = await _collect(gen, request)
         if chunks is None:
             return Response(status_code=499)
         ids, lps, offsets = (_cat(chunks, f) for f in ("token_ids", "logprobs", "offsets"))
         text = "".join(c.text for c in chunks)
-        return {**head, "choices": [choice(text, ids, lps, offsets, chunks[-1].finish_reason, True)],
-                "usage": _usage(len(prompt), gen.completion_tokens)}
+        return completion(text, ids, lps, offsets, chunks[-1].finish_reason, True,
+                          Usage.of(len(prompt), gen.completion_tokens)).model_dump()
 
-    def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(prompt)
-        elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        else:
             if any(not 0 <= t < self.tok.vocab_size for t in prompt):
                 raise ApiError(400, f"'prompt' token ids must be in [0, {self.tok.vocab_size})", param="prompt")
             ids = list(prompt)
-        elif prompt is None:
-            raise ApiError(400, "missing 'prompt'", param="prompt")
-        else:
-            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list holding exactly "
-                           "one of those (n=1: one prompt per request)", param="prompt")
         return self._check_prompt_len(ids, "prompt")
 
     def _check_prompt_len(self, ids: list[int], param: str) -> list[int]:
@@ -203,45 +202,49 @@ class _Api:
     # -- POST /v1/chat/completions ------------------------------------------------------
 
     async def chat_completions(self, request: Request):
-        body = await self._read_json(request)
-        prompt = self._check_prompt_len(self.render_chat(_messages(body.get("messages"))), "messages")
-        want_logprobs = _field(body, "logprobs", bool, False)
-        top_n = _field(body, "top_logprobs", int, None)
+        req = await self._read(request, ChatCompletionRequest)
+        messages = [{**m.model_dump(exclude={"content"}), "content": m.text()} for m in req.messages]
+        prompt = self._check_prompt_len(self.render_chat(messages), "messages")
+        want_logprobs, top_n = bool(req.logprobs), req.top_logprobs
         if top_n is not None and not want_logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        sampling, stop = self._sampling(body, key, None, (top_n or 0) if want_logprobs else None, "top_logprobs")
-        gen = self._submit(prompt, sampling, stop, want_prompt_logprobs=False)
+        max_tokens, key = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens
+                           is not None else (req.max_tokens, "max_tokens"))
+        sampling = self._sampling(req, max_tokens, None, (top_n or 0) if want_logprobs else None, "top_logprobs",
+                                  max_key=key)
+        gen = self._submit(prompt, sampling, req.stop or [], want_prompt_logprobs=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
 
-        def logprobs(ids, lps):
-            return {"content": [self._chat_logprob(i, lp, top_n or 0) for i, lp in zip(ids, lps)]} \
+        def logprobs(ids, lps) -> ChoiceLogprobs | None:
+            return ChoiceLogprobs(content=[self._chat_logprob(i, lp, top_n or 0) for i, lp in zip(ids, lps)]) \
                 if want_logprobs else None
 
-        if _field(body, "stream", bool, False):
+        if req.stream:
+            def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
+
             async def events():
-                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+                yield chunk(ChatChunkChoice(delta=Delta(role="assistant", content="")))
                 async for c in gen:
                     _raise_if_failed(c)
-                    delta = {"content": c.text} if c.text else {}
-                    yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(c.token_ids,
-                           c.logprobs) if c.token_ids else None, "finish_reason": c.finish_reason}]}
-            return self._sse(gen, events(), head, body, len(prompt))
+                    yield chunk(ChatChunkChoice(delta=Delta(content=c.text or None), finish_reason=c.finish_reason,
+                                                logprobs=logprobs(c.token_ids, c.logprobs) if c.token_ids else None))
+            head = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[])
+            return self._sse(gen, events(), head, req.include_usage, len(prompt))
         chunks = await _collect(gen, request)
         if chunks is None:
             return Response(status_code=499)
         ids, lps = _cat(chunks, "token_ids"), _cat(chunks, "logprobs")
-        message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs(ids, lps),
-                             "finish_reason": chunks[-1].finish_reason}],
-                "usage": _usage(len(prompt), gen.completion_tokens)}
+        choice = ChatChoice(message=ChatMessageOut(content="".join(c.text for c in chunks)),
+                            logprobs=logprobs(ids, lps), finish_reason=chunks[-1].finish_reason)
+        return ChatCompletion(id=rid, created=created, model=self.model_name, choices=[choice],
+                              usage=Usage.of(len(prompt), gen.completion_tokens)).model_dump()
 
     # -- shared -------------------------------------------------------------------------
 
-    async def _read_json(self, request: Request) -> dict:
+    async def _read(self, request: Request, model: type[BaseModel]):
+        """The body as ``model``: 413 past ``max_body``, 400 for bad JSON or a schema error, 404
+        for another model's name."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             raise ApiError(413, f"request body over {self.max_body} bytes", code="request_too_large")
@@ -254,55 +257,29 @@ class _Api:
             body = json.loads(raw)
         except ValueError as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if model is None:
-            raise ApiError(400, "missing 'model'", param="model")
-        if model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+        try:
+            req = model.model_validate(body)
+        except ValidationError as e:
+            raise schema_error(e) from None
+        if req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        return body
+        return req
 
-    def _sampling(self, body: dict, max_key: str, max_default: int | None, logprobs: int | None, logprobs_key: str):
-        """SamplingParams and stop strings from the fields both endpoints share."""
-        if _field(body, "n", int, 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if _field(body, "best_of", int, 1) != 1:
-            raise ApiError(400, "only best_of=1 is supported", param="best_of")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if _field(body, name, float, 0.0) != 0:
-                raise ApiError(400, f"'{name}' is not supported", param=name)
-        if body.get("logit_bias"):
-            raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
-        max_tokens = _field(body, max_key, int, min(max_default or self.max_tokens_limit, self.max_tokens_limit))
-        if not 0 < max_tokens <= self.max_tokens_limit:
+    def _sampling(self, req, max_tokens: int | None, max_default: int | None, logprobs: int | None,
+                  logprobs_key: str, max_key: str = "max_tokens") -> SamplingParams:
+        """SamplingParams from the fields both endpoints share, within this server's limits."""
+        if max_tokens is None:
+            max_tokens = min(max_default or self.max_tokens_limit, self.max_tokens_limit)
+        if max_tokens > self.max_tokens_limit:
             raise ApiError(400, f"'{max_key}' is {max_tokens}; expected 1 to {self.max_tokens_limit}", param=max_key)
-        temperature = _field(body, "temperature", float, 1.0)
-        if temperature < 0:
-            raise ApiError(400, f"'temperature' is {temperature}; it must not be negative", param="temperature")
-        top_p = _field(body, "top_p", float, 1.0)
-        if not 0 < top_p <= 1:
-            raise ApiError(400, f"'top_p' is {top_p}; expected (0, 1]", param="top_p")
-        top_k = _field(body, "top_k", int, 0)
-        if top_k < -1:
-            raise ApiError(400, f"'top_k' is {top_k}; expected 0 (or -1) for off, or a positive count", param="top_k")
-        if logprobs is not None and not 0 <= logprobs <= self.orch.max_top_logprobs:
+        if logprobs is not None and logprobs > self.orch.max_top_logprobs:
             raise ApiError(400, f"'{logprobs_key}' is {logprobs}; expected 0 to {self.orch.max_top_logprobs}",
                            param=logprobs_key)
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} non-empty "
-                           "strings", param="stop")
-        stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-            raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
-            seed=_field(body, "seed", int, None), logprobs=logprobs, stop_token_ids=tuple(stop_ids),
-            ignore_eos=_field(body, "ignore_eos", bool, False))
-        return sampling, stop
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+            logprobs=logprobs, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos))
 
     def _submit(self, prompt, sampling, stop, want_prompt_logprobs: bool) -> Generation:
         try:
@@ -315,18 +292,18 @@ class _Api:
         except RuntimeError as e:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
-    def _sse(self, gen: Generation, events, head: dict, body: dict, n_prompt: int) -> StreamingResponse:
-        options = body.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    def _sse(self, gen: Generation, events, head: BaseModel, include_usage: bool, n_prompt: int) -> StreamingResponse:
+        """Server-sent events of ``events`` (response models); with ``include_usage``, each has
+        ``usage: null`` and a last one (``head``, no choices) has the usage."""
+        exclude = None if include_usage else {"usage"}
 
         async def stream():
             try:
                 async for event in events:
-                    if include_usage:
-                        event["usage"] = None
-                    yield f"data: {json.dumps(event)}\n\n"
+                    yield f"data: {_dump_event(event, exclude)}\n\n"
                 if include_usage:
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(n_prompt, gen.completion_tokens)})}\n\n"
+                    head.usage = Usage.of(n_prompt, gen.completion_tokens)
+                    yield f"data: {head.model_dump_json()}\n\n"
             except ApiError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             finally:
@@ -355,32 +332,20 @@ class _Api:
                 "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
                 "top_logprobs": top, "text_offset": list(offsets)}
 
-    def _chat_logprob(self, token_id: int, lp: TokenLogprobs, n: int) -> dict:
-        def entry(i: int, v: float) -> dict:
-            return {"token": self.token_text(i), "logprob": v, "bytes": list(self.tok.token_bytes(i))}
-        return {**entry(token_id, lp.logprob),
-                "top_logprobs": [entry(i, v) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:n]]}
+    def _chat_logprob(self, token_id: int, lp: TokenLogprobs, n: int) -> TokenLogprob:
+        def entry(i: int, v: float) -> TopLogprob:
+            return TopLogprob(token=self.token_text(i), logprob=v, bytes=list(self.tok.token_bytes(i)))
+        return TokenLogprob(**entry(token_id, lp.logprob).model_dump(),
+                            top_logprobs=[entry(i, v) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:n]])
 
 
-def _field(body: dict, name: str, kind: type, default):
-    """``body[name]`` checked against ``kind`` (int, float, bool, str); ``default`` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = {int: _is_int(value), float: _is_int(value) or isinstance(value, float),
-          bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
-    if not ok:
-        raise ApiError(400, f"'{name}' must be {'an' if kind is int else 'a'} {kind.__name__}, "
-                       f"not {json.dumps(value)[:40]}", param=name)
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _usage(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def _dump_event(event: BaseModel, exclude) -> str:
+    """One streamed event as JSON; a chat delta without its unset fields (``{}`` for no text)."""
+    data = event.model_dump(exclude=exclude)
+    for choice in data.get("choices", ()):
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return json.dumps(data)
 
 
 def _raise_if_failed(chunk) -> None:
@@ -411,7 +376,7 @@ async def _collect(gen: Generation, request: Request) -> list | None:
 
 def _pieces(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
     """Text of ``ids`` and where each token's text starts in it."""
-    detok, text, offsets = IncrementalDetokenizer(tokenizer), "", []
+    detok, text, offsets = detokenizer(tokenizer), "", []
     for t in ids:
         offsets.append(len(text))
         text += detok.add(t)
@@ -420,27 +385,6 @@ def _pieces(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
 
 def _cat(chunks: list, field: str) -> list:
     return list(itertools.chain.from_iterable(getattr(c, field) for c in chunks))
-
-
-def _messages(messages) -> list[dict]:
-    """Chat messages as the template sees them: role and text content."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list" if messages is not None else "missing 'messages'",
-                       param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if content is not None and not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({**m, "content": content or ""})
-    return out
 
 
 def _chat_renderer(template: str | None, tokenizer):
