@@ -37,9 +37,10 @@ prompts with a common prefix; hypertron has no prefix cache); the two servers ge
 Per server, in turn: start it on 127.0.0.1 on a free port (its own process group, stopped with
 SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send the warm-up
 (``--warmup-requests`` at the largest concurrency; compiles and the continuous-batching manager
-start there; not reported), one non-streaming greedy request for the first prompt (its text is
-compared between the servers, to show they run the same model), then for each concurrency C,
-``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
+start there; not reported; default twice the largest concurrency), one non-streaming greedy request for the first prompt (its text is
+compared between the servers, to show they run the same model), then for each concurrency C a
+warm-up run (not reported: hypertron compiles each step shape the first time it meets it, and
+each load meets its own) and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
 --max-tokens M --temperature 0 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
 prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
 send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
@@ -67,7 +68,7 @@ Interference (hypertron only; ``--no-interference`` skips it): ``--streams`` str
 of ``--stream-tokens`` tokens each decode; once all have their first token, ``--long-prompts``
 prompts of ``--long-len`` tokens arrive, one every ``--long-interval`` s (4 tokens each). The
 figure is the streams' inter-token gaps from the first long prompt on (p50, p99, max), median of
-``--repeats`` runs after a warm-up run, for two servers: at ``--max-num-batched-tokens`` (a long
+``--repeats`` runs after two warm-up runs (they compile the steps' shapes), for two servers: at ``--max-num-batched-tokens`` (a long
 prompt is prefilled in chunks while the streams decode) and at 4,096 (each long prompt whole, in
 one step).
 
@@ -405,10 +406,10 @@ def interference(base_url: str, model: str, prompts: dict[str, str], args, repea
             return [json.loads(line)["prompt"] for line in f]
 
     runs = []
-    for rep_i in range(repeats + 1):
+    for rep_i in range(repeats + 2):
         r = asyncio.run(_interference_run(base_url, model, read(f"streams{rep_i}"), read(f"longs{rep_i}"),
                                           args.stream_tokens, args.long_interval))
-        if rep_i:  # the first is a warm-up (compiles)
+        if rep_i >= 2:  # the first two are a warm-up (they compile the steps' shapes)
             g = np.asarray(r["gaps_ms"])
             runs.append({"itl_p50": float(np.percentile(g, 50)), "itl_p99": float(np.percentile(g, 99)),
                          "itl_max": float(g.max()), "gaps": len(g),
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-interval", type=float, default=0.3, help="interference: seconds between long prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, before BOS")
-    p.add_argument("--warmup-requests", type=int, default=None, help="default: the largest concurrency")
+    p.add_argument("--warmup-requests", type=int, default=None, help="default: twice the largest concurrency")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--no-continuous-batching", action="store_true", help="transformers serve without it")
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         script("transformers")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped (finally)
     max_c = max(args.concurrency)
-    warmup = args.warmup_requests or max_c
+    warmup = args.warmup_requests or 2 * max_c
 
     import torch
     import transformers
@@ -467,9 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
     subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
-    runs = {"warmup": warmup, **{f"c{c}r{i}": n_requests[c] for c in args.concurrency for i in range(args.repeats)}}
+    runs = {"warmup": warmup, **{f"c{c}{r}": n_requests[c] for c in args.concurrency
+                                 for r in ["w", *(f"r{i}" for i in range(args.repeats))]}}
     if not args.no_interference:
-        for i in range(args.repeats + 1):
+        for i in range(args.repeats + 2):
             runs |= {f"streams{i}": args.streams, f"longs{i}": (args.long_prompts, args.long_len)}
     prompts = write_prompts(hf_dir, work, runs, args.input_len)
     with open(prompts["warmup"], encoding="utf-8") as f:
@@ -523,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {}
                 for c in args.concurrency:
                     t0 = time.perf_counter()
+                    bench(srv.base_url, model, prompts[f"c{c}w"], c, n_requests[c], args.max_tokens,
+                          os.path.join(work, f"{name}-c{c}-warmup.json"), log)  # this load's step shapes
                     results[name][c] = median_report([
                         bench(srv.base_url, model, prompts[f"c{c}r{i}"], c, n_requests[c], args.max_tokens,
                               os.path.join(work, f"{name}-c{c}-r{i}.json"), log) for i in range(args.repeats)])
