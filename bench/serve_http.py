@@ -85,6 +85,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -293,6 +294,19 @@ def bench(base_url: str, model: str, prompts: str, concurrency: int, num: int, m
         return json.load(f)
 
 
+def compile_counts(base_url: str) -> dict[str, float]:
+    """hypertron's ``hypertron_step_compiles_total`` by mode (sync: a step waited for a compile;
+    background; padded: steps run padded to a larger compiled shape), from ``/metrics``."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {m: float(v) for m, v in re.findall(r'^hypertron_step_compiles_total\{mode="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def counts_since(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {m: int(after.get(m, 0) - before.get(m, 0)) for m in ("sync", "background", "padded")}
+
+
 def greedy_text(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
     resp = httpx.post(f"{base_url}/v1/completions", timeout=600,
                       json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
@@ -405,8 +419,10 @@ def interference(base_url: str, model: str, prompts: dict[str, str], args, repea
         with open(prompts[name], encoding="utf-8") as f:
             return [json.loads(line)["prompt"] for line in f]
 
-    runs = []
+    runs, before = [], {}
     for rep_i in range(repeats + 2):
+        if rep_i == 2:
+            before = compile_counts(base_url)
         r = asyncio.run(_interference_run(base_url, model, read(f"streams{rep_i}"), read(f"longs{rep_i}"),
                                           args.stream_tokens, args.long_interval))
         if rep_i >= 2:  # the first two are a warm-up (they compile the steps' shapes)
@@ -414,7 +430,8 @@ def interference(base_url: str, model: str, prompts: dict[str, str], args, repea
             runs.append({"itl_p50": float(np.percentile(g, 50)), "itl_p99": float(np.percentile(g, 99)),
                          "itl_max": float(g.max()), "gaps": len(g),
                          "long_latency_mean": float(np.mean(r["long_latency_ms"]))})
-    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]} | {"runs": runs}
+    return ({k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+            | {"runs": runs, "compiles": counts_since(before, compile_counts(base_url))})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,9 +544,12 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     bench(srv.base_url, model, prompts[f"c{c}w"], c, n_requests[c], args.max_tokens,
                           os.path.join(work, f"{name}-c{c}-warmup.json"), log)  # this load's step shapes
+                    before = compile_counts(srv.base_url) if name == "hypertron" else {}
                     results[name][c] = median_report([
                         bench(srv.base_url, model, prompts[f"c{c}r{i}"], c, n_requests[c], args.max_tokens,
                               os.path.join(work, f"{name}-c{c}-r{i}.json"), log) for i in range(args.repeats)])
+                    if name == "hypertron":
+                        results[name][c]["compiles"] = counts_since(before, compile_counts(srv.base_url))
                     print(f"  ... {name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             except Exception:
                 print(f"{name} server log, last lines:\n{srv.tail()}", file=sys.stderr)
@@ -570,6 +590,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ITL p99 chunked / whole: {chunked['chunked']['itl_p99'] / chunked['whole']['itl_p99']:.2f}")
 
     print()
+    for c in args.concurrency:
+        if "compiles" in results.get("hypertron", {}).get(c, {}):
+            k = results["hypertron"][c]["compiles"]
+            print(f"concurrency {c}: hypertron's measured runs: {k['sync']} compiles waited for, "
+                  f"{k['background']} in the background, {k['padded']} steps run padded")
+    for label, r in chunked.items():
+        k = r.get("compiles", {})
+        print(f"interference, {label}: measured runs: {k.get('sync', 0)} compiles waited for, "
+              f"{k.get('background', 0)} in the background, {k.get('padded', 0)} steps run padded")
     for c in args.concurrency:
         want = n_requests[c] * args.max_tokens * args.repeats
         counts = {n: (results[n][c]["total_input_tokens"], results[n][c]["total_output_tokens"]) for n in results}

@@ -406,6 +406,11 @@ _SERVE_FLAGS: dict[str, dict] = {
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
     "quantize": dict(help="weight precision"),
+    "compile": dict(help="background: a new step shape compiles in the background while its steps run "
+                         "padded to a compiled shape at most twice as costly (if any); lazy: a step waits for "
+                         "its shape's compile"),
+    "dispatch_ahead": dict(help="dispatch each step before the last one's tokens reach the host; auto: on "
+                                "an accelerator, and for steps of at most 8 tokens on a CPU"),
     "max_queue": dict(metavar="N", help="requests waiting for a slot before new ones get 429"),
     "max_prompt_tokens": dict(metavar="N", help="default: max_seq_len - 1"),
     "max_tokens_limit": dict(metavar="N", help="largest max_tokens (default: max_seq_len)"),

@@ -19,7 +19,8 @@ from serving import run, teacher_forced_logprobs  # tests/
 from hypertron.config import PRESETS, ConfigError, load_config
 from hypertron.models import forward, init_params
 from hypertron.models.kv_pages import bytes_per_token
-from hypertron.serve.engine import PagedEngine, bucket
+from hypertron.serve import engine as engine_module
+from hypertron.serve.engine import PagedEngine, Shape, bucket
 from hypertron.serve.sampling import sample_rows
 from hypertron.serve.scheduler import LENGTH, STOP
 from hypertron.serve.types import Row, SamplingParams, StepPlan
@@ -64,11 +65,61 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
     engine = PagedEngine(params, CFG, max_slots=16, page_size=4)  # 16 columns per sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
-    batch, nd, _, _ = engine._batch(StepPlan(0, rows, ()))
-    assert nd == 4 and batch["table"].shape == (4, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
+    plan = StepPlan(0, rows, ())
+    assert engine.shape(plan) == Shape(4, 0, 0, 4, cold=True)  # 3 live rows of 16 slots; 12 tokens: 3 pages
+    batch, _ = engine._batch(plan, engine.shape(plan))
+    assert batch["table"].shape == (4, 4) and batch["dec_slot"].shape == (4,)
+    # A cold prefill: 8 rows (they cost nothing), at least 16 tokens.
     chunk = Row(7, 7, 0, tuple(range(3, 14)), tuple(range(20, 23)), GREEDY)  # 11 prompt tokens
-    batch, nd, _, cold = engine._batch(StepPlan(1, rows[:1], (chunk,)))
-    assert (nd, batch["pre_tokens"].shape, batch["table"].shape, cold) == (1, (12,), (2, 4), True)
+    plan = StepPlan(1, rows[:1], (chunk,))
+    assert engine.shape(plan) == Shape(1, 8, 16, 4, cold=True)
+    batch, _ = engine._batch(plan, engine.shape(plan))
+    assert (batch["pre_tokens"].shape, batch["table"].shape) == ((16,), (9, 4))
+    # A chunk after a cached prefix: its rows count (each query scores every row's pages).
+    later = Row(7, 7, 11, tuple(range(40, 61)), tuple(range(20, 28)), GREEDY)  # 21 tokens, to position 32
+    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 24, 8, cold=False)
+    # Which compiled shape may run a plan, padded: larger in every size, and not cold for a warm chunk.
+    assert Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8)) and Shape(4, 8, 32, 8).holds(Shape(1, 8, 16, 4, cold=True))
+    assert not Shape(4, 8, 32, 8, cold=True).holds(Shape(4, 1, 24, 8))
+    assert not Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8, logprobs=True))
+    assert engine.cost(Shape(4, 2, 32, 8)) > engine.cost(Shape(4, 1, 24, 8))
+
+
+def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(params, monkeypatch):
+    """With background compiles and one large shape compiled, every step runs padded to it (the
+    background compiler held off, any cost allowed): tokens and log-probabilities are those of an
+    engine that runs every plan at its own shape. Then, with the compiler on, no step waits for a
+    compile: each new shape compiles in the background."""
+    prompts = [[5, 17, 33, 101, 7, 9, 11, 2, 3, 4, 5, 6, 7], [40, 41, 42], [60, 61, 62, 63, 64]]
+    sampling = [dataclasses.replace(GREEDY, logprobs=2), dataclasses.replace(GREEDY, logprobs=0),
+                SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, logprobs=1)]
+    kw = dict(max_num_batched_tokens=8, max_prefill_rows=2)
+    want, want_outs, _ = run(PagedEngine(params, CFG, max_slots=4, page_size=4, max_top_logprobs=2), prompts,
+                             sampling, **kw)
+    big = Shape(num_decode=4, prefill_rows=8, prefill_tokens=16, width=8, logprobs=True)
+    for compiler in (False, True):
+        engine = PagedEngine(params, CFG, max_slots=4, page_size=4, max_top_logprobs=2, background_compile=True)
+        engine._compile(big)
+        with monkeypatch.context() as m:
+            m.setattr(engine_module, "MAX_PADDED_COST", float("inf"))  # any holder will do, however costly
+            if not compiler:
+                m.setattr(engine, "_enqueue", lambda shape: None)
+            got, got_outs, _ = run(engine, prompts, sampling, ahead=True, **kw)
+        engine.close()
+        assert [s.generated for s in got] == [s.generated for s in want]
+        for i in range(len(prompts)):
+            for a, b in zip(got_outs[i], want_outs[i], strict=True):
+                assert (a.token, a.finish_reason) == (b.token, b.finish_reason)
+                if a.logprobs is not None or b.logprobs is not None:
+                    assert a.logprobs.top_ids == b.logprobs.top_ids
+                    np.testing.assert_allclose(a.logprobs.top_logprobs, b.logprobs.top_logprobs, atol=1e-5)
+                    np.testing.assert_allclose(a.logprobs.logprob, b.logprobs.logprob, atol=1e-5)
+        assert engine.compiles["sync"] == 0 and engine.compiles["padded"] >= 1
+        if compiler:
+            assert engine.compiles["background"] >= 1
+            assert len(engine.compiled_shapes) == 1 + engine.compiles["background"]
+        else:
+            assert engine.compiled_shapes == [big]
 
 
 def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):

@@ -102,8 +102,8 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
     engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
     prompts = [[5, 9, 33, 17, 2, 40, 41], [7, 8, 9, 10]]
     seqs, _, _ = run(engine, prompts, [SamplingParams(temperature=0.0, seed=0, max_tokens=4)] * 2)
-    # Both prompts in one step, packed (11 tokens padded to 12), with a segment id per token.
-    assert calls == [((1, 12, cfg.num_heads, cfg.head_dim), (1, 12))]
+    # Both prompts in one step, packed (11 tokens padded to 16, the least), with a segment id per token.
+    assert calls == [((1, 16, cfg.num_heads, cfg.head_dim), (1, 16))]
     # What it wrote into the pages is what decoding reads: the next steps equal the full forward.
     for prompt, seq in zip(prompts, seqs):
         full = forward(params, jnp.asarray([prompt + seq.generated]), cfg)[0]

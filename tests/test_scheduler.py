@@ -78,6 +78,23 @@ def test_short_prompts_share_a_step_and_pages_follow_the_real_lengths():
     assert sched.stats()["pages_free"] == 40 and sched.stats()["slots_in_use"] == 0
 
 
+def test_a_prompt_is_split_only_when_it_starts_a_steps_prefill():
+    """A prompt that does not fit whole in what is left of the budget waits for the next step, so a
+    step's prompts all start at position 0 (the engine's cold prefill) unless one is too long for a
+    whole step; that one is prefilled in chunks, each the first prefill of its step."""
+    engine = FakeEngine(max_slots=4, page_size=4, num_pages=64)
+    prompts = [TOK.encode("abcde"), TOK.encode("fghij"), TOK.encode("x" * 20), TOK.encode("kl")]
+    seqs, outs, sched = _run(engine, prompts, [SamplingParams(max_tokens=5, seed=i) for i in range(4)],
+                             max_num_batched_tokens=8, ahead=False)
+    _check_reference(seqs, outs, 256)
+    prefills = [r.prefills for r in sched.records if r.prefills]
+    assert prefills[:2] == [((0, 0, 5),), ((1, 0, 5),)]  # the second prompt waits whole: 5 > 8 - 5
+    assert all(start == 0 for p in prefills for _, start, _ in p[1:])  # only a step's first prefill is split
+    chunks = [(start, n) for p in prefills for i, start, n in p if i == 2]
+    assert len(chunks) > 2 and sum(n for _, n in chunks) == 20 and chunks[0][0] == 0
+    assert sched.stats()["pages_free"] == 64
+
+
 def test_pages_are_taken_as_sequences_grow_and_given_back_when_they_end():
     engine = FakeEngine(max_slots=2, page_size=4, num_pages=8)
     sched, (seq,) = _setup(engine, [TOK.encode("abcdef")], [SamplingParams(max_tokens=4, seed=0)])

@@ -20,7 +20,8 @@ from hypertron.config import PRESETS, Config, ServeConfig, TrainConfig
 from hypertron.errors import ConfigError
 
 SETTINGS = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "quantize": "int8",
-            "max_queue": 5, "max_tokens_limit": 30, "model_name": "from-yaml", "api_key": "k3y", "port": 8123}
+            "max_queue": 5, "max_tokens_limit": 30, "model_name": "from-yaml", "api_key": "k3y", "port": 8123,
+            "compile": "lazy", "dispatch_ahead": "on"}
 
 
 def _flags(settings: dict) -> list[str]:
@@ -47,6 +48,11 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
     assert _config(["--config", path, "--max-slots", "7", "--checkpoint", "runs/y"]) == \
         dataclasses.replace(from_file, max_slots=7, checkpoint="runs/y")
     assert _config(["--checkpoint", "runs/x"]) == ServeConfig(checkpoint="runs/x")  # the schema's defaults
+    # dispatch_ahead=auto: every step one ahead on an accelerator, only small ones on a CPU.
+    from hypertron.serve.server import CPU_AHEAD_MAX_TOKENS, resolve_dispatch_ahead
+    on_cpu = jax.default_backend() == "cpu"
+    assert resolve_dispatch_ahead("auto") == (True, CPU_AHEAD_MAX_TOKENS if on_cpu else None)
+    assert resolve_dispatch_ahead("on") == (True, None) and resolve_dispatch_ahead("off") == (False, None)
 
 
 @pytest.mark.parametrize("text, argv, message", [
@@ -54,6 +60,7 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
     ("checkpoint: runs/x\nmax_slots: 0\n", [], "serve.yaml: max_slots=0: must be positive"),
     ("checkpoint: runs/x\nkv_cache_dtype: fp8\n", [], "serve.yaml: kv_cache_dtype=fp8: must be one of auto, bfloat16"),
     ("checkpoint: runs/x\npage_size: 12\n", [], "serve.yaml: page_size=12: must be a power of two"),
+    ("checkpoint: runs/x\ncompile: eager\n", [], "serve.yaml: compile=eager: must be one of background, lazy"),
     ("checkpoint: runs/x\nport: [1]\n", [], "serve.yaml: port: expected an integer"),
     ("max_slots: 4\n", [], "serve.yaml: checkpoint: required"),
     ("checkpoint: runs/x\n", ["--max-slots", "0"], "--max-slots=0: must be positive"),

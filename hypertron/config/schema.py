@@ -36,6 +36,14 @@ DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "a
 Schedule = Literal["cosine", "linear", "constant"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "int8"]  # auto: the model's compute dtype
 WeightQuantization = Literal["none", "int8"]  # weight precision for generation and serving
+# background: a new step shape compiles on a background thread while its steps run padded to a compiled
+# shape that costs at most twice as much (if none, the step waits); lazy: each step shape compiles when first
+# met, and that step waits
+CompileMode = Literal["background", "lazy"]
+# on: dispatch step n + 1 before step n's tokens reach the host; off: collect each step first; auto: on
+# where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
+# host needs to stream the last step's tokens: docs/serving.md)
+DispatchAhead = Literal["auto", "on", "off"]
 
 
 def choices(choice_type: typing.Any) -> tuple[str, ...]:
@@ -330,6 +338,8 @@ class ServeConfig:
     num_pages: int | None = None  # KV pages; None: every slot at max_seq_len
     kv_cache_dtype: KvCacheDtype = "auto"
     quantize: WeightQuantization = "none"
+    compile: CompileMode = "background"  # see CompileMode
+    dispatch_ahead: DispatchAhead = "auto"  # see DispatchAhead
     max_queue: int = 256  # requests waiting for a slot before new ones get 429
     max_prompt_tokens: int | None = None  # None: max_seq_len - 1
     max_tokens_limit: int | None = None  # largest max_tokens; None: max_seq_len

@@ -121,18 +121,24 @@ def chunk_attention(q_nhd, pages: dict, table_rp, lengths_r, rows_n, positions_n
     r, kv_heads, s, h = k_rksh.shape
     kv_pos = jnp.arange(s, dtype=jnp.int32)
     kv_valid_rs = kv_pos[None, :] < lengths_r[:, None]
-    # Rows never written may hold anything (NaN): zero them, so 0 * NaN cannot reach the output.
-    k_rksh = jnp.where(kv_valid_rs[:, None, :, None], k_rksh, 0.0)
+    # Rows never written may hold anything (NaN): V's are zeroed, so 0 * NaN cannot reach the
+    # output (K's scores are replaced by the mask, never multiplied).
     v_rksh = jnp.where(kv_valid_rs[:, None, :, None], v_rksh, 0.0)
     n, heads, _ = q_nhd.shape
-    q = q_nhd.astype(jnp.float32).reshape(n, kv_heads, heads // kv_heads, h)
+    g = heads // kv_heads
+    # One batched matmul per kv head: [kv, n * g, h] x [kv, r * s, h] (the layout XLA runs fastest).
+    q = q_nhd.astype(jnp.float32).reshape(n, kv_heads, g, h).transpose(1, 0, 2, 3).reshape(kv_heads, n * g, h)
+    k = k_rksh.transpose(1, 0, 2, 3).reshape(kv_heads, r * s, h)
+    v = v_rksh.transpose(1, 0, 2, 3).reshape(kv_heads, r * s, h)
     hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("nkgh,rksh->nkgrs", q, k_rksh, precision=hi) / math.sqrt(h)
+    scores = jnp.einsum("kqh,kth->kqt", q, k, precision=hi) / math.sqrt(h)
     mask_nrs = (rows_n[:, None, None] == jnp.arange(r)[None, :, None]) & kv_valid_rs[None]
     mask_nrs &= kv_pos[None, None, :] <= positions_n[:, None, None]
     if cfg.sliding_window is not None:
         mask_nrs &= positions_n[:, None, None] - kv_pos[None, None, :] < cfg.sliding_window
-    scores = jnp.where(mask_nrs[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores.reshape(n, kv_heads, -1, r * s), axis=-1).reshape(scores.shape)
-    out = jnp.einsum("nkgrs,rksh->nkgh", probs, v_rksh, precision=hi)
+    mask_qt = jnp.broadcast_to(mask_nrs.reshape(n, 1, r * s), (n, g, r * s)).reshape(n * g, r * s)
+    scores = jnp.where(mask_qt[None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("kqt,kth->kqh", probs, v, precision=hi)  # [kv, n * g, h]
+    out = out.reshape(kv_heads, n, g, h).transpose(1, 0, 2, 3)
     return out.reshape(n, heads, h).astype(q_nhd.dtype)

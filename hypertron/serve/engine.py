@@ -18,10 +18,22 @@ tokens reach it (:meth:`PagedEngine.dispatch` returns at once; :meth:`PagedEngin
 waits), and steps run in the order they were dispatched: the cache and ``last_tokens`` are
 donated to each step and threaded through.
 
-Shapes are bucketed so that compiles stay few (:func:`bucket`: powers of two up to 8, then under
-25 % padding): decode rows (so a step decodes about the live sequences, not ``max_slots``),
-prefill tokens, and the page table's columns (the pages of the step's longest sequence, so its
-attention cost follows the real lengths, not ``max_seq_len``); prefill rows to a power of two.
+Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
+(powers of two up to 8, then under 25 % padding; prefill tokens at least 16), so a step decodes
+about the live sequences, not ``max_slots``; prefill rows to a power of two (at least 8 for a cold
+prefill, whose cost does not depend on them); the page table's columns to a power of two (the pages
+of the step's longest sequence, so its attention cost follows the real lengths, not
+``max_seq_len``; the GPU kernel reads only each sequence's own pages, so the padding costs it
+nothing).
+
+A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
+dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
+is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
+padding rows and tokens are masked out), if that costs at most 4 times as much
+(:meth:`PagedEngine.cost`), while its own shape compiles on a background thread (unless the padded
+one costs at most 1.25 times as much: then that is where it stays); otherwise it waits for its own.
+Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
+
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
 whatever else is in the step.
 
@@ -33,7 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import queue
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -43,9 +59,24 @@ import numpy as np
 from hypertron.config import ModelConfig
 from hypertron.config.validation import check_engine_settings
 from hypertron.models import PagedCache, forward, resolve_dtype
+from hypertron.models.flops import forward_flops_per_token
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.types import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+# With background compiles, a plan whose shape is not compiled yet runs padded to a compiled shape
+# only if that costs at most MAX_PADDED_COST times its own (PagedEngine.cost), else it waits for its
+# own; its own is compiled in the background only if the padded one costs over CLOSE_ENOUGH_COST
+# times as much (as much padding as a bucket allows): on a CPU a compile takes a core for a second,
+# and the shapes a load meets keep coming, so near enough is left alone.
+MAX_PADDED_COST = 4.0
+CLOSE_ENOUGH_COST = 1.25
+# A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
+# rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
+MIN_COLD_PREFILL_ROWS = 8
+MIN_PREFILL_TOKENS = 16
 
 # ---------------------------------------------------------------------------
 # The device step
@@ -94,15 +125,41 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
 # Host side
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The static sizes of one compiled step (see :func:`step`): decode rows, prefill rows,
+    prefill tokens, page-table columns, and its variants."""
+
+    num_decode: int
+    prefill_rows: int
+    prefill_tokens: int
+    width: int
+    cold: bool = False  # every prefill row starts its sequence (attends as training does)
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    def holds(self, other: Shape) -> bool:
+        """Whether a plan of shape ``other`` can run padded to this one: every size at least
+        ``other``'s, and no variant it lacks (a cold step cannot run a chunk after a prefix)."""
+        return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
+                and self.prefill_tokens >= other.prefill_tokens and self.width >= other.width
+                and (other.cold or not self.cold) and self.logprobs >= other.logprobs
+                and self.prompt_logprobs >= other.prompt_logprobs)
+
+
 @dataclasses.dataclass
 class _Pending:
-    """A dispatched step: its plan, where its rows sit in the padded batch, and its outputs
-    (device arrays, on their way to the host)."""
+    """A dispatched step: its plan, the shape it ran as, where its prefill rows' tokens start,
+    and its outputs (device arrays, on their way to the host)."""
 
     plan: StepPlan
-    num_decode: int
+    shape: Shape
     prefill_offsets: list[int]
     out: dict
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
 class PagedEngine:
@@ -110,12 +167,16 @@ class PagedEngine:
     :class:`hypertron.serve.types.Engine`.
 
     ``num_pages``: the pool, page 0 included (it is the null page, never handed out); default
-    enough for every slot at ``max_seq_len``.
+    enough for every slot at ``max_seq_len``. ``background_compile``: a plan whose shape is not
+    compiled yet runs padded to a compiled one that holds it at little more cost, if any, while its
+    own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
+    compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
+    larger compiled shape (``padded``).
     """
 
     def __init__(self, params, cfg: ModelConfig, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_dtype: str = "auto", max_top_logprobs: int = 20,
-                 eos_ids: frozenset[int] = frozenset()):
+                 eos_ids: frozenset[int] = frozenset(), background_compile: bool = False):
         check_engine_settings(max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                               kv_cache_dtype=kv_cache_dtype)
         self.params, self.cfg = params, cfg
@@ -127,23 +188,123 @@ class PagedEngine:
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         self.cache = init_pages(cfg, total, page_size, self.kv_dtype)
         self.last_tokens = jnp.zeros(max_slots + 1, jnp.int32)
+        # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
+        # a background compile must not look at the live arrays).
+        self._specs = jax.tree.map(_spec, (params, self.cache, self.last_tokens))
+        self.background_compile = background_compile
+        self.compiles = {"sync": 0, "background": 0, "padded": 0}
+        self._compiled: dict[Shape, object] = {}
+        self._lock = threading.Lock()
+        self._todo: queue.Queue[Shape | None] = queue.Queue()
+        self._queued: set[Shape] = set()
+        self._compiler: threading.Thread | None = None
+
+    # -- shapes and compiles --------------------------------------------------------------
+
+    def shape(self, plan: StepPlan) -> Shape:
+        """The bucketed shape of ``plan`` (what it runs as once that is compiled)."""
+        dec, pre = plan.decodes, plan.prefills
+        cold = all(r.start == 0 for r in pre)
+        rows = _pow2(len(pre)) if pre else 0
+        return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
+                     prefill_rows=max(rows, MIN_COLD_PREFILL_ROWS) if pre and cold else rows,
+                     prefill_tokens=max(bucket(sum(len(r.tokens) for r in pre)), MIN_PREFILL_TOKENS) if pre else 0,
+                     width=min(_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
+                     cold=cold, logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+
+    def cost(self, shape: Shape) -> float:
+        """A step's FLOPs as the model counts them: every token through the weights, and each
+        query against the keys it scores (a cold prefill: its packed chunk; a chunk after a
+        prefix: every prefill row's pages; a decode row: its row's pages)."""
+        c = self.cfg
+        keys = shape.width * self.page_size
+        pairs = shape.num_decode * keys + (shape.prefill_tokens ** 2 if shape.cold else
+                                           shape.prefill_tokens * shape.prefill_rows * keys)
+        return ((shape.num_decode + shape.prefill_tokens) * forward_flops_per_token(c, 1)
+                + c.num_layers * 4 * c.num_heads * c.head_dim * pairs)
+
+    @property
+    def compiled_shapes(self) -> list[Shape]:
+        with self._lock:
+            return list(self._compiled)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the background compiler (after the compile in hand)."""
+        if self._compiler is not None:
+            self._todo.put(None)
+            self._compiler.join(timeout)
+            self._compiler = None
+
+    def _executable(self, exact: Shape) -> tuple[Shape, object]:
+        """The compiled step a plan of shape ``exact`` runs as: its own; with
+        ``background_compile``, else the cheapest compiled one that holds it and costs at most
+        :data:`MAX_PADDED_COST` times as much (its own is queued); else its own, compiled now."""
+        with self._lock:
+            fn = self._compiled.get(exact)
+            holders = [s for s in self._compiled if s.holds(exact)] if fn is None and self.background_compile else []
+        if fn is not None:
+            return exact, fn
+        if holders:
+            shape = min(holders, key=self.cost)
+            ratio = self.cost(shape) / self.cost(exact)
+            if ratio <= MAX_PADDED_COST:
+                if ratio > CLOSE_ENOUGH_COST:
+                    self._enqueue(exact)
+                self.compiles["padded"] += 1
+                with self._lock:
+                    return shape, self._compiled[shape]
+        self.compiles["sync"] += 1
+        log.info("compiling %s now (%d compiled, none holds it at <= %.0fx its cost)", exact, len(holders),
+                 MAX_PADDED_COST)
+        return exact, self._compile(exact)
+
+    def _compile(self, shape: Shape):
+        params, cache, last_tokens = self._specs
+        fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg, top_n=self.max_top_logprobs,
+                        num_decode=shape.num_decode, cold=shape.cold, want_logprobs=shape.logprobs,
+                        prompt_logprobs=shape.prompt_logprobs).compile()
+        with self._lock:
+            return self._compiled.setdefault(shape, fn)
+
+    def _enqueue(self, shape: Shape) -> None:
+        with self._lock:
+            if shape in self._queued or shape in self._compiled:
+                return
+            self._queued.add(shape)
+            if self._compiler is None:
+                self._compiler = threading.Thread(target=self._compile_loop, name="hypertron-compile", daemon=True)
+                self._compiler.start()
+        self._todo.put(shape)
+
+    def _compile_loop(self) -> None:
+        while (shape := self._todo.get()) is not None:
+            try:
+                t = time.perf_counter()
+                self._compile(shape)
+                self.compiles["background"] += 1
+                log.debug("compiled %s in the background in %.2f s", shape, time.perf_counter() - t)
+            except Exception:  # the step then compiles synchronously when next met, and raises there
+                log.exception("background compile of %s failed", shape)
+            with self._lock:
+                self._queued.discard(shape)
+
+    # -- steps ------------------------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan) -> _Pending:
-        batch, nd, offsets, cold = self._batch(plan)
-        self.cache, self.last_tokens, out = step(
-            self.params, self.cache, self.last_tokens, batch, cfg=self.cfg, top_n=self.max_top_logprobs,
-            num_decode=nd, cold=cold, want_logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+        shape, fn = self._executable(self.shape(plan))
+        batch, offsets = self._batch(plan, shape)
+        self.cache, self.last_tokens, out = fn(self.params, self.cache, self.last_tokens, batch)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
-        return _Pending(plan, nd, offsets, out)
+        return _Pending(plan, shape, offsets, out)
 
     def collect(self, pending: _Pending) -> StepResult:
         out = jax.device_get(pending.out)
-        plan, nd = pending.plan, pending.num_decode
+        plan, nd = pending.plan, pending.shape.num_decode
         rows = list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
-        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        pick = lambda x: None if x is None or not plan.logprobs else x[rows]  # noqa: E731
         prompt = None
-        if "prompt" in out:
+        if "prompt" in out and plan.prompt_logprobs:
             chosen, ids, lps = out["prompt"]
             prompt = [None if row.prompt_targets is None else
                       (chosen[o:o + len(row.tokens)], ids[o:o + len(row.tokens)], lps[o:o + len(row.tokens)])
@@ -155,40 +316,39 @@ class PagedEngine:
         """:meth:`dispatch` then :meth:`collect`: one step, synchronously."""
         return self.collect(self.dispatch(plan))
 
-    def _batch(self, plan: StepPlan) -> tuple[dict, int, list[int], bool]:
-        """The padded arrays of ``plan`` (see :func:`step`), its decode rows, where each prefill
-        row's tokens start, and whether every prefill row starts its sequence."""
-        dec, pre = plan.decodes, plan.prefills
-        nd = min(bucket(len(dec)), self.max_slots) if dec else 0
-        nr = 1 << (len(pre) - 1).bit_length() if pre else 0
-        n_pad = bucket(sum(len(r.tokens) for r in pre)) if pre else 0
-        rows = nd + nr
-        width = min(bucket(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq)
+    def _empty_batch(self, shape: Shape) -> dict:
+        """The arrays of a step of ``shape`` (see :func:`step`), all padding."""
+        rows, n_pad = shape.num_decode + shape.prefill_rows, shape.prefill_tokens
         i32 = lambda n, fill=0: np.full(n, fill, np.int32)  # noqa: E731
-        b = {"dec_slot": i32(nd, self.max_slots), "dec_pos": i32(nd),
+        b = {"dec_slot": i32(shape.num_decode, self.max_slots), "dec_pos": i32(shape.num_decode),
              "pre_tokens": i32(n_pad), "pre_pos": i32(n_pad), "pre_row": i32(n_pad),
-             "pre_valid": np.zeros(n_pad, bool), "table": np.full((rows, width), NULL_PAGE, np.int32),
+             "pre_valid": np.zeros(n_pad, bool), "table": np.full((rows, shape.width), NULL_PAGE, np.int32),
              "lengths": i32(rows), "out_idx": i32(rows), "out_slot": i32(rows, self.max_slots),
              "temperature": np.zeros(rows, np.float32), "top_k": i32(rows), "top_p": np.ones(rows, np.float32),
              "seed": np.zeros(rows, np.uint32), "sample_pos": i32(rows)}
-        if plan.prompt_logprobs:
+        if shape.prompt_logprobs:
             b["targets"] = i32(n_pad)
+        return b
+
+    def _batch(self, plan: StepPlan, shape: Shape) -> tuple[dict, list[int]]:
+        """The arrays of ``plan`` padded to ``shape`` (which holds it), and where each prefill
+        row's tokens start."""
+        b, nd = self._empty_batch(shape), shape.num_decode
         offsets = []
-        flat = nd
-        for i, row in enumerate(dec):
+        for i, row in enumerate(plan.decodes):
             b["dec_slot"][i], b["dec_pos"][i] = row.slot, row.start
             self._row(b, i, row, i)
         off = 0
-        for j, row in enumerate(pre):
+        for j, row in enumerate(plan.prefills):
             n, sl = len(row.tokens), slice(off, off + len(row.tokens))
             b["pre_tokens"][sl], b["pre_row"][sl], b["pre_valid"][sl] = row.tokens, j, True
             b["pre_pos"][sl] = np.arange(row.start, row.end)
             if row.prompt_targets is not None:
                 b["targets"][sl] = row.prompt_targets
-            self._row(b, nd + j, row, flat + off + n - 1)
+            self._row(b, nd + j, row, nd + off + n - 1)
             offsets.append(off)
             off += n
-        return b, nd, offsets, all(r.start == 0 for r in pre)
+        return b, offsets
 
     def _row(self, b: dict, i: int, row, out_idx: int) -> None:
         width = b["table"].shape[1]
@@ -202,6 +362,10 @@ class PagedEngine:
         b["seed"][i], b["sample_pos"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF), row.end
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def bucket(n: int) -> int:
     """The padded size of ``n`` rows, tokens or pages: a power of two up to 8, then a multiple of a
     quarter of the power of two below it (10, 12, 14, 16, 20, ...: under 25 % padding), so that
@@ -213,12 +377,12 @@ def bucket(n: int) -> int:
 
 
 def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
-                kv_cache_dtype: str = "auto", quantize: str = "none"):
+                kv_cache_dtype: str = "auto", quantize: str = "none", background_compile: bool = False):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
     engine's ``eos_ids`` are the tokenizer's."""
     from hypertron.serve.model import load_model, served_name
 
     model, params, tok = load_model(checkpoint, quantize)
     engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
-                         kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids)
+                         kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids, background_compile=background_compile)
     return engine, tok, served_name(checkpoint)

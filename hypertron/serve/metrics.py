@@ -26,3 +26,6 @@ class ServeMetrics:
         self.queue_depth = Gauge(p + "queue_depth", "requests waiting for a slot", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "free KV-cache pages", registry=r)
         self.pages_total = Gauge(p + "kv_pages_total", "KV-cache pages", registry=r)
+        self.compiles = Counter(p + "step_compiles", "engine step shapes compiled (sync: a step waited for it; "
+                                "background) and steps run padded to a larger compiled shape (padded)", ["mode"],
+                                registry=r)

@@ -8,7 +8,9 @@ plain loop:
    budget: :mod:`hypertron.serve.scheduler`) and :meth:`Engine.dispatch` it;
 3. only then :meth:`Engine.collect` the *previous* step and hand its outputs to the scheduler, so
    the device runs step n + 1 while the host reads step n's tokens, detokenises and streams
-   (``ahead=False``: collect each step right after dispatching it);
+   (``ahead=False``: collect each step right after dispatching it; ``ahead_max_tokens``: only
+   steps of at most that many tokens are left running, for a CPU, where a large step takes the
+   cores the host needs);
 4. deliver the scheduler's outputs to each request's ``asyncio.Queue``
    (``loop.call_soon_threadsafe``, one call per event loop per step).
 
@@ -65,14 +67,17 @@ class Orchestrator:
     ``submit`` (from a running asyncio loop) returns a :class:`Generation`; ``start`` / ``stop``
     run and end the thread (``stop`` aborts what is left). ``max_queue`` bounds the requests
     waiting for a slot: past it :meth:`submit` raises :class:`QueueFull`. The scheduler's
-    settings (``max_num_batched_tokens``, ``max_prefill_rows``) are passed on.
+    settings (``max_num_batched_tokens``, ``max_prefill_rows``) are passed on. ``ahead``: dispatch
+    step n + 1 before collecting step n; with ``ahead_max_tokens``, only for steps of at most that
+    many tokens (a larger one is collected at once).
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 256,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, ahead: bool = True,
-                 registry: CollectorRegistry | None = None):
+                 ahead_max_tokens: int | None = None, registry: CollectorRegistry | None = None):
         self.engine, self.tokenizer, self.max_queue, self.ahead = engine, tokenizer, max_queue, ahead
+        self.ahead_max_tokens = ahead_max_tokens
         self.max_seq_len, self.max_top_logprobs = engine.max_seq_len, engine.max_top_logprobs
         self.scheduler = Scheduler(
             max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
@@ -89,6 +94,7 @@ class Orchestrator:
         self._requests: dict[int, _Request] = {}  # owned by the loop thread
         self._outbox: list[tuple[_Request, Output]] = []
         self._preemptions = 0
+        self._compiles: dict[str, int] = {}
 
     # -- the asyncio side ---------------------------------------------------------------
 
@@ -143,6 +149,9 @@ class Orchestrator:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # the engine's background compiler, if any
+        if close is not None:
+            close()
 
     # -- the loop thread ----------------------------------------------------------------
 
@@ -167,12 +176,14 @@ class Orchestrator:
                     self._requests.pop(req.seq.id, None)
                 plan = sched.schedule() if sched.has_work else None
                 current = self._dispatch(plan) if plan is not None else None
-                if current is not None and not self.ahead:
-                    self._collect(current)
-                    current = None
-                if pending is not None:
+                if pending is not None:  # step n, collected once step n + 1 is dispatched
                     self._collect(pending)
-                pending = current
+                    pending = None
+                if current is not None:
+                    if self._ahead(plan):
+                        pending = current
+                    else:
+                        self._collect(current)
                 self._route(sched.take_outputs())
                 self._flush()
                 self._update_gauges()
@@ -188,6 +199,10 @@ class Orchestrator:
             sched.finish_all(ABORT, "the server stopped")
             self._route(sched.take_outputs())
             self._flush()
+
+    def _ahead(self, plan) -> bool:
+        """Whether to leave ``plan``'s step running while the next is dispatched."""
+        return self.ahead and (self.ahead_max_tokens is None or plan.num_tokens <= self.ahead_max_tokens)
 
     def _dispatch(self, plan):
         try:
@@ -244,6 +259,9 @@ class Orchestrator:
         m.queue_depth.set(self._waiting)
         m.preemptions.inc(self.scheduler.preemptions - self._preemptions)
         self._preemptions = self.scheduler.preemptions
+        for mode, n in getattr(self.engine, "compiles", {}).items():  # the engine's counts, since it started
+            m.compiles.labels(mode).inc(n - self._compiles.get(mode, 0))
+            self._compiles[mode] = n
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Output]]) -> None:

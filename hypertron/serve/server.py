@@ -422,6 +422,23 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
+# dispatch_ahead=auto on a CPU: only steps of at most this many tokens run while the next is
+# dispatched. A small step leaves a core to the host; a larger one takes both of a small machine's,
+# and streaming the last step's tokens then waits for it (docs/benchmarks.md: on 2 cores, one step
+# ahead helped at 1 and 4 streams and cost a third of the throughput at 16).
+CPU_AHEAD_MAX_TOKENS = 8
+
+
+def resolve_dispatch_ahead(setting: str) -> tuple[bool, int | None]:
+    """``dispatch_ahead`` as the orchestrator's ``(ahead, ahead_max_tokens)``: ``auto`` is on where
+    JAX runs on an accelerator, and on a CPU for steps of at most :data:`CPU_AHEAD_MAX_TOKENS` tokens."""
+    if setting != "auto":
+        return setting == "on", None
+    import jax
+
+    return True, (CPU_AHEAD_MAX_TOKENS if jax.default_backend() == "cpu" else None)
+
+
 def main(serve: ServeConfig) -> int:
     """``hypertron serve``: load the engine of ``serve.checkpoint`` and serve it until interrupted."""
     from hypertron.serve.engine import load_engine
@@ -429,10 +446,11 @@ def main(serve: ServeConfig) -> int:
 
     engine, tokenizer, model_name = load_engine(
         serve.checkpoint, max_slots=serve.max_slots, page_size=serve.page_size, num_pages=serve.num_pages,
-        kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize)
+        kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize, background_compile=serve.compile == "background")
     orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue,
                                 max_num_batched_tokens=serve.max_num_batched_tokens,
-                                max_prefill_rows=serve.max_prefill_rows)
+                                max_prefill_rows=serve.max_prefill_rows,
+                                **dict(zip(("ahead", "ahead_max_tokens"), resolve_dispatch_ahead(serve.dispatch_ahead))))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
                      chat_template=tokenizer.chat_template)
