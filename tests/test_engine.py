@@ -102,6 +102,7 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
         engine._compile(big)
         with monkeypatch.context() as m:
             m.setattr(engine_module, "MAX_PADDED_COST", float("inf"))  # any holder will do, however costly
+            m.setattr(engine_module, "COMPILE_AFTER_PADDED", 1)  # and a plan's own shape is queued at once
             if not compiler:
                 m.setattr(engine, "_enqueue", lambda shape: None)
             got, got_outs, _ = run(engine, prompts, sampling, ahead=True, **kw)

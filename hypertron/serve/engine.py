@@ -30,8 +30,9 @@ A :class:`Shape` is one compiled step. Compiling one takes about a second on a C
 dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
 padding rows and tokens are masked out), if that costs at most 4 times as much
-(:meth:`PagedEngine.cost`), while its own shape compiles on a background thread (unless the padded
-one costs at most 1.25 times as much: then that is where it stays); otherwise it waits for its own.
+(:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
+times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
+compiled shape, the step waits for its own.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
@@ -43,6 +44,7 @@ this module only runs plans.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -73,6 +75,9 @@ log = logging.getLogger(__name__)
 # and the shapes a load meets keep coming, so near enough is left alone.
 MAX_PADDED_COST = 4.0
 CLOSE_ENOUGH_COST = 1.25
+# ... and only once it has run padded this many times: a shape a load meets rarely is not worth
+# a core for a second.
+COMPILE_AFTER_PADDED = 8
 # A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
 # rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
 MIN_COLD_PREFILL_ROWS = 8
@@ -197,6 +202,7 @@ class PagedEngine:
         self._lock = threading.Lock()
         self._todo: queue.Queue[Shape | None] = queue.Queue()
         self._queued: set[Shape] = set()
+        self._padded: collections.Counter[Shape] = collections.Counter()
         self._compiler: threading.Thread | None = None
 
     # -- shapes and compiles --------------------------------------------------------------
@@ -249,7 +255,9 @@ class PagedEngine:
             ratio = self.cost(shape) / self.cost(exact)
             if ratio <= MAX_PADDED_COST:
                 if ratio > CLOSE_ENOUGH_COST:
-                    self._enqueue(exact)
+                    self._padded[exact] += 1
+                    if self._padded[exact] >= COMPILE_AFTER_PADDED:
+                        self._enqueue(exact)
                 self.compiles["padded"] += 1
                 with self._lock:
                     return shape, self._compiled[shape]
