@@ -1,0 +1,109 @@
+"""Embedding tables, the features that read them, and their multi-hot input.
+
+A :class:`TableSpec` is one table (``rows`` x ``dim``) and where it lives over the mesh
+(``placement``: ``row``, rows dealt out by id modulo the shard count, as jax-tpu-embedding does;
+``column``, each shard a slice of the dimension; ``table``, the whole table on one device). A :class:`FeatureSpec` names the table it reads
+and how a sample's ids are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features
+may share a table. A feature's input for a batch is a :class:`Jagged` (TorchRec's
+KeyedJaggedTensor for one key): the ids of every sample one after another (``values``), how many
+each sample has (``lengths``, 0 for an empty sample) and, optionally, a weight per id.
+
+Everything here runs on the host, before anything compiles: :func:`check_specs` (a feature naming
+no table, a column split that does not divide a table's dimension) and :func:`check_ids` (an id
+past its table or negative, lengths that do not add up) raise :class:`EmbedError`, one line naming
+the feature or table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from hypertron.errors import UserError
+
+COMBINERS = ("sum", "mean", "sqrtn")
+PLACEMENTS = ("row", "column", "table")
+
+
+class EmbedError(UserError):
+    """A mistake in the embedding specs or their input; one line naming the feature or table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+    placement: str = "row"
+    init_scale: float | None = None  # normal(0, scale) rows; None: 1 / sqrt(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    name: str
+    table: str
+    combiner: str = "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class Jagged:
+    """One feature's ids for a batch: ``values [N]`` (int), ``lengths [batch]`` (their sum is N),
+    ``weights [N]`` (float) or None for weight 1."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+    weights: np.ndarray | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+
+def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], shards: int) -> dict[str, TableSpec]:
+    """The tables by name, once every spec is usable on ``shards`` devices; else :class:`EmbedError`."""
+    by_name: dict[str, TableSpec] = {}
+    for t in tables:
+        if t.name in by_name:
+            raise EmbedError(f"table {t.name!r}: defined twice")
+        if t.rows < 1 or t.dim < 1:
+            raise EmbedError(f"table {t.name!r}: rows={t.rows}, dim={t.dim}: both must be positive")
+        if t.placement not in PLACEMENTS:
+            raise EmbedError(f"table {t.name!r}: placement={t.placement!r}: must be one of {', '.join(PLACEMENTS)}")
+        if t.placement == "column" and t.dim % shards:
+            raise EmbedError(f"table {t.name!r}: dim={t.dim} does not split into {shards} column shards")
+        by_name[t.name] = t
+    names = set()
+    for f in features:
+        if f.name in names:
+            raise EmbedError(f"feature {f.name!r}: defined twice")
+        names.add(f.name)
+        if f.table not in by_name:
+            raise EmbedError(f"feature {f.name!r} reads table {f.table!r}, which is not defined "
+                             f"(tables: {', '.join(sorted(by_name)) or 'none'})")
+        if f.combiner not in COMBINERS:
+            raise EmbedError(f"feature {f.name!r}: combiner={f.combiner!r}: must be one of {', '.join(COMBINERS)}")
+    return by_name
+
+
+def check_ids(features: Sequence[FeatureSpec], tables: Mapping[str, TableSpec], batch: Mapping[str, Jagged]) -> None:
+    """Every feature's input is there and well formed, and every id is a row of its table."""
+    size = None
+    for f in features:
+        if f.name not in batch:
+            raise EmbedError(f"feature {f.name!r}: no input in the batch")
+        x, rows = batch[f.name], tables[f.table].rows
+        if size is not None and x.batch != size:
+            raise EmbedError(f"feature {f.name!r}: {x.batch} samples, the other features {size}")
+        size = x.batch
+        if (np.asarray(x.lengths) < 0).any() or int(np.sum(x.lengths)) != len(x.values):
+            raise EmbedError(f"feature {f.name!r}: lengths add up to {int(np.sum(x.lengths))} but there are "
+                             f"{len(x.values)} ids (or a length is negative)")
+        if x.weights is not None and len(x.weights) != len(x.values):
+            raise EmbedError(f"feature {f.name!r}: {len(x.weights)} weights for {len(x.values)} ids")
+        values = np.asarray(x.values)
+        bad = values[(values < 0) | (values >= rows)]
+        if bad.size:
+            raise EmbedError(f"feature {f.name!r}: id {int(bad[0])} is not a row of table {f.table!r} "
+                             f"(0 to {rows - 1}); {bad.size} such ids in this batch")
