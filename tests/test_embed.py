@@ -130,7 +130,7 @@ def test_the_update_step_needs_no_table_sized_temporary_and_updates_in_place(mes
     table = shard_table(np.zeros((spec.rows, spec.dim), np.float32), spec, mesh, "x", optimizer="rowwise_adagrad")
     x = Jagged(np.random.default_rng(0).integers(0, spec.rows, 1000), np.full(100, 10))
     ids, seg, w, b = tables._prepare(x)
-    compiled = tables._update_fn(tables._key(table), b, spec.dim).lower(
+    compiled = tables._update_fn(tables._layout(table), b, spec.dim).lower(
         table.data, table.state, ids, seg, w, tables._scale(w, seg, b, "sum"), np.zeros((b, spec.dim), np.float32),
         np.float32(0.1), np.float32(1e-8)).compile()
     memory = compiled.memory_analysis()

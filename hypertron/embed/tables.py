@@ -137,70 +137,75 @@ def _scale(w: np.ndarray, seg: np.ndarray, b: int, combiner: str) -> np.ndarray:
     return np.where(per > 0, 1.0 / np.where(per > 0, per, 1.0), 0.0).astype(np.float32)
 
 
-def _local(ids, table: ShardedTable):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a compiled lookup or update depends on: the table's layout, not its arrays."""
+
+    placement: str
+    mesh: Mesh
+    axis: str
+    optimizer: str
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+
+def _layout(table: ShardedTable) -> _Layout:
+    return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer)
+
+
+def _local(ids, lay: _Layout):
     """Each id's row in this shard's block, and whether this shard owns it (inside shard_map)."""
-    if table.spec.placement != "row":
+    if lay.placement != "row":
         return ids, jnp.ones(ids.shape, bool)
-    s = table.shards
-    return ids // s, ids % s == jax.lax.axis_index(table.axis)
+    return ids // lay.shards, ids % lay.shards == jax.lax.axis_index(lay.axis)
 
 
-def _specs(table: ShardedTable) -> tuple:
+def _specs(lay: _Layout) -> tuple:
     """shard_map specs of the table, its state and the pooled output."""
-    if table.spec.placement == "row":
-        return P(table.axis), (P() if table.optimizer == "sgd" else P(table.axis)), P()
-    return P(None, table.axis), (P(None, table.axis) if table.optimizer == "adagrad" else P()), P(None, table.axis)
+    if lay.placement == "row":
+        return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P()
+    return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), P(None, lay.axis)
 
 
-def _over_shards(table: ShardedTable, fn, in_specs, out_specs):
-    if table.spec.placement == "table":
+def _over_shards(lay: _Layout, fn, in_specs, out_specs):
+    if lay.placement == "table":
         return fn
-    return jax.shard_map(fn, mesh=table.mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.shard_map(fn, mesh=lay.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 @functools.lru_cache(maxsize=None)
-def _pooled_fn(key: tuple, batch: int):
-    table = _KEYS[key]
-    t_spec, _, out_spec = _specs(table)
+def _pooled_fn(lay: _Layout, batch: int):
+    t_spec, _, out_spec = _specs(lay)
+    row = lay.placement == "row"
 
     def shard(t, ids, seg, w):
-        local, mine = _local(ids, table)
-        block = t[0] if table.spec.placement == "row" else t
+        local, mine = _local(ids, lay)
+        block = t[0] if row else t
         rows = jnp.where(mine[:, None], block[local] * w[:, None], 0.0)
         pooled = jax.ops.segment_sum(rows, seg, num_segments=batch)
-        return jax.lax.psum(pooled, table.axis) if table.spec.placement == "row" else pooled
+        return jax.lax.psum(pooled, lay.axis) if row else pooled
 
-    return jax.jit(_over_shards(table, shard, (t_spec, P(), P(), P()), out_spec))
-
-
-_KEYS: dict[tuple, ShardedTable] = {}
-
-
-def _key(table: ShardedTable) -> tuple:
-    """What a compiled lookup or update depends on (not the arrays)."""
-    k = (table.spec, table.mesh, table.axis, table.optimizer, table.owner)
-    _KEYS.setdefault(k, table)
-    return k
+    return jax.jit(_over_shards(lay, shard, (t_spec, P(), P(), P()), out_spec))
 
 
 def lookup(table: ShardedTable, x: Jagged, combiner: str = "sum") -> jax.Array:
     """The pooled embeddings ``[batch, dim]`` of ``x``'s samples (ids checked by the caller:
     :func:`hypertron.embed.check_ids`)."""
     ids, seg, w, b = _prepare(x)
-    pooled = _pooled_fn(_key(table), b)(table.data, ids, seg, w)
+    pooled = _pooled_fn(_layout(table), b)(table.data, ids, seg, w)
     return pooled * _scale(w, seg, b, combiner)[:, None]
 
 
 @functools.lru_cache(maxsize=None)
-def _update_fn(key: tuple, batch: int, dim: int):
-    table = _KEYS[key]
-    t_spec, s_spec, _ = _specs(table)
-    row, opt = table.spec.placement == "row", table.optimizer
-    column = table.spec.placement == "column"
+def _update_fn(lay: _Layout, batch: int, dim: int):
+    t_spec, s_spec, _ = _specs(lay)
+    row, column, opt = lay.placement == "row", lay.placement == "column", lay.optimizer
 
     def shard(t, state, ids, seg, w, scale, grad, lr, eps):
         block = t[0] if row else t
-        local, mine = _local(ids, table)
+        local, mine = _local(ids, lay)
         n, r = ids.shape[0], block.shape[0]
         local = jnp.where(mine & (seg < batch), local, r)  # not this shard's, or padding: row r, dropped
         uniq, inv = jnp.unique(local, size=n, fill_value=r, return_inverse=True)
@@ -218,7 +223,7 @@ def _update_fn(key: tuple, batch: int, dim: int):
             else:
                 sq = jnp.sum(g * g, axis=-1)
                 if column:
-                    sq = jax.lax.psum(sq, table.axis)
+                    sq = jax.lax.psum(sq, lay.axis)
                 acc = st.at[uniq].get(mode="fill", fill_value=0) + sq / dim
                 new = rows - lr * g / (jnp.sqrt(acc) + eps)[:, None]
             st = st.at[uniq].set(acc, mode="drop")
@@ -226,10 +231,9 @@ def _update_fn(key: tuple, batch: int, dim: int):
         block = block.at[uniq].set(new, mode="drop")
         return (block[None] if row else block), new_state
 
-    grad_spec = P(None, table.axis) if column else P()  # column-wise: each shard its columns' gradient
+    grad_spec = P(None, lay.axis) if column else P()  # column-wise: each shard its columns' gradient
     specs = (t_spec, s_spec, P(), P(), P(), P(), grad_spec, P(), P())
-    fn = _over_shards(table, shard, specs, (t_spec, s_spec))
-    return jax.jit(fn, donate_argnums=(0, 1))
+    return jax.jit(_over_shards(lay, shard, specs, (t_spec, s_spec)), donate_argnums=(0, 1))
 
 
 def apply_gradients(table: ShardedTable, x: Jagged, grad_pooled, combiner: str = "sum", *, lr: float,
@@ -238,7 +242,7 @@ def apply_gradients(table: ShardedTable, x: Jagged, grad_pooled, combiner: str =
     with respect to ``lookup(table, x, combiner)`` (``[batch, dim]``). The old arrays are donated."""
     ids, seg, w, b = _prepare(x)
     state = table.state if table.state is not None else jnp.zeros((), jnp.float32)
-    fn = _update_fn(_key(table), b, table.spec.dim)
+    fn = _update_fn(_layout(table), b, table.spec.dim)
     data, state = fn(table.data, state, ids, seg, w, _scale(w, seg, b, combiner), jnp.asarray(grad_pooled),
                      jnp.float32(lr), jnp.float32(eps))
     return dataclasses.replace(table, data=data, state=None if table.state is None else state)
@@ -246,11 +250,11 @@ def apply_gradients(table: ShardedTable, x: Jagged, grad_pooled, combiner: str =
 
 def reference_lookup(values: np.ndarray, x: Jagged, combiner: str = "sum") -> np.ndarray:
     """The same pooling in float64 numpy on one unsharded table: the oracle for tests."""
-    m, _ = _reference_scales(x, combiner)
+    m = _reference_pooling(x, combiner)
     return m @ values[:m.shape[1]].astype(np.float64)
 
 
-def _reference_scales(x: Jagged, combiner: str) -> tuple[np.ndarray, None]:
+def _reference_pooling(x: Jagged, combiner: str) -> np.ndarray:
     """``[batch, rows used]`` as a dense pooling matrix over the table's rows (float64)."""
     rows = int(np.max(x.values)) + 1 if len(x.values) else 1
     m = np.zeros((x.batch, rows))
@@ -261,14 +265,14 @@ def _reference_scales(x: Jagged, combiner: str) -> tuple[np.ndarray, None]:
         start += n
         div = {"sum": 1.0, "mean": w.sum(), "sqrtn": math.sqrt((w * w).sum())}[combiner] if n else 0.0
         np.add.at(m[i], ids, w / div if div else 0.0)
-    return m, None
+    return m
 
 
 def reference_update(values: np.ndarray, state: np.ndarray | None, x: Jagged, grad_pooled: np.ndarray,
                      combiner: str, optimizer: str, lr: float, eps: float = 1e-8):
     """One optimiser step on the whole table with its dense gradient, in float64 numpy: untouched
     rows have a zero gradient, so it changes exactly the rows the batch touched."""
-    m, _ = _reference_scales(x, combiner)
+    m = _reference_pooling(x, combiner)
     grad = np.zeros(values.shape)
     grad[:m.shape[1]] = m.T @ np.asarray(grad_pooled, np.float64)
     touched = np.zeros(values.shape[0], bool)
