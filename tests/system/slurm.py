@@ -42,7 +42,7 @@ SlurmdUser=root
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.socket
+AuthInfo=socket={root}/munge.socket,cred_expire=20
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
@@ -56,6 +56,7 @@ SwitchType=switch/none
 MpiDefault=none
 LaunchParameters=use_interactive_step
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -115,11 +116,15 @@ class LocalSlurm:
         while not ready():
             dead = [p for p in self.procs if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.root.glob("*.log"))
-                                 + sorted(self.root.glob("*.out")))
+                logs = self.logs()
                 self.stop()
                 raise RuntimeError(f"the test Slurm did not start ({what}):\n{logs}")
             time.sleep(0.2)
+
+    def logs(self, chars: int = 1500) -> str:
+        """The end of each daemon's log, for a failure's message."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+                         for p in sorted(self.root.glob("*.log")) + sorted(self.root.glob("*.out")))
 
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True, timeout=30)
