@@ -1,11 +1,12 @@
 # make demo: venv, install, train the tiny model on the embedded corpus (CPU), generate.
 # make test: install the test extras (and, as root, the Debian packages some tests start) and run the suite.
+# make embed-bench-deps: bench/embed.py's peer, TorchRec on CPU torch, into the venv.
 # make gpu-wheels: the cp312 wheels the GPU machines lack, into .whl/, checked (bench/gpu_wheels.py).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test gpu-wheels clean
+.PHONY: demo test embed-bench-deps gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,12 @@ SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium slurmctld=slurm-wlm m
 test: $(VENV)/.test-installed
 	@sh tests/system/install.sh $(SYSTEM_PACKAGES)
 	$(BIN)/python -m pytest -n 3 --dist worksteal --durations=15
+
+# torchrec 1.9.2 asks for fbgemm-gpu, the CUDA build, which does not load on CPU torch: it and
+# fbgemm-gpu-cpu go in without their dependencies, which the embed-bench extra lists instead.
+embed-bench-deps: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[embed-bench]"
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.9.2 fbgemm-gpu-cpu==1.8.0
 
 gpu-wheels: $(VENV)/.installed
 	$(BIN)/python bench/gpu_wheels.py --dest .whl

@@ -166,6 +166,54 @@ def cmd_monitor(args: argparse.Namespace) -> int:
                 return 1 if rep.alarms else 0
 
 
+def cmd_embed_plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import yaml
+    from rich.console import Console
+
+    from hypertron.config import ConfigError
+    from hypertron.embed import plan as planner
+    from hypertron.models.hardware import HARDWARE, host_memory_per_device
+
+    path = Path(args.spec)
+    if not path.is_file():
+        raise ConfigError(f"{args.spec}: no such file")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{args.spec}: not YAML ({str(e).splitlines()[0]})") from None
+    tables, features, per, batch = planner.load(doc, args.spec)
+    if args.batch is not None:
+        batch = args.batch
+    if args.hardware not in HARDWARE:
+        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
+    hw = HARDWARE[args.hardware]
+    devices = args.devices or hw.per_node
+    memory = args.device_memory or hw.memory or host_memory_per_device(devices)
+    p = planner.plan(tables, features, per, shards=devices, batch=batch, device_bytes=int(memory))
+    if args.json:
+        print(json.dumps(planner.to_json(p), indent=1))
+    else:
+        Console(soft_wrap=True).print(planner.render(p))
+    return 0 if p.fits else 1
+
+
+def _bytes_arg(text: str) -> int:
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6,
+             "gb": 1e9, "tb": 1e12}
+    number = text.rstrip("bBkKmMgGtTiI ")
+    unit = text[len(number):].strip().lower()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a size (e.g. 80GB, 16GiB, 1e9)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return int(value)
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from hypertron.data.pretokenize import tokenize_corpus
 
@@ -645,6 +693,24 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
                     help="--serve: how often the page updates (default %(default)s)")
     mo.set_defaults(func=cmd_monitor)
+
+    em = sub.add_parser("embed", help="sharded embedding tables")
+    ema = em.add_subparsers(dest="action", required=True)
+    ep = ema.add_parser(
+        "plan", help="where each embedding table goes over the devices, and why",
+        description="Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) "
+        "table-wise, row-wise or column-wise over the devices: bytes held per device, ids and bytes exchanged "
+        "per step, the reason for each choice. A table's placement set in the file is kept. Exit 1 when the "
+        "tables do not fit.")
+    ep.add_argument("spec", metavar="SPEC.yaml")
+    ep.add_argument("--hardware", default="h100", help="the device, for its memory (default %(default)s; "
+                    "cpu: this host's memory shared by the devices)")
+    ep.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    ep.add_argument("--device-memory", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="memory per device for the tables (e.g. 60GB), in place of the hardware's")
+    ep.add_argument("--batch", type=int, default=None, metavar="N", help="samples per step, in place of the file's")
+    ep.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ep.set_defaults(func=cmd_embed_plan)
 
     k = sub.add_parser(
         "tokenize", help="pre-tokenise a corpus for data.source=tokens",

@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from hypertron import cli
+from hypertron.embed.route import PAD
 from hypertron.embed import (
     COMBINERS, EmbedError, FeatureSpec, Jagged, TableSpec, apply_gradients, check_ids, check_specs, lookup,
-    reference_lookup, reference_update, restore_tables, save_tables, shard_table,
+    reference_lookup, reference_update, restore_tables, route, save_tables, shard_table,
 )
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +82,17 @@ def test_two_features_share_a_table(mesh):
     ([TableSpec("a", 10, 8, placement="diagonal")], [], "table 'a': placement='diagonal': must be one of"),
     ([TableSpec("a", 10, 8)], [FeatureSpec("f", "a", "max")], "feature 'f': combiner='max': must be one of"),
     ([TableSpec("a", 0, 8)], [], "table 'a': rows=0, dim=8: both must be positive"),
+    ([TableSpec("a", 10, 8, optimizer="adam")], [], "table 'a': optimizer='adam': must be one of"),
+    # 1 GiB devices: 2^27 rows x 8 float32 is 4 GiB whole, 0.5 GiB row-wise over 8, 0.625 GiB with
+    # row-wise Adagrad's accumulator, 1 GiB with Adagrad's (a value per value): it fits, just.
+    ([TableSpec("a", 2**27, 8, placement="table")], [], "table 'a': 134217728 x 8 with sgd needs 4 GiB on a device "
+                                                          "table-wise over 8 devices, more than a device's 1 GiB"),
+    ([TableSpec("a", 2**27, 8, optimizer="adagrad"), TableSpec("b", 2**27 + 8, 8, optimizer="adagrad")], [],
+     "table 'b': 134217736 x 8 with adagrad needs 1 GiB on a device row-wise"),
 ])
 def test_bad_specs_are_one_line_naming_the_feature_or_table(tables, features, message):
     with pytest.raises(EmbedError, match=message.replace("(", r"\(")) as e:
-        check_specs(tables, features, shards=8)
+        check_specs(tables, features, shards=8, device_bytes=2**30)
     assert "\n" not in str(e.value)
 
 
@@ -129,9 +146,9 @@ def test_the_update_step_needs_no_table_sized_temporary_and_updates_in_place(mes
     spec = TableSpec("big", rows=100_000, dim=64, placement=placement)
     table = shard_table(np.zeros((spec.rows, spec.dim), np.float32), spec, mesh, "x", optimizer="rowwise_adagrad")
     x = Jagged(np.random.default_rng(0).integers(0, spec.rows, 1000), np.full(100, 10))
-    ids, seg, w, b = tables._prepare(x)
-    compiled = tables._update_fn(tables._layout(table), b, spec.dim).lower(
-        table.data, table.state, ids, seg, w, tables._scale(w, seg, b, "sum"), np.zeros((b, spec.dim), np.float32),
+    r = route(spec, x, "sum", 8)
+    compiled = tables._update_fn(tables._layout(table), r.per_device, spec.dim).lower(
+        table.data, table.state, *r.arrays(), np.zeros((r.padded_batch, spec.dim), np.float32),
         np.float32(0.1), np.float32(1e-8)).compile()
     memory = compiled.memory_analysis()
     table_bytes = spec.rows * spec.dim * 4
@@ -167,3 +184,120 @@ def test_saved_row_wise_on_8_shards_restores_on_4_and_table_wise_identical(mesh,
                 assert len(t.data.sharding.device_set) == 4
     with pytest.raises(EmbedError, match=r"table 'a': saved as 37 x 16, asked for 38 x 16"):
         restore_tables(tmp_path / "emb", {"a": TableSpec("a", 38, 16)}, mesh, "x")
+
+
+def test_row_wise_ids_go_to_their_owners_and_the_pooled_rows_come_back_split_by_samples(mesh):
+    """The compiled row-wise lookup sends ids with an all-to-all and sums the partial poolings with
+    a reduce-scatter; its output is split by samples over the axis, as a data-parallel model
+    holds its batch. The buffers are sized from the data: the most ids one device sends one
+    owner, to a power of two."""
+    spec = TableSpec("t", rows=64, dim=8)
+    table = shard_table(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), spec, mesh, "x")
+    # 16 samples, 2 per device; device 0's samples hold ids 0, 8, ..., 72 % 64: all owned by shard 0.
+    lengths = np.full(16, 3)
+    values = np.concatenate([np.array([0, 8, 16, 24, 32, 40]), np.random.default_rng(0).integers(0, 64, 42)])
+    x = Jagged(values, lengths)
+    r = route(spec, x, "sum", 8)
+    assert r.slot.shape == (8, 8, 8) and r.per_device == 2 and r.dropped == 0  # 6 ids from 0 to 0: capacity 8
+    # Each owner reads the step's distinct rows it holds once: its list has each of them, once.
+    for owner in range(8):
+        mine = r.uniq[owner][r.uniq[owner] != PAD]
+        assert sorted(mine * 8 + owner) == sorted(set(values[values % 8 == owner])), owner
+    pooled = lookup(table, r)
+    assert pooled.sharding.spec == P("x") and pooled.shape == (16, 8)
+    np.testing.assert_allclose(np.asarray(pooled), reference_lookup(table.dense()[0], x), rtol=1e-6)
+    tables = importlib.import_module("hypertron.embed.tables")
+    hlo = tables._pooled_fn(tables._layout(table), 2).lower(table.data, *r.arrays()).as_text()
+    assert "all_to_all" in hlo and "reduce_scatter" in hlo and "all_reduce" not in hlo
+
+
+def test_a_fixed_capacity_that_a_batch_overflows_raises_or_drops_and_counts(mesh):
+    spec = TableSpec("t", rows=64, dim=8)
+    values = np.random.default_rng(4).normal(size=(64, 8)).astype(np.float32)
+    table = shard_table(values, spec, mesh, "x", optimizer="rowwise_adagrad")
+    # Device 0 (samples 0 and 1) sends ids 0, 8, 16, 24, 32 to shard 0: 5 ids, the capacity 4.
+    x = Jagged(np.array([0, 8, 16, 24, 32, 1, 2, 3, 4, 5]), np.array([3, 2, 1, 1, 1, 1, 1] + [0] * 9))
+    with pytest.raises(EmbedError) as e:
+        lookup(table, x, "mean", capacity=4)
+    assert str(e.value) == ("feature 't': 5 ids go from one device to one shard of table 't' in this batch, past the "
+                            "buffer's capacity=4: raise it, leave it unset to size it from the data, or set "
+                            "overflow='drop' to drop and count them")
+    r = route(spec, x, "mean", 8, capacity=4, overflow="drop")
+    assert r.dropped == 1 and r.capacity == 4
+    # the last of device 0's ids to shard 0 dropped:
+    kept = Jagged(np.array([0, 8, 16, 24, 1, 2, 3, 4, 5]), np.array([3, 1, 1, 1, 1, 1, 1] + [0] * 9))
+    np.testing.assert_allclose(np.asarray(lookup(table, r)), reference_lookup(values, kept, "mean"), rtol=1e-6)
+    grad = np.ones((16, 8), np.float32)
+    want, _ = reference_update(values, np.zeros(64), kept, grad, "mean", "rowwise_adagrad", lr=0.1)
+    np.testing.assert_allclose(apply_gradients(table, r, grad, lr=0.1).dense()[0], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(EmbedError, match="overflow='ignore': must be one of raise, drop"):
+        route(spec, x, "sum", 8, capacity=4, overflow="ignore")
+
+
+def test_a_table_larger_than_a_device_is_refused_before_it_is_copied(mesh, monkeypatch):
+    tables = importlib.import_module("hypertron.embed.tables")
+    monkeypatch.setattr(tables, "device_memory", lambda device: 1000)
+    spec = TableSpec("t", rows=64, dim=8, placement="table")  # 2,048 bytes
+    with pytest.raises(EmbedError, match=r"^table 't': needs 2 KiB on a device table-wise over 8 devices, "
+                                         r"more than a device's 1000 B$"):
+        shard_table(np.zeros((64, 8), np.float32), spec, mesh, "x")
+    shard_table(np.zeros((64, 8), np.float32), dataclasses.replace(spec, placement="row"), mesh, "x")  # 256 bytes
+
+
+PLAN_SPEC = """\
+batch: 100
+tables:
+  - {name: big, rows: 1000000, dim: 60}                    # 240 MB whole: split; 8 does not divide 60
+  - {name: wide, rows: 600000, dim: 64}                    # 153.6 MB whole: split
+  - {name: small, rows: 1000, dim: 64}                     # 256 kB: table-wise
+  - {name: tiny, rows: 10, dim: 8}
+  - {name: pinned, rows: 10, dim: 8, placement: row, optimizer: rowwise_adagrad}
+features:
+  - {name: a, table: big, ids_per_sample: 10}
+  - {name: b, table: wide}
+  - {name: c, table: small, ids_per_sample: 2.5}
+"""
+
+
+def test_the_planner_places_each_table_by_its_rule_with_hand_computed_figures(tmp_path, capsys):
+    """1 GB devices, 8 of them: a table of at most 125 MB goes table-wise, onto the emptiest
+    device; a larger one is split the way that exchanges fewer bytes per step; a placement set
+    by hand is kept. Every figure below is worked out by hand from docs/embeddings.md's formulas."""
+    (tmp_path / "spec.yaml").write_text(PLAN_SPEC)
+    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
+                          "--device-memory", "1GB", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    got = {t["table"]: (t["placement"], t["owner"], t["bytes_held"], t["ids_per_step"], t["bytes_exchanged_per_step"])
+           for t in plan["tables"]}
+    # big: N = 1,000 ids, P = 100 pooled rows of 60: row-wise (12 * 1000 / 8 + 4 * 100 * 60) * 7 / 8
+    assert got["big"] == ("row", None, 125_000 * 60 * 4, 1000, int((1500 + 24_000) * 7 / 8))
+    # wide: N = 100: row-wise (150 + 25,600) * 7/8 = 22,531; column-wise (1,200 + 3,200) * 7/8 = 3,850
+    assert got["wide"] == ("column", None, 600_000 * 8 * 4, 100, 3850)
+    # the split tables hold 30 MB + 19.2 MB on every device; small (256 kB) then goes to device 0,
+    # tiny (320 B) to device 1, the emptiest then: (12 * 250 + 4 * 100 * 64) * 7/8 = 25,025 on the owner
+    assert got["small"] == ("table", 0, 256_000, 250, 25_025)
+    assert got["tiny"][:3] == ("table", 1, 320) and got["tiny"][3] == 0
+    assert got["pinned"][:2] == ("row", None) and got["pinned"][2] == 2 * (8 + 1) * 4  # 2 rows + their accumulator
+    reasons = {t["table"]: t["reason"] for t in plan["tables"]}
+    assert "column-wise needs 8 to divide dim=60" in reasons["big"] and reasons["pinned"] == "set by hand"
+    assert plan["bytes_per_device"][0] == 30_000_000 + 19_200_000 + 72 + 256_000 and plan["fits"]
+    # Devices of 49.3 MB: device 0 then holds 49.456 MB, over; exit 1 and the table says so.
+    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
+                          "--device-memory", "49.3MB")
+    assert code == 1 and "does not fit: the fullest device (device 0) holds 47.2 MiB of 47 MiB" in out, out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tables: [{name: a, rows: 10, dim: 8, colour: red}]", "table 'a': unknown key 'colour'"),
+    ("tables: [{name: a, rows: 10, dim: 8}]\nfeatures: [{name: f, table: b}]",
+     "feature 'f' reads table 'b', which is not defined"),
+    ("tables: [{name: a, rows: 10, dim: 8, placement: diagonal}]", "table 'a': placement='diagonal'"),
+    ("tables: {a: 1}", "needs a mapping with a list of tables"),
+    ("batch: -3\ntables: []", "batch=-3: must be a positive whole number"),
+    ("tables: [{name: a, rows: 1e6, dim: 8}]", "table 'a': rows and dim must be whole numbers"),
+])
+def test_a_bad_plan_file_is_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "spec.yaml").write_text(text)
+    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"))
+    assert code == 2 and message in err and err.count("\n") == 1, err

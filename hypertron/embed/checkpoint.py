@@ -84,7 +84,8 @@ def restore_tables(directory: str | Path, specs: Mapping[str, TableSpec], mesh: 
             raise EmbedError(f"table {name!r}: saved as {m['rows']} x {m['dim']}, asked for {spec.rows} x {spec.dim}")
         n = _padded_rows(spec.rows, 1)
         split = NamedSharding(mesh, P(axis) if n % s == 0 else P())
-        shapes = {"table": (n, spec.dim), "state": {"rowwise_adagrad": (n,), "adagrad": (n, spec.dim)}.get(m["optimizer"])}
+        state = {"rowwise_adagrad": (n,), "adagrad": (n, spec.dim)}.get(m["optimizer"])
+        shapes = {"table": (n, spec.dim), "state": state}
         abstract[name] = {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=split) for k, v in shapes.items()
                           if v is not None}
     restored = ocp.StandardCheckpointer().restore(directory / "arrays", abstract)
@@ -111,4 +112,5 @@ def _place(arrays: dict, spec: TableSpec, optimizer: str, mesh: Mesh, axis: str,
             arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}
             shard = lambda a: device  # noqa: E731
     placed = {k: jax.jit(relayout, out_shardings=shard(v))(v) for k, v in arrays.items()}
-    return ShardedTable(spec, placed["table"], mesh, axis, optimizer, placed.get("state"), owner % s)
+    return ShardedTable(dataclasses.replace(spec, optimizer=optimizer), placed["table"], mesh, axis, optimizer,
+                        placed.get("state"), owner % s)

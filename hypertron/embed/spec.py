@@ -1,15 +1,16 @@
 """Embedding tables, the features that read them, and their multi-hot input.
 
-A :class:`TableSpec` is one table (``rows`` x ``dim``) and where it lives over the mesh
-(``placement``: ``row``, rows dealt out by id modulo the shard count, as jax-tpu-embedding does;
-``column``, each shard a slice of the dimension; ``table``, the whole table on one device). A :class:`FeatureSpec` names the table it reads
-and how a sample's ids are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features
+A :class:`TableSpec` is one table (``rows`` x ``dim``), its optimiser, and where it lives over
+the mesh (``placement``: ``row``, rows dealt out by id modulo the shard count, as
+jax-tpu-embedding does; ``column``, each shard a slice of the dimension; ``table``, the whole
+table on one device). A :class:`FeatureSpec` names the table it reads and how a sample's ids are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features
 may share a table. A feature's input for a batch is a :class:`Jagged` (TorchRec's
 KeyedJaggedTensor for one key): the ids of every sample one after another (``values``), how many
 each sample has (``lengths``, 0 for an empty sample) and, optionally, a weight per id.
 
 Everything here runs on the host, before anything compiles: :func:`check_specs` (a feature naming
-no table, a column split that does not divide a table's dimension) and :func:`check_ids` (an id
+no table, a column split that does not divide a table's dimension, a table that fits no device
+under its placement) and :func:`check_ids` (an id
 past its table or negative, lengths that do not add up) raise :class:`EmbedError`, one line naming
 the feature or table.
 """
@@ -25,6 +26,7 @@ from hypertron.errors import UserError
 
 COMBINERS = ("sum", "mean", "sqrtn")
 PLACEMENTS = ("row", "column", "table")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 class EmbedError(UserError):
@@ -38,6 +40,18 @@ class TableSpec:
     dim: int
     placement: str = "row"
     init_scale: float | None = None  # normal(0, scale) rows; None: 1 / sqrt(rows)
+    optimizer: str = "sgd"  # sgd, adagrad (a state per value), rowwise_adagrad (one per row)
+
+    def device_bytes(self, shards: int, placement: str | None = None) -> int:
+        """The most bytes one device holds of this table and its optimiser state (float32) under
+        ``placement`` (its own when None) over ``shards`` devices."""
+        placement = placement or self.placement
+        state = {"sgd": 0, "adagrad": self.dim, "rowwise_adagrad": 1}[self.optimizer]
+        if placement == "row":
+            return -(-self.rows // shards) * (self.dim + state) * 4
+        if placement == "column":  # row-wise Adagrad's accumulator is whole on every shard
+            return self.rows * (self.dim // shards + (state // shards if self.optimizer == "adagrad" else state)) * 4
+        return self.rows * (self.dim + state) * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +75,18 @@ class Jagged:
         return len(self.lengths)
 
 
-def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], shards: int) -> dict[str, TableSpec]:
-    """The tables by name, once every spec is usable on ``shards`` devices; else :class:`EmbedError`."""
+def gib(n: float) -> str:
+    """Bytes for people, three figures: 4 GiB, 1.91 KiB, 12 B."""
+    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {name}"
+    return f"{n:.0f} B"
+
+
+def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], shards: int,
+                device_bytes: int | None = None) -> dict[str, TableSpec]:
+    """The tables by name, once every spec is usable on ``shards`` devices of ``device_bytes``
+    each (not checked when None); else :class:`EmbedError`."""
     by_name: dict[str, TableSpec] = {}
     for t in tables:
         if t.name in by_name:
@@ -71,8 +95,14 @@ def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], sh
             raise EmbedError(f"table {t.name!r}: rows={t.rows}, dim={t.dim}: both must be positive")
         if t.placement not in PLACEMENTS:
             raise EmbedError(f"table {t.name!r}: placement={t.placement!r}: must be one of {', '.join(PLACEMENTS)}")
+        if t.optimizer not in OPTIMIZERS:
+            raise EmbedError(f"table {t.name!r}: optimizer={t.optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
         if t.placement == "column" and t.dim % shards:
             raise EmbedError(f"table {t.name!r}: dim={t.dim} does not split into {shards} column shards")
+        if device_bytes is not None and t.device_bytes(shards) > device_bytes:
+            raise EmbedError(f"table {t.name!r}: {t.rows} x {t.dim} with {t.optimizer} needs "
+                             f"{gib(t.device_bytes(shards))} on a device {t.placement}-wise over {shards} devices, "
+                             f"more than a device's {gib(device_bytes)}")
         by_name[t.name] = t
     names = set()
     for f in features:

@@ -9,13 +9,15 @@ A table is laid out for its spec's placement over the ``S`` devices of one mesh 
 - ``column``: every shard holds every row, ``dim / S`` of its columns.
 - ``table``: the whole table on one device of the axis (``owner``).
 
-:func:`lookup` pools each sample's rows. Row-wise it runs in ``shard_map``: each shard gathers the
-ids it owns (the others count zero), pools its part of every sample, and the parts are summed
-over the axis (the reduce step of TorchRec's row-wise sharding; its input step, sending each id to
-its owner with an all-to-all, this version leaves out: every shard sees every id). Column-wise each
-shard gathers and pools its columns, and the result stays split by columns. Table-wise the owner
-does it all. The combiner is applied last: ``sum``; ``mean`` divides by the sample's total weight;
-``sqrtn`` by the square root of its sum of squared weights; an empty sample pools to zeros.
+:func:`lookup` pools each sample's rows, from input laid out on the host by
+:func:`hypertron.embed.route` (each step's distinct rows found there, so each is read once).
+Row-wise it runs in ``shard_map`` with the batch split by samples over the axis: each device sends
+its ids to the shards that own their rows (an all-to-all), each shard pools its part of every
+sample of every device, and a reduce-scatter sums those parts and hands each device its own
+samples (TorchRec's row-wise input and output steps). Column-wise each shard pools its columns of
+every sample, and the result stays split by columns. Table-wise the owner does it all. The
+combiner is applied last: ``sum``; ``mean`` divides by the sample's total weight; ``sqrtn`` by
+the square root of its sum of squared weights; an empty sample pools to zeros.
 
 :func:`apply_gradients` takes the loss's gradient with respect to the pooled embeddings (what
 ``jax.grad`` of the dense part of a model gives) and updates, in place, only the rows the batch
@@ -26,9 +28,8 @@ DLRM-v2's, one accumulator per row: the mean of the squared gradient over the ro
 rows only, its state laid out like the table. No table-sized gradient exists at any point: the
 largest temporary is ``[ids in the batch, dim]``. (A custom VJP could not do this: JAX wants the
 cotangent of a table as large as the table, so the update takes the pooled gradient instead, as
-jax-tpu-embedding does.)
-
-The ids of a batch are padded to a power of two (weight 0), so batches compile to few shapes.
+jax-tpu-embedding does.) Row-wise, the pooled gradient is all-gathered (the transpose of the
+reduce-scatter) and each shard updates its own rows.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from hypertron.embed.spec import Jagged, TableSpec
-
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+from hypertron.embed.route import Routed, route
+from hypertron.embed.spec import OPTIMIZERS, EmbedError, Jagged, TableSpec, gib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +83,33 @@ def _axis_devices(mesh: Mesh, axis: str) -> list:
     return list(devices.reshape(mesh.shape[axis], -1)[:, 0])
 
 
-def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str = "sgd",
+def device_memory(device) -> int:
+    """The bytes a device can hold: its allocator's limit on an accelerator; on a CPU, the host's
+    memory shared by the process's CPU devices."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import psutil
+
+    return psutil.virtual_memory().total // max(len([d for d in jax.local_devices() if d.platform == "cpu"]), 1)
+
+
+def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str | None = None,
                 state: np.ndarray | None = None, owner: int = 0) -> ShardedTable:
     """``values [rows, dim]`` (and the optimiser's ``state``: zeros when None) laid out and placed
-    for ``spec.placement`` over ``axis`` of ``mesh``."""
+    for ``spec.placement`` over ``axis`` of ``mesh``; ``optimizer``: the spec's when None. A table
+    that does not fit a device under its placement is refused before anything is copied."""
     values = np.asarray(values)
+    optimizer = optimizer or spec.optimizer
     if values.shape != (spec.rows, spec.dim):
         raise ValueError(f"table {spec.name!r}: values of shape {values.shape}, spec {(spec.rows, spec.dim)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"table {spec.name!r}: optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+    spec = dataclasses.replace(spec, optimizer=optimizer)
+    need, have = spec.device_bytes(mesh.shape[axis]), device_memory(mesh.devices.flat[0])
+    if need > have:
+        raise EmbedError(f"table {spec.name!r}: needs {gib(need)} on a device {spec.placement}-wise over "
+                         f"{mesh.shape[axis]} devices, more than a device's {gib(have)}")
     if optimizer != "sgd" and state is None:
         state = np.zeros((spec.rows,) if optimizer == "rowwise_adagrad" else (spec.rows, spec.dim), np.float32)
     s = mesh.shape[axis]
@@ -113,28 +131,13 @@ def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, o
                         owner % s)
 
 
-def _prepare(x: Jagged) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Ids, each id's sample and weight, padded to a power of two (id 0, weight 0, sample
-    ``batch``, which pooling drops)."""
-    n, b = len(x.values), x.batch
-    size = 1 << max(n - 1, 0).bit_length()
-    ids = np.zeros(size, np.int32)
-    seg = np.full(size, b, np.int32)
-    w = np.zeros(size, np.float32)
-    ids[:n] = x.values
-    seg[:n] = np.repeat(np.arange(b, dtype=np.int32), x.lengths)
-    w[:n] = 1.0 if x.weights is None else x.weights
-    return ids, seg, w, b
-
-
-def _scale(w: np.ndarray, seg: np.ndarray, b: int, combiner: str) -> np.ndarray:
-    """What each sample's pooled sum is multiplied by."""
-    if combiner == "sum":
-        return np.ones(b, np.float32)
-    per = np.bincount(seg, weights=w if combiner == "mean" else w * w, minlength=b + 1)[:b]
-    if combiner == "sqrtn":
-        per = np.sqrt(per)
-    return np.where(per > 0, 1.0 / np.where(per > 0, per, 1.0), 0.0).astype(np.float32)
+def _routed(table: ShardedTable, x: Jagged | Routed, combiner: str, capacity: int | None, overflow: str) -> Routed:
+    if isinstance(x, Routed):
+        if (x.placement, x.shards) != (table.spec.placement, table.shards):
+            raise ValueError(f"table {table.spec.name!r}: input routed for {x.placement}-wise on {x.shards} shards, "
+                             f"the table is {table.spec.placement}-wise on {table.shards}")
+        return x
+    return route(table.spec, x, combiner, table.shards, capacity=capacity, overflow=overflow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,18 +158,11 @@ def _layout(table: ShardedTable) -> _Layout:
     return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer)
 
 
-def _local(ids, lay: _Layout):
-    """Each id's row in this shard's block, and whether this shard owns it (inside shard_map)."""
-    if lay.placement != "row":
-        return ids, jnp.ones(ids.shape, bool)
-    return ids // lay.shards, ids % lay.shards == jax.lax.axis_index(lay.axis)
-
-
 def _specs(lay: _Layout) -> tuple:
-    """shard_map specs of the table, its state and the pooled output."""
+    """shard_map specs of the table, its state, the routed ids and the pooled output (or its gradient)."""
     if lay.placement == "row":
-        return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P()
-    return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), P(None, lay.axis)
+        return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P(lay.axis), P(lay.axis)
+    return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), P(), P(None, lay.axis)
 
 
 def _over_shards(lay: _Layout, fn, in_specs, out_specs):
@@ -175,76 +171,108 @@ def _over_shards(lay: _Layout, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=lay.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
+def _receive(lay: _Layout, per: int, slot, seg, w):
+    """Row-wise, inside shard_map: the ids this shard owns, from every source device (all-to-all):
+    each one's place in this shard's distinct rows, its sample among the whole padded batch
+    (``S * per`` for padding) and its weight, flat."""
+    s = lay.shards
+    ids = jax.lax.all_to_all(jnp.stack([slot[0], seg[0]]), lay.axis, 1, 1, tiled=True)  # [2, source, capacity]
+    w = jax.lax.all_to_all(w[0], lay.axis, 0, 0, tiled=True)
+    sample = jnp.where(ids[1] < per, jnp.arange(s, dtype=jnp.int32)[:, None] * per + ids[1], s * per)
+    return ids[0].reshape(-1), sample.reshape(-1), w.reshape(-1)
+
+
 @functools.lru_cache(maxsize=None)
-def _pooled_fn(lay: _Layout, batch: int):
-    t_spec, _, out_spec = _specs(lay)
+def _pooled_fn(lay: _Layout, per: int):
+    t_spec, _, in_spec, out_spec = _specs(lay)
     row = lay.placement == "row"
 
-    def shard(t, ids, seg, w):
-        local, mine = _local(ids, lay)
-        block = t[0] if row else t
-        rows = jnp.where(mine[:, None], block[local] * w[:, None], 0.0)
-        pooled = jax.ops.segment_sum(rows, seg, num_segments=batch)
-        return jax.lax.psum(pooled, lay.axis) if row else pooled
+    def shard(t, uniq, slot, seg, w, scale):
+        if row:
+            slot, sample, w = _receive(lay, per, slot, seg, w)
+            t, uniq = t[0], uniq[0]
+        else:
+            sample = seg
+        distinct = t.at[uniq].get(mode="fill", fill_value=0)  # each row the step reads, once
+        vals = distinct[slot] * w[:, None]
+        if row:
+            partial = jax.ops.segment_sum(vals, sample, num_segments=lay.shards * per)
+            pooled = jax.lax.psum_scatter(partial.reshape(lay.shards, per, -1), lay.axis, scatter_dimension=0)
+        else:
+            pooled = jax.ops.segment_sum(vals, sample, num_segments=per)
+        return pooled * scale[:, None]
 
-    return jax.jit(_over_shards(lay, shard, (t_spec, P(), P(), P()), out_spec))
+    scale_spec = in_spec if row else P()
+    return jax.jit(_over_shards(lay, shard, (t_spec, in_spec, in_spec, in_spec, in_spec, scale_spec), out_spec))
 
 
-def lookup(table: ShardedTable, x: Jagged, combiner: str = "sum") -> jax.Array:
+def lookup(table: ShardedTable, x: Jagged | Routed, combiner: str = "sum", *, capacity: int | None = None,
+           overflow: str = "raise") -> jax.Array:
     """The pooled embeddings ``[batch, dim]`` of ``x``'s samples (ids checked by the caller:
-    :func:`hypertron.embed.check_ids`)."""
-    ids, seg, w, b = _prepare(x)
-    pooled = _pooled_fn(_layout(table), b)(table.data, ids, seg, w)
-    return pooled * _scale(w, seg, b, combiner)[:, None]
+    :func:`hypertron.embed.check_ids`), split by samples over the axis row-wise, by columns
+    column-wise, on the owner table-wise. ``x`` may be routed already (:func:`route`), else it
+    is routed here (``capacity``, ``overflow``: as :func:`route` takes them)."""
+    r = _routed(table, x, combiner, capacity, overflow)
+    pooled = _pooled_fn(_layout(table), r.per_device)(table.data, *r.arrays())
+    return pooled if r.padded_batch == r.batch else pooled[:r.batch]
+
+
+def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps):
+    """The optimiser on the distinct rows ``uniq`` (padding: past the block), with their
+    gradients ``g``; ``block`` and ``st`` updated in place."""
+    rows = block.at[uniq].get(mode="fill", fill_value=0)
+    if lay.optimizer == "sgd":
+        return block.at[uniq].set(rows - lr * g, mode="drop"), st
+    if lay.optimizer == "adagrad":
+        acc = st.at[uniq].get(mode="fill", fill_value=0) + g * g
+        new = rows - lr * g / (jnp.sqrt(acc) + eps)
+    else:
+        sq = jnp.sum(g * g, axis=-1)
+        if lay.placement == "column":
+            sq = jax.lax.psum(sq, lay.axis)
+        acc = st.at[uniq].get(mode="fill", fill_value=0) + sq / dim
+        new = rows - lr * g / (jnp.sqrt(acc) + eps)[:, None]
+    return block.at[uniq].set(new, mode="drop"), st.at[uniq].set(acc, mode="drop")
 
 
 @functools.lru_cache(maxsize=None)
-def _update_fn(lay: _Layout, batch: int, dim: int):
-    t_spec, s_spec, _ = _specs(lay)
-    row, column, opt = lay.placement == "row", lay.placement == "column", lay.optimizer
+def _update_fn(lay: _Layout, per: int, dim: int):
+    t_spec, s_spec, in_spec, grad_spec = _specs(lay)
+    row = lay.placement == "row"
 
-    def shard(t, state, ids, seg, w, scale, grad, lr, eps):
-        block = t[0] if row else t
-        local, mine = _local(ids, lay)
-        n, r = ids.shape[0], block.shape[0]
-        local = jnp.where(mine & (seg < batch), local, r)  # not this shard's, or padding: row r, dropped
-        uniq, inv = jnp.unique(local, size=n, fill_value=r, return_inverse=True)
-        g_id = jnp.take(grad, seg, axis=0, mode="fill", fill_value=0) * (w * jnp.take(scale, seg, mode="fill",
-                                                                                        fill_value=0))[:, None]
-        g = jax.ops.segment_sum(g_id, inv.reshape(-1), num_segments=n)  # one gradient per distinct row
-        rows = block.at[uniq].get(mode="fill", fill_value=0)
-        if opt == "sgd":
-            new, new_state = rows - lr * g, state
+    def shard(t, state, uniq, slot, seg, w, scale, grad, lr, eps):
+        g = grad * scale[:, None]
+        if row:  # every sample's gradient where its ids' rows live: the transpose of the scatter
+            g = jax.lax.all_gather(g, lay.axis, tiled=True)
+            slot, sample, w = _receive(lay, per, slot, seg, w)
+            block, st, uniq = t[0], (None if state.ndim == 0 else state[0]), uniq[0]
         else:
-            st = state[0] if row else state
-            if opt == "adagrad":
-                acc = st.at[uniq].get(mode="fill", fill_value=0) + g * g
-                new = rows - lr * g / (jnp.sqrt(acc) + eps)
-            else:
-                sq = jnp.sum(g * g, axis=-1)
-                if column:
-                    sq = jax.lax.psum(sq, lay.axis)
-                acc = st.at[uniq].get(mode="fill", fill_value=0) + sq / dim
-                new = rows - lr * g / (jnp.sqrt(acc) + eps)[:, None]
-            st = st.at[uniq].set(acc, mode="drop")
-            new_state = st[None] if row else st
-        block = block.at[uniq].set(new, mode="drop")
-        return (block[None] if row else block), new_state
+            sample, block, st = seg, t, state
+        g_id = jnp.take(g, sample, axis=0, mode="fill", fill_value=0) * w[:, None]
+        g_row = jax.ops.segment_sum(g_id, slot, num_segments=uniq.shape[0])  # one gradient per distinct row
+        block, st = _apply(lay, dim, block, st, uniq, g_row, lr, eps)
+        if st is None:
+            st = state
+        elif row:
+            st = st[None]
+        return (block[None] if row else block), st
 
-    grad_spec = P(None, lay.axis) if column else P()  # column-wise: each shard its columns' gradient
-    specs = (t_spec, s_spec, P(), P(), P(), P(), grad_spec, P(), P())
+    scale_spec = in_spec if row else P()
+    specs = (t_spec, s_spec, in_spec, in_spec, in_spec, in_spec, scale_spec, grad_spec, P(), P())
     return jax.jit(_over_shards(lay, shard, specs, (t_spec, s_spec)), donate_argnums=(0, 1))
 
 
-def apply_gradients(table: ShardedTable, x: Jagged, grad_pooled, combiner: str = "sum", *, lr: float,
-                    eps: float = 1e-8) -> ShardedTable:
+def apply_gradients(table: ShardedTable, x: Jagged | Routed, grad_pooled, combiner: str = "sum", *, lr: float,
+                    eps: float = 1e-8, capacity: int | None = None, overflow: str = "raise") -> ShardedTable:
     """``table`` after one optimiser step on the rows ``x`` touched, from the gradient of the loss
     with respect to ``lookup(table, x, combiner)`` (``[batch, dim]``). The old arrays are donated."""
-    ids, seg, w, b = _prepare(x)
+    r = _routed(table, x, combiner, capacity, overflow)
+    grad = jnp.asarray(grad_pooled)
+    if r.padded_batch != r.batch:
+        grad = jnp.pad(grad, ((0, r.padded_batch - r.batch), (0, 0)))
     state = table.state if table.state is not None else jnp.zeros((), jnp.float32)
-    fn = _update_fn(_layout(table), b, table.spec.dim)
-    data, state = fn(table.data, state, ids, seg, w, _scale(w, seg, b, combiner), jnp.asarray(grad_pooled),
-                     jnp.float32(lr), jnp.float32(eps))
+    fn = _update_fn(_layout(table), r.per_device, table.spec.dim)
+    data, state = fn(table.data, state, *r.arrays(), grad, jnp.float32(lr), jnp.float32(eps))
     return dataclasses.replace(table, data=data, state=None if table.state is None else state)
 
 

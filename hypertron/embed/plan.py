@@ -1,0 +1,203 @@
+"""Where each embedding table goes: a small planner that says why (``hypertron embed plan``).
+
+For each table it weighs the bytes a device holds (the table and its optimiser state, float32)
+against the bytes a device exchanges per step, with the batch's ids spread over the ``S``
+devices by samples (as a data-parallel model holds them). Per table, with ``N`` ids and ``P``
+pooled rows of ``dim`` per step (all features reading it), an id costs 12 bytes (its row, its
+sample, its weight) and a pooled value 4:
+
+- ``table``: one device holds it all. Its owner receives the ids of the other devices and sends
+  them their pooled rows: ``(12 N + 4 P dim) (S - 1) / S`` on the owner, nothing elsewhere.
+- ``row``: every device holds ``1 / S`` of the rows. Each sends its ids to their owners and
+  takes part in the reduce-scatter of the partial poolings: ``(12 N / S + 4 P dim) (S - 1) / S``
+  on every device.
+- ``column``: every device holds ``1 / S`` of the columns of every row. Each receives every id
+  and sends its columns of the other devices' samples: ``(12 N + 4 P dim / S) (S - 1) / S``.
+
+The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise (no partial
+sums, ``S`` times less traffic than splitting it), onto the device that holds the fewest bytes
+so far, largest tables first; a larger one is split, row-wise or column-wise, whichever
+exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
+hand is kept. The plan fits when every device's total is within its memory.
+
+The exchange figures are this model's, for the input pipeline the module is built for; they are
+not measured (``bench/embed.py`` measures lookups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from hypertron.embed.spec import PLACEMENTS, EmbedError, FeatureSpec, TableSpec, check_specs, gib
+
+ID_BYTES = 12
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    table: TableSpec           # with the chosen placement
+    owner: int | None          # table-wise: the device
+    held: int                  # bytes on each device that holds part of it (table-wise: the owner)
+    ids: int                   # ids looked up per step
+    exchanged: int             # bytes through the busiest device per step (modelled)
+    reason: str
+    by_hand: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    shards: int
+    batch: int
+    device_bytes: int
+    choices: list[Choice]
+    per_device: list[int]      # bytes held per device
+
+    @property
+    def fits(self) -> bool:
+        return max(self.per_device) <= self.device_bytes
+
+
+def exchanged(spec: TableSpec, placement: str, shards: int, ids: int, pooled: int) -> int:
+    """Bytes one device (the busiest) exchanges per step for ``spec`` under ``placement``."""
+    s, d = shards, spec.dim
+    per = {"table": ID_BYTES * ids + 4 * pooled * d,
+           "row": ID_BYTES * ids / s + 4 * pooled * d,
+           "column": ID_BYTES * ids + 4 * pooled * d / s}[placement]
+    return int(per * (s - 1) / s)
+
+
+def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_sample: Mapping[str, float], *,
+         shards: int, batch: int, device_bytes: int) -> Plan:
+    """A placement for every table whose ``placement`` is ``auto`` (the others are kept), with
+    bytes held and exchanged per device and the reason. ``ids_per_sample``: by feature, the mean."""
+    if shards < 1 or batch < 1 or device_bytes < 1:
+        raise EmbedError(f"devices={shards}, batch={batch}, device memory={device_bytes}: all must be positive")
+    by_hand = {t.name for t in tables if t.placement != AUTO}
+    check_specs([t if t.placement != AUTO else dataclasses.replace(t, placement="row") for t in tables],
+                features, shards)
+    for f in features:
+        if ids_per_sample.get(f.name, 1.0) < 0:
+            raise EmbedError(f"feature {f.name!r}: ids_per_sample={ids_per_sample[f.name]}: must not be negative")
+    ids = {t.name: 0.0 for t in tables}
+    pooled = {t.name: 0 for t in tables}
+    for f in features:
+        ids[f.table] += batch * ids_per_sample.get(f.name, 1.0)
+        pooled[f.table] += batch
+    held = [0] * shards
+    choices: dict[str, Choice] = {}
+    share = device_bytes / shards
+
+    def cost(t: TableSpec, placement: str) -> int:
+        return exchanged(t, placement, shards, int(ids[t.name]), pooled[t.name])
+
+    whole = []
+    for t in sorted(tables, key=lambda t: -t.device_bytes(1, "table")):
+        n, size = int(ids[t.name]), t.device_bytes(1, "table")
+        if t.name in by_hand:
+            if t.placement != "table":
+                choices[t.name] = Choice(t, None, t.device_bytes(shards), n, cost(t, t.placement), "set by hand", True)
+            else:
+                whole.append((t, "set by hand"))
+            continue
+        if shards == 1 or size <= share:
+            whole.append((t, "one device" if shards == 1 else f"{gib(size)} whole, at most 1/{shards} of a device: "
+                             f"no partial sums, and {shards} times less traffic than split"))
+            continue
+        row, column = cost(t, "row"), cost(t, "column")
+        split = f"{gib(size)} whole, more than 1/{shards} of a device"
+        if t.dim % shards == 0 and column < row:
+            placement = "column"
+            why = f"{split}; column-wise exchanges {gib(column)} a step, row-wise {gib(row)}"
+        else:
+            placement = "row"
+            why = f"{split}; row-wise exchanges {gib(row)} a step" + (
+                f", column-wise {gib(column)}" if t.dim % shards == 0 else
+                f" (column-wise needs {shards} to divide dim={t.dim})")
+        t = dataclasses.replace(t, placement=placement)
+        choices[t.name] = Choice(t, None, t.device_bytes(shards), n, cost(t, placement), why, False)
+    for c in choices.values():
+        held = [h + c.held for h in held]
+    for t, why in whole:  # largest first, each onto the device holding the fewest bytes so far
+        owner = min(range(shards), key=lambda d: held[d])
+        t = dataclasses.replace(t, placement="table")
+        held[owner] += t.device_bytes(shards)
+        choices[t.name] = Choice(t, owner, t.device_bytes(shards), int(ids[t.name]), cost(t, "table"), why,
+                                 t.name in by_hand)
+    return Plan(shards, batch, device_bytes, [choices[t.name] for t in tables], held)
+
+
+def load(doc: object, where: str = "the plan's file") -> tuple[list[TableSpec], list[FeatureSpec], dict, int]:
+    """Tables, features, ids per sample and batch from a parsed YAML/JSON document::
+
+        batch: 4096
+        tables: [{name: items, rows: 40000000, dim: 128, optimizer: rowwise_adagrad, placement: auto}]
+        features: [{name: clicked, table: items, combiner: sum, ids_per_sample: 20}]
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("tables"), list):
+        raise EmbedError(f"{where}: needs a mapping with a list of tables (and features, batch)")
+    unknown = set(doc) - {"batch", "tables", "features"}
+    if unknown:
+        raise EmbedError(f"{where}: unknown key {sorted(unknown)[0]!r} (batch, tables, features)")
+
+    def build(cls, item: object, extra: tuple[str, ...], kind: str):
+        if not isinstance(item, dict):
+            raise EmbedError(f"{where}: a {kind} must be a mapping, not {item!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = set(item) - fields - set(extra)
+        if bad:
+            raise EmbedError(f"{where}: {kind} {item.get('name', '?')!r}: unknown key {sorted(bad)[0]!r} "
+                             f"({', '.join(sorted(fields | set(extra)))})")
+        try:
+            return cls(**{k: v for k, v in item.items() if k in fields})
+        except TypeError as e:
+            raise EmbedError(f"{where}: {kind} {item.get('name', '?')!r}: {e}") from None
+
+    tables = [build(TableSpec, dict({"placement": AUTO}, **t) if isinstance(t, dict) else t, (), "table")
+              for t in doc["tables"]]
+    for t in tables:
+        if t.placement not in (*PLACEMENTS, AUTO):
+            raise EmbedError(f"table {t.name!r}: placement={t.placement!r}: must be one of "
+                             f"{', '.join((*PLACEMENTS, AUTO))}")
+        if not isinstance(t.rows, int) or not isinstance(t.dim, int):
+            raise EmbedError(f"table {t.name!r}: rows and dim must be whole numbers")
+    features = [build(FeatureSpec, f, ("ids_per_sample",), "feature") for f in doc.get("features") or []]
+    per = {f["name"]: float(f.get("ids_per_sample", 1)) for f in doc.get("features") or [] if "name" in f}
+    batch = doc.get("batch", 1)
+    if not isinstance(batch, int) or batch < 1:
+        raise EmbedError(f"{where}: batch={batch!r}: must be a positive whole number")
+    return tables, features, per, batch
+
+
+def to_json(p: Plan) -> dict:
+    return {"devices": p.shards, "batch": p.batch, "device_bytes": p.device_bytes, "fits": p.fits,
+            "bytes_per_device": p.per_device,
+            "tables": [{"table": c.table.name, "rows": c.table.rows, "dim": c.table.dim,
+                        "optimizer": c.table.optimizer, "placement": c.table.placement, "owner": c.owner,
+                        "bytes_held": c.held, "ids_per_step": c.ids, "bytes_exchanged_per_step": c.exchanged,
+                        "reason": c.reason, "by_hand": c.by_hand} for c in p.choices]}
+
+
+def render(p: Plan):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(f"{len(p.choices)} tables over {p.shards} devices of {gib(p.device_bytes)}, batch {p.batch}",
+                style="bold")
+    t = Table(show_edge=False)
+    for col in ("table", "rows x dim", "placement", "held / device", "ids / step", "exchanged / step"):
+        t.add_column(col, justify="left" if col in ("table", "placement") else "right")
+    why = []
+    for c in p.choices:
+        where = c.table.placement + (f" (device {c.owner})" if c.owner is not None else "")
+        t.add_row(c.table.name, f"{c.table.rows:,} x {c.table.dim}", where, gib(c.held), f"{c.ids:,}",
+                  gib(c.exchanged))
+        why.append(Text(f"{c.table.name}: {c.reason}"))
+    most = max(range(p.shards), key=lambda d: p.per_device[d])
+    verdict = Text(f"{'fits' if p.fits else 'does not fit'}: the fullest device (device {most}) holds "
+                   f"{gib(p.per_device[most])} of {gib(p.device_bytes)}; the emptiest "
+                   f"{gib(min(p.per_device))}", style="green" if p.fits else "bold red")
+    note = Text("exchanged: bytes through the busiest device per step, modelled (docs/embeddings.md)", style="dim")
+    return Group(head, t, *why, verdict, note)

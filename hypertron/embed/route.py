@@ -1,0 +1,148 @@
+"""Routing a feature's ids to the devices that own their rows, on the host, before a step.
+
+Row-wise, the batch is split by samples over the ``S`` devices of the axis, as a data-parallel
+model holds it: device ``d`` has samples ``d * b`` to ``(d + 1) * b - 1`` (``b = ceil(batch / S)``;
+the batch is padded with empty samples to ``S * b``). Each id goes to the shard that owns its row
+(``id % S``). :func:`route` lays the ids out as the all-to-all sends them: ``[S source devices,
+S owners, capacity]``, each entry the id's place in its owner's list of distinct rows, its sample
+within the source's ``b`` and its weight; unused entries are padding (sample ``b``, weight 0).
+Duplicates are found here, on the host, where sorting is cheap: each owner gets the distinct rows
+of the whole step (``uniq``), reads each once and, in an update, sums each row's gradients into
+one before its optimiser step. (This needs the whole step's ids in one process, as now: a
+multi-process input pipeline would route per process and merge duplicates on the owner.)
+
+The capacity, the most ids one device sends to one owner in a step, is sized from the data: the
+largest count in this batch, rounded up to a power of two (at least 8) so that steps compile to
+few shapes. A fixed ``capacity`` (to keep one compiled shape) that a batch overflows is never
+silent: by default it raises :class:`EmbedError` naming the feature and the count needed; with
+``overflow="drop"`` the ids past it are dropped (the first ``capacity`` of each source and owner
+kept) and counted in :attr:`Routed.dropped`, and the combiners' scales use the ids kept.
+
+Column-wise and table-wise, every shard (or the owner) reads every id: one flat list, padded to a
+power of two, of places in the step's distinct ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hypertron.embed.spec import EmbedError, Jagged, TableSpec
+
+OVERFLOW = ("raise", "drop")
+MIN_CAPACITY = 8
+PAD = 2**31 - 1  # a row past any table: read as zeros, never written
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """One feature's batch laid out for one table's placement over ``shards`` devices.
+
+    ``uniq`` holds the distinct rows the batch reads, so each is read (and updated) once: row-wise
+    ``[S owners, U]``, each owner's rows within its block; otherwise ``[U]``, the ids. Padding is
+    ``PAD``, past any table. Row-wise ``slot``, ``seg`` and ``w`` are ``[S source devices, S
+    owners, capacity]``: each id's place in its owner's ``uniq``, its sample on the source device
+    (``per_device`` for padding) and its weight (0 for padding). Otherwise they are ``[n]``: the
+    place in ``uniq``, the sample (``batch`` for padding) and the weight. ``scale
+    [padded_batch]`` is what each sample's pooled sum is multiplied by (the combiner)."""
+
+    placement: str
+    shards: int
+    batch: int
+    per_device: int
+    uniq: np.ndarray
+    slot: np.ndarray
+    seg: np.ndarray
+    w: np.ndarray
+    scale: np.ndarray
+    combiner: str
+    dropped: int = 0
+
+    @property
+    def padded_batch(self) -> int:
+        return len(self.scale)
+
+    @property
+    def capacity(self) -> int:
+        return self.slot.shape[-1]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.uniq, self.slot, self.seg, self.w, self.scale
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _scale(w: np.ndarray, seg: np.ndarray, b: int, combiner: str) -> np.ndarray:
+    """What each of ``b`` samples' pooled sum is multiplied by (``seg == b`` is padding)."""
+    if combiner == "sum":
+        return np.ones(b, np.float32)
+    per = np.bincount(seg, weights=w if combiner == "mean" else w * w, minlength=b + 1)[:b]
+    if combiner == "sqrtn":
+        per = np.sqrt(per)
+    return np.where(per > 0, 1.0 / np.where(per > 0, per, 1.0), 0.0).astype(np.float32)
+
+
+def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: int | None = None,
+          overflow: str = "raise", feature: str | None = None) -> Routed:
+    """``x`` laid out for ``spec``'s placement over ``shards`` devices (ids already checked:
+    :func:`hypertron.embed.check_ids`). ``capacity`` (row-wise): ids one device sends one owner,
+    None to size it from this batch; ``overflow``: what a batch past it does, ``raise`` or
+    ``drop`` (and count)."""
+    if overflow not in OVERFLOW:
+        raise EmbedError(f"overflow={overflow!r}: must be one of {', '.join(OVERFLOW)}")
+    values = np.asarray(x.values, np.int64)
+    lengths = np.asarray(x.lengths, np.int64)
+    weights = np.ones(len(values), np.float32) if x.weights is None else np.asarray(x.weights, np.float32)
+    b, n = len(lengths), len(values)
+    sample = np.repeat(np.arange(b), lengths)
+    if spec.placement != "row":
+        size = _pow2(n)
+        uv, inv = np.unique(values, return_inverse=True)
+        uniq = np.full(max(_pow2(len(uv)), MIN_CAPACITY), PAD, np.int32)
+        uniq[:len(uv)] = uv
+        slot, seg, w = np.zeros(size, np.int32), np.full(size, b, np.int32), np.zeros(size, np.float32)
+        slot[:n], seg[:n], w[:n] = inv.reshape(-1), sample, weights
+        return Routed(spec.placement, shards, b, b, uniq, slot, seg, w, _scale(w, seg, b, combiner), combiner)
+
+    s = shards
+    per = max(-(-b // s), 1)
+    pair = (sample // per) * s + values % s  # source device, owner
+    order = np.argsort(pair, kind="stable")
+    counts = np.bincount(pair, minlength=s * s)
+    need = int(counts.max()) if n else 0
+    cap = capacity if capacity is not None else max(_pow2(need), MIN_CAPACITY)
+    if cap < 1:
+        raise EmbedError(f"capacity={cap}: must be positive")
+    pair_sorted = pair[order]
+    place = np.arange(n) - (np.cumsum(counts) - counts)[pair_sorted]
+    keep = place < cap
+    dropped = int(n - keep.sum())
+    if dropped and overflow == "raise":
+        raise EmbedError(f"feature {feature or spec.name!r}: {need} ids go from one device to one shard of table "
+                         f"{spec.name!r} in this batch, past the buffer's capacity={cap}: raise it, leave it unset "
+                         f"to size it from the data, or set overflow='drop' to drop and count them")
+    idx, pos, kept = pair_sorted[keep], place[keep], order[keep]
+    # Each owner's distinct rows, in id order: their place in the owner's list is each id's slot.
+    uv, inv = np.unique(values[kept], return_inverse=True)
+    owner = uv % s
+    by_owner = np.argsort(owner, kind="stable")
+    per_owner = np.bincount(owner, minlength=s)
+    rank = np.empty(len(uv), np.int64)
+    rank[by_owner] = np.arange(len(uv)) - (np.cumsum(per_owner) - per_owner)[owner[by_owner]]
+    u = s * cap if capacity is not None else max(_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
+    uniq = np.full((s, u), PAD, np.int32)
+    uniq[owner, rank] = uv // s
+    slot = np.zeros((s * s, cap), np.int32)
+    seg = np.full((s * s, cap), per, np.int32)
+    w = np.zeros((s * s, cap), np.float32)
+    slot[idx, pos] = rank[inv.reshape(-1)]
+    seg[idx, pos] = sample[kept] % per
+    w[idx, pos] = weights[kept]
+    keep_w = np.zeros(n, np.float32)
+    keep_w[kept] = weights[kept]
+    scale = _scale(keep_w, sample, s * per, combiner)
+    return Routed("row", s, b, per, uniq, slot.reshape(s, s, cap), seg.reshape(s, s, cap), w.reshape(s, s, cap),
+                  scale, combiner, dropped)
