@@ -10,17 +10,18 @@ import importlib
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from hypertron import cli
-from hypertron.embed.route import PAD
 from hypertron.embed import (
-    COMBINERS, EmbedError, FeatureSpec, Jagged, TableSpec, apply_gradients, check_ids, check_specs, lookup,
-    reference_lookup, reference_update, restore_tables, route, save_tables, shard_table,
+    COMBINERS, EmbedError, FeatureSpec, Jagged, TableSpec, apply_gradients, check_ids, check_specs, init_table,
+    lookup, reference_lookup, reference_update, restore_tables, route, save_tables, shard_table,
 )
+from hypertron.embed.route import PAD
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -301,3 +302,24 @@ def test_a_bad_plan_file_is_one_line(tmp_path, capsys, text, message):
     (tmp_path / "spec.yaml").write_text(text)
     code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"))
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_new_table_is_made_on_its_devices_the_same_under_every_placement(mesh):
+    """init_table: uniform in +-sqrt(1 / rows) (TorchRec's default) unless init_scale says, the
+    same values for one seed whatever the placement or shard count, the state zeros, and the
+    table usable at once."""
+    spec = TableSpec("t", rows=37, dim=16, optimizer="rowwise_adagrad")
+    want = np.asarray(jax.random.uniform(jax.random.key(5), (37, 16), jnp.float32, -(1 / 37) ** 0.5,
+                                         (1 / 37) ** 0.5))
+    mesh4 = Mesh(np.array(jax.devices()[:4]), ("y",))
+    for placement, m, axis in (("row", mesh, "x"), ("row", mesh4, "y"), ("column", mesh, "x"), ("table", mesh, "x")):
+        t = init_table(dataclasses.replace(spec, placement=placement), m, axis, seed=5, owner=2)
+        values, state = t.dense()
+        np.testing.assert_array_equal(values, want, err_msg=f"{placement} on {m.shape[axis]}")
+        assert not state.any() and t.optimizer == "rowwise_adagrad"
+        assert len(t.data.sharding.device_set) == (1 if placement == "table" else m.shape[axis])
+    assert np.abs(want).max() <= (1 / 37) ** 0.5 and np.abs(want).max() > 0.8 * (1 / 37) ** 0.5
+    t = init_table(dataclasses.replace(spec, init_scale=0.5), mesh, "x", seed=5)
+    np.testing.assert_allclose(t.dense()[0], want / (1 / 37) ** 0.5 * 0.5, rtol=1e-5)
+    x = _batch(np.random.default_rng(0), 37, 12, weighted=True)
+    np.testing.assert_allclose(np.asarray(lookup(t, x)), reference_lookup(t.dense()[0], x), rtol=1e-5, atol=1e-6)

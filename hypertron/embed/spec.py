@@ -3,10 +3,11 @@
 A :class:`TableSpec` is one table (``rows`` x ``dim``), its optimiser, and where it lives over
 the mesh (``placement``: ``row``, rows dealt out by id modulo the shard count, as
 jax-tpu-embedding does; ``column``, each shard a slice of the dimension; ``table``, the whole
-table on one device). A :class:`FeatureSpec` names the table it reads and how a sample's ids are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features
-may share a table. A feature's input for a batch is a :class:`Jagged` (TorchRec's
-KeyedJaggedTensor for one key): the ids of every sample one after another (``values``), how many
-each sample has (``lengths``, 0 for an empty sample) and, optionally, a weight per id.
+table on one device). A :class:`FeatureSpec` names the table it reads and how a sample's ids
+are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features may share a table. A
+feature's input for a batch is a :class:`Jagged` (TorchRec's KeyedJaggedTensor for one key): the
+ids of every sample one after another (``values``), how many each sample has (``lengths``, 0 for
+an empty sample) and, optionally, a weight per id.
 
 Everything here runs on the host, before anything compiles: :func:`check_specs` (a feature naming
 no table, a column split that does not divide a table's dimension, a table that fits no device
@@ -39,7 +40,7 @@ class TableSpec:
     rows: int
     dim: int
     placement: str = "row"
-    init_scale: float | None = None  # normal(0, scale) rows; None: 1 / sqrt(rows)
+    init_scale: float | None = None  # init_table: uniform(-scale, scale); None: sqrt(1 / rows), as TorchRec
     optimizer: str = "sgd"  # sgd, adagrad (a state per value), rowwise_adagrad (one per row)
 
     def device_bytes(self, shards: int, placement: str | None = None) -> int:

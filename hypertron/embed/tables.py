@@ -94,15 +94,9 @@ def device_memory(device) -> int:
     return psutil.virtual_memory().total // max(len([d for d in jax.local_devices() if d.platform == "cpu"]), 1)
 
 
-def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str | None = None,
-                state: np.ndarray | None = None, owner: int = 0) -> ShardedTable:
-    """``values [rows, dim]`` (and the optimiser's ``state``: zeros when None) laid out and placed
-    for ``spec.placement`` over ``axis`` of ``mesh``; ``optimizer``: the spec's when None. A table
-    that does not fit a device under its placement is refused before anything is copied."""
-    values = np.asarray(values)
+def _checked(spec: TableSpec, mesh: Mesh, axis: str, optimizer: str | None) -> TableSpec:
+    """``spec`` with its optimiser, once it is known to fit a device under its placement."""
     optimizer = optimizer or spec.optimizer
-    if values.shape != (spec.rows, spec.dim):
-        raise ValueError(f"table {spec.name!r}: values of shape {values.shape}, spec {(spec.rows, spec.dim)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"table {spec.name!r}: optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     spec = dataclasses.replace(spec, optimizer=optimizer)
@@ -110,25 +104,74 @@ def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, o
     if need > have:
         raise EmbedError(f"table {spec.name!r}: needs {gib(need)} on a device {spec.placement}-wise over "
                          f"{mesh.shape[axis]} devices, more than a device's {gib(have)}")
-    if optimizer != "sgd" and state is None:
-        state = np.zeros((spec.rows,) if optimizer == "rowwise_adagrad" else (spec.rows, spec.dim), np.float32)
-    s = mesh.shape[axis]
-    if spec.placement == "row":
-        per = -(-spec.rows // s)
+    return spec
 
-        def lay(a):
+
+def _sharding(spec: TableSpec, mesh: Mesh, axis: str, owner: int, ndim: int):
+    """Where a table's array (``ndim`` 2: values or Adagrad's state; 1: row-wise Adagrad's) lives."""
+    if spec.placement == "row":
+        return NamedSharding(mesh, P(axis))
+    if spec.placement == "column":
+        return NamedSharding(mesh, P(None, axis) if ndim == 2 else P())
+    return SingleDeviceSharding(_axis_devices(mesh, axis)[owner % mesh.shape[axis]])
+
+
+def _state_shape(spec: TableSpec) -> tuple[int, ...] | None:
+    return {"sgd": None, "rowwise_adagrad": (spec.rows,), "adagrad": (spec.rows, spec.dim)}[spec.optimizer]
+
+
+def shard_table(values: np.ndarray, spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str | None = None,
+                state: np.ndarray | None = None, owner: int = 0) -> ShardedTable:
+    """``values [rows, dim]`` (and the optimiser's ``state``: zeros when None) laid out and placed
+    for ``spec.placement`` over ``axis`` of ``mesh``; ``optimizer``: the spec's when None. A table
+    that does not fit a device under its placement is refused before anything is copied."""
+    values = np.asarray(values)
+    if values.shape != (spec.rows, spec.dim):
+        raise ValueError(f"table {spec.name!r}: values of shape {values.shape}, spec {(spec.rows, spec.dim)}")
+    spec = _checked(spec, mesh, axis, optimizer)
+    if spec.optimizer != "sgd" and state is None:
+        state = np.zeros(_state_shape(spec), np.float32)
+    s = mesh.shape[axis]
+
+    def put(a):
+        if spec.placement == "row":
+            per = -(-spec.rows // s)
             padded = np.zeros((per * s, *a.shape[1:]), a.dtype)
             padded[:spec.rows] = a
-            return np.moveaxis(padded.reshape(per, s, *a.shape[1:]), 1, 0)
+            a = np.moveaxis(padded.reshape(per, s, *a.shape[1:]), 1, 0)
+        return jax.device_put(a, _sharding(spec, mesh, axis, owner, np.ndim(a) - (spec.placement == "row")))
 
-        put = lambda a: jax.device_put(lay(a), NamedSharding(mesh, P(axis)))  # noqa: E731
-    elif spec.placement == "column":
-        put = lambda a: jax.device_put(a, NamedSharding(mesh, P(None, axis) if a.ndim == 2 else P()))  # noqa: E731
-    else:
-        device = _axis_devices(mesh, axis)[owner % s]
-        put = lambda a: jax.device_put(a, SingleDeviceSharding(device))  # noqa: E731
-    return ShardedTable(spec, put(values), mesh, axis, optimizer, None if state is None else put(np.asarray(state)),
-                        owner % s)
+    return ShardedTable(spec, put(values), mesh, axis, spec.optimizer,
+                        None if state is None else put(np.asarray(state, np.float32)), owner % s)
+
+
+def init_table(spec: TableSpec, mesh: Mesh, axis: str, *, seed: int = 0, optimizer: str | None = None,
+               owner: int = 0) -> ShardedTable:
+    """A new table, made on its devices in its layout (no host copy, whatever its size): values
+    uniform in ``[-scale, scale]`` with ``spec.init_scale``, or TorchRec's default
+    ``sqrt(1 / rows)``; the optimiser's state zeros. The values depend on ``seed`` only, not on
+    the placement or the shard count (JAX's partitionable random bits)."""
+    spec = _checked(spec, mesh, axis, optimizer)
+    s, rows, dim = mesh.shape[axis], spec.rows, spec.dim
+    scale = spec.init_scale if spec.init_scale is not None else math.sqrt(1.0 / rows)
+    per = -(-rows // s)
+
+    def lay(a):  # logical rows -> this placement's layout (row-wise: [S, per, ...], id i at [i % S, i // S])
+        if spec.placement != "row":
+            return a
+        a = jnp.pad(a, [(0, per * s - rows)] + [(0, 0)] * (a.ndim - 1))
+        return jnp.moveaxis(a.reshape(per, s, *a.shape[1:]), 1, 0)
+
+    def values():
+        return lay(jax.random.uniform(jax.random.key(seed), (rows, dim), jnp.float32, -scale, scale))
+
+    data = jax.jit(values, out_shardings=_sharding(spec, mesh, axis, owner, 2))()
+    state = None
+    shape = _state_shape(spec)
+    if shape is not None:
+        state = jax.jit(lambda: lay(jnp.zeros(shape, jnp.float32)),
+                        out_shardings=_sharding(spec, mesh, axis, owner, len(shape)))()
+    return ShardedTable(spec, data, mesh, axis, spec.optimizer, state, owner % s)
 
 
 def _routed(table: ShardedTable, x: Jagged | Routed, combiner: str, capacity: int | None, overflow: str) -> Routed:
