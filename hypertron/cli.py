@@ -168,22 +168,14 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 def cmd_embed_plan(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
-    import yaml
     from rich.console import Console
 
-    from hypertron.config import ConfigError
+    from hypertron.config import ConfigError, read_yaml
     from hypertron.embed import plan as planner
     from hypertron.models.hardware import HARDWARE, host_memory_per_device
 
-    path = Path(args.spec)
-    if not path.is_file():
-        raise ConfigError(f"{args.spec}: no such file")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{args.spec}: not YAML ({str(e).splitlines()[0]})") from None
+    doc = read_yaml(args.spec, "embedding tables file")
     tables, features, per, batch = planner.load(doc, args.spec)
     if args.batch is not None:
         batch = args.batch
