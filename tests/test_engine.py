@@ -63,6 +63,8 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 11, 13, 16, 17, 33, 100)] == \
         [1, 2, 4, 8, 8, 10, 12, 14, 16, 20, 40, 112]
     assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
+    assert [bucket(n, 8) for n in (9, 17, 129, 387)] == [9, 18, 144, 416]
+    assert all(bucket(n, 8) < 1.125 * n for n in range(9, 2000))
     engine = PagedEngine(params, CFG, max_slots=16, page_size=4)  # 16 columns per sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
@@ -77,7 +79,7 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert (batch["pre_tokens"].shape, batch["table"].shape) == ((16,), (9, 4))
     # A chunk after a cached prefix: its rows count (each query scores every row's pages).
     later = Row(7, 7, 11, tuple(range(40, 61)), tuple(range(20, 28)), GREEDY)  # 21 tokens, to position 32
-    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 24, 8, cold=False)
+    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 22, 8, cold=False)  # 21 tokens: eighths
     # Which compiled shape may run a plan, padded: larger in every size, and not cold for a warm chunk.
     assert Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8)) and Shape(4, 8, 32, 8).holds(Shape(1, 8, 16, 4, cold=True))
     assert not Shape(4, 8, 32, 8, cold=True).holds(Shape(4, 1, 24, 8))
