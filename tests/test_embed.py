@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -323,3 +324,22 @@ def test_a_new_table_is_made_on_its_devices_the_same_under_every_placement(mesh)
     np.testing.assert_allclose(t.dense()[0], want / (1 / 37) ** 0.5 * 0.5, rtol=1e-5)
     x = _batch(np.random.default_rng(0), 37, 12, weighted=True)
     np.testing.assert_allclose(np.asarray(lookup(t, x)), reference_lookup(t.dense()[0], x), rtol=1e-5, atol=1e-6)
+
+
+def test_dlrm_v2s_tables_plan_onto_one_h100_node_with_the_traffic_spread(capsys):
+    """MLPerf DLRM-v2's 26 tables (docs/examples/dlrm-v2-tables.yaml, 204,184,588 rows of 128 with
+    row-wise Adagrad, about 105 GB): on 8 H100s the five 40M-row tables are split and the 21
+    others go whole, spread so that no device exchanges 1.25x another's bytes; on one H100 they
+    do not fit (exit 1)."""
+    spec = str(Path(__file__).parent.parent / "docs" / "examples" / "dlrm-v2-tables.yaml")
+    code, out, err = _cli(capsys, "embed", "plan", spec, "--hardware", "h100", "--devices", "8", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert sum(t["rows"] for t in plan["tables"]) == 204_184_588 and len(plan["tables"]) == 26
+    split = {t["table"] for t in plan["tables"] if t["placement"] != "table"}
+    assert split == {t["table"] for t in plan["tables"] if t["rows"] == 40_000_000} and len(split) == 5
+    assert plan["fits"] and max(plan["bytes_per_device"]) < 20e9
+    sent = plan["bytes_exchanged_per_device"]
+    assert max(sent) < 1.25 * min(sent), sent
+    code, out, err = _cli(capsys, "embed", "plan", spec, "--hardware", "h100", "--devices", "1")
+    assert code == 1 and "does not fit" in out

@@ -15,8 +15,8 @@ sample, its weight) and a pooled value 4:
   and sends its columns of the other devices' samples: ``(12 N + 4 P dim / S) (S - 1) / S``.
 
 The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise (no partial
-sums, ``S`` times less traffic than splitting it), onto the device that holds the fewest bytes
-so far, largest tables first; a larger one is split, row-wise or column-wise, whichever
+sums, ``S`` times less traffic than splitting it), largest tables first, each onto the device
+that exchanges the fewest bytes so far among those it fits on (then the one holding fewest); a larger one is split, row-wise or column-wise, whichever
 exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
 hand is kept. The plan fits when every device's total is within its memory.
 
@@ -53,6 +53,7 @@ class Plan:
     device_bytes: int
     choices: list[Choice]
     per_device: list[int]      # bytes held per device
+    exchanged: list[int]       # bytes exchanged per device per step (modelled)
 
     @property
     def fits(self) -> bool:
@@ -117,15 +118,19 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
                 f" (column-wise needs {shards} to divide dim={t.dim})")
         t = dataclasses.replace(t, placement=placement)
         choices[t.name] = Choice(t, None, t.device_bytes(shards), n, cost(t, placement), why, False)
+    sent = [0] * shards
     for c in choices.values():
         held = [h + c.held for h in held]
-    for t, why in whole:  # largest first, each onto the device holding the fewest bytes so far
-        owner = min(range(shards), key=lambda d: held[d])
+        sent = [x + c.exchanged for x in sent]
+    for t, why in whole:  # largest first, each onto the least busy device it fits on (then the emptiest)
         t = dataclasses.replace(t, placement="table")
-        held[owner] += t.device_bytes(shards)
-        choices[t.name] = Choice(t, owner, t.device_bytes(shards), int(ids[t.name]), cost(t, "table"), why,
-                                 t.name in by_hand)
-    return Plan(shards, batch, device_bytes, [choices[t.name] for t in tables], held)
+        size = t.device_bytes(shards)
+        room = [d for d in range(shards) if held[d] + size <= device_bytes] or list(range(shards))
+        owner = min(room, key=lambda d: (sent[d], held[d]))
+        held[owner] += size
+        sent[owner] += cost(t, "table")
+        choices[t.name] = Choice(t, owner, size, int(ids[t.name]), cost(t, "table"), why, t.name in by_hand)
+    return Plan(shards, batch, device_bytes, [choices[t.name] for t in tables], held, sent)
 
 
 def load(doc: object, where: str = "the plan's file") -> tuple[list[TableSpec], list[FeatureSpec], dict, int]:
@@ -172,7 +177,7 @@ def load(doc: object, where: str = "the plan's file") -> tuple[list[TableSpec], 
 
 def to_json(p: Plan) -> dict:
     return {"devices": p.shards, "batch": p.batch, "device_bytes": p.device_bytes, "fits": p.fits,
-            "bytes_per_device": p.per_device,
+            "bytes_per_device": p.per_device, "bytes_exchanged_per_device": p.exchanged,
             "tables": [{"table": c.table.name, "rows": c.table.rows, "dim": c.table.dim,
                         "optimizer": c.table.optimizer, "placement": c.table.placement, "owner": c.owner,
                         "bytes_held": c.held, "ids_per_step": c.ids, "bytes_exchanged_per_step": c.exchanged,
@@ -199,5 +204,9 @@ def render(p: Plan):
     verdict = Text(f"{'fits' if p.fits else 'does not fit'}: the fullest device (device {most}) holds "
                    f"{gib(p.per_device[most])} of {gib(p.device_bytes)}; the emptiest "
                    f"{gib(min(p.per_device))}", style="green" if p.fits else "bold red")
-    note = Text("exchanged: bytes through the busiest device per step, modelled (docs/embeddings.md)", style="dim")
-    return Group(head, t, *why, verdict, note)
+    busiest = max(range(p.shards), key=lambda d: p.exchanged[d])
+    traffic = Text(f"the busiest device (device {busiest}) exchanges {gib(p.exchanged[busiest])} a step; the "
+                   f"quietest {gib(min(p.exchanged))}")
+    note = Text("exchanged: bytes per step, modelled (docs/embeddings.md); a table's figure is its busiest "
+                "device's", style="dim")
+    return Group(head, t, *why, verdict, traffic, note)
