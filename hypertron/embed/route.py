@@ -75,6 +75,11 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _places(groups_sorted: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each element's place within its group, for group ids sorted (``counts``: each group's size)."""
+    return np.arange(len(groups_sorted)) - (np.cumsum(counts) - counts)[groups_sorted]
+
+
 def _scale(w: np.ndarray, seg: np.ndarray, b: int, combiner: str) -> np.ndarray:
     """What each of ``b`` samples' pooled sum is multiplied by (``seg == b`` is padding)."""
     if combiner == "sum":
@@ -117,7 +122,7 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     if cap < 1:
         raise EmbedError(f"capacity={cap}: must be positive")
     pair_sorted = pair[order]
-    place = np.arange(n) - (np.cumsum(counts) - counts)[pair_sorted]
+    place = _places(pair_sorted, counts)
     keep = place < cap
     dropped = int(n - keep.sum())
     if dropped and overflow == "raise":
@@ -131,7 +136,7 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     by_owner = np.argsort(owner, kind="stable")
     per_owner = np.bincount(owner, minlength=s)
     rank = np.empty(len(uv), np.int64)
-    rank[by_owner] = np.arange(len(uv)) - (np.cumsum(per_owner) - per_owner)[owner[by_owner]]
+    rank[by_owner] = _places(owner[by_owner], per_owner)
     u = s * cap if capacity is not None else max(_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
     uniq = np.full((s, u), PAD, np.int32)
     uniq[owner, rank] = uv // s
