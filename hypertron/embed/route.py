@@ -19,7 +19,9 @@ silent: by default it raises :class:`EmbedError` naming the feature and the coun
 kept) and counted in :attr:`Routed.dropped`, and the combiners' scales use the ids kept.
 
 Column-wise and table-wise, every shard (or the owner) reads every id: one flat list, padded to a
-power of two, of places in the step's distinct ids.
+power of two, of places in the step's distinct ids. There a ``capacity`` (any value) fixes the
+distinct ids' buffer at that padded length (or the table's rows, rounded up to a power of two, if
+fewer), so that it too depends only on the batch's id count.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     if spec.placement != "row":
         size = _pow2(n)
         uv, inv = np.unique(values, return_inverse=True)
-        uniq = np.full(max(_pow2(len(uv)), MIN_CAPACITY), PAD, np.int32)
+        # A batch reads at most all the table's rows: a fixed buffer need not be longer.
+        fixed = min(size, _pow2(spec.rows))
+        uniq = np.full(max(fixed if capacity is not None else _pow2(len(uv)), MIN_CAPACITY), PAD, np.int32)
         uniq[:len(uv)] = uv
         slot, seg, w = np.zeros(size, np.int32), np.full(size, b, np.int32), np.zeros(size, np.float32)
         slot[:n], seg[:n], w[:n] = inv.reshape(-1), sample, weights
@@ -137,7 +141,10 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     per_owner = np.bincount(owner, minlength=s)
     rank = np.empty(len(uv), np.int64)
     rank[by_owner] = _places(owner[by_owner], per_owner)
-    u = s * cap if capacity is not None else max(_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
+    if capacity is not None:  # fixed: every id one owner could receive, but no more than the rows it holds
+        u = max(min(s * cap, _pow2(-(-spec.rows // s))), MIN_CAPACITY)
+    else:
+        u = max(_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
     uniq = np.full((s, u), PAD, np.int32)
     uniq[owner, rank] = uv // s
     slot = np.zeros((s * s, cap), np.int32)

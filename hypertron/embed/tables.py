@@ -174,6 +174,34 @@ def init_table(spec: TableSpec, mesh: Mesh, axis: str, *, seed: int = 0, optimiz
     return ShardedTable(spec, data, mesh, axis, spec.optimizer, state, owner % s)
 
 
+def abstract_table(spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str | None = None,
+                   owner: int = 0) -> ShardedTable:
+    """The table :func:`init_table` would make, with ``jax.ShapeDtypeStruct`` s (shape, dtype,
+    sharding) for arrays: what restoring a checkpoint into this layout needs. Nothing is allocated."""
+    spec = _checked(spec, mesh, axis, optimizer)
+    s = mesh.shape[axis]
+    per = -(-spec.rows // s)
+
+    def shaped(shape: tuple[int, ...]):
+        laid = (s, per, *shape[1:]) if spec.placement == "row" else shape
+        return jax.ShapeDtypeStruct(laid, jnp.float32, sharding=_sharding(spec, mesh, axis, owner, len(shape)))
+
+    state = _state_shape(spec)
+    return ShardedTable(spec, shaped((spec.rows, spec.dim)), mesh, axis, spec.optimizer,
+                        None if state is None else shaped(state), owner % s)
+
+
+def pooled_sharding(table: ShardedTable):
+    """Where :func:`lookup` leaves a table's pooled embeddings ``[batch, dim]`` (and where
+    :func:`apply_gradients` wants their gradient): split by samples row-wise, by columns
+    column-wise, on the owner table-wise."""
+    if table.spec.placement == "row":
+        return NamedSharding(table.mesh, P(table.axis))
+    if table.spec.placement == "column":
+        return NamedSharding(table.mesh, P(None, table.axis))
+    return SingleDeviceSharding(_axis_devices(table.mesh, table.axis)[table.owner])
+
+
 def _routed(table: ShardedTable, x: Jagged | Routed, combiner: str, capacity: int | None, overflow: str) -> Routed:
     if isinstance(x, Routed):
         if (x.placement, x.shards) != (table.spec.placement, table.shards):
@@ -317,6 +345,19 @@ def apply_gradients(table: ShardedTable, x: Jagged | Routed, grad_pooled, combin
     fn = _update_fn(_layout(table), r.per_device, table.spec.dim)
     data, state = fn(table.data, state, *r.arrays(), grad, jnp.float32(lr), jnp.float32(eps))
     return dataclasses.replace(table, data=data, state=None if table.state is None else state)
+
+
+def pooling_fn(table: ShardedTable, per_device: int):
+    """:func:`lookup`'s compiled function for this table's layout, to call inside a larger
+    ``jax.jit`` (a model's whole step): ``(data, *routed.arrays()) -> pooled [padded batch, dim]``."""
+    return _pooled_fn(_layout(table), per_device)
+
+
+def update_fn(table: ShardedTable, per_device: int):
+    """:func:`apply_gradients`' compiled function for this table's layout, to call inside a larger
+    ``jax.jit``: ``(data, state, *routed.arrays(), grad [padded batch, dim], lr, eps) -> (data,
+    state)``; ``state`` is a float32 scalar for SGD (and comes back unchanged)."""
+    return _update_fn(_layout(table), per_device, table.spec.dim)
 
 
 def reference_lookup(values: np.ndarray, x: Jagged, combiner: str = "sum") -> np.ndarray:
