@@ -1,5 +1,6 @@
 # make demo: venv, install, train the tiny model on the embedded corpus (CPU), generate.
-# make test: install the test extras (and, as root, the Debian packages some tests start) and run the suite.
+# make test: install the test extras and TorchRec (and, as root, the Debian packages some tests start),
+# and run the suite.
 # make embed-bench-deps: bench/embed.py's peer, TorchRec on CPU torch, into the venv.
 # make gpu-wheels: the cp312 wheels the GPU machines lack, into .whl/, checked (bench/gpu_wheels.py).
 PYTHON ?= python3
@@ -16,8 +17,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
+# TorchRec is the DLRM tests' reference (tests/test_dlrm.py): installed as for embed-bench-deps.
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,embed-bench]"
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.9.2 fbgemm-gpu-cpu==1.8.0
 	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed

@@ -61,7 +61,13 @@ _EXECUTION_FIELDS = ("name", "attention", "remat", "scan_layers", "dtype", "para
                      "quantization", "fp8_scaling", "amax_history", "quantize_unembed")
 
 
+# DLRM fields that do not change the weights' shapes (nor their optimiser state's).
+_DLRM_EXECUTION_FIELDS = ("name", "placement", "source", "paths", "eval_paths", "teacher_seed", "teacher_scale", "eps")
+
+
 def _weights_view(cfg: Config) -> dict:
+    if cfg.task == "dlrm":
+        return {"task": "dlrm", **{k: v for k, v in to_dict(cfg.dlrm).items() if k not in _DLRM_EXECUTION_FIELDS}}
     model = to_dict(cfg.model)
     return {k: v for k, v in model.items() if k not in _EXECUTION_FIELDS}
 
@@ -76,7 +82,8 @@ def write_run_config(run_dir: str | Path, cfg: Config, write: bool = True) -> No
         saved = read_run_config(run_dir)
         if _weights_view(saved) != _weights_view(cfg):
             raise ConfigError(
-                f"run_dir={run_dir} already holds a run of a different model ({saved.model.name}); "
+                f"run_dir={run_dir} already holds a run of a different model "
+                f"({saved.dlrm.name if saved.task == 'dlrm' else saved.model.name}); "
                 "choose a new run_dir"
             )
         return

@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import yaml
 
-from hypertron.config.presets import PRESETS
-from hypertron.config.schema import Config, ModelConfig, MoEConfig, RopeScaling, ServeConfig
+from hypertron.config.presets import DLRM_PRESETS, PRESETS
+from hypertron.config.schema import Config, DlrmConfig, ModelConfig, MoEConfig, RopeScaling, ServeConfig
 from hypertron.config.validation import choice_error, validate, validate_serve
 from hypertron.errors import ConfigError
 
@@ -137,7 +137,7 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node = tree
     for p in parts[:-1]:
         child = node.get(p)
-        if isinstance(child, str) and p == "model":
+        if isinstance(child, str) and p in ("model", "dlrm"):
             child = {"preset": child}
         if child is None:
             child = {}
@@ -146,8 +146,8 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: Any) -> None:
         node[p] = child
         node = child
     last = parts[-1]
-    if last == "model" and len(parts) == 1 and isinstance(node.get("model"), dict):
-        node["model"]["preset"] = value
+    if last in ("model", "dlrm") and len(parts) == 1 and isinstance(node.get(last), dict):
+        node[last]["preset"] = value
     else:
         node[last] = value
 
@@ -209,6 +209,19 @@ def _resolve_model(raw: Any) -> ModelConfig:
     return build(ModelConfig, raw, "model.", base=base)
 
 
+def _resolve_dlrm(raw: Any) -> DlrmConfig:
+    """``dlrm:`` as a preset name, or a mapping of fields (``preset:`` first, if given)."""
+    if raw is None:
+        return DLRM_PRESETS["dlrm-v2-tiny"]
+    if not isinstance(raw, dict):
+        raw = {"preset": raw}
+    raw = dict(raw)
+    preset = str(raw.pop("preset", "dlrm-v2-tiny"))
+    if preset not in DLRM_PRESETS:
+        raise ConfigError(f"dlrm={preset}: unknown preset (choose from {', '.join(sorted(DLRM_PRESETS))})")
+    return build(DlrmConfig, raw, "dlrm.", base=DLRM_PRESETS[preset])
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     """Split ``key=value`` strings; one that has no ``=`` is an error naming it."""
     out = []
@@ -262,8 +275,9 @@ def from_dict(tree: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a nested dict (as in a recipe)."""
     tree = dict(tree)
     model = _resolve_model(tree.pop("model", None))
+    dlrm = _resolve_dlrm(tree.pop("dlrm", None))
     cfg = build(Config, tree)
-    cfg = dataclasses.replace(cfg, model=model)
+    cfg = dataclasses.replace(cfg, model=model, dlrm=dlrm)
     validate(cfg)
     return cfg
 
@@ -289,5 +303,11 @@ def to_dict(cfg: Any) -> Any:
 
 
 def dump_yaml(cfg: Any) -> str:
-    """``cfg`` (any config dataclass) as YAML that the matching loader reads back to an equal config."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """``cfg`` (any config dataclass) as YAML that the matching loader reads back to an equal config.
+    A run's config leaves out the section its task does not read: ``task`` and ``dlrm`` for a
+    language model (as before there were tasks), ``model`` for a recommender."""
+    tree = to_dict(cfg)
+    if isinstance(cfg, Config):
+        for key in (("task", "dlrm") if cfg.task == "lm" else ("model",)):
+            tree.pop(key)
+    return yaml.safe_dump(tree, sort_keys=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypertron.config.schema import ModelConfig, MoEConfig, RopeScaling
+from hypertron.config.schema import DlrmConfig, ModelConfig, MoEConfig, RopeScaling
 
 _LLAMA2_7B = ModelConfig(
     name="llama2-7b",
@@ -127,4 +127,21 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # 4 experts of a third of tiny's MLP, top-2: about the active compute of tiny.
     "tiny-moe": replace(_TINY, name="tiny-moe", mlp_dim=192, moe=MoEConfig(num_experts=4, top_k=2)),
+}
+
+# DLRM recommenders (``dlrm=NAME``, with ``task: dlrm``).
+DLRM_PRESETS: dict[str, DlrmConfig] = {
+    # MLPerf Training's DLRM-v2 (DCNv2) on Criteo 1TB multi-hot: 26 tables capped at 40M rows, the
+    # synthetic multi-hot sizes, dimension 128, bottom 512-256-128, 3 cross layers of rank 512, top
+    # 1024-1024-512-256-1, row-wise Adagrad.
+    "dlrm-v2": DlrmConfig(
+        name="dlrm-v2", dense_features=13,
+        table_rows=(40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209,
+                    11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36),
+        ids_per_sample=(3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1),
+        embed_dim=128, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1), cross_layers=3,
+        cross_rank=512, optimizer="rowwise_adagrad",
+    ),
+    # For tests and CPU runs: 8 small tables, the same architecture.
+    "dlrm-v2-tiny": DlrmConfig(),
 }

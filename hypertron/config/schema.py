@@ -44,6 +44,10 @@ CompileMode = Literal["background", "lazy"]
 # where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
 # host needs to stream the last step's tokens: docs/serving.md)
 DispatchAhead = Literal["auto", "on", "off"]
+Task = Literal["lm", "dlrm"]  # what a run trains: a language model (model, data) or a DLRM recommender (dlrm)
+DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
+TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
+TablePlacement = Literal["auto", "row", "column", "table"]  # auto: hypertron.embed.plan decides per table
 
 
 def choices(choice_type: typing.Any) -> tuple[str, ...]:
@@ -251,6 +255,38 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DlrmConfig:
+    """A DLRM-v2 (DCNv2) recommender and its data, for ``task: dlrm`` (:mod:`hypertron.recsys`).
+
+    One embedding table per sparse feature (``table_rows``, each ``embed_dim`` wide), pooled by
+    sum over the feature's ``ids_per_sample`` ids; the bottom MLP (ReLU after every layer, the last
+    of width ``embed_dim``) over the ``dense_features``; a low-rank cross network of
+    ``cross_layers`` layers of rank ``cross_rank`` over the concatenated dense output and pooled
+    embeddings; the top MLP (ReLU between layers, none after the last, of width 1) gives the logit.
+    As TorchRec's ``DLRM_DCN``. ``dlrm=NAME`` picks a preset (``dlrm-v2``: MLPerf's; ``dlrm-v2-tiny``).
+    """
+
+    name: str = "dlrm-v2-tiny"
+    dense_features: int = 13
+    table_rows: tuple[int, ...] = (1000, 500, 200, 100, 50, 20, 10, 5)
+    ids_per_sample: tuple[int, ...] = (3, 2, 1, 2, 4, 1, 1, 1)  # per feature (multi-hot sizes)
+    embed_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (32, 16)
+    top_mlp: tuple[int, ...] = (64, 32, 1)
+    cross_layers: int = 2
+    cross_rank: int = 8
+    # The tables' optimiser; the MLPs take plain Adagrad for either Adagrad (as MLPerf's reference), SGD for SGD.
+    optimizer: TableOptimizer = "rowwise_adagrad"
+    eps: float = 1e-8  # the Adagrads' epsilon (added to the root of the accumulator)
+    placement: TablePlacement = "auto"
+    source: DlrmSource = "synthetic"
+    paths: tuple[str, ...] = ()  # Criteo-format files (label, 13 integers, 26 hex ids; tab-separated)
+    eval_paths: tuple[str, ...] = ()  # held-out Criteo-format files, for train.eval_every
+    teacher_seed: int = 1  # the planted teacher's weights (synthetic)
+    teacher_scale: float = 3.0  # the spread of the teacher's logits (synthetic): larger is easier
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     enabled: bool = True
     every: int = 100  # steps; a checkpoint is also written at the end
@@ -308,7 +344,9 @@ class Config:
     """Everything one run needs."""
 
     run_dir: str = "runs/default"
+    task: Task = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
+    dlrm: DlrmConfig = field(default_factory=DlrmConfig)  # task: dlrm only
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from hypertron.config.schema import Config, MeshConfig, ModelConfig, ServeConfig, check_sizes, choices
+from hypertron.config.schema import Config, DlrmConfig, MeshConfig, ModelConfig, ServeConfig, check_sizes, choices
 from hypertron.errors import ConfigError
 
 
@@ -76,11 +76,41 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError("model.moe.shared_experts, load_balance_weight and router_z_weight must not be negative")
 
 
+def validate_dlrm(d: DlrmConfig) -> None:
+    """A DLRM's sizes, each checked where a mistake would otherwise surface as a shape error."""
+    check_choices(d, "dlrm.")
+    if not d.table_rows or len(d.ids_per_sample) != len(d.table_rows):
+        raise ConfigError(f"dlrm.ids_per_sample has {len(d.ids_per_sample)} entries and dlrm.table_rows "
+                          f"{len(d.table_rows)}: give one per sparse feature (at least one)")
+    for key in ("table_rows", "ids_per_sample", "bottom_mlp", "top_mlp"):
+        values = getattr(d, key)
+        if not values or min(values) <= 0:
+            raise ConfigError(f"dlrm.{key}={list(values)}: every entry must be positive (and at least one)")
+    for key in ("dense_features", "embed_dim", "cross_rank"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"dlrm.{key}={getattr(d, key)}: must be positive")
+    if d.cross_layers < 0:
+        raise ConfigError(f"dlrm.cross_layers={d.cross_layers}: must not be negative")
+    if d.bottom_mlp[-1] != d.embed_dim:
+        raise ConfigError(f"dlrm.bottom_mlp ends at {d.bottom_mlp[-1]}: its last layer must be dlrm.embed_dim="
+                          f"{d.embed_dim} wide (it joins the embeddings)")
+    if d.top_mlp[-1] != 1:
+        raise ConfigError(f"dlrm.top_mlp ends at {d.top_mlp[-1]}: its last layer gives the logit, so it must be 1")
+    if d.eps <= 0 or d.teacher_scale <= 0:
+        raise ConfigError("dlrm.eps and dlrm.teacher_scale must be positive")
+    if d.source == "criteo":
+        if not d.paths:
+            raise ConfigError("dlrm.paths: dlrm.source=criteo needs at least one file")
+        if d.dense_features != 13 or len(d.table_rows) != 26:
+            raise ConfigError(f"dlrm.source=criteo: Criteo rows have 13 dense and 26 sparse features, this model "
+                              f"{d.dense_features} and {len(d.table_rows)}")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no devices (those are in ``hypertron.train.checks``)."""
     for f in dataclasses.fields(cfg):  # the model's choices are validate_model's
         section = getattr(cfg, f.name)
-        if f.name != "model" and dataclasses.is_dataclass(section):
+        if f.name not in ("model", "dlrm") and dataclasses.is_dataclass(section):
             check_choices(section, f.name + ".")
     validate_model(cfg.model)
     t = cfg.train
@@ -101,7 +131,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.eval_every must not be negative and train.eval_batches must be positive")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
-    if t.eval_every and cfg.data.source != "synthetic" and cfg.data.eval_fraction == 0:
+    if cfg.task == "dlrm":
+        validate_dlrm(cfg.dlrm)
+        if t.eval_every and cfg.dlrm.source == "criteo" and not cfg.dlrm.eval_paths:
+            raise ConfigError(f"train.eval_every={t.eval_every} needs held-out files: set dlrm.eval_paths")
+    elif t.eval_every and cfg.data.source != "synthetic" and cfg.data.eval_fraction == 0:
         raise ConfigError(
             f"train.eval_every={t.eval_every} needs a held-out split: set data.eval_fraction (e.g. 0.01)"
         )

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import yaml
+
 from hypertron.config import Config, ConfigError, dump_yaml, load_config
 from hypertron.config.validation import check_mesh
 from hypertron.errors import UserError
@@ -32,9 +34,20 @@ def root() -> Path:
 
 
 def names() -> list[str]:
-    """Every recipe under :func:`root` written for a machine (``<machine>/<model>``), sorted."""
+    """Every recipe under :func:`root` written for a machine (``<machine>/<model>``), sorted. A
+    recommender's (``task: dlrm``) is left out: it trains in one process, so there is nothing to
+    launch across nodes (``hypertron train RECIPE`` runs it)."""
     base = root()
-    return sorted(str(p.relative_to(base).with_suffix("")) for p in base.glob("*/*.yaml"))
+    return sorted(str(p.relative_to(base).with_suffix("")) for p in base.glob("*/*.yaml")
+                  if _task(p) == "lm")
+
+
+def _task(path: Path) -> str:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return "lm"  # load() reports the problem
+    return str(loaded.get("task", "lm")) if isinstance(loaded, dict) else "lm"
 
 
 def path_of(name: str) -> Path:

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable
 
 import jax
 import numpy as np
@@ -26,27 +26,17 @@ from rich.console import Console
 from hypertron.checkpoint import (
     CheckpointError,
     Checkpointer,
-    latest_step,
-    load_params,
     newest_usable_step,
-    read_run_config,
     write_run_config,
 )
 from hypertron.config import Config, ConfigError
-from hypertron.data import check_source, make_batches
-from hypertron.models import resolve_dtype
-from hypertron.models.bundle import is_bundle, save_model
-from hypertron.models.bundle import load_model as load_bundle
-from hypertron.models.bundle import read_config as read_bundle_config
-from hypertron.train.checks import validate_for_devices
 from hypertron.parallel import distributed
-from hypertron.parallel.mesh import local_coords, make_mesh
+from hypertron.parallel.mesh import local_coords
 from hypertron.runfiles import METRICS_FILE, TENSORBOARD_DIR
 from hypertron.train.events import EventFile, job_start_fields
-from hypertron.models.flops import device_peak_flops, train_flops_per_token
-from hypertron.train.metrics import ConsoleTracker, MetricsFile, TensorBoard, Throughput
+from hypertron.train.metrics import ConsoleTracker, MetricsFile, TensorBoard
 from hypertron.train.preemption import StopSignal
-from hypertron.train.step import global_batch, make_trainer
+from hypertron.train.task import Task, task_for
 from hypertron.tracker import Tracker, Tracking
 
 
@@ -58,52 +48,6 @@ class TrainResult:
     rows: list[dict]
     status: str = "completed"  # completed | preempted
     eval_rows: list[dict] = dataclasses.field(default_factory=list)
-
-
-def batches_for(cfg: Config, split: str = "train") -> Iterator[dict]:
-    """This process's share of each global batch, from the configured source."""
-    d, t = cfg.data, cfg.train
-    per_process = t.global_batch // jax.process_count()
-    return make_batches(
-        source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
-        seq_len=t.seq_len, batch_size=per_process, seed=d.seed, shuffle=d.shuffle,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        vocab_size=cfg.model.vocab_size, split=split, eval_fraction=d.eval_fraction,
-    )
-
-
-def data_fingerprint(cfg: Config) -> dict[str, Any]:
-    """What decides the data stream; a saved iterator position is only valid for the same values."""
-    d, t = cfg.data, cfg.train
-    return {"source": d.source, "paths": list(d.paths), "text_field": d.text_field,
-            "tokenizer": d.tokenizer, "shuffle": d.shuffle, "seed": d.seed,
-            "eval_fraction": d.eval_fraction, "seq_len": t.seq_len, "global_batch": t.global_batch,
-            "process_count": jax.process_count()}
-
-
-def check_init_from(cfg: Config) -> None:
-    """``train.init_from`` must name a model bundle, or a run with a checkpoint, of the same
-    parameter shapes; ``run_dir`` must not be a model bundle (nothing saved is overwritten)."""
-    if is_bundle(cfg.run_dir) and not (Path(cfg.run_dir) / "config.yaml").exists():
-        raise CheckpointError(f"run_dir={cfg.run_dir} holds a model bundle; to train from it, use a new "
-                              f"run_dir and train.init_from={cfg.run_dir}")
-    if not cfg.train.init_from:
-        return
-    from hypertron.models import declare
-    from hypertron.models.params import abstract
-
-    if is_bundle(cfg.train.init_from):
-        src_model, _ = read_bundle_config(cfg.train.init_from)
-    else:
-        src_model = read_run_config(cfg.train.init_from).model
-        latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
-    shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
-    if shapes(src_model) != shapes(cfg.model):
-        raise CheckpointError(
-            f"train.init_from={cfg.train.init_from} holds a {src_model.name} model whose parameter "
-            f"shapes differ from model={cfg.model.name}; set model to match it (model={cfg.train.init_from} "
-            "for a model bundle)"
-        )
 
 
 def standard_trackers(cfg: Config, console: Console) -> list[Tracker]:
@@ -125,16 +69,16 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     (:mod:`hypertron.tracker`).
     """
     started = time.time()
-    check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field, tokenizer=cfg.data.tokenizer)
+    task = task_for(cfg)
+    task.check_inputs(cfg)
     distributed.initialize(cfg.distributed)
     devices = jax.devices()
     # One voice: processes other than 0 print nothing but errors (the launcher shows those).
     console = console or Console(stderr=True, soft_wrap=True, quiet=jax.process_index() > 0)
     backend_ready = time.time()
-    validate_for_devices(cfg, len(devices))
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = task.mesh(cfg, devices)
     delay = data_delay(jax.process_index())  # a bad setting fails before compiling
-    check_init_from(cfg)
+    task.check_init_from(cfg)
     run_dir = Path(cfg.run_dir)
     write_run_config(run_dir, cfg, write=jax.process_index() == 0)
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
@@ -162,12 +106,12 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
                               "nothing to do; raise train.steps to train further", highlight=False)
                 status, last = "completed", start
                 return TrainResult(start, start, [], [])
-            data = batches_for(cfg)
+            data = task.batches(cfg)
             # Built now, so a bad eval split fails before compiling, not hours in.
-            eval_data = batches_for(cfg, split="eval") if cfg.train.eval_every else None
-            trainer = make_trainer(cfg, mesh)
-            state, start = _initial_state(cfg, trainer, ckpt, start, data, tracking, console)
-            loop = _Loop(cfg, trainer, ckpt, tracking, stop, console, eval_data, delay)
+            eval_data = task.batches(cfg, split="eval") if cfg.train.eval_every else None
+            trainer = task.trainer(cfg, mesh)
+            state, start = _initial_state(cfg, task, trainer, ckpt, start, data, tracking, console)
+            loop = _Loop(cfg, task, trainer, ckpt, tracking, stop, console, eval_data, delay)
             last = start
             try:
                 result = loop.run(state, start, data)
@@ -186,22 +130,6 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
             tracking.finish(status)
     _summarise(result, start, ckpt is not None, run_dir, console)
     return result
-
-
-def write_bundle(cfg: Config, params, console) -> None:
-    """The model bundle of the final parameters in ``RUN/model`` (:mod:`hypertron.models.bundle`):
-    what ``serve`` and ``generate`` read without the run. Every process takes part in gathering the
-    sharded parameters; process 0 writes them."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-    else:
-        params = jax.device_get(params)
-    if jax.process_index() == 0:
-        path = Path(cfg.run_dir) / "model"
-        save_model(path, cfg.model, params, cfg.data.tokenizer)
-        console.print(f"wrote the model bundle {path}", highlight=False)
 
 
 def _summarise(result: TrainResult, start: int, saved: bool, run_dir: Path, console) -> None:
@@ -237,29 +165,18 @@ def _usable_start(ckpt: Checkpointer | None, console) -> tuple[int | None, list[
     return start, skipped
 
 
-def _initial_state(cfg: Config, trainer, ckpt: Checkpointer | None, start: int | None, data,
+def _initial_state(cfg: Config, task: Task, trainer, ckpt: Checkpointer | None, start: int | None, data,
                    tracking: Tracking, console):
-    """The state to start from: the latest checkpoint, else ``train.init_from``'s parameters, else random."""
+    """The state to start from: the latest checkpoint, else the task's new state (``train.init_from``'s
+    parameters, else random)."""
     if start is not None:
-        state, start = _restore(cfg, trainer, ckpt, start, data, tracking, console)
+        state, start = _restore(cfg, task, trainer, ckpt, start, data, tracking, console)
         state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
         return state, start
-    state = trainer.init(jax.random.key(cfg.train.seed))
-    if cfg.train.init_from:
-        console.print(f"starting from the parameters in {cfg.train.init_from}")
-        shardings = trainer.abstract_state()["params"]
-        if is_bundle(cfg.train.init_from):
-            _, params, _ = load_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
-            # Each process places the slices its devices hold, from the whole array it read.
-            state["params"] = jax.tree.map(
-                lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
-                params, shardings)
-        else:
-            _, state["params"] = load_params(cfg.train.init_from, shardings=shardings)
-    return state, 0
+    return task.initial_state(cfg, trainer, console), 0
 
 
-def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, tracking: Tracking, console):
+def _restore(cfg: Config, task: Task, trainer, ckpt: Checkpointer, start: int, data, tracking: Tracking, console):
     """Restore ``start``, or the newest older usable step if it cannot be read.
 
     A step that fails to load is only set aside once an older one has loaded
@@ -278,7 +195,7 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, trackin
         try:
             state = ckpt.restore(step, trainer.abstract_state())
             meta = ckpt.meta(step)
-            data_restored = meta.get("data") == data_fingerprint(cfg) and ckpt.has_data(step)
+            data_restored = meta.get("data") == task.data_fingerprint(cfg) and ckpt.has_data(step)
             if data_restored:
                 ckpt.restore_data(step, data)
         except (CheckpointError, KeyboardInterrupt):
@@ -305,13 +222,6 @@ def _restore(cfg: Config, trainer, ckpt: Checkpointer, start: int, data, trackin
         f"no checkpoint in {ckpt.directory} could be read (step {first_step}: {first_reason}); if the config "
         "changed since they were saved, restore it, else move the checkpoints directory away to start over"
     )
-
-
-def _throughput(cfg: Config, tokens: int) -> Throughput:
-    t, q = cfg.train, cfg.model.quantization
-    return Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
-                      device_peak_flops(t.peak_flops),
-                      None if q == "none" else device_peak_flops(0.0, fmt=q), quantized=q != "none")
 
 
 FAULT_DATA_DELAY = "HYPERTRON_FAULT_DATA_DELAY"
@@ -346,12 +256,13 @@ class _Loop:
     from the start of the loop, so it holds the compilation and the first batch.
     """
 
-    def __init__(self, cfg: Config, trainer, ckpt: Checkpointer | None, tracking: Tracking, stop: StopSignal,
-                 console, eval_data=None, data_delay: float = 0.0):
-        self.cfg, self.trainer, self.ckpt, self.tracking, self.stop = cfg, trainer, ckpt, tracking, stop
+    def __init__(self, cfg: Config, task: Task, trainer, ckpt: Checkpointer | None, tracking: Tracking,
+                 stop: StopSignal, console, eval_data=None, data_delay: float = 0.0):
+        self.cfg, self.task, self.trainer, self.ckpt = cfg, task, trainer, ckpt
+        self.tracking, self.stop = tracking, stop
         self.eval_data = None if eval_data is None else (eval_data, eval_data.get_state())
         self.console = console
-        self.throughput = _throughput(cfg, cfg.train.global_batch * cfg.train.seq_len)
+        self.throughput = task.throughput(cfg)
         self.data_delay = data_delay  # fault injection (HYPERTRON_FAULT_DATA_DELAY)
         self.result = TrainResult(0, 0, [], [])
         self.last_end = time.perf_counter()
@@ -369,7 +280,7 @@ class _Loop:
             if self.data_delay:
                 time.sleep(self.data_delay)  # fault injection: a slow input pipeline on this process
             data_wait = time.perf_counter() - t0
-            state, metrics = self.trainer.step(state, global_batch(local, self.trainer.batch_sharding))
+            state, metrics = self.task.step(self.trainer, state, local)
             if pending:
                 self._finish(*pending)
             pending = (step, metrics, data_wait)
@@ -388,10 +299,9 @@ class _Loop:
                 if save:
                     # The job waits for its last save (and the bundle) anyway: all of it blocks.
                     reason = "preemption" if preempted else "final" if step == t.steps else "interval"
-                    bundle = (lambda: write_bundle(cfg, state["params"], self.console)) \
-                        if reason == "final" else None
-                    self.ckpt.save(step, state, {"data": data_fingerprint(cfg)}, data_iterator=data,
-                                   reason=reason, wait=reason != "interval", then=bundle)
+                    then = (lambda: self.task.finish(cfg, state, self.console)) if reason == "final" else None
+                    self.ckpt.save(step, state, {"data": self.task.data_fingerprint(cfg)}, data_iterator=data,
+                                   reason=reason, wait=reason != "interval", then=then)
                 self.last_end = time.perf_counter()
             if preempted:
                 break
@@ -416,21 +326,16 @@ class _Loop:
         self.result.last_step = step
 
     def _evaluate(self, state, step: int) -> None:
-        """Mean loss over ``train.eval_batches`` batches of the held-out split (the same batches each time)."""
+        """The task's scalars over ``train.eval_batches`` batches of the held-out split (the same
+        batches each time): ``loss``, and ``tokens`` or ``auc`` (the task's)."""
         t0 = time.time()
         batches, initial = self.eval_data
         batches.set_state(initial)
-        totals = [self.trainer.eval(state["params"], global_batch(next(batches), self.trainer.batch_sharding),
-                                    state.get("quant"))
-                  for _ in range(self.cfg.train.eval_batches)]
-        totals = jax.device_get(totals)
-        nll = sum(float(x["nll_sum"]) for x in totals)
-        tokens = sum(float(x["weight"]) for x in totals)
-        loss = nll / max(tokens, 1.0)
-        seconds = time.time() - t0
-        self.tracking.scalars(step, {"loss": loss, "tokens": tokens, "seconds": seconds}, group="eval")
-        self.tracking.emit("eval", step, loss=loss, tokens=tokens, seconds=seconds)
-        self.result.eval_rows.append({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_seconds": seconds})
+        values = self.task.evaluate(self.trainer, state, batches, self.cfg.train.eval_batches)
+        values["seconds"] = time.time() - t0
+        self.tracking.scalars(step, values, group="eval")
+        self.tracking.emit("eval", step, **values)
+        self.result.eval_rows.append({"step": step, **{f"eval_{k}": v for k, v in values.items()}})
 
 
 def steps_per_second(result: TrainResult) -> float:

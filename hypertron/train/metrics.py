@@ -22,7 +22,8 @@ from hypertron.tracker import Tracker
 
 @dataclass
 class Throughput:
-    """Per-step rates from the model's FLOPs and the wall time of an interval."""
+    """Per-step rates from the model's FLOPs and the wall time of an interval. ``unit``: what a step
+    counts (``tokens`` for a language model, ``samples`` for a recommender), naming its rate."""
 
     tokens_per_step: int
     flops_per_step: float
@@ -32,13 +33,14 @@ class Throughput:
     # it, and EMFU (effective MFU) against the bf16 peak, as MaxText reports them.
     quant_peak_flops: float | None = None
     quantized: bool = False
+    unit: str = "tokens"
 
     def rates(self, seconds_per_step: float) -> dict[str, float | None]:
         tflops = self.flops_per_step / seconds_per_step / self.num_devices / 1e12
         ratio = lambda peak: None if not peak else tflops * 1e12 / peak
         out = {
             "step_time": seconds_per_step,
-            "tokens_per_sec_per_device": self.tokens_per_step / seconds_per_step / self.num_devices,
+            f"{self.unit}_per_sec_per_device": self.tokens_per_step / seconds_per_step / self.num_devices,
             "tflops_per_device": tflops,
             "mfu": ratio(self.quant_peak_flops if self.quantized else self.peak_flops),
         }
@@ -103,6 +105,7 @@ class ConsoleTracker(Tracker):
     def scalars(self, step: int, values: Mapping[str, Any], group: str = "train") -> None:
         if group != "train":
             extra = f" | {values['tokens']:,.0f} tokens" if "tokens" in values else ""
+            extra += f" | auc {values['auc']:.4f}" if "auc" in values else ""
             self.console.print(f"step {step:>6} | {group}_loss {values['loss']:.4f}{extra}", highlight=False)
             return
         self.interval.append({"step": step, **values})
@@ -123,7 +126,8 @@ class ConsoleTracker(Tracker):
 def mean_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The last row, with step time and rates averaged over ``rows`` (for one console line per interval)."""
     out = dict(rows[-1])
-    for key in ("step_time", "tokens_per_sec_per_device", "tflops_per_device", "mfu", "emfu"):
+    for key in ("step_time", "tokens_per_sec_per_device", "samples_per_sec_per_device", "tflops_per_device", "mfu",
+                "emfu"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if key in out or values:
             out[key] = sum(values) / len(values) if values else None
@@ -138,7 +142,8 @@ def format_row(row: dict[str, Any]) -> str:
         f"grad_norm {row['grad_norm']:.3f}",
         f"lr {row['lr']:.2e}",
         f"{row['step_time'] * 1e3:.0f} ms/step",
-        f"{row['tokens_per_sec_per_device']:,.0f} tok/s/dev",
+        *([f"{row['tokens_per_sec_per_device']:,.0f} tok/s/dev"] if "tokens_per_sec_per_device" in row else []),
+        *([f"{row['samples_per_sec_per_device']:,.0f} samples/s/dev"] if "samples_per_sec_per_device" in row else []),
         f"{row['tflops_per_device']:.3g} TFLOP/s/dev",
     ]
     if row.get("mfu") is not None:

@@ -1,0 +1,306 @@
+"""The recommender task (``task: dlrm``): DLRM-v2 trained by the same loop as the language models.
+
+A step has three parts, as jax-tpu-embedding's and TorchRec's do:
+
+1. **lookups**: each feature's ids are routed on the host (:func:`hypertron.embed.route`) and
+   each table pools them where it lives (:func:`hypertron.embed.lookup`);
+2. **the dense step**, one compiled function over the batch split by samples over the mesh's one
+   axis (``data``): the forward pass (:mod:`hypertron.recsys.dlrm`), the mean log-loss, its
+   gradient with respect to the MLPs and to each pooled embedding, and the MLPs' optimiser
+   (SGD, or Adagrad as PyTorch's: ``w -= lr * g / (sqrt(sum g^2) + eps)``);
+3. **sparse updates**: each table's optimiser runs on the rows the batch touched, from the gradient
+   of its pooled embeddings (:func:`hypertron.embed.apply_gradients`).
+
+The train state is the loop's dict: ``params`` = ``{"dense", "tables"}``, ``opt_state`` =
+``{"dense", "tables"}`` (a table's accumulator; none for SGD), ``step``; checkpoints save and
+restore it as they do a language model's. Each step's buffers have one shape (the routing's
+capacity is fixed at the most a device could send), so each part compiles once.
+
+Placements: ``dlrm.placement=auto`` asks :func:`hypertron.embed.plan.plan` per table; ``row``,
+``column`` or ``table`` puts every table so. The routing needs the whole step's ids in one
+process: a DLRM run is one process (of any number of local devices) for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hypertron.config import Config, ConfigError
+from hypertron.embed import (
+    Jagged, ShardedTable, abstract_table, apply_gradients, device_memory, init_table, lookup, pooled_sharding,
+    pooling_fn, route, update_fn,
+)
+from hypertron.embed.plan import plan as plan_tables
+from hypertron.models.flops import device_peak_flops
+from hypertron.recsys import data as recsys_data
+from hypertron.recsys import dlrm
+from hypertron.recsys.metrics import auc, log_loss
+from hypertron.train.metrics import Throughput
+from hypertron.train.optimizer import schedule
+
+AXIS = "data"
+
+
+def scale_by_adagrad(eps: float) -> optax.GradientTransformation:
+    """PyTorch's (and fbgemm's) Adagrad direction: ``g / (sqrt(sum of g^2 so far) + eps)``, the sum
+    starting at zero. (``optax.adagrad`` adds eps inside the root and starts the sum at 0.1.)"""
+
+    def init(params):
+        return {"sum": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(grads, state, params=None):
+        total = jax.tree.map(lambda s, g: s + g * g, state["sum"], grads)
+        return jax.tree.map(lambda g, s: g / (jnp.sqrt(s) + eps), grads, total), {"sum": total}
+
+    return optax.GradientTransformation(init, update)
+
+
+def dense_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The MLPs' optimiser: SGD with the tables' SGD, Adagrad with either of theirs (MLPerf's)."""
+    lr = schedule(cfg.train)
+    if cfg.dlrm.optimizer == "sgd":
+        return optax.sgd(lr)
+    return optax.chain(scale_by_adagrad(cfg.dlrm.eps), optax.scale_by_learning_rate(lr))
+
+
+def place_tables(cfg: Config, mesh: Mesh) -> list[tuple[Any, int]]:
+    """Each table's spec (with its placement) and owner over the mesh's axis."""
+    d = cfg.dlrm
+    specs, features = dlrm.table_specs(d, "auto" if d.placement == "auto" else d.placement)
+    if d.placement != "auto":
+        return [(s, i % mesh.shape[AXIS]) for i, s in enumerate(specs)]
+    chosen = plan_tables(specs, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
+                         shards=mesh.shape[AXIS], batch=cfg.train.global_batch,
+                         device_bytes=device_memory(mesh.devices.flat[0]))
+    return [(c.table, c.owner or 0) for c in chosen.choices]
+
+
+@dataclasses.dataclass
+class DlrmTrainer:
+    """The sharded DLRM state and its step (see the module's docstring)."""
+
+    cfg: Config
+    mesh: Mesh
+    tables: list[ShardedTable]  # layouts only: the arrays live in the state
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    optimizer: optax.GradientTransformation
+    dense_step: Any
+    predict_fn: Any
+    capacities: list[int]
+    fused_step: Any = None  # the whole step as one compiled function, where the tables allow (see make_dlrm_trainer)
+
+    def init(self, key: jax.Array) -> dict:
+        replicated = NamedSharding(self.mesh, P())
+        dense = jax.jit(lambda k: dlrm.init_dense(self.cfg.dlrm, k), out_shardings=replicated)(key)
+        opt = jax.jit(self.optimizer.init, out_shardings=replicated)(dense)
+        tables, table_state = {}, {}
+        for i, t in enumerate(self.tables):
+            made = init_table(t.spec, self.mesh, AXIS, seed=self.cfg.train.seed * 1_000_003 + i, owner=t.owner)
+            tables[t.spec.name] = made.data
+            if made.state is not None:
+                table_state[t.spec.name] = made.state
+        return {"params": {"dense": dense, "tables": tables}, "opt_state": {"dense": opt, "tables": table_state},
+                "step": jax.device_put(np.int32(0), replicated)}
+
+    def abstract_state(self) -> dict:
+        replicated = NamedSharding(self.mesh, P())
+        shaped = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
+        dense = jax.eval_shape(lambda: dlrm.init_dense(self.cfg.dlrm, jax.random.key(0)))
+        opt = jax.eval_shape(self.optimizer.init, dense)
+        return {"params": {"dense": jax.tree.map(shaped, dense), "tables": {t.spec.name: t.data for t in self.tables}},
+                "opt_state": {"dense": jax.tree.map(shaped, opt),
+                              "tables": {t.spec.name: t.state for t in self.tables if t.state is not None}},
+                "step": shaped(jax.ShapeDtypeStruct((), jnp.int32))}
+
+    def live_tables(self, state: dict) -> list[ShardedTable]:
+        """The tables with their arrays from ``state``."""
+        return [dataclasses.replace(t, data=state["params"]["tables"][t.spec.name],
+                                    state=state["opt_state"]["tables"].get(t.spec.name)) for t in self.tables]
+
+    def route(self, local: dict) -> list:
+        """Each feature's ids of this batch laid out for its table (on the host)."""
+        sparse = np.asarray(local["sparse"])
+        b, out, start = len(sparse), [], 0
+        for t, hot, cap in zip(self.tables, self.cfg.dlrm.ids_per_sample, self.capacities):
+            x = Jagged(sparse[:, start:start + hot].reshape(-1), np.full(b, hot, np.int32))
+            out.append(route(t.spec, x, "sum", t.shards, capacity=cap, feature=f"f{len(out)}"))
+            start += hot
+        return out
+
+    def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
+        pooled = [lookup(t, r) for t, r in zip(tables, routed)]
+        if zero:
+            pooled = [jnp.zeros_like(p) for p in pooled]
+        return [jax.device_put(p, self.batch_sharding) for p in pooled]
+
+    def step(self, state: dict, local: dict) -> tuple[dict, dict]:
+        routed = self.route(local)
+        if self.fused_step is not None:
+            return self._fused(state, local, routed)
+        tables = self.live_tables(state)
+        pooled = self._pooled(tables, routed)
+        x = jax.device_put(local["dense"], self.batch_sharding)
+        y = jax.device_put(local["labels"], self.batch_sharding)
+        dense, opt, grads, metrics = self.dense_step(state["params"]["dense"], state["opt_state"]["dense"],
+                                                    state["step"], x, y, pooled)
+        new_tables, new_state = {}, {}
+        for t, r, g in zip(tables, routed, grads):
+            where = pooled_sharding(t)
+            lr = metrics["lr"] if t.spec.placement != "table" else jax.device_put(metrics["lr"], where)
+            t = apply_gradients(t, r, jax.device_put(g, where), lr=lr, eps=self.cfg.dlrm.eps)
+            new_tables[t.spec.name] = t.data
+            if t.state is not None:
+                new_state[t.spec.name] = t.state
+        return ({"params": {"dense": dense, "tables": new_tables}, "opt_state": {"dense": opt, "tables": new_state},
+                 "step": state["step"] + 1}, metrics)
+
+    def _fused(self, state: dict, local: dict, routed: list) -> tuple[dict, dict]:
+        names = [t.spec.name for t in self.tables]
+        acc = state["opt_state"]["tables"]
+        dense, opt, tables, accs, metrics = self.fused_step(
+            state["params"]["dense"], state["opt_state"]["dense"], [state["params"]["tables"][n] for n in names],
+            [acc.get(n, np.float32(0)) for n in names], state["step"], local["dense"], local["labels"],
+            [r.arrays() for r in routed])
+        return ({"params": {"dense": dense, "tables": dict(zip(names, tables))},
+                 "opt_state": {"dense": opt, "tables": {n: a for n, a in zip(names, accs) if n in acc}},
+                 "step": state["step"] + 1}, metrics)
+
+    def predict(self, state: dict, local: dict, zero_tables: bool = False) -> jax.Array:
+        """Click logits of a batch (``zero_tables``: with every pooled embedding zeroed, the ablation)."""
+        pooled = self._pooled(self.live_tables(state), self.route(local), zero=zero_tables)
+        x = jax.device_put(local["dense"], self.batch_sharding)
+        return self.predict_fn(state["params"]["dense"], x, pooled)
+
+
+def make_dlrm_trainer(cfg: Config, mesh: Mesh) -> DlrmTrainer:
+    """The DLRM trainer of ``cfg`` on the one-axis ``mesh``; nothing is compiled until first called."""
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(AXIS))
+    tables = [abstract_table(spec, mesh, AXIS, owner=owner) for spec, owner in place_tables(cfg, mesh)]
+    s, b = mesh.shape[AXIS], cfg.train.global_batch
+    # Row-wise: the most ids one device could send one owner (all of its own); others: ignored but fixed.
+    capacities = [-(-b // s) * hot for hot in cfg.dlrm.ids_per_sample]
+    optimizer = dense_optimizer(cfg)
+    lr = schedule(cfg.train)
+
+    def dense_step(dense, opt, step, x, y, pooled):
+        def loss_fn(dense, pooled):
+            return jnp.mean(dlrm.bce_with_logits(dlrm.forward(dense, x, pooled), y))
+
+        loss, (g_dense, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1))(dense, pooled)
+        updates, opt = optimizer.update(g_dense, opt, dense)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(g_dense), "lr": jnp.asarray(lr(step), jnp.float32),
+                   "samples": jnp.float32(y.shape[0])}
+        return optax.apply_updates(dense, updates), opt, g_pooled, metrics
+
+    n = len(tables)
+    step_fn = jax.jit(dense_step, in_shardings=(replicated, replicated, replicated, batch_sharding, batch_sharding,
+                                                [batch_sharding] * n),
+                      out_shardings=(replicated, replicated, [batch_sharding] * n, replicated), donate_argnums=(0, 1))
+    predict = jax.jit(lambda dense, x, pooled: dlrm.forward(dense, x, pooled),
+                      in_shardings=(replicated, batch_sharding, [batch_sharding] * n), out_shardings=batch_sharding)
+    trainer = DlrmTrainer(cfg, mesh, tables, {}, batch_sharding, optimizer, step_fn, predict, capacities)
+    trainer.state_shardings = jax.tree.map(lambda a: a.sharding, trainer.abstract_state())
+    # One compiled step (lookups, dense step, updates) when every table lives on the mesh's devices as one
+    # jit can take them: split row- or column-wise, or whole on a mesh of one device. A whole table on one of
+    # several devices is an array of another device set, so those steps run in parts.
+    if s == 1 or all(t.spec.placement != "table" for t in tables):
+        pools = [pooling_fn(t, -(-b // s) if t.spec.placement == "row" else b) for t in tables]
+        updates = [update_fn(t, -(-b // s) if t.spec.placement == "row" else b) for t in tables]
+        eps = cfg.dlrm.eps
+
+        def whole_step(dense, opt, data, accs, step, x, y, routed):
+            x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
+            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)]
+            dense, opt, grads, metrics = dense_step(dense, opt, step, x, y, pooled)
+            new = [update(t, a, *r, g, metrics["lr"], jnp.float32(eps))
+                   for update, t, a, r, g in zip(updates, data, accs, routed, grads)]
+            return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
+
+        trainer.fused_step = jax.jit(whole_step, donate_argnums=(0, 1, 2, 3))
+    return trainer
+
+
+class Recommender:
+    """``task: dlrm``: the :class:`hypertron.train.task.Task` of DLRM-v2 (see the module's docstring)."""
+
+    def check_inputs(self, cfg: Config) -> None:
+        d = cfg.dlrm
+        if cfg.train.init_from:
+            raise ConfigError("train.init_from: task=dlrm starts from random weights or its own checkpoints only")
+        if cfg.train.grad_accum != 1:
+            raise ConfigError(f"train.grad_accum={cfg.train.grad_accum}: task=dlrm takes whole batches (1)")
+        if d.source == "criteo":
+            if any(h != 1 for h in d.ids_per_sample):
+                raise ConfigError("dlrm.source=criteo: Criteo lines hold one id per feature; set "
+                                  "dlrm.ids_per_sample to all 1")
+            recsys_data.check_files(d.paths)
+            if cfg.train.eval_every:
+                recsys_data.check_files(d.eval_paths, "dlrm.eval_paths")
+
+    def mesh(self, cfg: Config, devices: list) -> Mesh:
+        if jax.process_count() > 1:
+            raise ConfigError(f"task=dlrm runs in one process for now (its ids are routed on one host); this job has "
+                              f"{jax.process_count()}")
+        if cfg.train.global_batch % len(devices):
+            raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
+                              f"{len(devices)} devices, so it must be a multiple of {len(devices)}")
+        return Mesh(np.array(devices), (AXIS,))
+
+    def check_init_from(self, cfg: Config) -> None:
+        pass  # refused in check_inputs
+
+    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
+        return recsys_data.make_batches(cfg.dlrm, batch_size=cfg.train.global_batch // jax.process_count(),
+                                        seed=cfg.data.seed, split=split, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+
+    def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
+        d = cfg.dlrm
+        return {"task": "dlrm", "source": d.source, "paths": list(d.paths), "eval_paths": list(d.eval_paths),
+                "seed": cfg.data.seed, "teacher_seed": d.teacher_seed, "teacher_scale": d.teacher_scale,
+                "table_rows": list(d.table_rows), "ids_per_sample": list(d.ids_per_sample),
+                "dense_features": d.dense_features, "global_batch": cfg.train.global_batch,
+                "process_count": jax.process_count()}
+
+    def trainer(self, cfg: Config, mesh: Mesh) -> DlrmTrainer:
+        return make_dlrm_trainer(cfg, mesh)
+
+    def initial_state(self, cfg: Config, trainer: DlrmTrainer, console) -> dict:
+        return trainer.init(jax.random.key(cfg.train.seed))
+
+    def step(self, trainer: DlrmTrainer, state: dict, local: dict) -> tuple[dict, dict]:
+        return trainer.step(state, local)
+
+    def evaluate(self, trainer: DlrmTrainer, state: dict, batches: Iterator[dict], count: int) -> dict[str, float]:
+        """Log-loss and ROC AUC over ``count`` held-out batches."""
+        logits, labels = evaluate_logits(trainer, state, batches, count)
+        return {"loss": log_loss(logits, labels), "auc": auc(logits, labels), "samples": float(len(labels))}
+
+    def throughput(self, cfg: Config) -> Throughput:
+        b = cfg.train.global_batch
+        return Throughput(b, dlrm.flops_per_sample(cfg.dlrm) * b, jax.device_count(),
+                          device_peak_flops(cfg.train.peak_flops), unit="samples")
+
+    def finish(self, cfg: Config, state: dict, console) -> None:
+        pass  # the run's checkpoint is what it leaves
+
+
+def evaluate_logits(trainer: DlrmTrainer, state: dict, batches: Iterator[dict], count: int,
+                    zero_tables: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Logits and labels of ``count`` batches (``zero_tables``: the ablation, every embedding zeroed)."""
+    logits, labels = [], []
+    for _ in range(count):
+        local = next(batches)
+        logits.append(trainer.predict(state, local, zero_tables))
+        labels.append(local["labels"])
+    return np.concatenate(jax.device_get(logits)), np.concatenate(labels)

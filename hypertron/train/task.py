@@ -1,0 +1,190 @@
+"""What the training loop trains: a task.
+
+The loop (:mod:`hypertron.train.loop`) owns what every run has: the checks before compiling,
+checkpoints and exact resume, SIGTERM, job events, trackers, evaluation on schedule. A task owns
+what depends on the model and its data: the mesh and the checks that need the devices, the data
+stream and the settings that decide it (checked on resume), the sharded train state and step,
+evaluation, the throughput's unit and FLOPs, and what is written at the end.
+
+- :class:`LanguageModel` (``task: lm``): decoder LLMs on token streams (:mod:`hypertron.train.step`).
+- :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables.
+
+The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
+task's checkpoints hold: ``quant`` for fp8): :class:`hypertron.checkpoint.Checkpointer` saves and
+restores it whatever the task.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import jax
+from jax.sharding import Mesh
+
+from hypertron.checkpoint import CheckpointError, latest_step, load_params, read_run_config
+from hypertron.config import Config
+from hypertron.data import check_source, make_batches
+from hypertron.models import resolve_dtype
+from hypertron.models.bundle import is_bundle, save_model
+from hypertron.models.bundle import load_model as load_bundle
+from hypertron.models.bundle import read_config as read_bundle_config
+from hypertron.models.flops import device_peak_flops, train_flops_per_token
+from hypertron.parallel.mesh import make_mesh
+from hypertron.train.checks import validate_for_devices
+from hypertron.train.metrics import Throughput
+from hypertron.train.step import global_batch, make_trainer
+
+
+class Task(Protocol):
+    """The seam between the loop and what it trains (see the module's docstring)."""
+
+    def check_inputs(self, cfg: Config) -> None:
+        """Checks of the data and ``train.init_from`` that need no devices (before the backend starts)."""
+
+    def mesh(self, cfg: Config, devices: list) -> Mesh:
+        """The checks that need the devices, then the mesh."""
+
+    def check_init_from(self, cfg: Config) -> None:
+        """``train.init_from`` names something this run can start from (before anything is written)."""
+
+    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
+        """This process's share of each global batch, as a checkpointable Grain iterator."""
+
+    def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
+        """What decides the data stream; a saved iterator position is only valid for the same values."""
+
+    def trainer(self, cfg: Config, mesh: Mesh) -> Any:
+        """The sharded train state's ``init(key)``, ``abstract_state()`` and ``state_shardings``."""
+
+    def initial_state(self, cfg: Config, trainer: Any, console) -> dict:
+        """A new run's state: random, or ``train.init_from``'s parameters."""
+
+    def step(self, trainer: Any, state: dict, local: dict) -> tuple[dict, dict]:
+        """One optimiser step on this process's rows; returns the new state and device-side metrics
+        (``loss`` among them)."""
+
+    def evaluate(self, trainer: Any, state: dict, batches: Iterator[dict], count: int) -> dict[str, float]:
+        """Scalars of ``count`` held-out batches: ``loss`` and what else the task measures."""
+
+    def throughput(self, cfg: Config) -> Throughput:
+        ...
+
+    def finish(self, cfg: Config, state: dict, console) -> None:
+        """After the final checkpoint: what the run leaves for the next tool (a model bundle)."""
+
+
+class LanguageModel:
+    """Decoder LLMs: token batches, next-token loss, FLOPs per token, a model bundle at the end."""
+
+    def check_inputs(self, cfg: Config) -> None:
+        check_source(cfg.data.source, cfg.data.paths, cfg.data.text_field, tokenizer=cfg.data.tokenizer)
+
+    def mesh(self, cfg: Config, devices: list) -> Mesh:
+        validate_for_devices(cfg, len(devices))
+        return make_mesh(cfg.mesh, devices)
+
+    def check_init_from(self, cfg: Config) -> None:
+        """``train.init_from`` must name a model bundle, or a run with a checkpoint, of the same
+        parameter shapes; ``run_dir`` must not be a model bundle (nothing saved is overwritten)."""
+        if is_bundle(cfg.run_dir) and not (Path(cfg.run_dir) / "config.yaml").exists():
+            raise CheckpointError(f"run_dir={cfg.run_dir} holds a model bundle; to train from it, use a new "
+                                  f"run_dir and train.init_from={cfg.run_dir}")
+        if not cfg.train.init_from:
+            return
+        from hypertron.models import declare
+        from hypertron.models.params import abstract
+
+        if is_bundle(cfg.train.init_from):
+            src_model, _ = read_bundle_config(cfg.train.init_from)
+        else:
+            src_model = read_run_config(cfg.train.init_from).model
+            latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
+        shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
+        if shapes(src_model) != shapes(cfg.model):
+            raise CheckpointError(
+                f"train.init_from={cfg.train.init_from} holds a {src_model.name} model whose parameter "
+                f"shapes differ from model={cfg.model.name}; set model to match it (model={cfg.train.init_from} "
+                "for a model bundle)"
+            )
+
+    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
+        d, t = cfg.data, cfg.train
+        per_process = t.global_batch // jax.process_count()
+        return make_batches(
+            source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
+            seq_len=t.seq_len, batch_size=per_process, seed=d.seed, shuffle=d.shuffle,
+            process_index=jax.process_index(), process_count=jax.process_count(),
+            vocab_size=cfg.model.vocab_size, split=split, eval_fraction=d.eval_fraction,
+        )
+
+    def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
+        d, t = cfg.data, cfg.train
+        return {"source": d.source, "paths": list(d.paths), "text_field": d.text_field,
+                "tokenizer": d.tokenizer, "shuffle": d.shuffle, "seed": d.seed,
+                "eval_fraction": d.eval_fraction, "seq_len": t.seq_len, "global_batch": t.global_batch,
+                "process_count": jax.process_count()}
+
+    def trainer(self, cfg: Config, mesh: Mesh):
+        return make_trainer(cfg, mesh)
+
+    def initial_state(self, cfg: Config, trainer, console) -> dict:
+        state = trainer.init(jax.random.key(cfg.train.seed))
+        if cfg.train.init_from:
+            console.print(f"starting from the parameters in {cfg.train.init_from}")
+            shardings = trainer.abstract_state()["params"]
+            if is_bundle(cfg.train.init_from):
+                _, params, _ = load_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
+                # Each process places the slices its devices hold, from the whole array it read.
+                state["params"] = jax.tree.map(
+                    lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
+                    params, shardings)
+            else:
+                _, state["params"] = load_params(cfg.train.init_from, shardings=shardings)
+        return state
+
+    def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
+        return trainer.step(state, global_batch(local, trainer.batch_sharding))
+
+    def evaluate(self, trainer, state: dict, batches: Iterator[dict], count: int) -> dict[str, float]:
+        """Mean loss per target token over ``count`` batches, and the tokens counted."""
+        totals = [trainer.eval(state["params"], global_batch(next(batches), trainer.batch_sharding), state.get("quant"))
+                  for _ in range(count)]
+        totals = jax.device_get(totals)
+        nll = sum(float(x["nll_sum"]) for x in totals)
+        tokens = sum(float(x["weight"]) for x in totals)
+        return {"loss": nll / max(tokens, 1.0), "tokens": tokens}
+
+    def throughput(self, cfg: Config) -> Throughput:
+        t, q = cfg.train, cfg.model.quantization
+        tokens = t.global_batch * t.seq_len
+        return Throughput(tokens, train_flops_per_token(cfg.model, t.seq_len) * tokens, jax.device_count(),
+                          device_peak_flops(t.peak_flops),
+                          None if q == "none" else device_peak_flops(0.0, fmt=q), quantized=q != "none")
+
+    def finish(self, cfg: Config, state: dict, console) -> None:
+        write_bundle(cfg, state["params"], console)
+
+
+def write_bundle(cfg: Config, params, console) -> None:
+    """The model bundle of the final parameters in ``RUN/model`` (:mod:`hypertron.models.bundle`):
+    what ``serve`` and ``generate`` read without the run. Every process takes part in gathering the
+    sharded parameters; process 0 writes them."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        params = jax.device_get(params)
+    if jax.process_index() == 0:
+        path = Path(cfg.run_dir) / "model"
+        save_model(path, cfg.model, params, cfg.data.tokenizer)
+        console.print(f"wrote the model bundle {path}", highlight=False)
+
+
+def task_for(cfg: Config) -> Task:
+    if cfg.task == "dlrm":
+        from hypertron.train.dlrm import Recommender
+
+        return Recommender()
+    return LanguageModel()

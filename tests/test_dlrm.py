@@ -1,0 +1,319 @@
+"""DLRM-v2 through the training loop: sizes, learning a planted teacher, TorchRec parity, exact resume,
+Criteo-format files and bad input. On 8 simulated CPU devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hypertron.checkpoint import MANIFEST
+from hypertron.config import ConfigError, load_config
+from hypertron.errors import DataError
+from hypertron.recsys import data as recsys_data
+from hypertron.recsys import dlrm
+from hypertron.recsys.metrics import auc, log_loss
+from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
+
+ROOT = Path(__file__).parent.parent
+RECIPE = ROOT / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"
+TINY = ["task=dlrm", "dlrm=dlrm-v2-tiny", "train.global_batch=256", "train.lr=0.05", "train.schedule=constant",
+        "train.warmup_steps=0"]
+
+
+def _cfg(*overrides: str):
+    return load_config(None, [*TINY, *overrides])
+
+
+def _trainer(cfg):
+    return make_dlrm_trainer(cfg, Recommender().mesh(cfg, jax.devices()))
+
+
+def test_the_mlperf_preset_counts_its_parameters_as_its_tables_and_mlps_add_up():
+    cfg = load_config(None, ["task=dlrm", "dlrm=dlrm-v2"]).dlrm
+    rows = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938,
+            155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
+    tables = sum(rows) * 128  # 204,184,588 rows of 128
+    bottom = (13 * 512 + 512) + (512 * 256 + 256) + (256 * 128 + 128)
+    n = 27 * 128  # the dense output and 26 pooled embeddings, concatenated
+    cross = 3 * (n * 512 + 512 * n + n)  # V (no bias), W, the bias
+    top = (n * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 512 + 512) + (512 * 256 + 256) + (256 * 1 + 1)
+    s = dlrm.sizes(cfg)
+    assert s["table_params"] == tables == 26_135_627_264
+    assert s["dense_params"] == bottom + cross + top
+    assert s["params"] == tables + bottom + cross + top
+    # Row-wise Adagrad: one accumulator per row; the MLPs' Adagrad: one per weight.
+    assert s["optimizer_bytes"] == 4 * (sum(rows) + bottom + cross + top)
+
+
+def test_auc_and_log_loss_on_hand_computed_cases():
+    # Pairs (positive, negative) ranked right: (0.35 > 0.1), (0.8 > 0.1), (0.8 > 0.4); wrong: (0.35 < 0.4).
+    assert auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    # A tie between a positive and a negative counts half: (0.5 = 0.5) -> 0.5, (0.5 > 0.2) -> 1.
+    assert auc(np.array([0.5, 0.5, 0.2]), np.array([1, 0, 0])) == 0.75
+    assert np.isnan(auc(np.array([0.1, 0.2]), np.array([1, 1])))
+    assert log_loss(np.array([0.0, 0.0]), np.array([1, 0])) == pytest.approx(np.log(2))
+    assert log_loss(np.array([100.0]), np.array([1])) == pytest.approx(0.0, abs=1e-30)
+
+
+def test_tiny_dlrm_learns_the_planted_teacher_and_its_tables_carry_the_signal():
+    """Held-out AUC after 150 steps is near the teacher's own (0.92 on this data); with every
+    pooled embedding zeroed it is 0.5 within noise: the signal is in the tables."""
+    cfg = _cfg()
+    trainer, task = _trainer(cfg), Recommender()
+    state = trainer.init(jax.random.key(0))
+    data = task.batches(cfg)
+    for _ in range(150):
+        state, metrics = trainer.step(state, next(data))
+    held_out = task.batches(cfg, "eval")
+    start = held_out.get_state()
+    logits, labels = evaluate_logits(trainer, state, held_out, 16)
+    held_out.set_state(start)
+    ablated, _ = evaluate_logits(trainer, state, held_out, 16, zero_tables=True)
+    held_out.set_state(start)
+    teacher = np.concatenate([recsys_data.teacher_logits(cfg.dlrm, b["dense"].astype(np.float64), b["sparse"])
+                              for b in (next(held_out) for _ in range(16))])
+    learned, bayes, none = auc(logits, labels), auc(teacher, labels), auc(ablated, labels)
+    print(f"held-out AUC {learned:.4f}, the teacher's {bayes:.4f}, tables zeroed {none:.4f} ({len(labels)} samples)")
+    assert learned > 0.85 and bayes - learned < 0.05
+    assert abs(none - 0.5) < 0.03  # 4,096 samples: the AUC of chance has a standard deviation of about 0.009
+
+
+# --- TorchRec as the reference ---------------------------------------------------------------------------------
+
+def _torchrec():
+    return pytest.importorskip("torchrec", reason="TorchRec (make test installs torchrec==1.9.2 with fbgemm-gpu-cpu)")
+
+
+def _torch_model(cfg, trainer, state):
+    """TorchRec's DLRM_DCN of ``cfg.dlrm`` with hypertron's weights of ``state`` copied in."""
+    import torch
+    _torchrec()
+    from torchrec.models.dlrm import DLRM_DCN
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    d = cfg.dlrm
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=d.embed_dim, num_embeddings=rows, feature_names=[f"f{i}"],
+                           pooling=PoolingType.SUM) for i, rows in enumerate(d.table_rows)], device=torch.device("cpu"))
+    model = DLRM_DCN(ebc, dense_in_features=d.dense_features, dense_arch_layer_sizes=list(d.bottom_mlp),
+                     over_arch_layer_sizes=list(d.top_mlp), dcn_num_layers=d.cross_layers,
+                     dcn_low_rank_dim=d.cross_rank)
+    dense = jax.device_get(state["params"]["dense"])
+    t = lambda a: torch.tensor(np.asarray(a))
+    sd = {}
+    for i, table in enumerate(trainer.live_tables(state)):
+        sd[f"sparse_arch.embedding_bag_collection.embedding_bags.t{i}.weight"] = t(table.dense()[0])
+    for j in range(len(d.bottom_mlp)):
+        sd[f"dense_arch.model._mlp.{j}._linear.weight"] = t(dense["bottom"][f"layer_{j}"]["w"].T)
+        sd[f"dense_arch.model._mlp.{j}._linear.bias"] = t(dense["bottom"][f"layer_{j}"]["b"])
+    for j in range(d.cross_layers):
+        sd[f"inter_arch.crossnet.V_kernels.{j}"] = t(dense["cross"]["v"][j].T)
+        sd[f"inter_arch.crossnet.W_kernels.{j}"] = t(dense["cross"]["w"][j].T)
+        sd[f"inter_arch.crossnet.bias.{j}"] = t(dense["cross"]["b"][j])
+    last = len(d.top_mlp) - 1
+    for j in range(last):
+        sd[f"over_arch.model.0._mlp.{j}._linear.weight"] = t(dense["top"][f"layer_{j}"]["w"].T)
+        sd[f"over_arch.model.0._mlp.{j}._linear.bias"] = t(dense["top"][f"layer_{j}"]["b"])
+    sd["over_arch.model.1.weight"] = t(dense["top"][f"layer_{last}"]["w"].T)
+    sd["over_arch.model.1.bias"] = t(dense["top"][f"layer_{last}"]["b"])
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def _torch_loss(model, cfg, batch):
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    b = len(batch["labels"])
+    values, lengths, start = [], [], 0
+    for hot in cfg.dlrm.ids_per_sample:
+        values.append(batch["sparse"][:, start:start + hot].reshape(-1))
+        lengths.append(np.full(b, hot))
+        start += hot
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(len(cfg.dlrm.table_rows))],
+                                              values=torch.tensor(np.concatenate(values), dtype=torch.int64),
+                                              lengths=torch.tensor(np.concatenate(lengths), dtype=torch.int64))
+    logits = model(torch.tensor(batch["dense"]), kjt).squeeze(-1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor(batch["labels"]))
+
+
+def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
+    import torch
+
+    cfg = _cfg("dlrm.optimizer=sgd", "dlrm.placement=row", "train.lr=0.5")
+    trainer = _trainer(cfg)
+    state = trainer.init(jax.random.key(3))
+    model = _torch_model(cfg, trainer, state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = Recommender().batches(cfg)
+    ours, theirs = [], []
+    for _ in range(20):
+        batch = next(data)
+        state, metrics = trainer.step(state, batch)
+        ours.append(float(metrics["loss"]))
+        opt.zero_grad()
+        loss = _torch_loss(model, cfg, batch)
+        loss.backward()
+        opt.step()
+        theirs.append(loss.item())
+    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-6)
+    assert ours[-1] < ours[0] - 0.01  # it learned: the steps were not all alike
+
+
+@pytest.mark.parametrize("optimizer,placement", [("adagrad", "column"), ("rowwise_adagrad", "table")])
+def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
+    """Tables: Adagrad (torch's), or TorchRec's RowWiseAdagrad (one accumulator per row); MLPs: Adagrad.
+    A first Adagrad step is ``lr * g / (|g| + eps)``: with eps 1e-8 it is ``lr * sign(g)`` wherever
+    ``|g|`` is not tiny, and where it is tiny float32's rounding of ``g`` decides it. eps 1e-3
+    makes the comparison well conditioned (and still tells ``sqrt(acc) + eps`` from ``sqrt(acc + eps)``)."""
+    import torch
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: F401  (imported after the skip)
+
+    lr, eps = 0.05, 1e-3
+    cfg = _cfg(f"dlrm.optimizer={optimizer}", f"dlrm.placement={placement}", f"train.lr={lr}", f"dlrm.eps={eps}")
+    trainer = _trainer(cfg)
+    state = trainer.init(jax.random.key(4))
+    model = _torch_model(cfg, trainer, state)
+    tables = [p for n, p in model.named_parameters() if n.startswith("sparse_arch.")]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
+    opts = [torch.optim.Adagrad(dense, lr=lr, eps=eps),
+            RowWiseAdagrad(tables, lr=lr, eps=eps) if optimizer == "rowwise_adagrad"
+            else torch.optim.Adagrad(tables, lr=lr, eps=eps)]
+    batch = next(Recommender().batches(cfg))
+    state, _ = trainer.step(state, batch)
+    _torch_loss(model, cfg, batch).backward()
+    for o in opts:
+        o.step()
+    want = _torch_model(cfg, trainer, state).state_dict()  # hypertron's new weights, in TorchRec's names
+    got = model.state_dict()
+    assert set(want) == set(got)
+    for name in want:
+        np.testing.assert_allclose(want[name].numpy(), got[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# --- the loop: resume, Criteo files, bad input ------------------------------------------------------------------
+
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+           HYPERTRON_FAULT_DATA_DELAY="*:0.25")  # slow steps, so the kill lands between checkpoints
+
+
+def _train(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hypertron.cli", "train", str(RECIPE), "monitor.collect=false", *args]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
+    common = ["train.steps=12", "checkpoint.every=6", "train.eval_every=6", "train.eval_batches=2"]
+    straight = subprocess.Popen(_train(*common, f"run_dir={tmp_path / 'a'}"), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "b"
+    killed = subprocess.Popen(_train(*common, f"run_dir={run}"), env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        import time
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "6" / MANIFEST).exists():
+            assert killed.poll() is None, killed.stderr.read()
+            assert time.monotonic() < deadline, "timed out waiting for checkpoint 6"
+            time.sleep(0.01)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill"
+        assert straight.wait(timeout=300) == 0, straight.stderr.read()
+    finally:
+        for p in (straight, killed):
+            p.kill()
+    resumed = subprocess.run(_train(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 6" in resumed.stderr and "auc" in resumed.stderr
+    want, got = _losses(tmp_path / "a"), _losses(run)
+    assert sorted(got) == list(range(1, 13))
+    assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact
+    evals = lambda r: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines() if "eval_auc" in x]
+    assert [e["eval_auc"] for e in evals(run)][-1] == [e["eval_auc"] for e in evals(tmp_path / "a")][-1]
+
+
+def _criteo_line(rng, label: int) -> str:
+    counts = [str(int(x)) if rng.random() > 0.1 else "" for x in rng.integers(-2, 1000, 13)]
+    ids = [f"{int(x):08x}" if rng.random() > 0.1 else "" for x in rng.integers(0, 2**32, 26)]
+    return "\t".join([str(label), *counts, *ids])
+
+
+def test_criteo_format_files_are_read_as_the_dlrm_reference_reads_them_and_train(tmp_path):
+    line = "1\t5\t\t-3\t0" + "\t7" * 9 + "\t" + "\t".join(["ff", "", "10"] + ["0"] * 23)
+    rows = tuple(range(10, 36))
+    s = recsys_data.parse_criteo(line.encode(), rows)
+    assert s["labels"] == 1.0
+    np.testing.assert_allclose(s["dense"][:4], np.log1p([5, 0, 0, 0]).astype(np.float32))
+    assert list(s["sparse"][:3]) == [255 % 10, 0, 16 % 12]
+    rng = np.random.default_rng(0)
+    train, held = tmp_path / "day_0.tsv", tmp_path / "day_23.tsv"
+    train.write_text("\n".join(_criteo_line(rng, int(rng.random() < 0.3)) for _ in range(300)) + "\n")
+    held.write_text("\n".join(_criteo_line(rng, i % 2) for i in range(64)))  # no newline at the end
+    cfg = _cfg("dlrm.source=criteo", f"dlrm.paths={train}", f"dlrm.eval_paths={held}", "dlrm.ids_per_sample=" +
+               ",".join(["1"] * 26), "dlrm.table_rows=" + ",".join(str(r) for r in rows), "train.global_batch=64")
+    task, trainer = Recommender(), _trainer(cfg)
+    task.check_inputs(cfg)
+    batches = task.batches(cfg)
+    first = next(batches)
+    assert first["dense"].shape == (64, 13) and first["sparse"].shape == (64, 26)
+    assert (first["sparse"] < np.array(rows)).all() and first["dense"].min() >= 0
+    state = trainer.init(jax.random.key(0))
+    for _ in range(6):  # past the end of the 300 lines: the next epoch
+        state, metrics = trainer.step(state, next(batches))
+    values = task.evaluate(trainer, state, task.batches(cfg, "eval"), 1)
+    assert values["samples"] == 64 and 0 <= values["auc"] <= 1 and np.isfinite(values["loss"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["dlrm.bottom_mlp=32,8"], "dlrm.bottom_mlp ends at 8: its last layer must be dlrm.embed_dim=16 wide"),
+    (["dlrm.top_mlp=64,2"], "dlrm.top_mlp ends at 2"),
+    (["dlrm.ids_per_sample=1,2"], "dlrm.ids_per_sample has 2 entries and dlrm.table_rows 8"),
+    (["dlrm.table_rows=10,0,1,1,1,1,1,1"], "dlrm.table_rows=[10, 0, 1, 1, 1, 1, 1, 1]: every entry must be positive"),
+    (["dlrm=dlrm-v3"], "dlrm=dlrm-v3: unknown preset"),
+    (["dlrm.optimizer=adam"], "dlrm.optimizer=adam: must be one of sgd, adagrad, rowwise_adagrad"),
+    (["dlrm.source=criteo"], "dlrm.paths: dlrm.source=criteo needs at least one file"),
+])
+def test_bad_dlrm_configs_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_dlrm_runs_are_refused_in_one_line_before_anything_is_written(tmp_path):
+    run = tmp_path / "run"
+    for args, message in [
+        (["train.global_batch=100"], "train.global_batch=100: task=dlrm splits it by samples over the 8 devices"),
+        (["dlrm.source=criteo", f"dlrm.paths={tmp_path / 'missing.tsv'}", "dlrm.ids_per_sample=" + ",".join(
+            ["1"] * 26), "dlrm.table_rows=" + ",".join(["5"] * 26)], "missing.tsv is not a file"),
+        (["dlrm.source=criteo", f"dlrm.paths={RECIPE}", "dlrm.ids_per_sample=" + ",".join(["2"] * 26),
+          "dlrm.table_rows=" + ",".join(["5"] * 26)], "Criteo lines hold one id per feature"),
+    ]:
+        r = subprocess.run(_train(f"run_dir={run}", "train.eval_every=0", *args),
+                           env=dict(ENV, HYPERTRON_FAULT_DATA_DELAY=""), capture_output=True, text=True, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and message in r.stderr and len(lines) == 1, r.stderr
+        assert not (run / "checkpoints").exists()
+    with pytest.raises(DataError, match="40 tab-separated fields"):
+        recsys_data.parse_criteo(b"1\t2\t3", tuple([5] * 26))
+
+
+def test_the_dlrm_task_does_not_touch_the_language_model_config():
+    """The task interface adds a section; an LM run's config and checks are what they were."""
+    cfg = load_config(None, ["model=tiny"])
+    assert cfg.task == "lm" and cfg.dlrm == load_config(None, []).dlrm
+    assert dataclasses.replace(cfg, dlrm=dataclasses.replace(cfg.dlrm, embed_dim=32)).model == cfg.model
