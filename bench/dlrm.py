@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -121,32 +119,24 @@ def _torch_batch(d, b: dict):
 
 
 def _copy_weights(model, ebc, trainer, initial) -> None:
-    """hypertron's initial weights into the TorchRec model (tables, then the MLPs by name)."""
+    """hypertron's initial weights into the TorchRec model: the fused tables through FBGEMM's
+    weights, the rest by ``DLRM_DCN``'s parameter names."""
     import dataclasses
 
     import torch
 
-    tables = [dataclasses.replace(t, data=initial["params"]["tables"][t.spec.name], state=None)
+    from hypertron.recsys.dlrm import torchrec_state_dict
+
+    tables = [dataclasses.replace(t, data=initial["params"]["tables"][t.spec.name], state=None).dense()[0]
               for t in trainer.tables]
-    dense = initial["params"]["dense"]
+    weights = torchrec_state_dict(initial["params"]["dense"], tables)
+    named = dict(model.named_parameters())
     with torch.no_grad():
         for w, t in zip(ebc._emb_modules[0]._emb_module.split_embedding_weights(), tables):
-            w.copy_(torch.from_numpy(np.array(t.dense()[0])))
-        named = dict(model.named_parameters())
-        t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (a writable copy)
-        for j, layer in enumerate(sorted(dense["bottom"])):
-            named[f"dense_arch.model._mlp.{j}._linear.weight"].copy_(t(dense["bottom"][layer]["w"].T))
-            named[f"dense_arch.model._mlp.{j}._linear.bias"].copy_(t(dense["bottom"][layer]["b"]))
-        for j in range(dense["cross"]["v"].shape[0]):
-            named[f"inter_arch.crossnet.V_kernels.{j}"].copy_(t(dense["cross"]["v"][j].T))
-            named[f"inter_arch.crossnet.W_kernels.{j}"].copy_(t(dense["cross"]["w"][j].T))
-            named[f"inter_arch.crossnet.bias.{j}"].copy_(t(dense["cross"]["b"][j]))
-        top = sorted(dense["top"], key=lambda k: int(k.split("_")[1]))
-        for j, layer in enumerate(top[:-1]):
-            named[f"over_arch.model.0._mlp.{j}._linear.weight"].copy_(t(dense["top"][layer]["w"].T))
-            named[f"over_arch.model.0._mlp.{j}._linear.bias"].copy_(t(dense["top"][layer]["b"]))
-        named["over_arch.model.1.weight"].copy_(t(dense["top"][top[-1]]["w"].T))
-        named["over_arch.model.1.bias"].copy_(t(dense["top"][top[-1]]["b"]))
+            w.copy_(torch.from_numpy(np.array(t)))
+        for name, value in weights.items():
+            if not name.startswith("sparse_arch."):
+                named[name].copy_(torch.from_numpy(np.array(value)))
 
 
 def main() -> None:
@@ -157,19 +147,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch's threads (default: the cores)")
     p.add_argument("--output", metavar="FILE", help="write the results as JSON")
     args = p.parse_args()
-    try:
-        import torch
-        import torchrec
-    except ImportError as e:
-        sys.exit(f"error: {e.name} is not installed: run make embed-bench-deps")
     import jax
+    from embed import torchrec_versions  # bench/embed.py, beside this script
 
     from hypertron.recsys.data import synthetic_batch
 
-    torch.set_num_threads(args.threads)
-    versions = {"jax": jax.__version__, "torch": torch.__version__, "torchrec": torchrec.__version__,
-                "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                "torch_threads": args.threads, "device": str(jax.devices()[0])}
+    versions = {**torchrec_versions(args.threads), "device": str(jax.devices()[0])}
     print(json.dumps(versions))
     print(f"{'batch':>6} | {'hypertron samples/s':>20} {'TorchRec samples/s':>20} {'ratio':>6} | "
           "losses of 3 steps (h / t)")

@@ -165,6 +165,21 @@ def run_torchrec(values: list[np.ndarray], ids: list[np.ndarray], batch: int, st
     return result
 
 
+def torchrec_versions(threads: int) -> dict:
+    """TorchRec imported (or exit with what to install), torch on ``threads`` threads, and the
+    versions and machine for the record."""
+    try:
+        import torch
+        import torchrec
+    except ImportError as e:
+        sys.exit(f"error: {e.name} is not installed: run make embed-bench-deps")
+    import jax
+
+    torch.set_num_threads(threads)
+    return {"jax": jax.__version__, "torch": torch.__version__, "torchrec": torchrec.__version__,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch_threads": threads}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -176,17 +191,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch's threads (default: the cores)")
     p.add_argument("--output", metavar="FILE", help="write the results as JSON")
     args = p.parse_args()
-    try:
-        import torch
-        import torchrec
-    except ImportError as e:
-        sys.exit(f"error: {e.name} is not installed: run make embed-bench-deps")
-    import jax
-
-    torch.set_num_threads(args.threads)
-    versions = {"jax": jax.__version__, "torch": torch.__version__, "torchrec": torchrec.__version__,
-                "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                "torch_threads": args.threads}
+    versions = torchrec_versions(args.threads)
     print(json.dumps(versions))
     rng = np.random.default_rng(0)
     results = []

@@ -108,25 +108,9 @@ def _torch_model(cfg, trainer, state):
     model = DLRM_DCN(ebc, dense_in_features=d.dense_features, dense_arch_layer_sizes=list(d.bottom_mlp),
                      over_arch_layer_sizes=list(d.top_mlp), dcn_num_layers=d.cross_layers,
                      dcn_low_rank_dim=d.cross_rank)
-    dense = jax.device_get(state["params"]["dense"])
-    t = lambda a: torch.tensor(np.asarray(a))
-    sd = {}
-    for i, table in enumerate(trainer.live_tables(state)):
-        sd[f"sparse_arch.embedding_bag_collection.embedding_bags.t{i}.weight"] = t(table.dense()[0])
-    for j in range(len(d.bottom_mlp)):
-        sd[f"dense_arch.model._mlp.{j}._linear.weight"] = t(dense["bottom"][f"layer_{j}"]["w"].T)
-        sd[f"dense_arch.model._mlp.{j}._linear.bias"] = t(dense["bottom"][f"layer_{j}"]["b"])
-    for j in range(d.cross_layers):
-        sd[f"inter_arch.crossnet.V_kernels.{j}"] = t(dense["cross"]["v"][j].T)
-        sd[f"inter_arch.crossnet.W_kernels.{j}"] = t(dense["cross"]["w"][j].T)
-        sd[f"inter_arch.crossnet.bias.{j}"] = t(dense["cross"]["b"][j])
-    last = len(d.top_mlp) - 1
-    for j in range(last):
-        sd[f"over_arch.model.0._mlp.{j}._linear.weight"] = t(dense["top"][f"layer_{j}"]["w"].T)
-        sd[f"over_arch.model.0._mlp.{j}._linear.bias"] = t(dense["top"][f"layer_{j}"]["b"])
-    sd["over_arch.model.1.weight"] = t(dense["top"][f"layer_{last}"]["w"].T)
-    sd["over_arch.model.1.bias"] = t(dense["top"][f"layer_{last}"]["b"])
-    model.load_state_dict(sd, strict=True)
+    sd = dlrm.torchrec_state_dict(jax.device_get(state["params"]["dense"]),
+                                  [t.dense()[0] for t in trainer.live_tables(state)])
+    model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in sd.items()}, strict=True)
     return model
 
 

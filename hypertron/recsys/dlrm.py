@@ -105,6 +105,33 @@ def forward(params: Params, dense: jax.Array, pooled: Sequence[jax.Array]) -> ja
     return _mlp(params["top"], x, last_relu=False)[:, 0]
 
 
+def torchrec_state_dict(dense: Params, tables: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights as TorchRec's ``DLRM_DCN`` names them (its ``state_dict`` over a plain
+    ``EmbeddingBagCollection`` of tables ``t0``, ``t1``...), as numpy arrays: ``dense`` (host
+    arrays) and each table ``[rows, dim]``. Linear weights are ``[out, in]`` there."""
+    out = {f"sparse_arch.embedding_bag_collection.embedding_bags.t{i}.weight": np.asarray(t)
+           for i, t in enumerate(tables)}
+
+    def layers(part: dict) -> list[dict]:
+        return [part[k] for k in sorted(part, key=lambda k: int(k.split("_")[1]))]
+
+    for j, layer in enumerate(layers(dense["bottom"])):
+        out[f"dense_arch.model._mlp.{j}._linear.weight"] = np.asarray(layer["w"]).T
+        out[f"dense_arch.model._mlp.{j}._linear.bias"] = np.asarray(layer["b"])
+    c = dense["cross"]
+    for j in range(np.shape(c["v"])[0]):
+        out[f"inter_arch.crossnet.V_kernels.{j}"] = np.asarray(c["v"][j]).T
+        out[f"inter_arch.crossnet.W_kernels.{j}"] = np.asarray(c["w"][j]).T
+        out[f"inter_arch.crossnet.bias.{j}"] = np.asarray(c["b"][j])
+    *hidden, last = layers(dense["top"])
+    for j, layer in enumerate(hidden):
+        out[f"over_arch.model.0._mlp.{j}._linear.weight"] = np.asarray(layer["w"]).T
+        out[f"over_arch.model.0._mlp.{j}._linear.bias"] = np.asarray(layer["b"])
+    out["over_arch.model.1.weight"] = np.asarray(last["w"]).T
+    out["over_arch.model.1.bias"] = np.asarray(last["b"])
+    return out
+
+
 def bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-sample binary cross-entropy (PyTorch's ``BCEWithLogitsLoss`` before the mean)."""
     return jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
