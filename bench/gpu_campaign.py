@@ -19,7 +19,8 @@ TIER is one of:
   KV, 512 and 8k context, as a fraction of the measured copy bandwidth; the compiled HLO and a
   profile of the ``llama-1b`` step.
 - ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
-  experts, decode vs batch, the grouped-matmul row tile.
+  experts, decode vs batch, the grouped-matmul row tile; DLRM-v2 training (MLPerf's shape, tables
+  capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU.
 
 Each row is written to ``DIR/<TIER>.json`` as soon as it finishes (so a run cut off at its time
 limit still returns what finished), progress and tracebacks to ``DIR/<TIER>.log``; a short table
@@ -60,8 +61,8 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 
 from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
-    DECODE_FIELDS, GMM_FIELDS, GPU, MOE_FIELDS, RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes, decode_row,
-    device_row, gmm_row, moe_row, profile_row, ragged_row, train_case, train_row,
+    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, MOE_FIELDS, RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes,
+    decode_row, device_row, dlrm_row, gmm_row, moe_row, profile_row, ragged_row, train_case, train_row,
 )
 
 TIERS = ("T0", "T1", "T2", "T3")
@@ -328,6 +329,7 @@ def plan(tier: str) -> list[Row]:
             *[Row(f"t3.decode.b{b}", DECODE_FIELDS, decode_row(i, "bfloat16", None, t3=True))
               for i, b in enumerate(GPU.t3_decode_batches)],
             *[Row(f"t3.gmm.pallas.tm{tm}", GMM_FIELDS, gmm_row("pallas", i)) for i, tm in enumerate(GPU.gmm_tiles)],
+            Row("t3.dlrm", DLRM_FIELDS, dlrm_row),
         ]
     else:
         raise ValueError(tier)

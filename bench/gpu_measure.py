@@ -49,6 +49,9 @@ class Sizes:
     t3_decode_batches: tuple[int, ...] = (1, 8, 32, 128)
     t3_decode_context: int = 2048
     gmm_tiles: tuple[int, int] = (64, 256)
+    # DLRM-v2: preset, batch, the rows every table is capped at (0: none); MLPerf's shape capped at 10M rows
+    # a table holds 38 GiB of tables and row-wise Adagrad state: what one 80 GB GPU holds with room to spare
+    dlrm: tuple[str, int, int] = ("dlrm-v2", 16384, 10_000_000)
     budget: float = 480.0  # seconds; per tier: TIER_BUDGET
 
 
@@ -59,7 +62,7 @@ SMOKE = Sizes(
     matmul=128, copy_elems=2**16, iters=1, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
     decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
     t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
-    t3_decode_context=16, gmm_tiles=(16, 32), budget=float("inf"),
+    t3_decode_context=16, gmm_tiles=(16, 32), dlrm=("dlrm-v2-tiny", 64, 0), budget=float("inf"),
 )
 
 
@@ -393,3 +396,25 @@ def moe_row(index: int):
                 "tokens_s": tokens / seconds, "vs_e_first": tokens / seconds / first,
                 "expert_tflops": 3 * 2 * 3 * tokens * top_k * d * f / seconds / 1e12}
     return run
+
+
+DLRM_FIELDS = ("preset", "table_rows_cap", "params_m", "table_gib", "batch", "compile_s", "route_ms", "step_ms",
+               "samples_s", "loss")
+
+
+def dlrm_row(ctx):
+    """DLRM-v2 training on one device (hypertron only): samples/s, and the host's routing per step."""
+    from dlrm import _config, measure  # bench/dlrm.py
+
+    from hypertron.recsys import dlrm
+    from hypertron.recsys.data import synthetic_batch
+
+    preset, batch, cap = ctx.s.dlrm
+    cfg = _config(preset, batch, cap or None)
+    sizes = dlrm.sizes(cfg.dlrm)
+    batches = [synthetic_batch(i, cfg=cfg.dlrm, batch_size=batch, seed=0, process_index=0, stream=0) for i in range(2)]
+    m = measure(cfg, batches, ctx.s.steps, warmup=ctx.s.warmup)
+    return {"preset": preset, "table_rows_cap": cap, "params_m": sizes["params"] / 1e6,
+            "table_gib": (sizes["param_bytes"] + sizes["optimizer_bytes"]) / 2**30, "batch": batch,
+            "compile_s": m["compile_s"], "route_ms": m["route_ms"], "step_ms": m["step_ms"],
+            "samples_s": m["samples_s"], "loss": m["loss"]}
