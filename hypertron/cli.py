@@ -47,12 +47,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from hypertron.models import plan as planner
 
-    p = planner.plan(_config(args), args.hardware, args.devices)
+    cfg = _config(args)
+    if cfg.task == "dlrm":
+        return _plan_dlrm(cfg, args)
+    p = planner.plan(cfg, args.hardware, args.devices)
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
     else:
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits is not False else 1
+
+
+def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
+    """``hypertron plan`` of a recommender: its sizes (abstract shapes) and its tables placed over
+    ``--devices`` of ``--hardware`` by the embedding planner; exit 1 when they do not fit."""
+    import json
+
+    from rich.console import Console
+
+    from hypertron.config import ConfigError
+    from hypertron.embed import plan as planner
+    from hypertron.embed.spec import gib
+    from hypertron.models.hardware import HARDWARE, host_memory_per_device
+    from hypertron.recsys import dlrm
+
+    if args.hardware not in HARDWARE:
+        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
+    hw = HARDWARE[args.hardware]
+    devices = args.devices or hw.per_node
+    d = cfg.dlrm
+    tables, features = dlrm.table_specs(d, d.placement)
+    sizes = dlrm.sizes(d)
+    dense = 4 * sizes["dense_params"] * (1 if d.optimizer == "sgd" else 2)  # replicated: parameters (+ Adagrad)
+    memory = int(hw.memory or host_memory_per_device(devices)) - dense
+    p = planner.plan(tables, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
+                     shards=devices, batch=cfg.train.global_batch, device_bytes=max(memory, 1))
+    if args.json:
+        print(json.dumps({"dlrm": d.name, **sizes, "dense_bytes_per_device": dense, "tables": planner.to_json(p)},
+                         indent=1))
+    else:
+        Console(soft_wrap=True).print(
+            f"{d.name}: {sizes['params']:,} parameters ({sizes['table_params']:,} in {len(tables)} tables, "
+            f"{sizes['dense_params']:,} dense); with {d.optimizer}'s state "
+            f"{gib(sizes['param_bytes'] + sizes['optimizer_bytes'])} in all; every device also holds the MLPs "
+            f"({gib(dense)}), so the tables have {gib(max(memory, 0))} of each",
+            highlight=False)
+        Console(soft_wrap=True).print(planner.render(p))
+    return 0 if p.fits else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -301,3 +301,17 @@ def test_the_dlrm_task_does_not_touch_the_language_model_config():
     cfg = load_config(None, ["model=tiny"])
     assert cfg.task == "lm" and cfg.dlrm == load_config(None, []).dlrm
     assert dataclasses.replace(cfg, dlrm=dataclasses.replace(cfg.dlrm, embed_dim=32)).model == cfg.model
+
+
+def test_hypertron_plan_of_a_dlrm_recipe_sizes_it_and_places_its_tables(capsys):
+    from hypertron import cli
+
+    args = ["plan", str(RECIPE), "dlrm=dlrm-v2", "train.global_batch=65536", "--hardware", "h100"]
+    assert cli.main([*args, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["params"] == 26_151_671_809 and p["table_params"] == 26_135_627_264
+    assert p["dense_bytes_per_device"] == 2 * 4 * 16_044_545  # the MLPs and their Adagrad state, on every device
+    placements = [t["placement"] for t in p["tables"]["tables"]]
+    assert len(placements) == 26 and placements.count("table") == 21  # the 40M-row tables split, the rest whole
+    assert cli.main([*args, "--devices", "1"]) == 1  # 98 GiB do not fit one H100
+    assert "26,151,671,809 parameters" in capsys.readouterr().out
