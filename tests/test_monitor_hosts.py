@@ -28,6 +28,7 @@ from hypertron.config import MonitorConfig, load_config
 from hypertron.monitor import stragglers
 from hypertron.monitor.collector import Collector
 from hypertron.train import loop as train_loop
+from hypertron.train import task as train_task
 
 TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
         "train.seq_len=16", "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
@@ -137,7 +138,7 @@ def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monk
     """Step n + 1 is dispatched before step n's metrics are fetched, one fetch per step, with a
     collector sampling as often as it can (and timing a host-to-device copy at every step)."""
     calls = []
-    real_get, real_make = jax.device_get, train_loop.make_trainer
+    real_get, real_make = jax.device_get, train_task.make_trainer
 
     def spy_get(x):
         calls.append("fetch")
@@ -155,7 +156,7 @@ def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monk
         return trainer
 
     monkeypatch.setattr(jax, "device_get", spy_get)
-    monkeypatch.setattr(train_loop, "make_trainer", make)
+    monkeypatch.setattr(train_task, "make_trainer", make)  # what the language-model task builds its trainer with
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "train.steps=6"])
     collector = Collector(tmp_path, MonitorConfig(interval=0.001, h2d_every=1, h2d_bytes=1 << 16))
     train_loop.train(cfg, trackers=[collector])
