@@ -125,6 +125,21 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
             assert engine.compiled_shapes == [big]
 
 
+def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_they_were(params):
+    """``hypertron serve`` measures a step's cost before it serves (its prefill grouping follows
+    it): the two steps run on padding alone, so what the engine then serves is unchanged."""
+    prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
+    want, _, _ = run(PagedEngine(params, CFG, max_slots=4, page_size=4), prompts, [GREEDY, GREEDY])
+    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
+    cost = engine.measure_step_cost(24)
+    assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
+    assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
+        Shape(0, 8, 24, 8, cold=True), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
+    got, _, _ = run(engine, prompts, [GREEDY, GREEDY], step_overhead_tokens=cost.overhead_tokens)
+    engine.close()
+    assert [s.generated for s in got] == [s.generated for s in want]
+
+
 def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
     engine = PagedEngine(params, CFG, max_slots=2, page_size=8, max_top_logprobs=4)
     row = Row(0, 0, 0, (5, 6, 7), (1,), GREEDY)

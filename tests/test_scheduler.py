@@ -5,10 +5,12 @@ tokens must equal :func:`fake_engine.reference`, computed one token at a time wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from fake_engine import TOP, FakeEngine, reference, token_logprobs  # tests/
 
-from hypertron.serve.scheduler import LENGTH, STOP, Scheduler, Sequence, run_until_done
+from hypertron.serve.scheduler import LENGTH, STOP, Scheduler, Sequence, group_size, run_until_done
 from hypertron.serve.types import SamplingParams
 from hypertron.tokenizer import get_tokenizer
 
@@ -75,6 +77,34 @@ def test_short_prompts_share_a_step_and_pages_follow_the_real_lengths():
     first, second = sched.records[0], sched.records[1]
     assert len(first.prefills) == 4 and first.decodes == ()  # four prompts in one step (max_prefill_rows)
     assert len(second.prefills) == 2 and len(second.decodes) == 4
+    assert sched.stats()["pages_free"] == 40 and sched.stats()["slots_in_use"] == 0
+
+
+def test_group_size_is_the_least_mean_time_to_first_token_by_hand():
+    # 8 prompts of 129 tokens, a step's fixed cost 200 tokens' worth: groups of 3 end at 587, 1,174 and
+    # 1,632 (2 prompts): sum 8,547 x ...; of 4: 716 and 1,432: 8,592; of 5: 845 and 1,432 (3): 8,521, the least
+    finish = {g: sum(len(grp) * (200 * (j + 1) + 129 * sum(map(len, groups[:j + 1])))
+                     for groups in [[list(range(8))[i:i + g] for i in range(0, 8, g)]] for j, grp in enumerate(groups))
+              for g in range(1, 9)}
+    assert (finish[3], finish[4], finish[5]) == (200 * 15 + 129 * 43, 200 * 12 + 129 * 48, 200 * 11 + 129 * 49)
+    assert group_size(8, 129, 200) == min(finish, key=finish.get) == 5
+    assert group_size(3, 129, 57) == 1  # a CPU: one at a time
+    assert group_size(3, 129, math.inf) == 3 and group_size(1, 129, 0) == 1 and group_size(64, 129, 30) == 4
+
+
+@pytest.mark.parametrize("overhead, groups", [(None, [4]), (0.0, [1, 1, 1, 1]), (12.0, [3, 1]), (40.0, [4])])
+def test_new_prompts_share_a_step_as_the_step_cost_says(overhead, groups):
+    """Four 8-token prompts at once; a step costs its tokens plus a fixed cost. At 12 tokens' worth:
+    3 prompts in the first step (their first tokens at 12 + 24 = 36), the fourth in the next (at
+    36 + 12 + 3 decodes + 8 = 59): mean 41.75, against 52.5 one at a time (20, 41, 63, 86) and 44
+    all four at once. Nothing fixed: one at a time; 40: all at once."""
+    engine = FakeEngine(max_slots=4, page_size=4, num_pages=40)
+    prompts = [TOK.encode(f"prompt {i}") for i in range(4)]
+    seqs, outs, sched = _run(engine, prompts, [SamplingParams(max_tokens=6, seed=i) for i in range(4)],
+                             ahead=False, step_overhead_tokens=overhead)
+    _check_reference(seqs, outs, 256)
+    assert {len(p) for p in prompts} == {8}
+    assert [len(r.prefills) for r in sched.records if r.prefills] == groups
     assert sched.stats()["pages_free"] == 40 and sched.stats()["slots_in_use"] == 0
 
 

@@ -124,6 +124,22 @@ def test_serve_from_a_config_file_answers_as_from_flags(tmp_path, run_dir, monke
     assert answers[0] == answers[1] and answers[0][0] == "tiny-served" and answers[0][2] == 400
 
 
+@pytest.mark.parametrize("groups", ["auto", "max"])
+def test_serve_measures_a_steps_cost_at_start_unless_prefill_groups_is_max(groups, run_dir, monkeypatch, capsys):
+    """``--prefill-groups auto`` (the default) measures a step's cost before serving, says so in one
+    line, and hands the scheduler the fixed cost in tokens' worth; ``max`` measures nothing."""
+    import hypertron.serve.orchestrator as orchestrator
+
+    made, real = [], orchestrator.Orchestrator
+    monkeypatch.setattr(orchestrator, "Orchestrator", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    _serve(["--checkpoint", run_dir, "--prefill-groups", groups], monkeypatch)
+    overhead, err = made[0].scheduler.step_overhead_tokens, capsys.readouterr().err
+    if groups == "max":
+        assert overhead is None and "a step costs" not in err
+    else:
+        assert err.count("hypertron serve: a step costs") == 1 and (overhead is None or overhead >= 0)
+
+
 def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
     """``hypertron generate`` (its function, :func:`hypertron.serve.generate.generate`, called as the
     CLI calls it) drives the same engine and sampler as the server: the same prompt and settings

@@ -22,6 +22,9 @@ _SERVE_FLAGS: dict[str, dict] = {
     "max_num_batched_tokens": dict(metavar="N", help="tokens per engine step: decode tokens + prompt chunks "
                                                      "(a longer prompt is prefilled over several steps)"),
     "max_prefill_rows": dict(metavar="N", help="prompts or prompt chunks per step, at most"),
+    "prefill_groups": dict(help="new prompts per step: auto: as many as give the least mean time to first "
+                                "token, from a step's cost measured at start (one at a time on a CPU); max: as "
+                                "many as the budget and --max-prefill-rows allow"),
     "page_size": dict(metavar="N", help="tokens per KV page"),
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),

@@ -44,6 +44,10 @@ CompileMode = Literal["background", "lazy"]
 # where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
 # host needs to stream the last step's tokens: docs/serving.md)
 DispatchAhead = Literal["auto", "on", "off"]
+# auto: measure a step's fixed cost when the server starts, and give each step the number of new prompts
+# that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
+# CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
+PrefillGroups = Literal["auto", "max"]
 Task = Literal["lm", "dlrm"]  # what a run trains: a language model (model, data) or a DLRM recommender (dlrm)
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
@@ -372,6 +376,7 @@ class ServeConfig:
     max_slots: int = 8  # sequences decoding at once, at most
     max_num_batched_tokens: int = 512  # tokens per engine step: decode tokens + prefill chunks (>= max_slots)
     max_prefill_rows: int = 8  # prompts (or chunks of prompts) prefilled in one step, at most
+    prefill_groups: PrefillGroups = "auto"  # see PrefillGroups
     page_size: int = 16  # tokens per KV page (a power of two)
     num_pages: int | None = None  # KV pages; None: every slot at max_seq_len
     kv_cache_dtype: KvCacheDtype = "auto"

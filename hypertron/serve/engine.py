@@ -30,9 +30,9 @@ A :class:`Shape` is one compiled step. Compiling one takes about a second on a C
 dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
 padding rows and tokens are masked out), if that costs at most 4 times as much
-(:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
-times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
-compiled shape, the step waits for its own.
+(:meth:`PagedEngine.cost`); its own shape compiles on a background thread (at the lowest priority)
+once it has run padded 8 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays
+padded); with no such compiled shape, the step waits for its own.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
@@ -45,10 +45,12 @@ this module only runs plans.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -78,6 +80,9 @@ CLOSE_ENOUGH_COST = 1.25
 # ... and only once it has run padded this many times: a shape a load meets rarely is not worth
 # a core for a second.
 COMPILE_AFTER_PADDED = 8
+# The background compiler's thread runs at this niceness (the lowest priority), so that a compile
+# takes what the serving threads leave.
+COMPILE_NICENESS = 19
 # A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
 # rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
 MIN_COLD_PREFILL_ROWS = 8
@@ -154,6 +159,20 @@ class Shape:
                 and self.prefill_tokens >= other.prefill_tokens and self.width >= other.width
                 and (other.cold or not self.cold) and self.logprobs >= other.logprobs
                 and self.prompt_logprobs >= other.prompt_logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A step's time as ``fixed + per_token * tokens`` seconds (:meth:`PagedEngine.measure_step_cost`)."""
+
+    fixed: float
+    per_token: float
+
+    @property
+    def overhead_tokens(self) -> float:
+        """The fixed cost in tokens' worth: small where compute grows with the tokens (a CPU),
+        large where a step of a few hundred tokens costs about what one does (an accelerator)."""
+        return self.fixed / self.per_token if self.per_token > 0 else math.inf
 
 
 @dataclasses.dataclass
@@ -246,6 +265,33 @@ class PagedEngine:
             self._compiler.join(timeout)
             self._compiler = None
 
+    def measure_step_cost(self, tokens: int, repeats: int = 5) -> StepCost:
+        """What a step costs here, measured: a step of one decode row and a cold prefill of
+        ``tokens`` tokens (both compiled now if they are not), each run ``repeats`` times on
+        padding alone (its writes go to the null page, as a padded step's do), the fastest run
+        of each kept. Call it before serving: the steps take the cache."""
+        tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
+        width = min(_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
+        shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
+                  Shape(num_decode=0, prefill_rows=MIN_COLD_PREFILL_ROWS, prefill_tokens=tokens, width=width,
+                        cold=True))
+        times = []
+        for shape in shapes:
+            with self._lock:
+                fn = self._compiled.get(shape)
+            if fn is None:
+                fn = self._compile(shape)
+                self.compiles["sync"] += 1
+            batch, best = self._empty_batch(shape), math.inf
+            for _ in range(repeats + 1):  # the first run warms up
+                t = time.perf_counter()
+                self.cache, self.last_tokens, out = fn(self.params, self.cache, self.last_tokens, batch)
+                jax.device_get(out)
+                best = min(best, time.perf_counter() - t)
+            times.append(best)
+        per_token = max(times[1] - times[0], 0.0) / (tokens - 1)
+        return StepCost(max(times[0] - per_token, 0.0), per_token)
+
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
         """The compiled step a plan of shape ``exact`` runs as: its own; with
         ``background_compile``, else the cheapest compiled one that holds it and costs at most
@@ -290,6 +336,10 @@ class PagedEngine:
         self._todo.put(shape)
 
     def _compile_loop(self) -> None:
+        # Serving first: the steps' threads get the cores before this one (on Linux a thread has
+        # its own nice value, and the threads it starts inherit it).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
         while (shape := self._todo.get()) is not None:
             try:
                 t = time.perf_counter()

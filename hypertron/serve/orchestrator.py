@@ -67,22 +67,25 @@ class Orchestrator:
     ``submit`` (from a running asyncio loop) returns a :class:`Generation`; ``start`` / ``stop``
     run and end the thread (``stop`` aborts what is left). ``max_queue`` bounds the requests
     waiting for a slot: past it :meth:`submit` raises :class:`QueueFull`. The scheduler's
-    settings (``max_num_batched_tokens``, ``max_prefill_rows``) are passed on. ``ahead``: dispatch
-    step n + 1 before collecting step n; with ``ahead_max_tokens``, only for steps of at most that
-    many tokens (a larger one is collected at once).
+    settings (``max_num_batched_tokens``, ``max_prefill_rows``, ``step_overhead_tokens``) are
+    passed on. ``ahead``: dispatch step n + 1 before collecting step n; with
+    ``ahead_max_tokens``, only for steps of at most that many tokens (a larger one is collected
+    at once).
     """
 
     def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 256,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, ahead: bool = True,
-                 ahead_max_tokens: int | None = None, registry: CollectorRegistry | None = None):
+                 ahead_max_tokens: int | None = None, step_overhead_tokens: float | None = None,
+                 registry: CollectorRegistry | None = None):
         self.engine, self.tokenizer, self.max_queue, self.ahead = engine, tokenizer, max_queue, ahead
         self.ahead_max_tokens = ahead_max_tokens
         self.max_seq_len, self.max_top_logprobs = engine.max_seq_len, engine.max_top_logprobs
         self.scheduler = Scheduler(
             max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
             max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids, max_top_logprobs=engine.max_top_logprobs,
-            max_num_batched_tokens=max(max_num_batched_tokens, engine.max_slots), max_prefill_rows=max_prefill_rows)
+            max_num_batched_tokens=max(max_num_batched_tokens, engine.max_slots), max_prefill_rows=max_prefill_rows,
+            step_overhead_tokens=step_overhead_tokens)
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
         self._incoming: list[_Request] = []

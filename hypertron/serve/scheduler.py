@@ -20,6 +20,15 @@ page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
    start at position 0 attends as training does (the engine's cold prefill, about twice as fast
    on a CPU as attending to cached pages).
 
+   How many new prompts share a step (``step_overhead_tokens``; None: as many as fit). Where a
+   step's time grows with its tokens (a CPU: prefill is compute-bound), prompts that share a
+   step all wait for the whole of it: n prompts of L tokens in groups of g, with a step's fixed
+   cost worth d tokens (its overhead and its decode rows), get their first token after about
+   ``(n / g + 1) / 2 * (g L + d)`` on average, least at g near ``sqrt(n d / L)``; prompts one at
+   a time when d is small against L, and all in one step when it is large (an accelerator, where
+   a step of a few hundred tokens costs about what one token does). The group is that optimum
+   over the prompts that could start now, measured by the server (:func:`group_size`).
+
 :meth:`Scheduler.update` takes a step's result: each sequence's token (dropped if the
 sequence ended meanwhile: with the engine running one step ahead, a sequence that hits EOS
 in step n was already scheduled in step n + 1), its log-probabilities, the stops (EOS unless
@@ -37,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 
 from hypertron.serve.types import Engine, Row, SamplingParams, StepPlan, StepResult, TokenLogprobs
@@ -107,7 +117,8 @@ class Scheduler:
     def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
                  eos_ids: frozenset[int] = frozenset(), max_top_logprobs: int = 20,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, keep_records: int = 10_000):
+                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, step_overhead_tokens: float | None = None,
+                 keep_records: int = 10_000):
         if max_num_batched_tokens < max_slots:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_slots={max_slots}: "
                              "every running sequence needs its decode token in each step")
@@ -115,7 +126,10 @@ class Scheduler:
             raise ValueError(f"max_prefill_rows={max_prefill_rows}: expected at least 1")
         self.max_slots, self.num_pages, self.page_size, self.max_seq_len = max_slots, num_pages, page_size, max_seq_len
         self.eos_ids, self.max_top_logprobs = frozenset(eos_ids), max_top_logprobs
+        if step_overhead_tokens is not None and not step_overhead_tokens >= 0:
+            raise ValueError(f"step_overhead_tokens={step_overhead_tokens}: expected at least 0, or None")
         self.max_num_batched_tokens, self.max_prefill_rows = max_num_batched_tokens, max_prefill_rows
+        self.step_overhead_tokens = step_overhead_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # by id, in admission order
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
@@ -193,7 +207,8 @@ class Scheduler:
                 prefills.append(self._chunk(seq, budget))
                 budget -= prefills[-1].num_tokens
         if not preempted and not (self._hold and self.running):
-            while budget and self._free_slots and len(prefills) < self.max_prefill_rows and self.waiting:
+            rows = min(self.max_prefill_rows, self._group(len(decodes), prefills))
+            while budget and self._free_slots and len(prefills) < rows and self.waiting:
                 if prefills and self._fill_length(self.waiting[0]) > budget:
                     break  # it would be split: it starts the next step whole (or as that step's first chunk)
                 admitted = self._admit(self.waiting[0], busy=bool(self.running))
@@ -245,6 +260,18 @@ class Scheduler:
                 self._finish(seq, ERROR, error)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _group(self, decodes: int, prefills: list[Row]) -> int:
+        """The prompts this step's prefill should hold (those in it already and new ones), to
+        minimise the mean time to a first token (see the module docstring)."""
+        if self.step_overhead_tokens is None or not self.waiting:
+            return self.max_prefill_rows
+        cap = min(len(self.waiting), len(self._free_slots), self.max_prefill_rows - len(prefills))
+        if cap <= 0:
+            return self.max_prefill_rows  # nothing can start: the admission loop stops by itself
+        lengths = [len(r.tokens) for r in prefills]
+        lengths += [self._fill_length(s) for s in itertools.islice(self.waiting, cap)]
+        return group_size(len(lengths), sum(lengths) / len(lengths), self.step_overhead_tokens + decodes)
 
     def _goes_on(self, seq: Sequence) -> bool:
         """Whether another token may be sampled: not at max_tokens or max_seq_len yet."""
@@ -344,6 +371,21 @@ class Scheduler:
         self._hold = False
         if emit:
             self._out.append(Output(seq, finish_reason=reason, error=error))
+
+
+def group_size(n: int, length: float, fixed: float) -> int:
+    """How many of ``n`` prompts of ``length`` tokens to prefill per step, for the least mean time
+    to their first tokens, when a step costs ``fixed + tokens`` (in tokens' worth): the g in
+    1 .. n whose groups (g prompts each, the rest in the last) give the least sum of the prompts'
+    finishing times (ties: the larger g)."""
+    if n <= 1 or math.isinf(fixed):
+        return max(n, 1)
+
+    def total(g: int) -> float:  # group j < k of g prompts ends at j (fixed + g length); the last at k fixed + n length
+        k = -(-n // g)
+        return g * (fixed + g * length) * (k - 1) * k / 2 + (n - (k - 1) * g) * (k * fixed + n * length)
+
+    return min(range(1, n + 1), key=lambda g: (total(g), -g))
 
 
 def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Output], None],

@@ -23,6 +23,8 @@ import hmac
 import itertools
 import json
 import logging
+import math
+import sys
 import time
 import uuid
 
@@ -447,9 +449,16 @@ def main(serve: ServeConfig) -> int:
     engine, tokenizer, model_name = load_engine(
         serve.checkpoint, max_slots=serve.max_slots, page_size=serve.page_size, num_pages=serve.num_pages,
         kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize, background_compile=serve.compile == "background")
+    overhead = None
+    if serve.prefill_groups == "auto":
+        cost = engine.measure_step_cost(serve.max_num_batched_tokens)
+        overhead = cost.overhead_tokens if math.isfinite(cost.overhead_tokens) else None
+        print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
+              f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
+              "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
     orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue,
                                 max_num_batched_tokens=serve.max_num_batched_tokens,
-                                max_prefill_rows=serve.max_prefill_rows,
+                                max_prefill_rows=serve.max_prefill_rows, step_overhead_tokens=overhead,
                                 **dict(zip(("ahead", "ahead_max_tokens"), resolve_dispatch_ahead(serve.dispatch_ahead))))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
