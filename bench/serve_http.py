@@ -39,8 +39,9 @@ SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send t
 (``--warmup-requests`` at the largest concurrency; compiles and the continuous-batching manager
 start there; not reported; default twice the largest concurrency), one non-streaming greedy request for the first prompt (its text is
 compared between the servers, to show they run the same model), then for each concurrency C a
-warm-up run (not reported: hypertron compiles each step shape the first time it meets it, and
-each load meets its own) and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
+warm-up run of 2 N requests (not reported: hypertron compiles the step shapes each load meets
+often, in the background, and a compile takes one of this machine's two cores for about a
+second; the figures are of the server in its steady state) and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
 --max-tokens M --temperature 0 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
 prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
 send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
@@ -86,6 +87,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -457,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-pythonpath", default=None, help="prepended to transformers serve's PYTHONPATH "
                    "(a directory holding accelerate, if this environment lacks it)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--hypertron-args", default="", help="more flags for hypertron serve, one string "
+                   "(e.g. \"--max-prefill-rows 1\"); the interference servers get them too")
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it (default: a temp dir)")
     p.add_argument("--output", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
@@ -485,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
     subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
-    runs = {"warmup": warmup, **{f"c{c}{r}": n_requests[c] for c in args.concurrency
+    runs = {"warmup": warmup, **{f"c{c}{r}": n_requests[c] * (2 if r == "w" else 1) for c in args.concurrency
                                  for r in ["w", *(f"r{i}" for i in range(args.repeats))]}}
     if not args.no_interference:
         for i in range(args.repeats + 2):
@@ -518,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     def hypertron_argv(port: int, slots: int, num_pages: int | None, budget: int) -> list[str]:
         return [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots",
                 str(slots), "--page-size", "16", "--kv-cache-dtype", kv, "--model-name", "bench",
-                "--max-num-batched-tokens", str(budget)] + ([] if num_pages is None else ["--num-pages", str(num_pages)])
+                "--max-num-batched-tokens", str(budget),
+                *([] if num_pages is None else ["--num-pages", str(num_pages)]), *shlex.split(args.hypertron_args)]
 
     def server_argv(name: str, port: int) -> tuple[list[str], str, dict]:
         if name == "hypertron":
@@ -542,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {}
                 for c in args.concurrency:
                     t0 = time.perf_counter()
-                    bench(srv.base_url, model, prompts[f"c{c}w"], c, n_requests[c], args.max_tokens,
+                    bench(srv.base_url, model, prompts[f"c{c}w"], c, 2 * n_requests[c], args.max_tokens,
                           os.path.join(work, f"{name}-c{c}-warmup.json"), log)  # this load's step shapes
                     before = compile_counts(srv.base_url) if name == "hypertron" else {}
                     results[name][c] = median_report([
