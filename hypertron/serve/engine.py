@@ -30,9 +30,9 @@ A :class:`Shape` is one compiled step. Compiling one takes about a second on a C
 dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
 padding rows and tokens are masked out), if that costs at most 4 times as much
-(:meth:`PagedEngine.cost`); its own shape compiles on a background thread (at the lowest priority)
-once it has run padded 8 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays
-padded); with no such compiled shape, the step waits for its own.
+(:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
+times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
+compiled shape, the step waits for its own.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
@@ -45,12 +45,10 @@ this module only runs plans.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -80,9 +78,6 @@ CLOSE_ENOUGH_COST = 1.25
 # ... and only once it has run padded this many times: a shape a load meets rarely is not worth
 # a core for a second.
 COMPILE_AFTER_PADDED = 8
-# The background compiler's thread runs at this niceness (the lowest priority), so that a compile
-# takes what the serving threads leave.
-COMPILE_NICENESS = 19
 # A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
 # rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
 MIN_COLD_PREFILL_ROWS = 8
@@ -336,10 +331,6 @@ class PagedEngine:
         self._todo.put(shape)
 
     def _compile_loop(self) -> None:
-        # Serving first: the steps' threads get the cores before this one (on Linux a thread has
-        # its own nice value, and the threads it starts inherit it).
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
         while (shape := self._todo.get()) is not None:
             try:
                 t = time.perf_counter()
