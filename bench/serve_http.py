@@ -41,7 +41,8 @@ start there; not reported; default twice the largest concurrency), one non-strea
 compared between the servers, to show they run the same model), then for each concurrency C a
 warm-up run of 2 N requests (not reported: hypertron compiles the step shapes each load meets
 often, in the background, and a compile takes one of this machine's two cores for about a
-second; the figures are of the server in its steady state) and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
+second; the figures are of the server in its steady state), for hypertron up to 4 more of N
+while the last one compiled anything (its ``/metrics`` count), and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
 --max-tokens M --temperature 0 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
 prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
 send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
@@ -104,6 +105,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import MAX_SEQ_LEN, build_model, write_prompts  # bench/serve_model.py, this directory
 
 SERVERS = ("hypertron", "transformers")
+# hypertron, per concurrency: after the warm-up run of 2 N requests, up to this many more of N while
+# the last one compiled a step shape (the figures are of a server in its steady state).
+EXTRA_WARMUPS = 4
 
 
 SERVE_DEPS = ("fastapi", "uvicorn", "pydantic", "openai", "accelerate")  # transformers[serving], as its server checks
@@ -405,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
     runs = {"warmup": warmup, **{f"c{c}{r}": n_requests[c] * (2 if r == "w" else 1) for c in args.concurrency
-                                 for r in ["w", *(f"r{i}" for i in range(args.repeats))]}}
+                                 for r in ["w", *(f"x{k}" for k in range(EXTRA_WARMUPS)),
+                                           *(f"r{i}" for i in range(args.repeats))]}}
     if not args.no_interference:
         for i in range(args.repeats + 2):
             runs |= {f"streams{i}": args.streams, f"longs{i}": (args.long_prompts, args.long_len)}
@@ -462,14 +467,25 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {}
                 for c in args.concurrency:
                     t0 = time.perf_counter()
+                    before = compile_counts(srv.base_url) if name == "hypertron" else {}
                     bench(srv.base_url, model, prompts[f"c{c}w"], c, 2 * n_requests[c], args.max_tokens,
                           os.path.join(work, f"{name}-c{c}-warmup.json"), log)  # this load's step shapes
+                    extra = 0
+                    while name == "hypertron":  # more warm-up runs while the last one compiled something
+                        k = counts_since(before, after := compile_counts(srv.base_url))
+                        if k["sync"] + k["background"] == 0 or extra == EXTRA_WARMUPS:
+                            break
+                        before = after
+                        bench(srv.base_url, model, prompts[f"c{c}x{extra}"], c, n_requests[c], args.max_tokens,
+                              os.path.join(work, f"{name}-c{c}-warmup{extra + 1}.json"), log)
+                        extra += 1
                     before = compile_counts(srv.base_url) if name == "hypertron" else {}
                     results[name][c] = median_report([
                         bench(srv.base_url, model, prompts[f"c{c}r{i}"], c, n_requests[c], args.max_tokens,
                               os.path.join(work, f"{name}-c{c}-r{i}.json"), log) for i in range(args.repeats)])
                     if name == "hypertron":
                         results[name][c]["compiles"] = counts_since(before, compile_counts(srv.base_url))
+                        results[name][c]["extra_warmups"] = extra
                     print(f"  ... {name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             except Exception:
                 print(f"{name} server log, last lines:\n{srv.tail()}", file=sys.stderr)
@@ -513,8 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.concurrency:
         if "compiles" in results.get("hypertron", {}).get(c, {}):
             k = results["hypertron"][c]["compiles"]
-            print(f"concurrency {c}: hypertron's measured runs: {k['sync']} compiles waited for, "
-                  f"{k['background']} in the background, {k['padded']} steps run padded")
+            print(f"concurrency {c}: hypertron's measured runs (after {results['hypertron'][c]['extra_warmups']} "
+                  f"more warm-up runs): {k['sync']} compiles waited for, {k['background']} in the background, "
+                  f"{k['padded']} steps run padded")
     for label, r in chunked.items():
         k = r.get("compiles", {})
         print(f"interference, {label}: measured runs: {k.get('sync', 0)} compiles waited for, "

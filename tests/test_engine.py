@@ -18,6 +18,7 @@ from serving import run, teacher_forced_logprobs  # tests/
 
 from hypertron.config import PRESETS, ConfigError, load_config
 from hypertron.models import forward, init_params
+from hypertron.models.flops import forward_flops_per_token
 from hypertron.models.kv_pages import bytes_per_token
 from hypertron.serve import engine as engine_module
 from hypertron.serve.engine import PagedEngine, Shape, bucket
@@ -135,9 +136,29 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
     assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
         Shape(0, 8, 24, 8, cold=True), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
+    assert engine.step_overhead_flops == pytest.approx(
+        min(cost.overhead_tokens, engine_module.MAX_OVERHEAD_TOKENS) * forward_flops_per_token(CFG, 1))
     got, _, _ = run(engine, prompts, [GREEDY, GREEDY], step_overhead_tokens=cost.overhead_tokens)
     engine.close()
     assert [s.generated for s in got] == [s.generated for s in want]
+
+
+@pytest.mark.parametrize("overhead_tokens, queued", [(0, True), (40, False)])
+def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhead_tokens, queued):
+    """A 1-row decode runs padded to the compiled 2-row one. By FLOPs alone that costs twice as
+    much, so after COMPILE_AFTER_PADDED such steps its own shape is queued for a compile; with a
+    step's fixed cost of 40 tokens' worth (about this project's CPU's) it costs 41 + 2 against 41
+    + 1 plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
+    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
+    engine.step_overhead_flops = overhead_tokens * forward_flops_per_token(CFG, 1)
+    one, two = Shape(1, 0, 0, 1), Shape(2, 0, 0, 1)
+    engine._compile(two)
+    seen = []
+    engine._enqueue = seen.append
+    for _ in range(engine_module.COMPILE_AFTER_PADDED):
+        assert engine._executable(one)[0] == two
+    assert seen == ([one] if queued else [])
+    assert engine.compiles == {"sync": 0, "background": 0, "padded": engine_module.COMPILE_AFTER_PADDED}
 
 
 def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):

@@ -78,6 +78,9 @@ CLOSE_ENOUGH_COST = 1.25
 # ... and only once it has run padded this many times: a shape a load meets rarely is not worth
 # a core for a second.
 COMPILE_AFTER_PADDED = 8
+# A step's fixed cost, once measured, counts in PagedEngine.cost up to this many tokens' worth (on an
+# accelerator a step of a few hundred tokens may cost about what one of one token does).
+MAX_OVERHEAD_TOKENS = 1e6
 # A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
 # rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
 MIN_COLD_PREFILL_ROWS = 8
@@ -216,6 +219,7 @@ class PagedEngine:
         self._specs = jax.tree.map(_spec, (params, self.cache, self.last_tokens))
         self.background_compile = background_compile
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
+        self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
         self._compiled: dict[Shape, object] = {}
         self._lock = threading.Lock()
         self._todo: queue.Queue[Shape | None] = queue.Queue()
@@ -240,12 +244,15 @@ class PagedEngine:
     def cost(self, shape: Shape) -> float:
         """A step's FLOPs as the model counts them: every token through the weights, and each
         query against the keys it scores (a cold prefill: its packed chunk; a chunk after a
-        prefix: every prefill row's pages; a decode row: its row's pages)."""
+        prefix: every prefill row's pages; a decode row: its row's pages); plus, once
+        :meth:`measure_step_cost` has measured it, the step's fixed cost in FLOPs' worth. Without
+        that, a decode of 1 row padded to 2 looks twice as costly, where a step's fixed cost makes
+        it barely more (on this project's CPU: 2 to 3 ms a step against 0.07 ms a token)."""
         c = self.cfg
         keys = shape.width * self.page_size
         pairs = shape.num_decode * keys + (shape.prefill_tokens ** 2 if shape.cold else
                                            shape.prefill_tokens * shape.prefill_rows * keys)
-        return ((shape.num_decode + shape.prefill_tokens) * forward_flops_per_token(c, 1)
+        return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * forward_flops_per_token(c, 1)
                 + c.num_layers * 4 * c.num_heads * c.head_dim * pairs)
 
     @property
@@ -264,7 +271,8 @@ class PagedEngine:
         """What a step costs here, measured: a step of one decode row and a cold prefill of
         ``tokens`` tokens (both compiled now if they are not), each run ``repeats`` times on
         padding alone (its writes go to the null page, as a padded step's do), the fastest run
-        of each kept. Call it before serving: the steps take the cache."""
+        of each kept. Call it before serving: the steps take the cache. From then on
+        :meth:`cost` counts the fixed part (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth)."""
         tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
         width = min(_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
         shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
@@ -285,7 +293,9 @@ class PagedEngine:
                 best = min(best, time.perf_counter() - t)
             times.append(best)
         per_token = max(times[1] - times[0], 0.0) / (tokens - 1)
-        return StepCost(max(times[0] - per_token, 0.0), per_token)
+        cost = StepCost(max(times[0] - per_token, 0.0), per_token)
+        self.step_overhead_flops = min(cost.overhead_tokens, MAX_OVERHEAD_TOKENS) * forward_flops_per_token(self.cfg, 1)
+        return cost
 
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
         """The compiled step a plan of shape ``exact`` runs as: its own; with
