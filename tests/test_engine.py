@@ -147,8 +147,8 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
 def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhead_tokens, queued):
     """A 1-row decode runs padded to the compiled 2-row one. By FLOPs alone that costs twice as
     much, so after COMPILE_AFTER_PADDED such steps its own shape is queued for a compile; with a
-    step's fixed cost of 40 tokens' worth (about this project's CPU's) it costs 41 + 2 against 41
-    + 1 plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
+    step's fixed cost of 40 tokens' worth (about this project's CPU's) it costs 40 + 2 against 40
+    + 1 tokens' worth plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
     engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
     engine.step_overhead_flops = overhead_tokens * forward_flops_per_token(CFG, 1)
     one, two = Shape(1, 0, 0, 1), Shape(2, 0, 0, 1)
