@@ -1,9 +1,30 @@
-"""Test session setup: 8 simulated CPU devices, before JAX is imported anywhere."""
+"""Test session setup: 8 simulated CPU devices, before JAX is imported anywhere, and one JAX
+compilation cache for the whole session.
 
+The cache: the suite's processes (pytest's workers and the ``hypertron train`` / ``serve`` /
+``launch`` subprocesses the tests start, which inherit the environment) compile many of the same
+programs (the tiny model's train step above all: each resume test compiles it in two or three
+processes). JAX's persistent cache lets a later process load what an earlier one compiled. It
+is a fresh folder per session, made by the process that loads this file first (pytest's
+controller, before it starts the workers) and removed when that process exits, so nothing
+carries over between runs of the suite. ``HYPERTRON_TEST_JAX_CACHE=0`` turns it off.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+if os.environ.get("HYPERTRON_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="hypertron-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    # Every compile of at least a tenth of a second (JAX's default is 1 s: most of the tiny
+    # model's compiles take less here when the machine is idle, and more when it is loaded).
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
