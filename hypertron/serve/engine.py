@@ -34,6 +34,8 @@ padding rows and tokens are masked out), if that costs at most 4 times as much
 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
 compiled shape, the step waits for its own.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
+Engines of one process share their compiled steps: one whose model, settings and step shape match
+another's uses that one's executable (:data:`SHARED_EXECUTABLES`).
 
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
 whatever else is in the step.
@@ -89,6 +91,10 @@ MIN_PREFILL_TOKENS = 16
 # quarters): prefill is where a step's compute goes, and a 129-token prompt padded to 160 costs a
 # fifth more for nothing. The extra sizes compile in the background.
 PREFILL_BUCKET_PARTS = 8
+# Compiled steps are shared by every engine of a process with the same model shapes, settings and
+# step shape (the most recent this many): a second engine on the same model (a bench's sweep, a
+# test's reference engine) does not compile its steps again.
+SHARED_EXECUTABLES = 512
 
 # ---------------------------------------------------------------------------
 # The device step
@@ -188,6 +194,10 @@ def _spec(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
+_shared: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # SHARED_EXECUTABLES, oldest first
+_shared_lock = threading.Lock()
+
+
 class PagedEngine:
     """Runs :class:`~hypertron.serve.types.StepPlan` s over a page pool; implements
     :class:`hypertron.serve.types.Engine`.
@@ -217,6 +227,9 @@ class PagedEngine:
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
         self._specs = jax.tree.map(_spec, (params, self.cache, self.last_tokens))
+        leaves, treedef = jax.tree.flatten(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x, self._specs))
+        self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = background_compile
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
         self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
@@ -323,10 +336,20 @@ class PagedEngine:
         return exact, self._compile(exact)
 
     def _compile(self, shape: Shape):
-        params, cache, last_tokens = self._specs
-        fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg, top_n=self.max_top_logprobs,
-                        num_decode=shape.num_decode, cold=shape.cold, want_logprobs=shape.logprobs,
-                        prompt_logprobs=shape.prompt_logprobs).compile()
+        key = (*self._key, shape)
+        with _shared_lock:
+            fn = _shared.get(key)
+            if fn is not None:
+                _shared.move_to_end(key)
+        if fn is None:
+            params, cache, last_tokens = self._specs
+            fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg,
+                            top_n=self.max_top_logprobs, num_decode=shape.num_decode, cold=shape.cold,
+                            want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs).compile()
+            with _shared_lock:
+                _shared[key] = fn
+                while len(_shared) > SHARED_EXECUTABLES:
+                    _shared.popitem(last=False)
         with self._lock:
             return self._compiled.setdefault(shape, fn)
 
