@@ -274,19 +274,21 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     save_params(tmp_path / "run", cfg, master)
     engine, _, _ = load_engine(tmp_path / "run", max_slots=1, page_size=8)
 
-    def at(tree, path):
+    def at(tree, path):  # the engine holds each layer's weights apart (unstack_layers)
+        if path[0] == "layers":
+            return [w for layer in tree["layers"] for w in at(layer, path[1:])]
         for key in path:
             tree = tree[key]
-        return tree
+        return [tree]
 
     low = full = 0
     for path, spec in leaves_with_paths(declare(model)):
-        w = at(engine.params, path)
-        assert w.dtype == (jnp.bfloat16 if spec.quantize else jnp.float32), path
-        assert isinstance(w, jax.Array), path  # on the device, not numpy waiting to be copied each step
-        if spec.quantize:
-            low += w.nbytes
-        full += w.size * 4
+        for w in at(engine.params, path):
+            assert w.dtype == (jnp.bfloat16 if spec.quantize else jnp.float32), path
+            assert isinstance(w, jax.Array), path  # on the device, not numpy waiting to be copied each step
+            if spec.quantize:
+                low += w.nbytes
+            full += w.size * 4
     assert {p[-1] for p, s in leaves_with_paths(declare(model)) if not s.quantize} >= {"router", "attn_norm"}
     assert low > 0.9 * full / 2 and sum(x.nbytes for x in jax.tree.leaves(engine.params)) < 0.55 * full
 

@@ -12,6 +12,7 @@ from hypertron.models.decoder import (
     forward_with_stats,
     init_cache,
     resolve_dtype,
+    unstack_layers,
 )
 from hypertron.models.kv_cache import ContiguousCache, PagedCache
 
@@ -47,4 +48,5 @@ def fp8_histories(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["ContiguousCache", "PagedCache", "cast_params", "count_params", "declare", "forward", "forward_with_stats",
-           "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype"]
+           "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype",
+           "unstack_layers"]

@@ -62,7 +62,7 @@ import numpy as np
 
 from hypertron.config import ModelConfig
 from hypertron.config.validation import check_engine_settings
-from hypertron.models import PagedCache, forward, resolve_dtype
+from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import forward_flops_per_token
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.serve.sampling import logprobs, sample_rows
@@ -207,15 +207,20 @@ class PagedEngine:
     compiled yet runs padded to a compiled one that holds it at little more cost, if any, while its
     own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
-    larger compiled shape (``padded``).
+    larger compiled shape (``padded``). The layers run unrolled from per-layer weights
+    (:func:`hypertron.models.unstack_layers`; :attr:`params` holds them so): faster steps, longer
+    compiles for deep models; ``scan_layers=True`` scans the stacked weights instead (as MaxText's
+    option of that name does; training scans them).
     """
 
     def __init__(self, params, cfg: ModelConfig, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_dtype: str = "auto", max_top_logprobs: int = 20,
-                 eos_ids: frozenset[int] = frozenset(), background_compile: bool = False):
+                 eos_ids: frozenset[int] = frozenset(), background_compile: bool = False,
+                 scan_layers: bool = False):
         check_engine_settings(max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                               kv_cache_dtype=kv_cache_dtype)
-        self.params, self.cfg = params, cfg
+        self.params = params if scan_layers else unstack_layers(params)
+        self.cfg = cfg
         self.max_slots, self.page_size = max_slots, page_size
         self.max_seq_len, self.max_top_logprobs, self.eos_ids = cfg.max_seq_len, max_top_logprobs, frozenset(eos_ids)
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
@@ -226,13 +231,14 @@ class PagedEngine:
         self.last_tokens = jnp.zeros(max_slots + 1, jnp.int32)
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
-        self._specs = jax.tree.map(_spec, (params, self.cache, self.last_tokens))
+        self._specs = jax.tree.map(_spec, (self.params, self.cache, self.last_tokens))
         leaves, treedef = jax.tree.flatten(jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x, self._specs))
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = background_compile
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
         self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
+        self.on_compiled = None  # called with no arguments after each compile, on the compiling thread
         self._compiled: dict[Shape, object] = {}
         self._lock = threading.Lock()
         self._todo: queue.Queue[Shape | None] = queue.Queue()
@@ -280,31 +286,35 @@ class PagedEngine:
             self._compiler.join(timeout)
             self._compiler = None
 
-    def measure_step_cost(self, tokens: int, repeats: int = 5) -> StepCost:
+    def measure_step_cost(self, tokens: int, repeats: int = 30) -> StepCost:
         """What a step costs here, measured: a step of one decode row and a cold prefill of
-        ``tokens`` tokens (both compiled now if they are not), each run ``repeats`` times on
+        ``tokens`` tokens (both compiled now if they are not), run in turn ``repeats`` times on
         padding alone (its writes go to the null page, as a padded step's do), the fastest run
-        of each kept. Call it before serving: the steps take the cache. From then on
-        :meth:`cost` counts the fixed part (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth)."""
+        of each kept: one step's time here varies by 2x and more from run to run, and the fastest
+        of 5 gave fixed costs of 1.6 to 12.6 ms over server starts on this project's CPU. Call it
+        before serving: the steps take the cache. From then on :meth:`cost` counts the fixed part
+        (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth)."""
         tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
         width = min(_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
         shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
                   Shape(num_decode=0, prefill_rows=MIN_COLD_PREFILL_ROWS, prefill_tokens=tokens, width=width,
                         cold=True))
-        times = []
+        runs = []
         for shape in shapes:
             with self._lock:
                 fn = self._compiled.get(shape)
             if fn is None:
                 fn = self._compile(shape)
                 self.compiles["sync"] += 1
-            batch, best = self._empty_batch(shape), math.inf
-            for _ in range(repeats + 1):  # the first run warms up
+            runs.append((fn, self._empty_batch(shape)))
+        times = [math.inf] * len(runs)
+        for r in range(repeats + 1):  # the first round warms up
+            for i, (fn, batch) in enumerate(runs):
                 t = time.perf_counter()
                 self.cache, self.last_tokens, out = fn(self.params, self.cache, self.last_tokens, batch)
                 jax.device_get(out)
-                best = min(best, time.perf_counter() - t)
-            times.append(best)
+                if r:
+                    times[i] = min(times[i], time.perf_counter() - t)
         per_token = max(times[1] - times[0], 0.0) / (tokens - 1)
         cost = StepCost(max(times[0] - per_token, 0.0), per_token)
         self.step_overhead_flops = min(cost.overhead_tokens, MAX_OVERHEAD_TOKENS) * forward_flops_per_token(self.cfg, 1)
@@ -351,7 +361,10 @@ class PagedEngine:
                 while len(_shared) > SHARED_EXECUTABLES:
                     _shared.popitem(last=False)
         with self._lock:
-            return self._compiled.setdefault(shape, fn)
+            fn = self._compiled.setdefault(shape, fn)
+        if self.on_compiled is not None:
+            self.on_compiled()
+        return fn
 
     def _enqueue(self, shape: Shape) -> None:
         with self._lock:

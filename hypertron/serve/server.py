@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import itertools
 import json
@@ -471,6 +472,13 @@ def main(serve: ServeConfig) -> int:
                      chat_template=tokenizer.chat_template)
     if serve.host not in ("127.0.0.1", "localhost", "::1") and not serve.api_key:
         log.warning("serving on %s without an api_key: anyone who can reach it can use it", serve.host)
+    # A full garbage collection walks every object the process holds, and JAX's caches keep about
+    # 13,000 for each step shape compiled: with two dozen compiled, one took 300 ms, a pause in every
+    # stream (traced at concurrency 16). What exists once the engine is up, and what each compile
+    # adds, is frozen (gc.freeze): left out of collections, still freed when no longer referenced.
+    gc.collect()
+    gc.freeze()
+    engine.on_compiled = gc.freeze
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     run(app, serve.host, serve.port)
     return 0
