@@ -191,7 +191,9 @@ class _Pending:
 
 
 def _spec(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x
 
 
 _shared: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # SHARED_EXECUTABLES, oldest first
@@ -232,8 +234,7 @@ class PagedEngine:
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
         self._specs = jax.tree.map(_spec, (self.params, self.cache, self.last_tokens))
-        leaves, treedef = jax.tree.flatten(jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x, self._specs))
+        leaves, treedef = jax.tree.flatten(self._specs)
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = background_compile
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
