@@ -66,9 +66,10 @@ def weight_bytes_per_step(cfg, params, batch: int) -> int:
 
 
 def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, warmup: int, page_size: int,
-                 top_logprobs: int | None) -> dict:
+                 top_logprobs: int | None, scan_layers: bool = False) -> dict:
     """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures
-    (``prefill_s``: the time to prefill every slot, compiles included)."""
+    (``prefill_s``: the time to prefill every slot, compiles included; ``compile_s``: the compiles'
+    own, ``compiles`` of them)."""
     from hypertron.models.kv_pages import bytes_per_token
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.scheduler import Scheduler, Sequence
@@ -79,7 +80,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     pages_per_slot = -(-(context + new) // page_size)
     engine = PagedEngine(params, cfg, max_slots=batch, page_size=page_size,
                          num_pages=batch * pages_per_slot + 1, kv_cache_dtype=kv_dtype,
-                         max_top_logprobs=top_logprobs or 1)
+                         max_top_logprobs=top_logprobs or 1, scan_layers=scan_layers)
     sched = Scheduler(max_slots=batch, num_pages=engine.num_pages, page_size=page_size, max_seq_len=cfg.max_seq_len,
                       max_num_batched_tokens=context + batch, max_prefill_rows=1)
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
@@ -99,12 +100,15 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     prefill_s = time.perf_counter() - start
     for _ in range(warmup):
         run_step()
-    kv_read = 0
+    kv_read, compiled = 0, engine.compiles["sync"]
     start = time.perf_counter()
     for _ in range(steps):  # each step dispatched, then its tokens brought to the host
         kv_read += sum(s.computed for s in seqs)  # tokens each slot attends over, before its new one
         assert len(run_step().decodes) == batch
     elapsed = time.perf_counter() - start
+    if engine.compiles["sync"] != compiled:  # the sequences outgrew their page-table width while timed
+        raise RuntimeError(f"a step compiled inside the timed steps (context {context} + {warmup + steps} steps "
+                           f"crosses a page-table width at page size {page_size}): time fewer steps")
 
     per_token = bytes_per_token(cfg, engine.kv_dtype)
     kv_bytes_per_step = (kv_read + batch * steps) * per_token / steps  # + batch: each slot's new token
@@ -113,7 +117,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
             "tokens_s": batch * steps / elapsed, "kv_bytes_per_token": per_token,
             "kv_bytes_in_use": pages_used * page_size * per_token,
             "bytes_per_step": weight_bytes_per_step(cfg, params, batch) + kv_bytes_per_step,
-            "tokens0": seqs[0].generated}
+            "compiles": engine.compiles["sync"], "compile_s": engine.compile_seconds, "tokens0": seqs[0].generated}
 
 
 def bench_hf(cfg, params, batch_sizes, prompts: np.ndarray, new_tokens: int, dtype, threads: int,
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-logprobs", type=int, default=None,
                    help="every request asks for this many log-probabilities (default: none, none computed)")
     p.add_argument("--peak-bw", type=float, default=None, help="peak HBM bytes/s (default: H100 3.35e12, H200 4.8e12)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="the engine scans the stacked layer weights (default: unrolled, per-layer weights)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="default: the number of cores")
     args = p.parse_args(argv)
@@ -238,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch_sizes:
         for kv in kv_dtypes:
             rows.append(bench_engine(params, cfg, prompts[:batch], kv, args.steps, args.warmup, args.page_size,
-                                     args.top_logprobs))
-            print(f"  ... batch {batch} {kv}: {rows[-1]['step_s'] * 1e3:.1f} ms/step", file=sys.stderr)
+                                     args.top_logprobs, scan_layers=args.scan_layers))
+            r = rows[-1]
+            print(f"  ... batch {batch} {kv}: {r['step_s'] * 1e3:.1f} ms/step, {r['compiles']} compiles in "
+                  f"{r['compile_s']:.1f} s", file=sys.stderr)
     hf_rows, hf_versions = [], "transformers: skipped (--no-hf)"
     if not args.no_hf:
         try:

@@ -200,6 +200,13 @@ _shared: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # S
 _shared_lock = threading.Lock()
 
 
+def clear_shared_executables() -> None:
+    """Forget the compiled steps engines share, so that the next engine compiles its own: for a
+    bench that times compiles (``bench/gpu_measure.py``'s serving-layers rows)."""
+    with _shared_lock:
+        _shared.clear()
+
+
 class PagedEngine:
     """Runs :class:`~hypertron.serve.types.StepPlan` s over a page pool; implements
     :class:`hypertron.serve.types.Engine`.
@@ -209,7 +216,8 @@ class PagedEngine:
     compiled yet runs padded to a compiled one that holds it at little more cost, if any, while its
     own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
-    larger compiled shape (``padded``). The layers run unrolled from per-layer weights
+    larger compiled shape (``padded``); :attr:`compile_seconds` is the time they took (a step
+    another engine of this process had compiled counts nothing). The layers run unrolled from per-layer weights
     (:func:`hypertron.models.unstack_layers`; :attr:`params` holds them so): faster steps, longer
     compiles for deep models; ``scan_layers=True`` scans the stacked weights instead (as MaxText's
     option of that name does; training scans them).
@@ -238,6 +246,7 @@ class PagedEngine:
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = background_compile
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
+        self.compile_seconds = 0.0
         self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
         self.on_compiled = None  # called with no arguments after each compile, on the compiling thread
         self._compiled: dict[Shape, object] = {}
@@ -353,10 +362,13 @@ class PagedEngine:
             if fn is not None:
                 _shared.move_to_end(key)
         if fn is None:
+            start = time.perf_counter()
             params, cache, last_tokens = self._specs
             fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode, cold=shape.cold,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs).compile()
+            with self._lock:
+                self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
                 _shared[key] = fn
                 while len(_shared) > SHARED_EXECUTABLES:
