@@ -13,13 +13,16 @@ TIER is one of:
   rows, and which XLA flags of the GPU recipes this XLA accepts.
 - ``T2`` (at most 8 minutes): the headline figures. Device header with the measured bf16 matmul
   rate and copy bandwidth; ``llama-1b`` training at seq 2048 (remat dots and none; synthetic rows
-  and packed rows with segment ids) with MFU against the datasheet and the measured peak; bf16 vs
-  fp8 vs int8 training; the grouped matmul (Pallas) vs ``ragged_dot`` vs dense at one MoE size;
+  and packed rows with segment ids) with MFU against the datasheet and the measured peak, and
+  ``hypertron plan``'s memory prediction beside the compiled step's; the monitor's collector
+  (NVML, device memory, its cost) while that step trains; bf16 vs fp8 vs int8 training; the
+  grouped matmul (Pallas) vs ``ragged_dot`` vs dense at one MoE size;
   the ragged decode-attention kernel vs its reference; decode at batch 1 and 64, bf16 and int8
   KV, 512 and 8k context, as a fraction of the measured copy bandwidth; the compiled HLO and a
   profile of the ``llama-1b`` step.
 - ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
-  experts, decode vs batch, the grouped-matmul row tile; DLRM-v2 training (MLPerf's shape, tables
+  experts, decode vs batch, the serving engine's layers unrolled vs scanned (compile seconds and
+  the decode step), the grouped-matmul row tile; DLRM-v2 training (MLPerf's shape, tables
   capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU.
 
 Each row is written to ``DIR/<TIER>.json`` as soon as it finishes (so a run cut off at its time
@@ -61,14 +64,17 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 
 from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
-    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, MOE_FIELDS, RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes,
-    decode_row, device_row, dlrm_row, gmm_row, moe_row, profile_row, ragged_row, train_case, train_row,
+    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, RAGGED_FIELDS, ROW_ID,
+    SMOKE, TRAIN_FIELDS, Ctx, Sizes, decode_row, device_row, dlrm_row, gmm_row, layers_row, monitor_row, moe_row,
+    profile_row, ragged_row, train_case, train_row,
 )
 
 TIERS = ("T0", "T1", "T2", "T3")
 TIER_BUDGET = {"T0": 120.0, "T1": 300.0, "T2": 480.0, "T3": 480.0}  # seconds on a device, inside one 10-minute call
 HARDWARE_FIELDS = frozenset({"driver", "datasheet_tflops", "datasheet_bw_gbs", "mfu_datasheet", "emfu_datasheet",
-                             "bw_fraction_datasheet", "peak_mem_gib"})
+                             "bw_fraction_datasheet", "peak_mem_gib", "device_memory_used_gib",
+                             "device_memory_peak_gib", "device_memory_limit_gib", "gpu_utilization",
+                             "gpu_power_watts", "gpu_temperature_celsius"})
 
 # Other spellings of the recipes' XLA flags that XLA versions use (a flag renamed, one retired):
 # with the recipes' own, T1 records which of each this XLA accepts, since an unknown flag aborts
@@ -306,6 +312,7 @@ def plan(tier: str) -> list[Row]:
         rows = [
             Row("t2.device", dev_fields, device_row),
             Row("t2.train.dots", TRAIN_FIELDS, train_row(keep="dots")),
+            Row("t2.monitor", MONITOR_FIELDS, monitor_row),
             Row("t2.profile", ("hlo_file", "hlo_bytes", "trace_file", "trace_bytes"), profile_row),
             Row("t2.train.none", TRAIN_FIELDS, train_row(["model.remat=none"])),
             Row("t2.train.packed", (*TRAIN_FIELDS, "vs_base"), train_row(pack=True, base="t2.train.dots")),
@@ -328,6 +335,8 @@ def plan(tier: str) -> list[Row]:
             *[Row(f"t3.moe.e{e}", MOE_FIELDS, moe_row(i)) for i, e in enumerate(GPU.moe_experts)],
             *[Row(f"t3.decode.b{b}", DECODE_FIELDS, decode_row(i, "bfloat16", None, t3=True))
               for i, b in enumerate(GPU.t3_decode_batches)],
+            *[Row(f"t3.serve.layers.{name}", LAYERS_FIELDS, layers_row(scan)) for name, scan in
+              (("unrolled", False), ("scanned", True))],
             *[Row(f"t3.gmm.pallas.tm{tm}", GMM_FIELDS, gmm_row("pallas", i)) for i, tm in enumerate(GPU.gmm_tiles)],
             Row("t3.dlrm", DLRM_FIELDS, dlrm_row),
         ]
@@ -346,7 +355,10 @@ def plan(tier: str) -> list[Row]:
 HEADLINE = {
     "device": ("device_kind", "matmul_tflops", "copy_gbs", "driver", "jax"),
     "train": ("batch", "seq", "attention", "step_ms", "tokens_s", "mfu_measured", "mfu_datasheet", "xla_mem_gib",
-              "vs_base"),
+              "plan_mem_gib", "vs_base"),
+    "monitor": ("samples", "step_ms_off", "cost_pct", "gpu_utilization", "gpu_power_watts", "device_memory_peak_gib",
+                "h2d_gbs"),
+    "serve": ("layers", "scan_layers", "compiles", "compile_s", "step_ms", "vs_unrolled"),
     "quant": ("step_ms", "tokens_s", "mfu_datasheet", "emfu_datasheet", "vs_base"),
     "gmm": ("tm", "fwd_ms", "fwd_pct_dense", "fwdbwd_ms", "fwdbwd_pct_dense"),
     "ragged": ("batch", "max_context", "ms", "bw_fraction_measured"),

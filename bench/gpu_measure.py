@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import gc
 import gzip
+import json
 import os
 import platform
 import shutil
@@ -180,7 +181,26 @@ def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: s
 
 
 TRAIN_FIELDS = ("preset", "params_m", "batch", "seq", "remat", "attention", "quantization", "packed", "compile_s",
-                "step_ms", "tokens_s", "tflops", "mfu_measured", "mfu_datasheet", "xla_mem_gib", "peak_mem_gib", "loss")
+                "step_ms", "tokens_s", "tflops", "mfu_measured", "mfu_datasheet", "xla_mem_gib", "plan_mem_gib",
+                "peak_mem_gib", "loss")
+
+
+def plan_memory_gib(cfg) -> float | None:
+    """What ``hypertron plan`` predicts a device needs for ``cfg`` on this host's devices (the
+    memory model of :mod:`hypertron.models.memory`), to set beside the compiled step's
+    ``xla_mem_gib``; None on an accelerator the hardware table lacks."""
+    import jax
+
+    from hypertron.models.hardware import match
+    from hypertron.models.plan import plan
+
+    dev = jax.devices()[0]
+    hw = match(getattr(dev, "device_kind", "")) if dev.platform != "cpu" else None
+    name = "cpu" if dev.platform == "cpu" else (hw.name if hw else None)
+    if name is None:
+        return None
+    n = jax.device_count()
+    return plan(cfg, name, devices=n, per_node=n).memory.total / 2**30
 
 
 def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, base=None):
@@ -215,7 +235,8 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
                "tokens_s": tokens / r["step_s"] / n_dev, "tflops": tflops,
                "mfu_measured": tflops / _peaks(ctx)["tflops"],
                "mfu_datasheet": None if peak is None else tflops * 1e12 / peak,
-               "xla_mem_gib": r["xla_mem_gib"], "peak_mem_gib": r["peak_mem_gib"], "loss": r["loss"]}
+               "xla_mem_gib": r["xla_mem_gib"], "plan_mem_gib": plan_memory_gib(cfg), "peak_mem_gib": r["peak_mem_gib"],
+               "loss": r["loss"]}
         if quant != "none":
             bf16 = device_peak_flops()
             out["emfu_datasheet"] = None if bf16 is None else tflops * 1e12 / bf16
@@ -261,6 +282,71 @@ def profile_row(ctx):
     return {"hlo_file": os.path.basename(hlo_path), "hlo_bytes": os.path.getsize(hlo_path),
             "trace_file": os.path.basename(trace_path) if note == "ok" else note,
             "trace_bytes": os.path.getsize(trace_path) if note == "ok" else 0}
+
+
+MONITOR_FIELDS = ("interval_s", "steps", "samples", "step_ms_off", "step_ms_on", "cost_pct", "device_memory_used_gib",
+                  "device_memory_peak_gib", "device_memory_limit_gib", "gpu_utilization", "gpu_power_watts",
+                  "gpu_temperature_celsius", "h2d_gbs")
+
+
+def monitor_row(ctx):
+    """The monitor's collector (what ``hypertron train`` runs in each process) sampling while the
+    kept ``llama-1b`` step trains: the NVML and device-memory figures it reads, and what it costs.
+    Each step is synced and timed, ``steps`` without the collector, then ``steps`` with it (every
+    0.5 s, a host-to-device copy of 8 MiB timed at each sample: 20 times the default rate and
+    more); ``cost_pct`` compares the medians. Figures are the largest of the samples."""
+    import statistics
+
+    import jax
+
+    from hypertron.config import MonitorConfig
+    from hypertron.monitor.collector import Collector
+    from hypertron.runfiles import host_metrics_path
+
+    if "dots" not in ctx.keep:
+        train_row(keep="dots")(ctx)
+    step, state, batches = ctx.keep["dots"]
+    n = max(ctx.s.steps, 4)
+    interval = 0.5
+
+    def run(steps, collector=None):
+        nonlocal state
+        times = []
+        for i in range(steps):
+            t = time.perf_counter()
+            state, metrics = step(state, batches[i % 2])
+            jax.block_until_ready((state, metrics))
+            times.append(time.perf_counter() - t)
+            if collector is not None:
+                collector.scalars(i + 1, {"step_time": times[-1], "data_wait": 0.0, "loss": None})
+        return statistics.median(times)
+
+    run(1)
+    off = run(n)
+    with tempfile.TemporaryDirectory() as d:
+        collector = Collector(d, MonitorConfig(interval=interval, h2d_every=1, h2d_bytes=8 << 20), process_index=0)
+        collector.begin(0, n)
+        try:
+            on = run(n, collector)
+        finally:
+            collector.finish("completed")
+        with open(host_metrics_path(d, 0)) as f:
+            samples = [json.loads(line) for line in f]
+    ctx.keep["dots"] = (step, state, batches)
+
+    def largest(key, scale=1.0):
+        xs = [r[key] for r in samples if r.get(key) is not None]
+        return max(xs) / scale if xs else None
+
+    h2d = [r["h2d_bytes"] / r["h2d_seconds"] / 1e9 for r in samples if r.get("h2d_seconds")]
+    return {"interval_s": interval, "steps": n, "samples": len(samples), "step_ms_off": off * 1e3,
+            "step_ms_on": on * 1e3, "cost_pct": 100 * (on / off - 1),
+            "device_memory_used_gib": largest("device_memory_used_bytes", 2**30),
+            "device_memory_peak_gib": largest("device_memory_peak_bytes", 2**30),
+            "device_memory_limit_gib": largest("device_memory_limit_bytes", 2**30),
+            "gpu_utilization": largest("gpu_utilization"), "gpu_power_watts": largest("gpu_power_watts"),
+            "gpu_temperature_celsius": largest("gpu_temperature_celsius"),
+            "h2d_gbs": statistics.median(h2d) if h2d else None}
 
 
 GMM_FIELDS = ("backend", "m", "k", "n", "groups", "tm", "fwd_ms", "fwd_tflops", "fwd_pct_dense", "fwdbwd_ms",
@@ -334,6 +420,21 @@ def ragged_row(backend: str):
     return run
 
 
+def _decode_model(ctx):
+    """The decode rows' model, made once per tier: ``preset`` in bf16, random weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypertron.models import init_params
+    from serve import model_config  # bench/serve.py
+
+    if "decode_model" not in ctx.keep:
+        s = ctx.s
+        cfg = model_config(s.preset, [*s.model, f"max_seq_len={s.decode_max_seq}", "dtype=bfloat16"])
+        ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    return ctx.keep["decode_model"]
+
+
 DECODE_FIELDS = ("preset", "batch", "kv", "context", "prefill_s", "step_ms", "tokens_s", "bytes_per_step",
                  "bw_fraction_measured", "bw_fraction_datasheet")
 
@@ -344,20 +445,14 @@ def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool
     log-probabilities (bench/serve.py's ``bench_engine``)."""
 
     def run(ctx):
-        import jax
-        import jax.numpy as jnp
         import numpy as np
 
-        from hypertron.models import init_params
-        from serve import bench_engine, model_config, peak_bandwidth  # bench/serve.py
+        from serve import bench_engine, peak_bandwidth  # bench/serve.py
 
         s = ctx.s
         batch = (s.t3_decode_batches if t3 else s.decode_batches)[batch_index]
         context = s.t3_decode_context if t3 else s.decode_contexts[context_index]
-        if "decode_model" not in ctx.keep:
-            cfg = model_config(s.preset, [*s.model, f"max_seq_len={s.decode_max_seq}", "dtype=bfloat16"])
-            ctx.keep["decode_model"] = (cfg, init_params(cfg, jax.random.key(0), jnp.bfloat16))
-        cfg, params = ctx.keep["decode_model"]
+        cfg, params = _decode_model(ctx)
         prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context))
         r = bench_engine(params, cfg, np.repeat(prompt, batch, 0), kv, s.decode_steps, 2, 16, None)
         peak = peak_bandwidth(None)
@@ -367,6 +462,40 @@ def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool
                 "bytes_per_step": r["bytes_per_step"],
                 "bw_fraction_measured": r["bytes_per_step"] / r["step_s"] / _peaks(ctx)["bw"],
                 "bw_fraction_datasheet": None if peak is None else r["bytes_per_step"] / r["step_s"] / peak}
+    return run
+
+
+LAYERS_FIELDS = ("preset", "layers", "scan_layers", "batch", "context", "compiles", "compile_s", "prefill_s", "step_ms",
+                 "tokens_s", "vs_unrolled")
+
+
+def layers_row(scan_layers: bool):
+    """The paged engine with its layers unrolled (per-layer weights, the default) or scanned
+    (``scan_layers=True``): its compiles' seconds from nothing (no step shared with an earlier
+    engine) and its decode step, at batch 1 and the T3 decode context. ``vs_unrolled``: the
+    unrolled row's step time over this one's (needs that row in the same run)."""
+
+    def run(ctx):
+        import numpy as np
+
+        from hypertron.serve.engine import clear_shared_executables
+        from serve import bench_engine  # bench/serve.py
+
+        s = ctx.s
+        cfg, params = _decode_model(ctx)
+        prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, s.t3_decode_context))
+        clear_shared_executables()
+        r = bench_engine(params, cfg, prompt, "bfloat16", s.decode_steps, 2, 16, None, scan_layers=scan_layers)
+        step_ms = r["step_s"] * 1e3
+        if not scan_layers:
+            ctx.keep["unrolled_ms"] = step_ms
+        elif "unrolled_ms" not in ctx.keep:
+            raise RuntimeError("needs row t3.serve.layers.unrolled in the same run (add it to --only)")
+        gc.collect()
+        return {"preset": cfg.name, "layers": cfg.num_layers, "scan_layers": scan_layers, "batch": 1,
+                "context": s.t3_decode_context, "compiles": r["compiles"], "compile_s": r["compile_s"],
+                "prefill_s": r["prefill_s"], "step_ms": step_ms, "tokens_s": r["tokens_s"],
+                "vs_unrolled": ctx.keep["unrolled_ms"] / step_ms}
     return run
 
 

@@ -35,9 +35,9 @@ def _campaign(*args, timeout=600):
 # the reference ragged row are the pallas rows' function on another backend, t3.moe.e16 is
 # t3.moe.e8 with more experts); HYPERTRON_SMOKE_ALL=1 runs every row, as the campaign does.
 SMOKE_ROWS = {
-    "T2": ["t2.device", "t2.train.dots", "t2.train.packed", "t2.profile", "t2.quant.fp8", "t2.gmm.pallas",
-           "t2.ragged.pallas", "t2.decode.b64.int8.ctx8192"],
-    "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.decode.b8", "t3.gmm.pallas.tm64"],
+    "T2": ["t2.device", "t2.train.dots", "t2.monitor", "t2.train.packed", "t2.profile", "t2.quant.fp8",
+           "t2.gmm.pallas", "t2.ragged.pallas", "t2.decode.b64.int8.ctx8192"],
+    "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.decode.b8", "t3.serve.layers", "t3.gmm.pallas.tm64"],
 }
 
 
@@ -84,6 +84,13 @@ def test_smoke_mode_fills_every_row_of_the_tier(tier, tmp_path):
         assert all(fields[f"t2.decode.b64.{kv}.ctx8192"]["kv"] == kv for kv in ("bfloat16", "int8")
                    if f"t2.decode.b64.{kv}.ctx8192" in fields)
         assert "t2.decode.b64.int8.ctx8192" in fields
+        # The collector sampled while the kept step trained, and timed a host-to-device copy.
+        assert fields["t2.monitor"]["samples"] >= 1 and fields["t2.monitor"]["h2d_gbs"] > 0
+    if tier == "T3":
+        # Each engine compiled its own steps (nothing shared from the decode rows), layers as named.
+        layers = [fields[f"t3.serve.layers.{n}"] for n in ("unrolled", "scanned")]
+        assert [f["scan_layers"] for f in layers] == [False, True]
+        assert all(f["compiles"] >= 1 and f["compile_s"] > 0 for f in layers)
 
 
 def test_a_spent_budget_skips_rows_and_says_how_to_rerun_them(tmp_path):
