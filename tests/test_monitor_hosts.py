@@ -35,13 +35,19 @@ TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim
 
 
 def _free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free on loopback (checked, then released)."""
+    """A port p with p .. p+n-1 free on loopback (checked, then released), below the kernel's
+    ephemeral range: a port the kernel handed out (another test's ``bind(0)``, any client
+    connection's local end) could be taken again before the process that is to listen on it
+    starts, and one lost port ends the whole 4-process job."""
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(int(f.read().split()[0]), 32768) - n
+    except (OSError, ValueError, IndexError):
+        high = 32768 - n
+    rng = np.random.default_rng()
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+        base = int(rng.integers(low, max(high, low + 1)))
         socks = []
         try:
             for i in range(n):
@@ -213,8 +219,16 @@ def slowed_run(tmp_path_factory):
         if prom is not None:
             prom.terminate()
             prom.wait(10)
-    assert job.returncode == 0, out[-4000:]
+    assert job.returncode == 0, _first_errors(out) + out[-3000:]
     return run, seen, why if prom is None else ""
+
+
+def _first_errors(out: str, n: int = 20) -> str:
+    """The first lines of a failed job's output that say what went wrong (the processes that
+    died after it print C++ traces that fill the end)."""
+    said = [line for line in out.splitlines()
+            if any(w in line for w in ("rror", "Traceback", "Exception", "exited", "Killed")) and " @ " not in line]
+    return "first errors:\n" + "\n".join(said[:n]) + "\n...\n"
 
 
 @pytest.mark.slow
