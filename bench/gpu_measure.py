@@ -49,7 +49,10 @@ class Sizes:
     moe_experts: tuple[int, ...] = (8, 16, 32, 64)
     t3_decode_batches: tuple[int, ...] = (1, 8, 32, 128)
     t3_decode_context: int = 2048
-    gmm_tiles: tuple[int, int] = (64, 256)
+    # Pallas gmm tilings (tm, tk, tn) for T3. 2026-11-25 on an H100, tk = tn = 128 asked Triton for
+    # 256, 320 and 448 KiB of shared memory at tm 64, 128, 256 (the limit: 227 KiB), which fits
+    # 8 tk (tm + tn) + 4 tk tn bytes: these stay under it.
+    gmm_tilings: tuple[tuple[int, int, int], ...] = ((64, 64, 64), (128, 64, 128), (128, 32, 128), (256, 64, 64))
     # DLRM-v2: preset, batch, the rows every table is capped at (0: none); MLPerf's shape capped at 10M rows
     # a table holds 38 GiB of tables and row-wise Adagrad state: what one 80 GB GPU holds with room to spare
     dlrm: tuple[str, int, int] = ("dlrm-v2", 16384, 10_000_000)
@@ -63,7 +66,8 @@ SMOKE = Sizes(
     matmul=128, copy_elems=2**16, iters=1, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
     decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
     t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
-    t3_decode_context=16, gmm_tiles=(16, 32), dlrm=("dlrm-v2-tiny", 64, 0), budget=float("inf"),
+    t3_decode_context=16,
+    gmm_tilings=((16, 16, 16), (32, 16, 16), (16, 16, 32), (32, 16, 32)), dlrm=("dlrm-v2-tiny", 64, 0), budget=float("inf"),
 )
 
 
@@ -349,11 +353,14 @@ def monitor_row(ctx):
             "h2d_gbs": statistics.median(h2d) if h2d else None}
 
 
-GMM_FIELDS = ("backend", "m", "k", "n", "groups", "tm", "fwd_ms", "fwd_tflops", "fwd_pct_dense", "fwdbwd_ms",
+GMM_FIELDS = ("backend", "m", "k", "n", "groups", "tiling", "fwd_ms", "fwd_tflops", "fwd_pct_dense", "fwdbwd_ms",
               "fwdbwd_tflops", "fwdbwd_pct_dense")
 
 
-def gmm_row(backend: str, tm_index: int | None = None):
+def gmm_row(backend: str, tiling_index: int | None = None):
+    """A grouped-matmul backend at the tier's MoE size, as % of one dense matmul of the same FLOPs;
+    ``tiling_index``: the Pallas kernel at ``Sizes.gmm_tilings[tiling_index]`` (else its default)."""
+
     def run(ctx):
         import jax.numpy as jnp
 
@@ -361,12 +368,8 @@ def gmm_row(backend: str, tm_index: int | None = None):
         from hypertron.kernels.gmm import DEFAULT_TILING
 
         m, k, n, g = ctx.s.gmm
-        tm = None if tm_index is None else ctx.s.gmm_tiles[tm_index]
-        tiling = None if tm is None else (tm, *DEFAULT_TILING[1:])
-        key = ("gmm", tm)
-        if key not in ctx.keep:  # one dense reference per tiling
-            ctx.keep[key] = {}
-        cache = ctx.keep[key]
+        tiling = None if tiling_index is None else ctx.s.gmm_tilings[tiling_index]
+        cache = ctx.keep.setdefault("gmm", {})  # the dense reference, once (tiling does not change it)
         if "dense" not in cache:
             rows = measure(m, k, n, [g], ["even"], [], jnp.bfloat16, ctx.s.iters, tiling=tiling)
             cache["dense"] = rows[0][3:]
@@ -379,7 +382,7 @@ def gmm_row(backend: str, tm_index: int | None = None):
                 raise RuntimeError(f"{backend} failed (its error is in the log)")
         d_fwd, d_bwd = cache["dense"]
         flops = 2 * m * k * n
-        return {"backend": backend, "m": m, "k": k, "n": n, "groups": g, "tm": tm or DEFAULT_TILING[0],
+        return {"backend": backend, "m": m, "k": k, "n": n, "groups": g, "tiling": list(tiling or DEFAULT_TILING),
                 "fwd_ms": t_fwd * 1e3, "fwd_tflops": flops / t_fwd / 1e12, "fwd_pct_dense": 100 * d_fwd / t_fwd,
                 "fwdbwd_ms": t_bwd * 1e3, "fwdbwd_tflops": 3 * flops / t_bwd / 1e12,
                 "fwdbwd_pct_dense": 100 * d_bwd / t_bwd}
