@@ -27,6 +27,15 @@ from hypertron.kernels.gmm import (
 
 pytestmark = pytest.mark.gpu  # the GPU campaign's T1 runs these compiled for the GPU
 
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """The oracles here multiply in exact float32 (numpy, torch on the CPU, the reference). On a GPU, XLA and Triton multiply
+    float32 in TF32 unless told otherwise (2026-11-25, H100: float32 cases off by up to 3.5e-4 of
+    the largest value), so the tests ask for float32 matmuls; on a CPU this changes nothing."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
 TILING = (16, 16, 16)  # small tiles, so that tiny shapes still have several
 BACKENDS = ["pallas", "grouped", "ragged_dot"]
 # m=50 (3 full tiles of 16 and a partial one), sum=41 < m, zeros at both ends and inside.

@@ -213,7 +213,10 @@ def test_compiled_matmuls_stay_int8_on_cpu_and_fp8_on_hopper():
     fwd_bwd = jax.jit(jax.grad(lambda x, w: jnp.sum(einsum_for("fp8", jnp.bfloat16)(SUB, x, w).astype(jnp.float32)),
                                argnums=(0, 1)))
     hlo = fwd_bwd.lower(x, w).compile().as_text()
-    assert hlo.count("__cublas$lt$matmul$f8") >= 3, "expected fp8 cuBLAS Lt matmuls forward and backward"
+    from test_gpu import matmul_summary
+
+    assert hlo.count("__cublas$lt$matmul$f8") >= 3, ("expected fp8 cuBLAS Lt matmuls forward and backward; "
+                                                     + matmul_summary(hlo, "fp8_einsum"))
 
 
 # ---------------------------------------------------------------------------
