@@ -71,9 +71,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from hypertron.config.schema import GmmBackend, choices
+from hypertron.kernels.backends import TRITON, auto_backend, interpret_default, whole
 
 BACKENDS = choices(GmmBackend)  # model.moe.gmm_backend
 
@@ -179,7 +179,7 @@ def resolve_backend(backend: str = "auto") -> str:
         raise ValueError(f"gmm backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    return AUTO_BACKEND.get(jax.default_backend(), "ragged_dot")
+    return auto_backend(AUTO_BACKEND, "ragged_dot")
 
 
 # ---------------------------------------------------------------------------
@@ -272,17 +272,6 @@ def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, tm: int, t
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-# Triton, named: JAX 0.10.2 lowers an unmarked pallas_call on GPU with Mosaic GPU,
-# which would try to stage the whole-array operands in shared memory. Warps and
-# stages are Triton's defaults until measured.
-_TRITON = pl_triton.CompilerParams()
-
-
-def _whole(x: jax.Array) -> pl.BlockSpec:
-    """A block that is the whole array, indexed inside the kernel with ``pl.ds``."""
-    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
-
 def _pallas_gmm(lhs, rhs, group_sizes, cfg: _Config, transpose_rhs: bool):
     """``[m, k] x [G, k, n]`` (or ``[G, n, k]`` read transposed) -> ``[m, n]`` by the kernel."""
     m, k = lhs.shape
@@ -301,10 +290,10 @@ def _pallas_gmm(lhs, rhs, group_sizes, cfg: _Config, transpose_rhs: bool):
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_p, n_p), cfg.out_dtype),
         grid=(m_p // tm, n_p // tn),
-        in_specs=[_whole(x) for x in operands],
+        in_specs=[whole(x) for x in operands],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
         interpret=cfg.interpret,
-        compiler_params=_TRITON,
+        compiler_params=TRITON,
         name="gmm",
     )(*operands)
     return out[:m, :n]
@@ -322,10 +311,10 @@ def _pallas_tgmm(lhs, dout, group_sizes, cfg: _Config):
         functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn),
         out_shape=jax.ShapeDtypeStruct((G, k_p, n_p), cfg.out_dtype),
         grid=(G, k_p // tk, n_p // tn),
-        in_specs=[_whole(x) for x in operands],
+        in_specs=[whole(x) for x in operands],
         out_specs=pl.BlockSpec((None, tk, tn), lambda g, a, b: (g, a, b)),
         interpret=cfg.interpret,
-        compiler_params=_TRITON,
+        compiler_params=TRITON,
         name="tgmm",
     )(*operands)
     return out[:, :k, :n]
@@ -501,9 +490,7 @@ def _config(backend, tiling, out_dtype, interpret) -> _Config:
         tiling = tuple(int(t) for t in tiling)
         if len(tiling) != 3 or any(t < 1 or t & (t - 1) for t in tiling):
             raise ValueError(f"gmm tiling must be three powers of two (tm, tk, tn), got {tiling}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    return _Config(backend, tiling, np.dtype(out_dtype), bool(interpret))
+    return _Config(backend, tiling, np.dtype(out_dtype), interpret_default(interpret))
 
 
 def _check_shapes(lhs, rhs, group_sizes) -> None:
