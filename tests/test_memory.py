@@ -122,6 +122,26 @@ def test_activation_estimate_is_within_15_percent_of_xla(remat, model, mesh):
     assert abs(est.activations + est.state.grads - xla) <= 0.15 * xla, (est.activations + est.state.grads, xla)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_the_memory_model_plans_flash_attention_exactly_where_cudnn_takes_the_shape(dtype):
+    """One rule (``attention.cudnn_supported``) for the memory model and the attention it plans
+    for: it once counted flash attention for ``llama-1b`` at an odd length (2047), where the run
+    gets XLA's and its t x t scores (26 against 224 GiB of activations by its own coefficients).
+    On a GPU, ``auto`` is bfloat16."""
+    from hypertron.models.attention import cudnn_supported
+
+    seen = set()
+    for head_dim in (64, 72, 100, 128, 160, 256):
+        for seq_len in (2047, 2048):
+            cfg = load_config(None, ["model=llama-1b", f"model.dtype={dtype}", f"model.head_dim={head_dim}",
+                                     f"train.seq_len={seq_len}", "train.global_batch=8"])
+            est = memory.step_bytes(cfg, {"data": 1}, accelerator=True, gpu=True)
+            compute = "bfloat16" if dtype == "auto" else dtype
+            assert est.flash == cudnn_supported(cfg.model, compute, seq_len), (head_dim, seq_len)
+            seen.add(est.flash)
+    assert seen == ({True, False} if dtype != "float32" else {False})
+
+
 def test_a_run_that_cannot_fit_is_refused_in_one_line_and_the_override_lets_it_through(tmp_path, capsys,
                                                                                         monkeypatch):
     from hypertron import cli
@@ -131,7 +151,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_and_the_override_lets_it_t
     monkeypatch.setattr(checks, "device_memory", lambda device: 2**16)  # a 64 KiB device
     assert cli.main([*args, f"run_dir={tmp_path / 'a'}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "per device" in err and "more than the 64.0 KiB a device has" in err
+    assert len(err.splitlines()) == 1 and "per device" in err and "more than the 64 KiB a device has" in err
     assert "train.memory_check=false" in err and not (tmp_path / "a" / "events.jsonl").exists()  # nothing started
     assert cli.main([*args, f"run_dir={tmp_path / 'b'}", "train.memory_check=false"]) == 0
 

@@ -36,6 +36,7 @@ from hypertron.config.schema import (
     Setting,
     TrainConfig,
     choices,
+    dtype_on,
 )
 from hypertron.config.validation import validate, validate_model, validate_serve
 from hypertron.errors import ConfigError

@@ -27,6 +27,16 @@ Attention = Literal["auto", "cudnn", "xla", "plain"]
 Remat = Literal["none", "full", "dots"]
 # No float16: training it needs loss scaling, which hypertron does not do.
 Dtype = Literal["auto", "float32", "bfloat16"]
+
+
+def dtype_on(name: str, accelerator: bool) -> str:
+    """A :data:`Dtype` setting as it resolves on a kind of device: ``auto`` is float32 on a CPU
+    (where bfloat16 is slower) and bfloat16 on accelerators. The one rule: the model
+    (``models.resolve_dtype``, the device in hand) and the memory model (planned hardware)
+    both ask here."""
+    return ("bfloat16" if accelerator else "float32") if name == "auto" else name
+
+
 Quantization = Literal["none", "fp8", "int8"]  # quantised training matmuls
 Fp8Scaling = Literal["delayed", "current"]
 MoEMode = Literal["dropless", "capped"]

@@ -63,7 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
+
+from hypertron.kernels.backends import TRITON, auto_backend, interpret_default, whole
 
 BACKENDS = ("auto", "pallas", "reference")
 
@@ -129,16 +130,27 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
     if backend not in BACKENDS:
         raise ValueError(f"ragged attention backend must be one of {BACKENDS}, got {backend!r}")
-    backend = AUTO_BACKEND.get(jax.default_backend(), "reference") if backend == "auto" else backend
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    backend = auto_backend(AUTO_BACKEND, "reference") if backend == "auto" else backend
+    interpret = interpret_default(interpret)
     head_dim = q.shape[-1]
     sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
-    cfg = _Config(backend, sm_scale, pages_per_block, bool(interpret))
+    cfg = _Config(backend, sm_scale, pages_per_block, interpret)
     capacity = page_indices.shape[1] * k_pages.shape[2]
     window = jnp.asarray(capacity if window is None else window, jnp.int32)
     return _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales,
                           window, cfg)
+
+
+def causal_window_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | jax.Array | None = None) -> jax.Array:
+    """Whether the query at position ``q_pos`` attends to the key at ``kv_pos`` (broadcast
+    together): causal, and with a sliding ``window``, only the ``window`` latest positions (its
+    own included). The one definition of the rule: the reference here, training attention's mask
+    (``models.attention.attention_mask``) and a chunk after cached pages
+    (``models.kv_cache``) all call it; the Pallas kernel's loop bounds follow it."""
+    mask = kv_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - kv_pos < window
+    return mask
 
 
 def ragged_decode_attention_reference(q, k_pages, v_pages, lengths, page_indices, *,
@@ -154,9 +166,9 @@ def ragged_decode_attention_reference(q, k_pages, v_pages, lengths, page_indices
     capacity = page_indices.shape[1] * page_size
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-    start = jnp.maximum(lengths - (capacity if window is None else window), 0)
     pos_t = jnp.arange(capacity, dtype=jnp.int32)
-    valid_bt = (pos_t >= start[:, None]) & (pos_t < lengths[:, None])
+    # The query is the token at lengths - 1 (an empty slot's, at -1, sees nothing).
+    valid_bt = causal_window_mask(lengths[:, None] - 1, pos_t[None, :], window)
 
     k_bktd = gather_pages(k_pages, k_scales, page_indices)
     v_bktd = gather_pages(v_pages, v_scales, page_indices)
@@ -255,16 +267,6 @@ def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *res
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-# Triton, named: JAX 0.10.2 would otherwise lower a GPU pallas_call with Mosaic GPU. Warps and
-# stages are Triton's defaults until measured.
-_TRITON = pl_triton.CompilerParams()
-
-
-def _whole(x: jax.Array) -> pl.BlockSpec:
-    """A block that is the whole array, indexed inside the kernel."""
-    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
-
 def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
                       cfg: _Config):
     batch, num_heads, head_dim = q.shape
@@ -284,7 +286,7 @@ def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_sc
     operands = [lengths, window.reshape(1), page_indices, q_bkgd, k_pages, v_pages]
     operands += [k_scales, v_scales] if quantized else []
     group_spec = pl.BlockSpec((None, None, gp, head_dim), lambda b, h: (b, h, 0, 0))
-    in_specs = [_whole(x) for x in operands]
+    in_specs = [whole(x) for x in operands]
     in_specs[3] = group_spec
     kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_block=ppb,
                                sm_scale=cfg.sm_scale, quantized=quantized)
@@ -295,7 +297,7 @@ def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_sc
         in_specs=in_specs,
         out_specs=group_spec,
         interpret=cfg.interpret,
-        compiler_params=_TRITON,
+        compiler_params=TRITON,
         name="ragged_decode_attention",
     )(*operands)
     return out[:, :, :group].reshape(batch, num_heads, head_dim)

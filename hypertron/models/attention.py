@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
+from hypertron.kernels.ragged_attention import causal_window_mask
 
 
 def attention_mask(
@@ -26,11 +27,7 @@ def attention_mask(
     kv_valid_bs: jax.Array | None = None,
 ) -> jax.Array:
     """Boolean mask [b, 1, t, s]: causal, same document, inside the sliding window."""
-    q = q_pos_bt[:, None, :, None]
-    kv = kv_pos_bs[:, None, None, :]
-    mask = kv <= q
-    if cfg.sliding_window is not None:
-        mask &= q - kv < cfg.sliding_window
+    mask = causal_window_mask(q_pos_bt[:, None, :, None], kv_pos_bs[:, None, None, :], cfg.sliding_window)
     if q_seg_bt is not None:
         mask &= q_seg_bt[:, None, :, None] == kv_seg_bs[:, None, None, :]
     if kv_valid_bs is not None:
@@ -52,22 +49,25 @@ def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
-def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
-    """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape, else XLA.
+def cudnn_supported(cfg: ModelConfig, dtype, seq_len: int) -> bool:
+    """Whether cuDNN's flash attention takes this shape: bf16/fp16, a head dim that is a multiple
+    of 8 and at most 128 (256 on Hopper only, which is not told apart here), an even sequence
+    length; anything else would fail at compile time. Pure (no device is asked): the one rule
+    that :func:`attention_impl` and the memory model (which plans for hardware it does not have)
+    both follow."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+            and seq_len % 2 == 0)
 
-    cuDNN's flash kernel needs bf16/fp16, a head dim that is a multiple of 8 and
-    at most 128 (256 on Hopper only, which we cannot tell apart here), and an
-    even sequence length; anything else would fail at compile time.
-    """
+
+def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
+    """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape
+    (:func:`cudnn_supported`), else XLA."""
     if cfg.attention != "auto":
         return cfg.attention
     if (
         jax.default_backend() == "gpu"
         and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        and cfg.head_dim % 8 == 0
-        and cfg.head_dim <= 128
-        and seq_len % 2 == 0
+        and cudnn_supported(cfg, dtype, seq_len)
     ):
         return "cudnn"
     return "xla"

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hypertron.config import ModelConfig
+from hypertron.config import ModelConfig, dtype_on
 from hypertron.models.attention import attention_impl, attention_mask, plain_attention, self_attention  # noqa: F401
 from hypertron.models.kv_cache import ContiguousCache, PagedCache
 from hypertron.models.mlp import activation, declare_mlp, mlp
@@ -83,10 +83,8 @@ def declare(cfg: ModelConfig) -> Params:
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
-    """``auto`` is float32 on CPU and bfloat16 on accelerators."""
-    if name == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    return jnp.dtype(name)
+    """A dtype setting on the default backend (:func:`hypertron.config.dtype_on`)."""
+    return jnp.dtype(dtype_on(name, jax.default_backend() != "cpu"))
 
 
 # ---------------------------------------------------------------------------

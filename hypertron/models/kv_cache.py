@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
-from hypertron.kernels.ragged_attention import gather_pages, ragged_decode_attention
+from hypertron.kernels.ragged_attention import causal_window_mask, gather_pages, ragged_decode_attention
 from hypertron.models.attention import attention_mask, plain_attention, self_attention
 from hypertron.models.kv_pages import layer_page_table, pages_per_layer, write_tokens
 
@@ -133,9 +133,7 @@ def chunk_attention(q_nhd, pages: dict, table_rp, lengths_r, rows_n, positions_n
     hi = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("kqh,kth->kqt", q, k, precision=hi) / math.sqrt(h)
     mask_nrs = (rows_n[:, None, None] == jnp.arange(r)[None, :, None]) & kv_valid_rs[None]
-    mask_nrs &= kv_pos[None, None, :] <= positions_n[:, None, None]
-    if cfg.sliding_window is not None:
-        mask_nrs &= positions_n[:, None, None] - kv_pos[None, None, :] < cfg.sliding_window
+    mask_nrs &= causal_window_mask(positions_n[:, None, None], kv_pos[None, None, :], cfg.sliding_window)
     mask_qt = jnp.broadcast_to(mask_nrs.reshape(n, 1, r * s), (n, g, r * s)).reshape(n * g, r * s)
     scores = jnp.where(mask_qt[None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hypertron.config import Config, ModelConfig
+from hypertron.config import Config, ModelConfig, dtype_on
 from hypertron.models import params as param_lib
+from hypertron.models.attention import cudnn_supported
 from hypertron.models.decoder import declare
 from hypertron.models.kv_pages import bytes_per_token
 from hypertron.parallel.rules import DEFAULT_RULES, spec_for
@@ -59,17 +60,12 @@ def shard_shape(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape
     return tuple(out)
 
 
-def _resolved(name: str, accelerator: bool) -> str:
-    """A dtype setting as the trainer resolves it on that kind of device (``auto``: float32 on CPU)."""
-    return ("bfloat16" if accelerator else "float32") if name == "auto" else name
-
-
 def param_dtype(model: ModelConfig, accelerator: bool) -> str:
-    return _resolved(model.param_dtype, accelerator)
+    return dtype_on(model.param_dtype, accelerator)
 
 
 def compute_dtype(model: ModelConfig, accelerator: bool) -> str:
-    return _resolved(model.dtype, accelerator)
+    return dtype_on(model.dtype, accelerator)
 
 
 @dataclass
@@ -137,13 +133,13 @@ class StepBytes:
         return self.state.total + self.activations
 
 
-def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool) -> bool:
+def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool, seq_len: int) -> bool:
     """Whether the step's attention keeps no t x t scores: cuDNN's flash kernel, which ``auto``
-    picks on NVIDIA GPUs in bf16 (:func:`hypertron.models.attention.attention_impl`)."""
+    picks on NVIDIA GPUs where cuDNN takes the shape (the same rule:
+    :func:`hypertron.models.attention.cudnn_supported`)."""
     if model.attention == "cudnn":
         return True
-    return model.attention == "auto" and gpu and compute_dtype == "bfloat16" and model.head_dim % 8 == 0 \
-        and model.head_dim <= 128
+    return model.attention == "auto" and gpu and cudnn_supported(model, compute_dtype, seq_len)
 
 
 def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False, gpu: bool = False,
@@ -154,16 +150,14 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
     state = state_bytes(cfg, mesh_shape, accelerator, rules)
     compute = compute_dtype(m, accelerator)
     c = DTYPE_BYTES[compute]
-    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
-    micro = tr.global_batch // tr.grad_accum
-    b = -(-micro // shards)
     t = tr.seq_len
-    tp = mesh_shape.get("tensor", 1)
-    split = lambda n: n // tp if n % tp == 0 else n
-    n, k, f, v = split(m.num_heads), split(m.num_kv_heads), split(m.mlp_dim), split(m.vocab_size)
+    # Each activation dimension's share of this device, by the rules the step shards its activations with.
+    b, n, k, f, v = (shard_shape((size,), (axis,), mesh_shape, rules)[0] for size, axis in (
+        (tr.global_batch // tr.grad_accum, "batch"), (m.num_heads, "act_heads"), (m.num_kv_heads, "act_kv_heads"),
+        (m.mlp_dim, "act_mlp"), (m.vocab_size, "act_vocab")))
     if m.moe is not None:  # the routed copies go through top_k experts' MLPs (and shared ones)
         f = f * (m.moe.top_k + m.moe.shared_experts)
-    flash = flash_attention(m, compute, gpu)
+    flash = flash_attention(m, compute, gpu, t)
     terms = {"S": b * n * t * (1 if flash else t) * 4, "A": b * t * m.embed_dim * c, "M": b * t * f * c,
              "Q": b * t * (n + 2 * k) * m.head_dim * c}
     one = sum(ONE_LAYER[x] * terms[x] for x in terms)
@@ -179,11 +173,3 @@ def kv_cache_bytes(model: ModelConfig, tokens: int, kv_dtype: str = "bfloat16", 
     split over ``tensor`` by KV head when it divides them (as the rules split ``kv_heads``)."""
     split = tensor if model.num_kv_heads % tensor == 0 else 1
     return tokens * bytes_per_token(model, kv_dtype) // split
-
-
-def describe(n: float) -> str:
-    """Bytes for people: 1.5 GiB, 312.0 MiB."""
-    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {name}"
-    return f"{n:.0f} B"
