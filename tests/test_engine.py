@@ -18,10 +18,11 @@ from serving import run, teacher_forced_logprobs  # tests/
 
 from hypertron.config import PRESETS, ConfigError, load_config
 from hypertron.models import forward, init_params
-from hypertron.models.flops import forward_flops_per_token
+from hypertron.models.flops import dense_flops_per_token
 from hypertron.models.kv_pages import bytes_per_token
 from hypertron.serve import engine as engine_module
-from hypertron.serve.engine import PagedEngine, Shape, bucket
+from hypertron.padding import bucket
+from hypertron.serve.engine import PagedEngine, Shape
 from hypertron.serve.sampling import sample_rows
 from hypertron.serve.scheduler import LENGTH, STOP
 from hypertron.serve.types import Row, SamplingParams, StepPlan
@@ -86,6 +87,12 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert not Shape(4, 8, 32, 8, cold=True).holds(Shape(4, 1, 24, 8))
     assert not Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8, logprobs=True))
     assert engine.cost(Shape(4, 2, 32, 8)) > engine.cost(Shape(4, 1, 24, 8))
+    # The cost by hand (tiny, 2 layers, pages of 4): 852,736 FLOPs a token through the weights
+    # (a layer's q, k, v, o 98,304 and MLP 294,912; the unembedding 66,304) and 1,024 a query-key
+    # pair (2 layers x 4 heads x 32 dims x 2 matmuls x 2 FLOPs); a warm chunk's queries score every
+    # prefill row's pages, a cold one's the chunk itself.
+    assert engine.cost(Shape(4, 2, 32, 8)) == 36 * 852_736 + 1_024 * (4 * 32 + 32 * 2 * 32)
+    assert engine.cost(Shape(1, 8, 16, 4, cold=True)) == 17 * 852_736 + 1_024 * (1 * 16 + 16 * 16)
 
 
 def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(params, monkeypatch):
@@ -137,7 +144,7 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
         Shape(0, 8, 24, 8, cold=True), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
     assert engine.step_overhead_flops == pytest.approx(
-        min(cost.overhead_tokens, engine_module.MAX_OVERHEAD_TOKENS) * forward_flops_per_token(CFG, 1))
+        min(cost.overhead_tokens, engine_module.MAX_OVERHEAD_TOKENS) * dense_flops_per_token(CFG))
     got, _, _ = run(engine, prompts, [GREEDY, GREEDY], step_overhead_tokens=cost.overhead_tokens)
     engine.close()
     assert [s.generated for s in got] == [s.generated for s in want]
@@ -150,7 +157,7 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
     step's fixed cost of 40 tokens' worth (about this project's CPU's) it costs 40 + 2 against 40
     + 1 tokens' worth plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
     engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
-    engine.step_overhead_flops = overhead_tokens * forward_flops_per_token(CFG, 1)
+    engine.step_overhead_flops = overhead_tokens * dense_flops_per_token(CFG)
     one, two = Shape(1, 0, 0, 1), Shape(2, 0, 0, 1)
     engine._compile(two)
     seen = []

@@ -10,7 +10,12 @@ import pytest
 from hypertron.config import ModelConfig, load_config
 from hypertron.models import count_params, declare, forward, init_params
 from hypertron.config import PRESETS
-from hypertron.models.flops import forward_flops_per_token, train_flops_per_token
+from hypertron.models.flops import (
+    attention_flops,
+    dense_flops_per_token,
+    forward_flops_per_token,
+    train_flops_per_token,
+)
 
 
 @pytest.mark.parametrize(
@@ -115,3 +120,4 @@ def test_flops_hand_count():
     windowed = dataclasses.replace(cfg, sliding_window=2)
     # window 2 at seq 4: keys seen per query 1, 2, 2, 2 -> mean 1.75
     assert forward_flops_per_token(windowed, 4) == 384 + 768 + 2 * 2 * 8 * 1.75 + 160
+    assert dense_flops_per_token(cfg) == 384 + 768 + 160 and attention_flops(cfg, 2.5) == 80

@@ -34,7 +34,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from hypertron.launch import recipes
-    from hypertron.models.memory import describe
+    from hypertron.units import describe_bytes
 
     if args.name:
         r = recipes.load(args.name, args.nodes)
@@ -70,7 +70,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     for r, p in rows:
         mesh = " x ".join(f"{a} {n}" for a, n in r.mesh.items() if n > 1) or "1 device"
         table.add_row(r.name, str(r.nodes), str(r.devices), mesh, f"{r.cfg.train.global_batch} x {r.cfg.train.seq_len}",
-                      describe(p.memory.total), describe(p.device_memory) if p.device_memory else "?",
+                      describe_bytes(p.memory.total), describe_bytes(p.device_memory) if p.device_memory else "?",
                       {True: "yes", False: "NO", None: "?"}[p.fits])
     console = Console()
     console.width = max(console.width, 120)
@@ -92,10 +92,10 @@ def _recipe_that_fits(args: argparse.Namespace):
     recipe = recipes.load(args.recipe, args.nodes, args.overrides)
     p = recipe.predict()
     if p.fits is False and recipe.cfg.train.memory_check:
-        from hypertron.models.memory import describe
+        from hypertron.units import describe_bytes
 
-        raise UserError(f"recipe {recipe.name} on {recipe.nodes} nodes needs {describe(p.memory.total)} per device, "
-                        f"more than the {describe(p.device_memory)} of a {p.hardware.name} (hypertron recipes "
+        raise UserError(f"recipe {recipe.name} on {recipe.nodes} nodes needs {describe_bytes(p.memory.total)} per "
+                        f"device, more than the {describe_bytes(p.device_memory)} of a {p.hardware.name} (hypertron recipes "
                         f"{recipe.name} shows the parts; train.memory_check=false submits anyway)")
     return recipe
 

@@ -57,7 +57,7 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 
     from hypertron.config import ConfigError
     from hypertron.embed import plan as planner
-    from hypertron.embed.spec import gib
+    from hypertron.units import describe_bytes
     from hypertron.models.hardware import HARDWARE, host_memory_per_device
     from hypertron.recsys import dlrm
 
@@ -79,8 +79,8 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
         Console(soft_wrap=True).print(
             f"{d.name}: {sizes['params']:,} parameters ({sizes['table_params']:,} in {len(tables)} tables, "
             f"{sizes['dense_params']:,} dense); with {d.optimizer}'s state "
-            f"{gib(sizes['param_bytes'] + sizes['optimizer_bytes'])} in all; every device also holds the MLPs "
-            f"({gib(dense)}), so the tables have {gib(max(memory, 0))} of each",
+            f"{describe_bytes(sizes['param_bytes'] + sizes['optimizer_bytes'])} in all; every device also holds the "
+            f"MLPs ({describe_bytes(dense)}), so the tables have {describe_bytes(max(memory, 0))} of each",
             highlight=False)
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits else 1

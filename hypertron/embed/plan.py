@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from hypertron.embed.spec import PLACEMENTS, EmbedError, FeatureSpec, TableSpec, check_specs, gib
+from hypertron.embed.spec import PLACEMENTS, EmbedError, FeatureSpec, TableSpec, check_specs
+from hypertron.units import describe_bytes
 
 ID_BYTES = 12
 AUTO = "auto"
@@ -103,18 +104,19 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
                 whole.append((t, "set by hand"))
             continue
         if shards == 1 or size <= share:
-            whole.append((t, "one device" if shards == 1 else f"{gib(size)} whole, at most 1/{shards} of a device: "
-                             f"no partial sums, and {shards} times less traffic than split"))
+            whole.append((t, "one device" if shards == 1 else
+                          f"{describe_bytes(size)} whole, at most 1/{shards} of a device: "
+                          f"no partial sums, and {shards} times less traffic than split"))
             continue
         row, column = cost(t, "row"), cost(t, "column")
-        split = f"{gib(size)} whole, more than 1/{shards} of a device"
+        split = f"{describe_bytes(size)} whole, more than 1/{shards} of a device"
         if t.dim % shards == 0 and column < row:
             placement = "column"
-            why = f"{split}; column-wise exchanges {gib(column)} a step, row-wise {gib(row)}"
+            why = f"{split}; column-wise exchanges {describe_bytes(column)} a step, row-wise {describe_bytes(row)}"
         else:
             placement = "row"
-            why = f"{split}; row-wise exchanges {gib(row)} a step" + (
-                f", column-wise {gib(column)}" if t.dim % shards == 0 else
+            why = f"{split}; row-wise exchanges {describe_bytes(row)} a step" + (
+                f", column-wise {describe_bytes(column)}" if t.dim % shards == 0 else
                 f" (column-wise needs {shards} to divide dim={t.dim})")
         t = dataclasses.replace(t, placement=placement)
         choices[t.name] = Choice(t, None, t.device_bytes(shards), n, cost(t, placement), why, False)
@@ -189,7 +191,7 @@ def render(p: Plan):
     from rich.table import Table
     from rich.text import Text
 
-    head = Text(f"{len(p.choices)} tables over {p.shards} devices of {gib(p.device_bytes)}, batch {p.batch}",
+    head = Text(f"{len(p.choices)} tables over {p.shards} devices of {describe_bytes(p.device_bytes)}, batch {p.batch}",
                 style="bold")
     t = Table(show_edge=False)
     for col in ("table", "rows x dim", "placement", "held / device", "ids / step", "exchanged / step"):
@@ -197,16 +199,16 @@ def render(p: Plan):
     why = []
     for c in p.choices:
         where = c.table.placement + (f" (device {c.owner})" if c.owner is not None else "")
-        t.add_row(c.table.name, f"{c.table.rows:,} x {c.table.dim}", where, gib(c.held), f"{c.ids:,}",
-                  gib(c.exchanged))
+        t.add_row(c.table.name, f"{c.table.rows:,} x {c.table.dim}", where, describe_bytes(c.held), f"{c.ids:,}",
+                  describe_bytes(c.exchanged))
         why.append(Text(f"{c.table.name}: {c.reason}"))
     most = max(range(p.shards), key=lambda d: p.per_device[d])
     verdict = Text(f"{'fits' if p.fits else 'does not fit'}: the fullest device (device {most}) holds "
-                   f"{gib(p.per_device[most])} of {gib(p.device_bytes)}; the emptiest "
-                   f"{gib(min(p.per_device))}", style="green" if p.fits else "bold red")
+                   f"{describe_bytes(p.per_device[most])} of {describe_bytes(p.device_bytes)}; the emptiest "
+                   f"{describe_bytes(min(p.per_device))}", style="green" if p.fits else "bold red")
     busiest = max(range(p.shards), key=lambda d: p.exchanged[d])
-    traffic = Text(f"the busiest device (device {busiest}) exchanges {gib(p.exchanged[busiest])} a step; the "
-                   f"quietest {gib(min(p.exchanged))}")
+    traffic = Text(f"the busiest device (device {busiest}) exchanges {describe_bytes(p.exchanged[busiest])} a step; "
+                   f"the quietest {describe_bytes(min(p.exchanged))}")
     note = Text("exchanged: bytes per step, modelled (docs/embeddings.md); a table's figure is its busiest "
                 "device's", style="dim")
     return Group(head, t, *why, verdict, traffic, note)

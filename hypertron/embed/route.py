@@ -31,6 +31,7 @@ import dataclasses
 import numpy as np
 
 from hypertron.embed.spec import EmbedError, Jagged, TableSpec
+from hypertron.padding import next_pow2
 
 OVERFLOW = ("raise", "drop")
 MIN_CAPACITY = 8
@@ -73,10 +74,6 @@ class Routed:
         return self.uniq, self.slot, self.seg, self.w, self.scale
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _places(groups_sorted: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Each element's place within its group, for group ids sorted (``counts``: each group's size)."""
     return np.arange(len(groups_sorted)) - (np.cumsum(counts) - counts)[groups_sorted]
@@ -106,11 +103,11 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     b, n = len(lengths), len(values)
     sample = np.repeat(np.arange(b), lengths)
     if spec.placement != "row":
-        size = _pow2(n)
+        size = next_pow2(n)
         uv, inv = np.unique(values, return_inverse=True)
         # A batch reads at most all the table's rows: a fixed buffer need not be longer.
-        fixed = min(size, _pow2(spec.rows))
-        uniq = np.full(max(fixed if capacity is not None else _pow2(len(uv)), MIN_CAPACITY), PAD, np.int32)
+        fixed = min(size, next_pow2(spec.rows))
+        uniq = np.full(max(fixed if capacity is not None else next_pow2(len(uv)), MIN_CAPACITY), PAD, np.int32)
         uniq[:len(uv)] = uv
         slot, seg, w = np.zeros(size, np.int32), np.full(size, b, np.int32), np.zeros(size, np.float32)
         slot[:n], seg[:n], w[:n] = inv.reshape(-1), sample, weights
@@ -122,7 +119,7 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     order = np.argsort(pair, kind="stable")
     counts = np.bincount(pair, minlength=s * s)
     need = int(counts.max()) if n else 0
-    cap = capacity if capacity is not None else max(_pow2(need), MIN_CAPACITY)
+    cap = capacity if capacity is not None else max(next_pow2(need), MIN_CAPACITY)
     if cap < 1:
         raise EmbedError(f"capacity={cap}: must be positive")
     pair_sorted = pair[order]
@@ -142,9 +139,9 @@ def route(spec: TableSpec, x: Jagged, combiner: str, shards: int, *, capacity: i
     rank = np.empty(len(uv), np.int64)
     rank[by_owner] = _places(owner[by_owner], per_owner)
     if capacity is not None:  # fixed: every id one owner could receive, but no more than the rows it holds
-        u = max(min(s * cap, _pow2(-(-spec.rows // s))), MIN_CAPACITY)
+        u = max(min(s * cap, next_pow2(-(-spec.rows // s))), MIN_CAPACITY)
     else:
-        u = max(_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
+        u = max(next_pow2(int(per_owner.max()) if len(uv) else 0), MIN_CAPACITY)
     uniq = np.full((s, u), PAD, np.int32)
     uniq[owner, rank] = uv // s
     slot = np.zeros((s * s, cap), np.int32)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from hypertron.errors import UserError
+from hypertron.units import describe_bytes
 
 COMBINERS = ("sum", "mean", "sqrtn")
 PLACEMENTS = ("row", "column", "table")
@@ -76,14 +77,6 @@ class Jagged:
         return len(self.lengths)
 
 
-def gib(n: float) -> str:
-    """Bytes for people, three figures: 4 GiB, 1.91 KiB, 12 B."""
-    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {name}"
-    return f"{n:.0f} B"
-
-
 def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], shards: int,
                 device_bytes: int | None = None) -> dict[str, TableSpec]:
     """The tables by name, once every spec is usable on ``shards`` devices of ``device_bytes``
@@ -102,8 +95,8 @@ def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], sh
             raise EmbedError(f"table {t.name!r}: dim={t.dim} does not split into {shards} column shards")
         if device_bytes is not None and t.device_bytes(shards) > device_bytes:
             raise EmbedError(f"table {t.name!r}: {t.rows} x {t.dim} with {t.optimizer} needs "
-                             f"{gib(t.device_bytes(shards))} on a device {t.placement}-wise over {shards} devices, "
-                             f"more than a device's {gib(device_bytes)}")
+                             f"{describe_bytes(t.device_bytes(shards))} on a device {t.placement}-wise over "
+                             f"{shards} devices, more than a device's {describe_bytes(device_bytes)}")
         by_name[t.name] = t
     names = set()
     for f in features:

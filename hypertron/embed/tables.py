@@ -45,7 +45,8 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from hypertron.embed.route import Routed, route
-from hypertron.embed.spec import OPTIMIZERS, EmbedError, Jagged, TableSpec, gib
+from hypertron.embed.spec import OPTIMIZERS, EmbedError, Jagged, TableSpec
+from hypertron.units import describe_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +103,8 @@ def _checked(spec: TableSpec, mesh: Mesh, axis: str, optimizer: str | None) -> T
     spec = dataclasses.replace(spec, optimizer=optimizer)
     need, have = spec.device_bytes(mesh.shape[axis]), device_memory(mesh.devices.flat[0])
     if need > have:
-        raise EmbedError(f"table {spec.name!r}: needs {gib(need)} on a device {spec.placement}-wise over "
-                         f"{mesh.shape[axis]} devices, more than a device's {gib(have)}")
+        raise EmbedError(f"table {spec.name!r}: needs {describe_bytes(need)} on a device {spec.placement}-wise over "
+                         f"{mesh.shape[axis]} devices, more than a device's {describe_bytes(have)}")
     return spec
 
 

@@ -13,8 +13,9 @@ import jax
 from hypertron.config import ModelConfig
 from hypertron.models.hardware import match
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward matmul FLOPs for one token at sequence length ``seq_len`` (2 per multiply-add)."""
+def dense_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward matmul FLOPs of one token through the weights (every layer's projections and MLP,
+    the unembedding): all of :func:`forward_flops_per_token` but attention's scores."""
     d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size)
     proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
     mlp = 3 * 2 * d * f
@@ -22,13 +23,24 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         # Only the experts a token is routed to count (top_k), plus the router and shared experts.
         moe = cfg.moe
         mlp = mlp * (moe.top_k + moe.shared_experts) + 2 * d * moe.num_experts
+    return cfg.num_layers * (proj + mlp) + 2 * d * v
+
+
+def attention_flops(cfg: ModelConfig, pairs: float) -> float:
+    """Forward FLOPs of ``pairs`` query-key pairs through every layer: QK^T and PV, a
+    multiply-add each per head dimension. The one count: :func:`forward_flops_per_token` and the
+    serving engine's step cost (``PagedEngine.cost``) both call it."""
+    return cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * pairs
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward matmul FLOPs for one token at sequence length ``seq_len`` (2 per multiply-add)."""
     # Causal: on average a query sees (seq_len + 1) / 2 keys; a window caps that.
     keys = (seq_len + 1) / 2
     if cfg.sliding_window is not None and cfg.sliding_window < seq_len:
         w = cfg.sliding_window
         keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
-    attn = 2 * 2 * n * h * keys
-    return cfg.num_layers * (proj + mlp + attn) + 2 * d * v
+    return dense_flops_per_token(cfg) + attention_flops(cfg, keys)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

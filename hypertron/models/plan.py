@@ -31,7 +31,8 @@ from typing import Any
 from hypertron.config import Config, ConfigError
 from hypertron.models.flops import train_flops_per_token
 from hypertron.models.hardware import HARDWARE, Hardware, host_memory_per_device
-from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, describe, param_dtype, step_bytes
+from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, param_dtype, step_bytes
+from hypertron.units import describe_bytes
 
 GPUS = ("h100", "h100-pcie", "h100-nvl", "h200", "a100")
 
@@ -163,13 +164,13 @@ def render(p: Plan):
                     (f"activations (estimate: {p.memory.micro_batch} row{'s' * (p.memory.micro_batch != 1)} per "
                      f"device{', flash attention' if p.memory.flash else ''})", p.memory.activations)):
         if v or name != "fp8 histories":
-            mem.add_row(name, describe(v))
-    mem.add_row("total", describe(p.memory.total), style="bold")
+            mem.add_row(name, describe_bytes(v))
+    mem.add_row("total", describe_bytes(p.memory.total), style="bold")
     parts: list[Any] = [head, mem]
     if p.device_memory is not None:
         share = p.memory.total / p.device_memory
-        parts.append(Text(f"{'fits' if p.fits else 'does not fit'}: {describe(p.memory.total)} of "
-                          f"{describe(p.device_memory)} per device ({100 * share:.0f}%)",
+        parts.append(Text(f"{'fits' if p.fits else 'does not fit'}: {describe_bytes(p.memory.total)} of "
+                          f"{describe_bytes(p.device_memory)} per device ({100 * share:.0f}%)",
                           style="green" if p.fits else "bold red"))
     if p.compute is not None:
         parts.append(Text(f"compute: {1e3 * p.compute:.1f} ms per step at peak"))
@@ -178,7 +179,7 @@ def render(p: Plan):
         for col in ("axis", "size", "links", "sent per device", "time"):
             comm.add_column(col, justify="right" if col in ("size", "sent per device", "time") else "left")
         for a in p.axes:
-            comm.add_row(a.name, str(a.size), "across nodes" if a.across else "inside a node", describe(a.bytes),
+            comm.add_row(a.name, str(a.size), "across nodes" if a.across else "inside a node", describe_bytes(a.bytes),
                          "-" if a.seconds is None else f"{1e3 * a.seconds:.1f} ms")
         parts.append(comm)
     rng = p.step_range()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hypertron.errors import UserError
+from hypertron.units import describe_bytes, describe_duration, describe_seconds
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
 from hypertron.monitor import stragglers
 from hypertron.monitor.read import EVENT_COLUMNS, Columns, HOST_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
@@ -120,8 +121,8 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
         if p.hung:
             report.alarms.append(
                 f"hung: process {p.index} is alive but has not finished a step for "
-                f"{_duration(now - (p.last_step_end or now))} (last step {p.last_step}; "
-                f"ideal step time {_seconds(ideal)})")
+                f"{describe_duration(now - (p.last_step_end or now))} (last step {p.last_step}; "
+                f"ideal step time {describe_seconds(ideal)})")
     _loss_alarms(report, run_dir / METRICS_FILE)
     hosts = {}
     for index, path in host_metrics_files(run_dir).items():
@@ -131,7 +132,7 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
     for s in report.analysis.scores:
         if s.straggler:
             report.alarms.append(
-                f"straggler: process {s.process}'s {s.metric} is {_seconds(s.current)} (median of its last "
+                f"straggler: process {s.process}'s {s.metric} is {describe_seconds(s.current)} (median of its last "
                 f"{min(s.samples, stragglers.SCORED[s.metric][0])}); relative score {s.relative:.2f}, "
                 f"individual {s.individual:.2f} (under {straggler_threshold:g})")
     return report
@@ -246,8 +247,8 @@ def render(report: Report):
     head.append(f"  ·  {len(g.jobs)} job{'s' * (len(g.jobs) != 1)}  ·  step {g.last_step}  ·  {status}",
                 style="" if status != KILLED else "yellow")
     parts.append(head)
-    parts.append(Text(f"goodput {g.goodput:.2f}%  (productive {_duration(g.seconds[PRODUCTIVE])} of "
-                      f"{_duration(g.total)})", style="bold green" if g.goodput >= 90 else "bold yellow"))
+    parts.append(Text(f"goodput {g.goodput:.2f}%  (productive {describe_duration(g.seconds[PRODUCTIVE])} of "
+                      f"{describe_duration(g.total)})", style="bold green" if g.goodput >= 90 else "bold yellow"))
     table = Table(title="badput by cause", title_justify="left", show_edge=False)
     table.add_column("cause")
     table.add_column("seconds", justify="right")
@@ -262,8 +263,8 @@ def render(report: Report):
         w = report.window
         text = f"window {_clock(w['start'])} .. {_clock(w['end'])}: "
         if w["total"] > 0:
-            parts.append(Text(text + f"goodput {w['goodput']:.2f}% of the {_duration(w['total'])} the run "
-                              f"spent in it (productive {_duration(w['seconds'][PRODUCTIVE])})"))
+            parts.append(Text(text + f"goodput {w['goodput']:.2f}% of the {describe_duration(w['total'])} the run "
+                              f"spent in it (productive {describe_duration(w['seconds'][PRODUCTIVE])})"))
         else:
             parts.append(Text(text + "the run did not run then", style="yellow"))
     jobs = Table(title="jobs", title_justify="left", show_edge=False)
@@ -272,7 +273,8 @@ def render(report: Report):
     for j, s in zip(g.jobs, g.startup):
         end = j.end if j.end is not None else (report.now if j.status == RUNNING else j.last_event)
         steps = f"{int(j.steps[0])}-{int(j.steps[-1])}" if len(j.steps) else "none"
-        jobs.add_row(str(j.index), _clock(j.start), _duration(end - j.start), steps, j.status or "", _duration(s))
+        jobs.add_row(str(j.index), _clock(j.start), describe_duration(end - j.start), steps, j.status or "",
+                     describe_duration(s))
     parts.append(jobs)
     if g.disruptions:
         dis = Table(title=f"disruptions ({len(g.disruptions)})", title_justify="left", show_edge=False)
@@ -280,19 +282,19 @@ def render(report: Report):
             dis.add_column(col)
         for d in g.disruptions:
             dis.add_row(str(d.job), d.status, str(d.last_step), str(d.resumed_at), str(d.redone_steps),
-                        _duration(d.wasted), _duration(d.recovery))
+                        describe_duration(d.wasted), describe_duration(d.recovery))
         parts.append(dis)
     s = g.steps
     if s.ideal is not None:
-        parts.append(Text(f"step time: ideal {_seconds(s.ideal)}, deviation {_seconds(s.deviation)} "
-                          f"over {len(s.times)} steps; {s.anomalous} anomalous (+{_duration(s.anomalous_extra)})"))
+        parts.append(Text(f"step time: ideal {describe_seconds(s.ideal)}, deviation {describe_seconds(s.deviation)} "
+                          f"over {len(s.times)} steps; {s.anomalous} anomalous (+{describe_duration(s.anomalous_extra)})"))
     if len(report.processes) > 1:
         procs = Table(title="processes", title_justify="left", show_edge=False)
         for col in ("process", "jobs", "last step", "since last step", "median step", "status"):
             procs.add_column(col)
         for p in report.processes:
-            since = _duration(report.now - p.last_step_end) if p.last_step_end else "-"
-            procs.add_row(str(p.index), str(p.jobs), str(p.last_step), since, _seconds(p.median_step_time),
+            since = describe_duration(report.now - p.last_step_end) if p.last_step_end else "-"
+            procs.add_row(str(p.index), str(p.jobs), str(p.last_step), since, describe_seconds(p.median_step_time),
                           ("hung" if p.hung else p.status or ""), style="red" if p.hung else "")
         parts.append(procs)
     if report.analysis is not None:
@@ -316,8 +318,8 @@ def _render_analysis(a: stragglers.Analysis) -> list[Any]:
         for col in ("process", "metric", "median now", "best", "relative", "own", ""):
             t.add_column(col, justify="right" if col not in ("metric", "") else "left")
         for s in a.scores:
-            t.add_row(str(s.process), _METRIC_NAMES.get(s.metric, s.metric), _seconds(s.current), _seconds(s.best), f"{s.relative:.2f}",
-                      f"{s.individual:.2f}", "straggler" if s.straggler else "", style="red" if s.straggler else "")
+            t.add_row(str(s.process), _METRIC_NAMES.get(s.metric, s.metric), describe_seconds(s.current),
+                      describe_seconds(s.best), f"{s.relative:.2f}", f"{s.individual:.2f}", "straggler" if s.straggler else "", style="red" if s.straggler else "")
         parts.append(t)
     if a.outliers and len({p for d in a.outliers.values() for p, _ in d["mean"]}) > 1:
         t = Table(title="outliers: top processes by window mean | by window max", title_justify="left",
@@ -342,33 +344,12 @@ _METRIC_NAMES = {"data_wait": "data wait", "h2d_seconds": "host to device", "cpu
 
 def _value(metric: str, v: float) -> str:
     if "bytes" in metric:
-        unit = "/s" if metric.endswith("per_second") else ""
-        for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-            if abs(v) >= scale:
-                return f"{v / scale:.1f} {name}{unit}"
-        return f"{v:.0f} B{unit}"
+        return describe_bytes(v, per_second=metric.endswith("per_second"))
     if metric in ("data_wait", "h2d_seconds"):
-        return _seconds(v)
+        return describe_seconds(v)
     if "utilization" in metric:
         return f"{100 * v:.0f}%"
     return f"{v:.3g}"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.2f}s"
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    d, h = divmod(h, 24)
-    return (f"{d}d" if d else "") + (f"{h}h" if h or d else "") + f"{m:02d}m{s:02d}s"
-
-
-def _seconds(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
 
 
 def _clock(t: float) -> str:

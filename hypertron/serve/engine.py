@@ -63,7 +63,8 @@ import numpy as np
 from hypertron.config import ModelConfig
 from hypertron.config.validation import check_engine_settings
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
-from hypertron.models.flops import forward_flops_per_token
+from hypertron.models.flops import attention_flops, dense_flops_per_token
+from hypertron.padding import bucket, next_pow2
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.types import StepPlan, StepResult
@@ -262,12 +263,12 @@ class PagedEngine:
         """The bucketed shape of ``plan`` (what it runs as once that is compiled)."""
         dec, pre = plan.decodes, plan.prefills
         cold = all(r.start == 0 for r in pre)
-        rows = _pow2(len(pre)) if pre else 0
+        rows = next_pow2(len(pre)) if pre else 0
         return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
                      prefill_rows=max(rows, MIN_COLD_PREFILL_ROWS) if pre and cold else rows,
                      prefill_tokens=max(bucket(sum(len(r.tokens) for r in pre), PREFILL_BUCKET_PARTS),
                                         MIN_PREFILL_TOKENS) if pre else 0,
-                     width=min(_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
+                     width=min(next_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
                      cold=cold, logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
 
     def cost(self, shape: Shape) -> float:
@@ -277,12 +278,11 @@ class PagedEngine:
         :meth:`measure_step_cost` has measured it, the step's fixed cost in FLOPs' worth. Without
         that, a decode of 1 row padded to 2 looks twice as costly, where a step's fixed cost makes
         it barely more (on this project's CPU: 2 to 3 ms a step against 0.07 ms a token)."""
-        c = self.cfg
         keys = shape.width * self.page_size
         pairs = shape.num_decode * keys + (shape.prefill_tokens ** 2 if shape.cold else
                                            shape.prefill_tokens * shape.prefill_rows * keys)
-        return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * forward_flops_per_token(c, 1)
-                + c.num_layers * 4 * c.num_heads * c.head_dim * pairs)
+        return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * dense_flops_per_token(self.cfg)
+                + attention_flops(self.cfg, pairs))
 
     @property
     def compiled_shapes(self) -> list[Shape]:
@@ -305,7 +305,7 @@ class PagedEngine:
         before serving: the steps take the cache. From then on :meth:`cost` counts the fixed part
         (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth)."""
         tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
-        width = min(_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
+        width = min(next_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
         shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
                   Shape(num_decode=0, prefill_rows=MIN_COLD_PREFILL_ROWS, prefill_tokens=tokens, width=width,
                         cold=True))
@@ -327,7 +327,7 @@ class PagedEngine:
                     times[i] = min(times[i], time.perf_counter() - t)
         per_token = max(times[1] - times[0], 0.0) / (tokens - 1)
         cost = StepCost(max(times[0] - per_token, 0.0), per_token)
-        self.step_overhead_flops = min(cost.overhead_tokens, MAX_OVERHEAD_TOKENS) * forward_flops_per_token(self.cfg, 1)
+        self.step_overhead_flops = min(cost.overhead_tokens, MAX_OVERHEAD_TOKENS) * dense_flops_per_token(self.cfg)
         return cost
 
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
@@ -473,20 +473,6 @@ class PagedEngine:
         s = row.sampling
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
         b["seed"][i], b["sample_pos"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF), row.end
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def bucket(n: int, parts: int = 4) -> int:
-    """The padded size of ``n`` rows, tokens or pages: a power of two up to 8, then a multiple of
-    ``1 / parts`` of the power of two below it (quarters: 10, 12, 14, 16, 20, ...: under 25 %
-    padding, about 4 sizes per doubling; eighths: under 12.5 %, 8 sizes)."""
-    if n <= 8:
-        return 1 << (n - 1).bit_length()
-    step = max((1 << (n.bit_length() - 1)) // parts, 1)
-    return -(-n // step) * step
 
 
 def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,

@@ -53,7 +53,8 @@ def device_memory(device) -> float | None:
 def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
     """Refuse a run whose predicted bytes per device (:func:`hypertron.models.memory.step_bytes`)
     exceed the device's, in one line that says what would make it fit."""
-    from hypertron.models.memory import describe, step_bytes
+    from hypertron.models.memory import step_bytes
+    from hypertron.units import describe_bytes
 
     limit = device_memory(device)
     if limit is None:
@@ -63,8 +64,9 @@ def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
         return
     s = need.state
     raise ConfigError(
-        f"this run needs about {describe(need.total)} per device (parameters {describe(s.params)}, gradients "
-        f"{describe(s.grads)}, optimiser {describe(s.optimizer)}, activations {describe(need.activations)} for "
-        f"{need.micro_batch} rows of {cfg.train.seq_len}), more than the {describe(limit)} a device has: fewer rows "
+        f"this run needs about {describe_bytes(need.total)} per device (parameters {describe_bytes(s.params)}, "
+        f"gradients {describe_bytes(s.grads)}, optimiser {describe_bytes(s.optimizer)}, activations "
+        f"{describe_bytes(need.activations)} for {need.micro_batch} rows of {cfg.train.seq_len}), more than the "
+        f"{describe_bytes(limit)} a device has: fewer rows "
         "per device (train.global_batch, train.grad_accum, more devices), model.remat=full, a larger mesh.fsdp, "
         "or train.memory_check=false to try anyway (hypertron plan shows the breakdown)")
