@@ -26,6 +26,8 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from hypertron.models import forward  # noqa: E402
 from hypertron.models.hf import (  # noqa: E402
+    FAMILIES as HF_FAMILIES,
+    Family,
     HFError,
     config_from_hf,
     config_to_hf,
@@ -47,42 +49,26 @@ _COMMON = dict(
 )
 
 
-def _hf_config(family: str):
-    if family == "llama2":
-        return transformers.LlamaConfig(
-            hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4, **_COMMON
-        )
-    if family == "llama3":
-        return transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-            **_COMMON,
-        )
-    if family == "mistral":
-        return transformers.MistralConfig(
-            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            sliding_window=4, **_COMMON,
-        )
-    if family == "gemma":
-        return transformers.GemmaConfig(
-            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=16, **_COMMON,
-        )
-    if family == "mixtral":  # 4 experts, top-2, a window shorter than the sequence
-        return transformers.MixtralConfig(
-            hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-            num_local_experts=4, num_experts_per_tok=2, sliding_window=6, **_COMMON,
-        )
-    raise ValueError(family)
-
-
-_MODEL_CLASSES = {
-    "llama2": "LlamaForCausalLM", "llama3": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "mixtral": "MixtralForCausalLM",
+# The cases: every family's own tiny config (hypertron.models.hf.FAMILIES), and Llama 3.1 (llama3 RoPE scaling,
+# GQA) as a variant of Llama's.
+CASES = {
+    "llama2": ("llama", {}),
+    "llama3": ("llama", dict(
+        hidden_size=64, intermediate_size=128, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    **{model_type: (model_type, {}) for model_type in HF_FAMILIES if model_type != "llama"},
 }
-FAMILIES = list(_MODEL_CLASSES)
+FAMILIES = list(CASES)
+
+
+def _hf_config(case: str):
+    model_type, variant = CASES[case]
+    return transformers.AutoConfig.for_model(model_type, **{**HF_FAMILIES[model_type].tiny, **variant, **_COMMON})
+
+
+def _hf_model(case: str, config):
+    return getattr(transformers, HF_FAMILIES[CASES[case][0]].architecture)(config)
 
 
 def _randomize(model) -> None:
@@ -110,7 +96,7 @@ def case(request, tmp_path_factory):
     torch.manual_seed(0)
     config = _hf_config(family)
     config._attn_implementation = "eager"
-    model = getattr(transformers, _MODEL_CLASSES[family])(config).eval()
+    model = _hf_model(family, config).eval()
     _randomize(model)
     path = tmp_path_factory.mktemp(f"hf-{family}")
     # Mistral is saved in several shards so the index path of load_hf runs too.
@@ -280,6 +266,24 @@ def _llama_dict(**over) -> dict:
     ).to_json_string())
     hf.update(over)
     return hf
+
+
+def test_a_family_is_one_record(monkeypatch):
+    """A new HF model_type is one Family: config_to_hf names a config it exports by it, and
+    config_from_hf reads that back to the same config."""
+    import dataclasses
+
+    from hypertron.config import PRESETS
+
+    llama = HF_FAMILIES["llama"]
+    toy = Family("toy", "ToyForCausalLM", dict(llama.hf_defaults), ("silu",), {"activation": "silu"},
+                 reads_window=False, exports=lambda cfg: cfg.name == "toy")
+    monkeypatch.setitem(HF_FAMILIES, "toy", toy)
+    cfg = dataclasses.replace(PRESETS["tiny-llama3"], name="toy")
+    exported = config_to_hf(cfg)
+    assert (exported["model_type"], exported["architectures"]) == ("toy", ["ToyForCausalLM"])
+    assert config_from_hf(exported) == cfg
+    assert config_to_hf(dataclasses.replace(cfg, name="other"))["model_type"] == "llama"  # as before
 
 
 def test_rejects_unsupported_model_type():

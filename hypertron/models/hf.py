@@ -23,7 +23,8 @@ import contextlib
 import itertools
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,24 +52,68 @@ class HFError(UserError):
 # ---------------------------------------------------------------------------
 # Configs
 
-# HF config-class defaults for keys a config.json may leave out (transformers 5).
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
-                  hidden_act="silu", head_dim=None, sliding_window=None),
-    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=False,
-                    hidden_act="silu", head_dim=None, sliding_window=4096),
-    "gemma": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
-                  hidden_act="gelu_pytorch_tanh", head_dim=256, sliding_window=None),
-    "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
-                    hidden_act="silu", head_dim=None, sliding_window=None, num_local_experts=8,
-                    num_experts_per_tok=2, router_aux_loss_coef=0.001),
-}
+@dataclass(frozen=True)
+class Family:
+    """One HF ``model_type`` the shared decoder computes exactly: what :func:`config_from_hf`,
+    :func:`config_to_hf` and the tests need of it. A family is a record here, not a branch."""
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+    model_type: str
+    architecture: str                # its ``architectures`` entry
+    hf_defaults: dict[str, Any]      # the HF config class's defaults for keys a config.json may leave out
+    hidden_acts: tuple[str, ...]     # the ``hidden_act`` values it reads
+    sets: dict[str, Any]             # what it sets in ModelConfig beyond the shared keys
+    reads_window: bool               # whether its attention reads ``sliding_window`` (elsewhere a stray key is ignored)
+    # Whether it computes what a (validated, HF-expressible) config does; None: the family a config
+    # falls back to when no other family's holds.
+    exports: Callable[[ModelConfig], bool] | None
+    extra: Callable[[ModelConfig], dict] = lambda cfg: {}  # keys config_to_hf writes for it beyond the shared ones
+    experts: bool = False            # whether its config carries Mixtral's expert keys
+    tiny: dict[str, Any] = field(default_factory=dict)  # a tiny HF config (the tests build their models from it)
 
+
+def _gemma_bits(cfg: ModelConfig) -> tuple[bool, bool, bool]:
+    return cfg.norm_zero_centered, cfg.embed_scale, cfg.activation == "gelu"
+
+
+def _mixtral_extra(cfg: ModelConfig) -> dict:
+    return {"attention_bias": False, "sliding_window": cfg.sliding_window, "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.top_k, "output_router_logits": False,
+            # transformers' load-balancing loss is top_k times ours (it counts tokens, not copies).
+            "router_aux_loss_coef": cfg.moe.load_balance_weight / cfg.moe.top_k}
+
+
+_DEFAULTS = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", head_dim=None, sliding_window=None)
 # Gemma's legacy ``gelu`` means the tanh approximation too (transformers rewrites it so).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu", "gelu_new")
+
+# config_to_hf names a config by the first family whose ``exports`` holds, else by llama's.
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("mixtral", "MixtralForCausalLM",
+           {**_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+           ("silu",), {"activation": "silu"}, reads_window=True, exports=lambda cfg: cfg.moe is not None,
+           extra=_mixtral_extra, experts=True,
+           tiny=dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                     num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    Family("gemma", "GemmaForCausalLM",
+           {**_DEFAULTS, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "hidden_act": "gelu_pytorch_tanh", "head_dim": 256},
+           _GELU_TANH, {"activation": "gelu", "norm_zero_centered": True, "embed_scale": True},
+           reads_window=False, exports=lambda cfg: all(_gemma_bits(cfg)),
+           extra=lambda cfg: {"attention_bias": False, "hidden_act": "gelu_pytorch_tanh",
+                              "hidden_activation": "gelu_pytorch_tanh"},
+           tiny=dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1,
+                     head_dim=16)),
+    Family("mistral", "MistralForCausalLM", {**_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
+           ("silu",), {"activation": "silu"}, reads_window=True, exports=lambda cfg: cfg.sliding_window is not None,
+           extra=lambda cfg: {"sliding_window": cfg.sliding_window},
+           tiny=dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     sliding_window=4)),
+    Family("llama", "LlamaForCausalLM", {**_DEFAULTS, "max_position_embeddings": 2048},
+           ("silu",), {"activation": "silu"}, reads_window=False, exports=None,
+           extra=lambda cfg: {"attention_bias": False, "mlp_bias": False},
+           tiny=dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4)),
+)}
 
 
 def _require(hf: dict, key: str) -> Any:
@@ -103,41 +148,35 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
 
 
 def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
-    """The :class:`ModelConfig` of an HF ``config.json`` dict (llama, mistral or gemma).
+    """The :class:`ModelConfig` of an HF ``config.json`` dict (a model_type of :data:`FAMILIES`).
 
     ``name`` defaults to the ``model_type``. Dtypes are left ``auto``: the
     checkpoint's storage dtype is a property of the file, not the model.
     Raises :class:`HFError` naming the first unsupported feature.
     """
-    family = hf.get("model_type")
-    if family not in _FAMILY_DEFAULTS:
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None:
         raise HFError(
-            f"HF config: model_type '{family}' is not supported (choose from {', '.join(_FAMILY_DEFAULTS)})"
+            f"HF config: model_type '{hf.get('model_type')}' is not supported (choose from {', '.join(FAMILIES)})"
         )
-    get = lambda k: hf[k] if k in hf else _FAMILY_DEFAULTS[family][k]  # noqa: E731
+    get = lambda k: hf[k] if k in hf else family.hf_defaults[k]  # noqa: E731
     for flag in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
         if hf.get(flag):
             raise HFError(f"HF config: {flag}=true is not supported")
 
     act = hf.get("hidden_activation") or get("hidden_act")  # Gemma 1 configs may use either key
-    if family == "gemma" and act in _GELU_TANH:
-        activation = "gelu"
-    elif family != "gemma" and act == "silu":
-        activation = "silu"
-    else:
-        raise HFError(f"HF config: hidden_act '{act}' is not supported for model_type {family}")
+    if act not in family.hidden_acts:
+        raise HFError(f"HF config: hidden_act '{act}' is not supported for model_type {family.model_type}")
 
     d = int(_require(hf, "hidden_size"))
     n = int(_require(hf, "num_attention_heads"))
     head_dim = get("head_dim") or d // n
     theta, scaling = _rope_from_hf(hf)
-    gemma = family == "gemma"
-    # Only Mistral's and Mixtral's attention read sliding_window; a stray key elsewhere must not
-    # change the model.
-    window = get("sliding_window") if family in ("mistral", "mixtral") else None
+    # Only some families' attention reads sliding_window; a stray key elsewhere must not change the model.
+    window = get("sliding_window") if family.reads_window else None
     window = None if window is None else int(window)
     cfg = ModelConfig(
-        name=name or family,
+        name=name or family.model_type,
         vocab_size=int(_require(hf, "vocab_size")),
         embed_dim=d,
         num_layers=int(_require(hf, "num_hidden_layers")),
@@ -145,21 +184,19 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or n),
         head_dim=int(head_dim),
         mlp_dim=int(_require(hf, "intermediate_size")),
-        activation=activation,
         norm_eps=float(get("rms_norm_eps")),
-        norm_zero_centered=gemma,
-        embed_scale=gemma,
         tie_embeddings=bool(get("tie_word_embeddings")),
         rope_theta=theta,
         rope_scaling=scaling,
         sliding_window=window,
         max_seq_len=int(get("max_position_embeddings")),
-        moe=None if family != "mixtral" else MoEConfig(
+        moe=None if not family.experts else MoEConfig(
             num_experts=int(get("num_local_experts")), top_k=int(get("num_experts_per_tok")),
             # transformers' load-balancing loss is top_k times ours (it counts tokens, not copies).
             load_balance_weight=float(get("router_aux_loss_coef")) * int(get("num_experts_per_tok")),
             router_z_weight=0.0,
         ),
+        **family.sets,
     )
     try:
         validate_model(cfg)
@@ -168,36 +205,33 @@ def config_from_hf(hf: dict, name: str | None = None) -> ModelConfig:
     return cfg
 
 
-def _family_of(cfg: ModelConfig) -> str:
-    """The HF model_type that computes exactly what ``cfg`` computes, or HFError."""
-    if cfg.moe is not None:
-        if cfg.moe.gating != "topk_softmax" or cfg.moe.shared_experts or cfg.activation != "silu" \
-                or cfg.norm_zero_centered or cfg.embed_scale or cfg.rope_scaling is not None:
-            raise HFError("config_to_hf: of MoE models, only Mixtral's (topk_softmax gating, no shared "
-                          "experts, SwiGLU, plain RoPE) exists in HF")
-        return "mixtral"
-    gemma_bits = (cfg.norm_zero_centered, cfg.embed_scale, cfg.activation == "gelu")
+def _family_of(cfg: ModelConfig) -> Family:
+    """The HF family that computes exactly what ``cfg`` computes, or HFError for a mix that no
+    HF model_type has."""
+    if cfg.moe is not None and (cfg.moe.gating != "topk_softmax" or cfg.moe.shared_experts or cfg.activation != "silu"
+                                or cfg.norm_zero_centered or cfg.embed_scale or cfg.rope_scaling is not None):
+        raise HFError("config_to_hf: of MoE models, only Mixtral's (topk_softmax gating, no shared "
+                      "experts, SwiGLU, plain RoPE) exists in HF")
+    gemma_bits = _gemma_bits(cfg)
     if any(gemma_bits) and not all(gemma_bits):
         raise HFError(
             "config_to_hf: norm_zero_centered, embed_scale and activation=gelu come together "
             "(Gemma) in HF; this mix has no HF model_type"
         )
-    if all(gemma_bits):
-        if cfg.sliding_window is not None or cfg.rope_scaling is not None:
-            raise HFError("config_to_hf: Gemma has no sliding_window or rope_scaling in HF")
-        return "gemma"
-    if cfg.sliding_window is not None:
-        if cfg.rope_scaling is not None:
-            raise HFError("config_to_hf: Mistral has no llama3 rope_scaling in HF")
-        return "mistral"
-    return "llama"
+    if all(gemma_bits) and (cfg.sliding_window is not None or cfg.rope_scaling is not None):
+        raise HFError("config_to_hf: Gemma has no sliding_window or rope_scaling in HF")
+    if cfg.moe is None and cfg.sliding_window is not None and cfg.rope_scaling is not None:
+        raise HFError("config_to_hf: Mistral has no llama3 rope_scaling in HF")
+    specific = [f for f in FAMILIES.values() if f.exports is not None and f.exports(cfg)]
+    return specific[0] if specific else next(f for f in FAMILIES.values() if f.exports is None)
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """An HF ``config.json`` dict for ``cfg``; ``dtype`` is the checkpoint's storage dtype.
 
-    The model_type is gemma when norms are zero-centred, mistral when a sliding
-    window is set, else llama. RoPE is written both ways (``rope_parameters``
+    The model_type is the first of :data:`FAMILIES` that computes what ``cfg`` does (mixtral with
+    experts, gemma with zero-centred norms, mistral with a sliding window, else llama). RoPE is
+    written both ways (``rope_parameters``
     for transformers 5, ``rope_theta`` + ``rope_scaling`` for 4.x).
     """
     family = _family_of(cfg)
@@ -212,8 +246,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
             "original_max_position_embeddings": rs.original_max_position,
         }
     hf: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[family]],
-        "model_type": family,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -221,7 +255,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "gelu_pytorch_tanh" if family == "gemma" else "silu",
+        "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -234,18 +268,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if family == "gemma":
-        hf["hidden_activation"] = "gelu_pytorch_tanh"
-    if family != "mistral":
-        hf["attention_bias"] = False
-    if family == "llama":
-        hf["mlp_bias"] = False
-    if family in ("mistral", "mixtral"):
-        hf["sliding_window"] = cfg.sliding_window
-    if family == "mixtral":
-        hf |= {"num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
-               "router_aux_loss_coef": cfg.moe.load_balance_weight / cfg.moe.top_k,
-               "output_router_logits": False}
+    hf |= family.extra(cfg)
     return hf
 
 
