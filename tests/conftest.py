@@ -15,6 +15,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -28,3 +30,14 @@ if os.environ.get("HYPERTRON_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_C
     # Every compile of at least a tenth of a second (JAX's default is 1 s: most of the tiny
     # model's compiles take less here when the machine is idle, and more when it is loaded).
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+
+
+@pytest.fixture
+def float32_matmuls():
+    """float32 matmuls in exact float32: on a GPU, XLA and Triton multiply float32 in TF32 unless
+    told otherwise (2026-11-25, H100: kernel tests off by up to 3.5e-4 of the largest value against
+    exact oracles); on a CPU this changes nothing. JAX is imported here, after the settings above."""
+    import jax
+
+    with jax.default_matmul_precision("float32"):
+        yield

@@ -25,16 +25,9 @@ from hypertron.kernels.ragged_attention import (
     ragged_decode_attention_reference,
 )
 
-pytestmark = pytest.mark.gpu  # the GPU campaign's T1 runs these compiled for the GPU
-
-
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-    """The oracles here multiply in exact float32 (numpy, and the reference at highest precision). On a GPU, XLA and Triton multiply
-    float32 in TF32 unless told otherwise (2026-11-25, H100: float32 cases off by up to 3.5e-4 of
-    the largest value), so the tests ask for float32 matmuls; on a CPU this changes nothing."""
-    with jax.default_matmul_precision("float32"):
-        yield
+# The GPU campaign's T1 runs these compiled for the GPU; the oracles multiply in exact float32
+# (numpy, and the reference at highest precision), so the kernels are asked to as well (conftest.float32_matmuls).
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("float32_matmuls")]
 
 S, D, P, H = 16, 16, 5, 4  # page_size, head_dim, pages per sequence, query heads
 CAP = S * P
