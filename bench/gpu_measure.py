@@ -67,7 +67,8 @@ SMOKE = Sizes(
     decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
     t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
     t3_decode_context=16,
-    gmm_tilings=((16, 16, 16), (32, 16, 16), (16, 16, 32), (32, 16, 32)), dlrm=("dlrm-v2-tiny", 64, 0), budget=float("inf"),
+    gmm_tilings=((16, 16, 16), (32, 16, 16), (16, 16, 32), (32, 16, 32)), dlrm=("dlrm-v2-tiny", 64, 0),
+    budget=float("inf"),
 )
 
 

@@ -111,8 +111,8 @@ def test_the_script_starts_where_hypertron_is_not_installed_yet():
     """On the GPU machine hypertron is importable only after ``--wheels`` installed it, so the
     script must get that far without it (2026-11-25: a module-level import stopped the first call).
     ``-S``: no site-packages, so neither hypertron nor JAX."""
-    proc = subprocess.run([sys.executable, "-S", str(REPO / "bench" / "gpu_campaign.py"), "T1", "--plan"], capture_output=True, text=True,
-                          timeout=60, cwd="/")
+    proc = subprocess.run([sys.executable, "-S", str(REPO / "bench" / "gpu_campaign.py"), "T1", "--plan"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split()[0] == "t1.xla_flags"
 

@@ -95,7 +95,8 @@ def _recipe_that_fits(args: argparse.Namespace):
         from hypertron.units import describe_bytes
 
         raise UserError(f"recipe {recipe.name} on {recipe.nodes} nodes needs {describe_bytes(p.memory.total)} per "
-                        f"device, more than the {describe_bytes(p.device_memory)} of a {p.hardware.name} (hypertron recipes "
+                        f"device, more than the {describe_bytes(p.device_memory)} of a {p.hardware.name} "
+                        f"(hypertron recipes "
                         f"{recipe.name} shows the parts; train.memory_check=false submits anyway)")
     return recipe
 

@@ -49,8 +49,9 @@ a CUDA target (``jax.export`` with ``platforms=("cuda",)``, no GPU needed). On a
 one H100): the same tests compiled for it pass in bf16 (float32 then ran in TF32, Triton's
 default; the tests now ask for float32 matmuls), and its speed is in docs/benchmarks.md. Not
 verified: that pages past the length are never *loaded* (only that they cannot change the
-output; the loop bounds make it so by construction). Written for the Triton lowering (named in ``compiler_params``): power-of-two
-load shapes, no data-dependent shapes, dynamic loop bounds; not for Mosaic TPU.
+output; the loop bounds make it so by construction). Written for the Triton lowering (named in
+``compiler_params``): power-of-two load shapes, no data-dependent shapes, dynamic loop bounds;
+not for Mosaic TPU.
 """
 
 from __future__ import annotations

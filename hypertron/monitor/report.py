@@ -287,7 +287,8 @@ def render(report: Report):
     s = g.steps
     if s.ideal is not None:
         parts.append(Text(f"step time: ideal {describe_seconds(s.ideal)}, deviation {describe_seconds(s.deviation)} "
-                          f"over {len(s.times)} steps; {s.anomalous} anomalous (+{describe_duration(s.anomalous_extra)})"))
+                          f"over {len(s.times)} steps; {s.anomalous} anomalous "
+                          f"(+{describe_duration(s.anomalous_extra)})"))
     if len(report.processes) > 1:
         procs = Table(title="processes", title_justify="left", show_edge=False)
         for col in ("process", "jobs", "last step", "since last step", "median step", "status"):
@@ -319,7 +320,8 @@ def _render_analysis(a: stragglers.Analysis) -> list[Any]:
             t.add_column(col, justify="right" if col not in ("metric", "") else "left")
         for s in a.scores:
             t.add_row(str(s.process), _METRIC_NAMES.get(s.metric, s.metric), describe_seconds(s.current),
-                      describe_seconds(s.best), f"{s.relative:.2f}", f"{s.individual:.2f}", "straggler" if s.straggler else "", style="red" if s.straggler else "")
+                      describe_seconds(s.best), f"{s.relative:.2f}", f"{s.individual:.2f}",
+                      "straggler" if s.straggler else "", style="red" if s.straggler else "")
         parts.append(t)
     if a.outliers and len({p for d in a.outliers.values() for p, _ in d["mean"]}) > 1:
         t = Table(title="outliers: top processes by window mean | by window max", title_justify="left",
