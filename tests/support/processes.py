@@ -1,0 +1,76 @@
+"""Starting processes, for the tests whose subject is a process: signals, several processes, exit
+codes, one end-to-end run. Everything else runs the command in process (:mod:`support.cli`).
+
+Children inherit the suite's environment (8 simulated CPU devices, the session's JAX compilation
+cache: tests/conftest.py) unless a test drops or sets variables.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+
+TIMEOUT_S = 300.0
+
+
+def hypertron_argv(*args: object) -> list[str]:
+    """The ``hypertron`` command as this interpreter runs it."""
+    return [sys.executable, "-m", "hypertron.cli", *map(str, args)]
+
+
+def hypertron_env(drop: Iterable[str] = (), **set_: str) -> dict[str, str]:
+    """The suite's environment on CPU, without the variables starting with any of ``drop``, plus ``set_``."""
+    prefixes = tuple(drop)
+    env = {k: v for k, v in os.environ.items() if not (prefixes and k.startswith(prefixes))}
+    if "XLA_FLAGS" not in set_ and not any("XLA_FLAGS".startswith(p) for p in prefixes):
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update(set_)
+    return env
+
+
+def run(argv: list[str], *, cwd=None, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S,
+        stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run to the end; text output captured."""
+    return subprocess.run(argv, cwd=cwd, env=hypertron_env() if env is None else env, input=stdin,
+                          stdin=None if stdin is not None else subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_hypertron(*args: object, cwd=None, env: dict[str, str] | None = None,
+                  timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return run(hypertron_argv(*args), cwd=cwd, env=env, timeout=timeout)
+
+
+def start(argv: list[str], *, cwd=None, env: dict[str, str] | None = None, stdout=subprocess.DEVNULL,
+          stderr=subprocess.PIPE, **popen) -> subprocess.Popen:
+    """Start and return at once (stderr kept as text for the failure message, unless redirected)."""
+    return subprocess.Popen(argv, cwd=cwd, env=hypertron_env() if env is None else env,
+                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True, **popen)
+
+
+def start_hypertron(*args: object, **kwargs) -> subprocess.Popen:
+    return start(hypertron_argv(*args), **kwargs)
+
+
+def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 180.0,
+             poll_s: float = 0.05) -> None:
+    """Until ``predicate()``; a process that ends first, or a timeout, fails the test with its stderr."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}:\n"
+                                 f"{proc.stderr.read() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
+
+
+def kill(*procs: subprocess.Popen) -> None:
+    """SIGKILL whatever still runs, and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
