@@ -90,7 +90,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +99,8 @@ from typing import Self
 
 import httpx
 import numpy as np
+
+from hypertron.launch.local import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import MAX_SEQ_LEN, build_model, write_prompts  # bench/serve_model.py, this directory
@@ -130,12 +131,6 @@ def missing_serve_deps(extra_path: str | None) -> tuple[list[str], str | None]:
         return missing, accelerate
     except ValueError:
         return list(SERVE_DEPS), None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def script(name: str) -> str:
@@ -453,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results, texts, commands, ready_s = {}, {}, {}, {}
     for name in args.servers:
-        port = free_port()
+        port = free_ports()
         argv_s, model, senv = server_argv(name, port)
         commands[name] = " ".join([os.path.basename(argv_s[0]), *argv_s[1:]])
         with Server(name, argv_s, port, os.path.join(work, f"{name}.log"), senv) as srv, \
@@ -497,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_interference and "hypertron" in args.servers:
         slots = args.streams + args.long_prompts
         for label, budget in (("chunked", args.max_num_batched_tokens), ("whole", MAX_SEQ_LEN)):
-            port = free_port()
+            port = free_ports()
             argv_s = hypertron_argv(port, slots, None, budget)
             commands[f"hypertron interference, {label}"] = " ".join([os.path.basename(argv_s[0]), *argv_s[1:]])
             with Server("hypertron", argv_s, port, os.path.join(work, f"interference-{label}.log"), env) as srv:

@@ -1,18 +1,12 @@
-"""The hypertron command end to end: train, generate, convert both ways."""
-
-import os
-import subprocess
-import sys
+"""The hypertron command end to end: train, generate (as processes, what a shell sees), convert both
+ways (in process)."""
 
 import numpy as np
 import pytest
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-
-
-def run(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "hypertron.cli", *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+from support.cli import run_cli  # tests/support
+from support.processes import run_hypertron as run
+from support.tiny import write_tiny_hf_llama
 
 
 def test_train_then_generate(tmp_path):
@@ -36,33 +30,31 @@ def test_train_then_generate(tmp_path):
 
 
 def test_convert_round_trip(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from safetensors.numpy import load_file
 
-    torch.manual_seed(0)
     from test_tokenizers import train_bpe
 
-    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    write_tiny_hf_llama(tmp_path / "hf", vocab_size=400, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
     train_bpe(tmp_path / "hf" / "tokenizer.json")  # a model comes with its tokenizer: 400 ids
-    r = run("convert", "--from-hf", "hf", "--out", "imported", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    r = run_cli(["convert", "--from-hf", "hf", "--out", "imported"], cwd=tmp_path)
+    assert r.rc == 0, r.stderr
     assert (tmp_path / "imported" / "tokenizer" / "tokenizer.json").is_file()
-    g = run("generate", "--checkpoint", "imported", "--prompt", "hello world", "--max-new-tokens", "4",
-            cwd=tmp_path)
-    assert g.returncode == 0, g.stderr
+    g = run_cli(["generate", "--checkpoint", "imported", "--prompt", "hello world", "--max-new-tokens", "4"],
+                cwd=tmp_path)
+    assert g.rc == 0, g.stderr
     assert g.stdout.startswith("hello world")  # encoded and decoded with the model's own tokenizer
     assert (tmp_path / "imported" / "model.json").is_file()  # a model bundle, no training config
     # Fine-tuning starts from the bundle: its model, its parameters, its tokenizer.
-    ft = run("train", "model=imported", "train.init_from=imported", "data.tokenizer=imported/tokenizer",
-             "train.steps=1", "train.global_batch=8", "train.seq_len=16", "run_dir=ft", cwd=tmp_path)
-    assert ft.returncode == 0 and "starting from the parameters in imported" in ft.stderr, ft.stderr
-    into = run("train", "model=imported", "train.steps=1", "train.seq_len=16", "run_dir=imported", cwd=tmp_path)
-    assert into.returncode == 2 and "holds a model bundle" in into.stderr, into.stderr
-    e = run("convert", "--checkpoint", "imported", "--to-hf", "exported", cwd=tmp_path)
-    assert e.returncode == 0, e.stderr
+    ft = run_cli(["train", "model=imported", "train.init_from=imported", "data.tokenizer=imported/tokenizer",
+                  "train.steps=1", "train.global_batch=8", "train.seq_len=16", "run_dir=ft"], cwd=tmp_path)
+    assert ft.rc == 0 and "starting from the parameters in imported" in ft.stderr, ft.stderr
+    into = run_cli(["train", "model=imported", "train.steps=1", "train.seq_len=16", "run_dir=imported"], cwd=tmp_path)
+    assert into.rc == 2 and "holds a model bundle" in into.stderr, into.stderr
+    e = run_cli(["convert", "--checkpoint", "imported", "--to-hf", "exported"], cwd=tmp_path)
+    assert e.rc == 0, e.stderr
     assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert a.keys() == b.keys()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import yaml
 from hypertron import cli
 from hypertron.config import load_config
 from hypertron.errors import UserError
+from hypertron.launch.local import free_ports
 from hypertron.launch import k8s, machines, recipes, validate
 from hypertron.train.events import read_events
 
@@ -198,12 +198,6 @@ def test_output_writes_a_new_file_and_never_overwrites(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and out.read_text() == text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_on_sigterm(tmp_path):
     """Pods 0 and 1 of the cpu/tiny workload, as local processes: the recipe from the ConfigMap,
@@ -213,7 +207,7 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
     config_map, js = k8s.workload_objects(_workload("cpu/tiny", "tiny", storage="pvc:runs"))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(config_map["data"]["recipe.yaml"])
-    run, port = tmp_path / "run", _free_port()
+    run, port = tmp_path / "run", free_ports()
     command = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command == ["hypertron", "train", "/etc/hypertron/recipe.yaml"]
     procs = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from fastapi import Request  # at module level: the stub's annotations are strin
 from http_harness import ThreadedServer  # tests/
 
 from hypertron.cli import main
+from hypertron.launch.local import free_ports
 from hypertron import loadgen
 from hypertron.loadgen import BenchSettings, Prompt, RequestRecord
 
@@ -302,12 +302,6 @@ def test_cli_writes_the_json_report(server, tmp_path, capsys):
     assert report["requests"][2]["status"] == 429
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("args, names", [
     (["--num-requests", "0"], "--num-requests=0"),
     (["--concurrency", "-2"], "--concurrency=-2"),
@@ -329,7 +323,7 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, args, names):
     bad = tmp_path / "bad.jsonl"
     fill = {
         "MISSING": str(tmp_path / "missing.jsonl"), "NODIR": str(tmp_path / "no" / "r.json"),
-        "DEAD": f"http://127.0.0.1:{_free_port()}", "EMPTY": str(tmp_path / "empty.jsonl"),
+        "DEAD": f"http://127.0.0.1:{free_ports()}", "EMPTY": str(tmp_path / "empty.jsonl"),
     }
     contents = {"BAD_JSON": '{"prompt": "a"}\n{"prompt": \n', "BAD_PROMPT": '{"prompt": [1, "x"]}\n',
                 "BAD_MAX": '{"prompt": "a", "max_tokens": 0}\n', "EMPTY": "\n"}
@@ -346,7 +340,7 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, args, names):
 def test_cli_subprocess_one_line_and_no_jax():
     # the real command: exit 2, one line, no traceback; and neither the CLI nor loadgen imports JAX
     r = subprocess.run([sys.executable, "-m", "hypertron.cli", "bench", "serve", "--base-url",
-                        f"http://127.0.0.1:{_free_port()}", "--num-requests", "2"],
+                        f"http://127.0.0.1:{free_ports()}", "--num-requests", "2"],
                        check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot reach" in r.stderr, r.stderr
     code = "import sys, hypertron.cli, hypertron.loadgen; assert 'jax' not in sys.modules"

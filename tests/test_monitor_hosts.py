@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from hypertron.config import MonitorConfig, load_config
+from hypertron.launch.local import free_ports
 from hypertron.monitor import stragglers
 from hypertron.monitor.collector import Collector
 from hypertron.train import loop as train_loop
@@ -32,29 +33,6 @@ from hypertron.train import task as train_task
 
 TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
         "train.seq_len=16", "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
-
-
-def _free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free on loopback (checked, then released), below the kernel's
-    ephemeral range: a port the kernel handed out (another test's ``bind(0)``, any client
-    connection's local end) could be taken again before the process that is to listen on it
-    starts, and one lost port ends the whole 4-process job."""
-    rng = np.random.default_rng()
-    for _ in range(50):
-        base = int(rng.integers(20000, 32768 - n))  # Linux's ephemeral range starts at 32768 by default
-        socks = []
-        try:
-            for i in range(n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 def _get(url: str) -> str:
@@ -88,7 +66,7 @@ def test_straggler_scores_by_hand():
 def test_collector_samples_the_host_and_serves_prometheus(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    port = _free_ports(1)
+    port = free_ports(1)
     c = Collector(tmp_path, MonitorConfig(interval=0.05, h2d_every=2, h2d_bytes=1 << 16, port=port), process_index=0)
     c.begin(0, 10)
     for step in range(1, 11):
@@ -174,10 +152,10 @@ SLOW_PROCESS, DELAY, PROCESSES = 2, 0.25, 4
 def slowed_run(tmp_path_factory):
     """A 4-process run with process 2's data loading slowed; Prometheus scrapes it when installed."""
     root = tmp_path_factory.mktemp("hosts")
-    run, port = root / "run", _free_ports(PROCESSES)
+    run, port = root / "run", free_ports(PROCESSES)
     prom, seen, why = None, {}, ""
     if shutil.which("prometheus"):
-        prom_port = _free_ports(1)
+        prom_port = free_ports(1)
         targets = ", ".join(f"'127.0.0.1:{port + i}'" for i in range(PROCESSES))
         (root / "prometheus.yml").write_text(
             f"global: {{scrape_interval: 1s, scrape_timeout: 1s}}\n"

@@ -18,6 +18,7 @@ exits with the failing process's code.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,10 +32,37 @@ from hypertron.errors import UserError
 _GRACE_SECONDS = 15.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_start() -> int:
+    """Where the kernel starts handing out ports for ``bind(0)`` and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p+n-1 free on ``host`` (checked, then released), below the kernel's
+    ephemeral range: a port the kernel hands out (another ``bind(0)``, any connection's local end)
+    can be taken again before the process meant to listen on it starts, and one lost port ends a
+    whole multi-process job."""
+    rng = random.Random()
+    top = _ephemeral_start()
+    for _ in range(100):
+        base = rng.randrange(max(1024, top // 2), top - n)
+        socks = []
+        try:
+            for i in range(n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise OSError(f"no {n} consecutive free ports below {top} on {host}")
 
 
 def gpu_slices(gpus: list[str], processes: int) -> list[str]:
@@ -99,7 +127,7 @@ def launch_local(command: list[str], processes: int, cpu_devices: int | None = N
         raise UserError("launch local: give the command after --, e.g. -- train recipes/demo.yaml")
     found = [] if cpu_devices else parse_gpus(gpus)
     slices = gpu_slices(found, processes) if found and processes > 1 else [None] * processes
-    port = free_port()
+    port = free_ports()
     procs = []
     extra = env
     for i in range(processes):

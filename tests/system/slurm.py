@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from hypertron.launch.local import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 
@@ -25,12 +26,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "the test Slurm runs its daemons as root (SlurmUser=root)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """\
@@ -86,7 +81,8 @@ class LocalSlurm:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (r / "munge").chmod(0o700)
-        (r / "slurm.conf").write_text(CONF.format(root=r, ctld_port=_free_port(), slurmd_port=_free_port()))
+        port = free_ports(2)
+        (r / "slurm.conf").write_text(CONF.format(root=r, ctld_port=port, slurmd_port=port + 1))
         self._spawn(["munged", "--foreground", "--force", f"--socket={r}/munge.socket", f"--key-file={key}",
                      f"--pid-file={r}/munge/munged.pid", f"--log-file={r}/munge/munged.log",
                      f"--seed-file={r}/munge/munged.seed"], "munged.out")
