@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
+from hypertron.runfiles import sampled_metrics
+
 # The columns the monitor reads from events files; other fields are ignored.
 EVENT_COLUMNS = {
     "time": pa.float64(), "event": pa.string(), "step": pa.int64(), "step_time": pa.float64(),
@@ -34,12 +36,12 @@ PROGRESS_COLUMNS = {k: EVENT_COLUMNS[k] for k in ("time", "event", "step", "step
 JOB_START = b'"event": "job_start"'
 METRICS_COLUMNS = {"step": pa.int64(), "loss": pa.float64(), "eval_loss": pa.float64(), "time": pa.float64(),
                    "mfu": pa.float64(), "tokens_per_sec_per_device": pa.float64()}
-# host_metrics.<i>.jsonl (hypertron.monitor.collector): every figure is a number, or null.
-HOST_COLUMNS = {"time": pa.float64(), "step": pa.int64(), **{k: pa.float64() for k in (
-    "cpu_utilization_mean", "cpu_utilization_max", "host_memory_used_bytes", "rss_bytes",
-    "device_memory_used_bytes", "device_memory_peak_bytes", "device_memory_limit_bytes", "gpu_utilization",
-    "gpu_power_watts", "gpu_temperature_celsius", "network_sent_bytes", "network_received_bytes",
-    "data_wait_mean", "data_wait_max", "step_time_mean", "step_time_max", "h2d_seconds", "h2d_bytes")}}
+
+
+def host_columns() -> dict[str, pa.DataType]:
+    """The columns of host_metrics.<i>.jsonl (:data:`hypertron.runfiles.HOST_METRICS`): every
+    figure is a number, or null."""
+    return {"time": pa.float64(), "step": pa.int64(), **{m.key: pa.float64() for m in sampled_metrics()}}
 
 
 @dataclass
