@@ -17,22 +17,33 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 HOST_METRICS_FILE = re.compile(r"^host_metrics\.(\d+)\.jsonl$")  # one per process (docs/monitoring.md)
 
-# Every event name, in the order they usually occur within a job, with the fields each adds
-# to the common ones (time, event, process, step).
-EVENTS = (
-    "job_start",            # pid, host, process_count, argv
-    "backend_ready",        # platform, device_count, local_device_count, seconds (since job_start)
-    "checkpoint_skipped",   # step, reason: a checkpoint found unusable before restoring
-    "restore_start",        # step
-    "restore_end",          # step, seconds, data_restored (bool)
-    "first_step",           # step, seconds (since job_start: startup, restore and compile included)
-    "step",                 # step, step_time, data_wait (seconds); time = when the step ended
-    "eval",                 # step, loss, tokens, seconds
-    "checkpoint_save_start",  # step, reason: interval | final | preemption
-    "checkpoint_save_end",  # step, seconds (start to final on disk), blocking_seconds
-    "preemption",           # step, signal: the step reached when SIGTERM was seen
-    "job_end",              # step, status: completed | preempted | interrupted | failed, seconds
-)
+# Every field an event may carry, and its JSON type: the four every event has, then the others.
+EVENT_FIELDS: dict[str, type] = {
+    "time": float, "event": str, "process": int, "step": int,  # step: null before training starts
+    "pid": int, "host": str, "process_count": int, "argv": list, "platform": str, "device_count": int,
+    "local_device_count": int, "mesh": dict, "mesh_coords": list, "seconds": float, "reason": str,
+    "data_restored": bool, "step_time": float, "data_wait": float, "loss": float, "tokens": float, "auc": float,
+    "samples": float, "signal": str, "blocking_seconds": float, "status": str,
+}
+COMMON_FIELDS = ("time", "event", "process", "step")
+
+# Every event name, in the order they usually occur within a job, with the fields it adds to the
+# common ones.
+EVENTS: dict[str, tuple[str, ...]] = {
+    "job_start": ("pid", "host", "process_count", "argv"),
+    # seconds since job_start; mesh: axis sizes; mesh_coords: this process's devices' coordinates
+    "backend_ready": ("platform", "device_count", "local_device_count", "seconds", "mesh", "mesh_coords"),
+    "checkpoint_skipped": ("reason",),  # a checkpoint found unusable before restoring
+    "restore_start": (),
+    "restore_end": ("seconds", "data_restored"),
+    "first_step": ("seconds",),  # since job_start: startup, restore and compile included
+    "step": ("step_time", "data_wait"),  # seconds; time = when the step ended
+    "eval": ("loss", "tokens", "auc", "samples", "seconds"),  # the task's: tokens (lm), auc and samples (dlrm)
+    "checkpoint_save_start": ("reason",),  # interval | final | preemption
+    "checkpoint_save_end": ("seconds", "blocking_seconds"),  # start to final on disk; training's wait
+    "preemption": ("signal",),  # the step reached when SIGTERM was seen
+    "job_end": ("status", "seconds"),  # completed | preempted | interrupted | failed
+}
 
 _PROCESS_FILE = re.compile(r"^events(?:\.(\d+))?\.jsonl$")
 

@@ -213,6 +213,19 @@ def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monk
     assert calls == ["step", "step", "fetch"] + ["step", "fetch"] * 4 + ["fetch"]
     rows = [json.loads(line) for line in (tmp_path / "host_metrics.0.jsonl").read_text().splitlines()]
     assert sum(r["steps"] for r in rows) == 6 and any(r["h2d_seconds"] for r in rows)
+    _check_events(tmp_path / "events.jsonl")
+
+
+def _check_events(path):
+    """Every event has the common fields and only those ``runfiles.EVENTS`` gives it, each of its type in
+    ``runfiles.EVENT_FIELDS`` (a JSON integer where a float is said is one)."""
+    from hypertron import runfiles
+
+    for e in map(json.loads, path.read_text().splitlines()):
+        assert set(runfiles.COMMON_FIELDS) <= set(e) <= {*runfiles.COMMON_FIELDS, *runfiles.EVENTS[e["event"]]}, e
+        for k, v in e.items():
+            want = runfiles.EVENT_FIELDS[k]
+            assert isinstance(v, want) or (want is float and type(v) is int) or (k == "step" and v is None), (k, v)
 
 
 # --- 4 processes, one slowed, scraped by Prometheus ------------------------------------------
