@@ -10,6 +10,7 @@ loads the run's dashboard.
 from __future__ import annotations
 
 import html.parser
+import io
 import json
 import os
 import shutil
@@ -100,6 +101,55 @@ def test_collector_samples_the_host_and_serves_prometheus(tmp_path):
     assert rows[0]["device_memory_used_bytes"] is None if jax.default_backend() == "cpu" else True
 
 
+def test_a_metric_added_to_the_table_reaches_every_reader(tmp_path, monkeypatch):
+    """One record added to ``runfiles.HOST_METRICS`` and nothing else: the collector writes it and
+    serves it on /metrics, the report ranks the processes by it and prints it by its unit, and the
+    dashboard's data names it and prints it the same way."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from rich.console import Console
+
+    from hypertron import runfiles
+    from hypertron.monitor import dashboard, report as mon
+
+    widgets = [1 << 20]  # what the sampler reads: process 0's, then process 1's
+    fake = runfiles.Metric(key="widget_bytes", unit="bytes", help="a test's figure", label="widgets", outlier=True,
+                           prometheus="hypertron_widget_bytes", sample=lambda: widgets[0])
+    monkeypatch.setattr(runfiles, "HOST_METRICS", (*runfiles.HOST_METRICS, fake))
+    t0 = time.time() - 10
+    events = [{"time": t0, "event": "job_start", "step": None, "pid": 1, "host": "elsewhere", "process_count": 2},
+              {"time": t0 + 1, "event": "step", "step": 1, "step_time": 1.0, "data_wait": 0.01},
+              {"time": t0 + 2, "event": "job_end", "step": 1, "status": "completed", "seconds": 2.0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps({**e, "process": 0}) + "\n" for e in events))
+    port = _free_ports(1)
+    for index, value in ((0, 1 << 20), (1, 3 << 20)):
+        widgets[0] = value
+        c = Collector(tmp_path, MonitorConfig(interval=0.01, port=port if index == 0 else 0), process_index=index)
+        c.begin(0, 1)
+        deadline = time.time() + 10
+        while "widget_bytes" not in c.known:  # the first sample
+            assert time.time() < deadline, "no sample in 10 s"
+            time.sleep(0.01)
+        if index == 0:
+            families = {f.name: f for f in text_string_to_metric_families(_get(f"http://127.0.0.1:{port}/metrics"))}
+        c.finish("completed")
+
+    rows = [json.loads(line) for line in (tmp_path / "host_metrics.0.jsonl").read_text().splitlines()]
+    assert list(rows[0]) == ["time", "process", "step"] + [m.key for m in runfiles.sampled_metrics()]
+    assert {r["widget_bytes"] for r in rows} == {1 << 20}
+    family = families["hypertron_widget_bytes"]
+    assert (family.type, family.documentation, family.samples[0].value) == ("gauge", "a test's figure", 1 << 20)
+    rep = mon.build(tmp_path)
+    assert rep.analysis.outliers["widget_bytes"] == {"mean": [(1, 3 << 20), (0, 1 << 20)],
+                                                     "max": [(1, 3 << 20), (0, 1 << 20)]}
+    console = Console(width=200, file=io.StringIO())
+    console.print(mon.render(rep))
+    (line,) = [line for line in console.file.getvalue().splitlines() if line.strip().startswith("widgets")]
+    assert [cell.strip() for cell in line.split("│")] == ["widgets", "1: 3 MiB, 0: 1 MiB", "1: 3 MiB, 0: 1 MiB"]
+    d = dashboard.data(rep)
+    assert d["names"]["metrics"]["widget_bytes"] == "widgets"
+    assert d["outliers"]["widget_bytes"]["max"][0] == {"process": 1, "value": 3 << 20, "text": "3 MiB"}
+
+
 def test_a_taken_port_is_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +191,19 @@ def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monk
     assert calls == ["step", "step", "fetch"] + ["step", "fetch"] * 4 + ["fetch"]
     rows = [json.loads(line) for line in (tmp_path / "host_metrics.0.jsonl").read_text().splitlines()]
     assert sum(r["steps"] for r in rows) == 6 and any(r["h2d_seconds"] for r in rows)
+    _check_events(tmp_path / "events.jsonl")
+
+
+def _check_events(path):
+    """Every event has the common fields and only those ``runfiles.EVENTS`` gives it, each of its type in
+    ``runfiles.EVENT_FIELDS`` (a JSON integer where a float is said is one)."""
+    from hypertron import runfiles
+
+    for e in map(json.loads, path.read_text().splitlines()):
+        assert set(runfiles.COMMON_FIELDS) <= set(e) <= {*runfiles.COMMON_FIELDS, *runfiles.EVENTS[e["event"]]}, e
+        for k, v in e.items():
+            want = runfiles.EVENT_FIELDS[k]
+            assert isinstance(v, want) or (want is float and type(v) is int) or (k == "step" and v is None), (k, v)
 
 
 # --- 4 processes, one slowed, scraped by Prometheus ------------------------------------------

@@ -15,10 +15,11 @@ every ``monitor.interval`` seconds:
 * every ``monitor.h2d_every`` steps, the time to copy ``monitor.h2d_bytes`` to the first local
   device and wait for it: it blocks on the copy, so it is sampled, never timed every step.
 
-Each sample is a line of ``host_metrics.<i>.jsonl`` (schema in docs/monitoring.md). With
+Each sample is a line of ``host_metrics.<i>.jsonl``: the fields of
+:data:`hypertron.runfiles.HOST_METRICS` (docs/monitoring.md), null where not measured. With
 ``monitor.port=N`` process ``i`` also serves them to Prometheus on ``monitor.host:N+i``, read
-at scrape time from the latest sample (names end in their unit: ``_seconds``, ``_bytes``,
-``_ratio``, ``_total``; labels ``run``, ``host``, ``process``).
+at scrape time from each figure's last measured value, under the table's names (ending in their
+unit: ``_seconds``, ``_bytes``, ``_ratio``, ``_total``; labels ``run``, ``host``, ``process``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import numpy as np
 
 from hypertron.config import MonitorConfig
 from hypertron.errors import UserError
-from hypertron.runfiles import host_metrics_path
+from hypertron import runfiles
+from hypertron.runfiles import Metric, host_metrics_path
 from hypertron.tracker import Tracker
 
 
@@ -46,7 +48,7 @@ class Collector(Tracker):
         self.run_dir, self.cfg = Path(run_dir), cfg or MonitorConfig()
         self.index = process_index  # None: jax.process_index() when the loop begins
         self.labels = {"run": self.run_dir.name, "host": socket.gethostname(), "process": ""}
-        self.latest: dict[str, Any] = {}  # the last sample, what Prometheus is shown
+        self.known: dict[str, Any] = {}  # each figure's last measured value, what Prometheus is shown
         self.last_step: dict[str, Any] = {}
         self._steps: list[tuple[int, float | None, float | None]] = []  # (step, data_wait, step_time)
         self._steps_total = 0
@@ -54,7 +56,6 @@ class Collector(Tracker):
         self._stop = threading.Event()
         self._thread = self._file = self._server = None
         self._h2d_at = None  # the step of the last transfer timing
-        self.last_h2d: float | None = None  # its seconds
         self._nvml = None
 
     # --- the tracker interface -----------------------------------------------------------
@@ -118,35 +119,37 @@ class Collector(Tracker):
                     warned = True
 
     def _sample(self) -> dict[str, Any]:
-        import psutil
-
+        """One line of host_metrics.<i>.jsonl: ``runfiles.HOST_METRICS``'s fields, null where not measured."""
         with self._lock:
             steps, self._steps = self._steps, []
             last = self.last_step.get("step")
+        figures = {**self._host_figures(), **_device_memory(self._devices), **_gpu_figures(self._nvml),
+                   **_step_figures(steps), **self._h2d_figures(last)}
+        metrics = runfiles.sampled_metrics()
+        figures.update({m.key: m.sample() for m in metrics if m.sample is not None})
+        row = {"time": time.time(), "process": self.index, "step": last, **{m.key: figures.get(m.key) for m in metrics}}
+        self._file.write(json.dumps(row) + "\n")
+        # A figure measured now and then (a copy's time) is shown as of the last time it was.
+        self.known = {**self.known, **{k: v for k, v in row.items() if v is not None}}
+        return row
+
+    def _host_figures(self) -> dict[str, Any]:
+        import psutil
+
         cores = psutil.cpu_percent(percpu=True)
         net = psutil.net_io_counters()
-        row: dict[str, Any] = {
-            "time": time.time(), "process": self.index, "step": last,
-            "cpu_utilization_mean": float(np.mean(cores)) / 100 if cores else None,
-            "cpu_utilization_max": float(np.max(cores)) / 100 if cores else None,
-            "host_memory_used_bytes": psutil.virtual_memory().used,
-            "rss_bytes": self._proc.memory_info().rss,
-            **_device_memory(self._devices), **_gpu_figures(self._nvml),
-            "network_sent_bytes": net.bytes_sent if net else None,
-            "network_received_bytes": net.bytes_recv if net else None,
-            "steps": len(steps),
-        }
-        for name, k in (("data_wait", 1), ("step_time", 2)):
-            xs = [s[k] for s in steps if s[k] is not None]
-            row[f"{name}_mean"] = float(np.mean(xs)) if xs else None
-            row[f"{name}_max"] = float(np.max(xs)) if xs else None
-        row["h2d_seconds"] = row["h2d_bytes"] = None
-        if self.cfg.h2d_every and last is not None and last - self._h2d_at >= self.cfg.h2d_every:
-            row["h2d_seconds"], row["h2d_bytes"] = self._time_h2d(), self._buffer.nbytes
-            self._h2d_at, self.last_h2d = last, row["h2d_seconds"]
-        self._file.write(json.dumps(row) + "\n")
-        self.latest = row
-        return row
+        return {"cpu_utilization_mean": float(np.mean(cores)) / 100 if cores else None,
+                "cpu_utilization_max": float(np.max(cores)) / 100 if cores else None,
+                "host_memory_used_bytes": psutil.virtual_memory().used, "rss_bytes": self._proc.memory_info().rss,
+                "network_sent_bytes": net.bytes_sent if net else None,
+                "network_received_bytes": net.bytes_recv if net else None}
+
+    def _h2d_figures(self, last: int | None) -> dict[str, Any]:
+        """Every ``h2d_every`` steps, the time to copy the buffer to the first device and its bytes."""
+        if not (self.cfg.h2d_every and last is not None and last - self._h2d_at >= self.cfg.h2d_every):
+            return {}
+        self._h2d_at = last
+        return {"h2d_seconds": self._time_h2d(), "h2d_bytes": self._buffer.nbytes}
 
     def _time_h2d(self) -> float:
         import jax
@@ -170,30 +173,15 @@ class Collector(Tracker):
                             f"{self.cfg.host}:{port} ({e.strerror or e})") from None
 
 
-# What Prometheus is shown: (name, help, kind, sample key or a function of the collector).
-_EXPOSED = (
-    ("hypertron_step", "the last finished step", "gauge", lambda c: c.last_step.get("step")),
-    ("hypertron_steps_total", "steps finished by this process in this job", "counter", lambda c: c._steps_total),
-    ("hypertron_loss", "the training loss of the last step", "gauge", lambda c: c.last_step.get("loss")),
-    ("hypertron_step_time_seconds", "the last step's time", "gauge", lambda c: c.last_step.get("step_time")),
-    ("hypertron_data_wait_seconds", "the last step's wait for its batch", "gauge",
-     lambda c: c.last_step.get("data_wait")),
-    ("hypertron_host_to_device_seconds", "the last timed host-to-device copy", "gauge", lambda c: c.last_h2d),
-    ("hypertron_host_cpu_utilization_ratio", "host CPU utilisation, mean over cores", "gauge",
-     "cpu_utilization_mean"),
-    ("hypertron_host_cpu_max_utilization_ratio", "host CPU utilisation of the busiest core", "gauge",
-     "cpu_utilization_max"),
-    ("hypertron_host_memory_used_bytes", "host memory in use", "gauge", "host_memory_used_bytes"),
-    ("hypertron_process_rss_bytes", "this process's resident memory", "gauge", "rss_bytes"),
-    ("hypertron_device_memory_used_bytes", "accelerator memory in use (this process's devices)", "gauge",
-     "device_memory_used_bytes"),
-    ("hypertron_device_memory_peak_bytes", "peak accelerator memory in use", "gauge", "device_memory_peak_bytes"),
-    ("hypertron_gpu_utilization_ratio", "GPU utilisation (NVML), mean over this process's GPUs", "gauge",
-     "gpu_utilization"),
-    ("hypertron_gpu_power_watts", "GPU power draw (NVML), summed", "gauge", "gpu_power_watts"),
-    ("hypertron_gpu_temperature_celsius", "GPU temperature (NVML), the hottest", "gauge", "gpu_temperature_celsius"),
-    ("hypertron_network_sent_bytes_total", "bytes the host sent", "counter", "network_sent_bytes"),
-    ("hypertron_network_received_bytes_total", "bytes the host received", "counter", "network_received_bytes"),
+# What Prometheus is shown of the last step, from the loop (the host's figures are HOST_METRICS').
+_LAST_STEP = (
+    Metric(key="step", unit="count", help="the last finished step", prometheus="hypertron_step"),
+    Metric(key="steps_total", unit="count", help="steps finished by this process in this job",
+           prometheus="hypertron_steps_total", kind="counter"),
+    Metric(key="loss", unit="number", help="the training loss of the last step", prometheus="hypertron_loss"),
+    Metric(key="step_time", unit="seconds", help="the last step's time", prometheus="hypertron_step_time_seconds"),
+    Metric(key="data_wait", unit="seconds", help="the last step's wait for its batch",
+           prometheus="hypertron_data_wait_seconds"),
 )
 
 
@@ -207,15 +195,15 @@ class _Exposition:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         names, values = list(self.c.labels), list(self.c.labels.values())
-        latest = self.c.latest
-        for name, doc, kind, source in _EXPOSED:
-            value = source(self.c) if callable(source) else latest.get(source)
-            if value is None:
+        figures = {**self.c.known, **self.c.last_step, "steps_total": self.c._steps_total}
+        for m in (*_LAST_STEP, *runfiles.HOST_METRICS):
+            value = figures.get(m.key)
+            if m.prometheus is None or value is None:
                 continue
-            if kind == "counter":
-                family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=names)
+            if m.kind == "counter":
+                family = CounterMetricFamily(m.prometheus.removesuffix("_total"), m.help, labels=names)
             else:
-                family = GaugeMetricFamily(name, doc, labels=names)
+                family = GaugeMetricFamily(m.prometheus, m.help, labels=names)
             family.add_metric(values, float(value))
             yield family
 
@@ -261,4 +249,14 @@ def _gpu_figures(handles) -> dict[str, Any]:
                                              for h in handles)
     except Exception:  # a figure this GPU does not report
         pass
+    return out
+
+
+def _step_figures(steps: list[tuple[int, float | None, float | None]]) -> dict[str, Any]:
+    """How many steps finished since the last sample, and their data waits' and step times' mean and max."""
+    out: dict[str, Any] = {"steps": len(steps)}
+    for name, k in (("data_wait", 1), ("step_time", 2)):
+        xs = [s[k] for s in steps if s[k] is not None]
+        out[f"{name}_mean"] = float(np.mean(xs)) if xs else None
+        out[f"{name}_max"] = float(np.max(xs)) if xs else None
     return out

@@ -25,7 +25,7 @@ import numpy as np
 
 from hypertron.monitor import stragglers
 from hypertron.monitor.goodput import BADPUT, LABELS, PRODUCTIVE, RUNNING
-from hypertron.monitor.report import _METRIC_NAMES, _TITLES, MonitorError, Report, to_json
+from hypertron.monitor.report import _TITLES, MonitorError, Report, describe_metric, metric_names, to_json
 
 POINTS, BINS = 1000, 60
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -46,6 +46,9 @@ def plotly_script() -> Path:
 def data(report: Report, points: int = POINTS, bins: int = BINS) -> dict[str, Any]:
     """Everything the page draws, as JSON-ready values (NaN as null)."""
     out = to_json(report)
+    for metric, ranks in out.get("outliers", {}).items():  # printed here, as the report prints them
+        for row in (r for rows in ranks.values() for r in rows):
+            row["text"] = describe_metric(metric, row["value"])
     out["status"] = report.goodput.jobs[-1].status if report.goodput else None
     out["running"] = out["status"] == RUNNING
     out["curves"] = _curves(report, points)
@@ -60,7 +63,7 @@ def data(report: Report, points: int = POINTS, bins: int = BINS) -> dict[str, An
     out["heatmaps"] = {"step_time": _heatmap(report, edges, "step_times"),
                        "data_wait": _heatmap(report, edges, "data_waits")}
     out["timeline"] = _timeline(report, edges)
-    out["names"] = {"causes": {k: _TITLES.get(k, k) for k in LABELS}, "metrics": _METRIC_NAMES}
+    out["names"] = {"causes": {k: _TITLES.get(k, k) for k in LABELS}, "metrics": metric_names()}
     return _clean(out)
 
 

@@ -21,25 +21,30 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-# The columns the monitor reads from events files; other fields are ignored.
-EVENT_COLUMNS = {
-    "time": pa.float64(), "event": pa.string(), "step": pa.int64(), "step_time": pa.float64(),
-    "data_wait": pa.float64(), "seconds": pa.float64(), "blocking_seconds": pa.float64(),
-    "status": pa.string(), "pid": pa.int64(), "host": pa.string(), "reason": pa.string(),
-    "loss": pa.float64(), "process_count": pa.int64(),
-}
+from hypertron.runfiles import EVENT_FIELDS, sampled_metrics
+
+_ARROW = {float: pa.float64(), int: pa.int64(), str: pa.string()}
+
+
+def _event_columns(*names: str) -> dict[str, pa.DataType]:
+    return {k: _ARROW[EVENT_FIELDS[k]] for k in names}
+
+
+# The columns the monitor reads from events files (their types: runfiles.EVENT_FIELDS); other fields are ignored.
+EVENT_COLUMNS = _event_columns("time", "event", "step", "step_time", "data_wait", "seconds", "blocking_seconds",
+                               "status", "pid", "host", "reason", "loss", "process_count")
 # What a process other than 0 is read for: its progress, step times, data waits and job ends (its job_start lines are
 # picked out whole, for their pid and host: few strings make pyarrow faster).
-PROGRESS_COLUMNS = {k: EVENT_COLUMNS[k] for k in ("time", "event", "step", "step_time", "data_wait", "status")}
+PROGRESS_COLUMNS = _event_columns("time", "event", "step", "step_time", "data_wait", "status")
 JOB_START = b'"event": "job_start"'
 METRICS_COLUMNS = {"step": pa.int64(), "loss": pa.float64(), "eval_loss": pa.float64(), "time": pa.float64(),
                    "mfu": pa.float64(), "tokens_per_sec_per_device": pa.float64()}
-# host_metrics.<i>.jsonl (hypertron.monitor.collector): every figure is a number, or null.
-HOST_COLUMNS = {"time": pa.float64(), "step": pa.int64(), **{k: pa.float64() for k in (
-    "cpu_utilization_mean", "cpu_utilization_max", "host_memory_used_bytes", "rss_bytes",
-    "device_memory_used_bytes", "device_memory_peak_bytes", "device_memory_limit_bytes", "gpu_utilization",
-    "gpu_power_watts", "gpu_temperature_celsius", "network_sent_bytes", "network_received_bytes",
-    "data_wait_mean", "data_wait_max", "step_time_mean", "step_time_max", "h2d_seconds", "h2d_bytes")}}
+
+
+def host_columns() -> dict[str, pa.DataType]:
+    """The columns of host_metrics.<i>.jsonl (:data:`hypertron.runfiles.HOST_METRICS`): every
+    figure is a number, or null."""
+    return {"time": pa.float64(), "step": pa.int64(), **{m.key: pa.float64() for m in sampled_metrics()}}
 
 
 @dataclass

@@ -26,7 +26,8 @@ from hypertron.errors import UserError
 from hypertron.units import describe_bytes, describe_duration, describe_seconds
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
 from hypertron.monitor import stragglers
-from hypertron.monitor.read import EVENT_COLUMNS, Columns, HOST_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, read_jsonl
+from hypertron.monitor.read import (EVENT_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, Columns,
+                                    host_columns, read_jsonl)
 from hypertron.runfiles import METRICS_FILE, event_files, host_metrics_files
 
 HANG_FACTOR, HANG_MIN = 10.0, 60.0
@@ -126,14 +127,14 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HA
     _loss_alarms(report, run_dir / METRICS_FILE)
     hosts = {}
     for index, path in host_metrics_files(run_dir).items():
-        hosts[index] = read_jsonl(path, HOST_COLUMNS)
+        hosts[index] = read_jsonl(path, host_columns())
         _count_bad(report, path, hosts[index].bad_lines)
     report.analysis = stragglers.analyse(per_process, hosts, window, straggler_threshold, top)
     for s in report.analysis.scores:
         if s.straggler:
             report.alarms.append(
                 f"straggler: process {s.process}'s {s.metric} is {describe_seconds(s.current)} (median of its last "
-                f"{min(s.samples, stragglers.SCORED[s.metric][0])}); relative score {s.relative:.2f}, "
+                f"{min(s.samples, stragglers.scored()[s.metric][0])}); relative score {s.relative:.2f}, "
                 f"individual {s.individual:.2f} (under {straggler_threshold:g})")
     return report
 
@@ -313,13 +314,14 @@ def _render_analysis(a: stragglers.Analysis) -> list[Any]:
     from rich.table import Table
 
     parts: list[Any] = []
+    names = metric_names()
     if len({s.process for s in a.scores}) > 1:
         t = Table(title="straggler scores (1 = the fastest / its own best; under the threshold: straggler)",
                   title_justify="left", show_edge=False)
         for col in ("process", "metric", "median now", "best", "relative", "own", ""):
             t.add_column(col, justify="right" if col not in ("metric", "") else "left")
         for s in a.scores:
-            t.add_row(str(s.process), _METRIC_NAMES.get(s.metric, s.metric), describe_seconds(s.current),
+            t.add_row(str(s.process), names.get(s.metric, s.metric), describe_seconds(s.current),
                       describe_seconds(s.best), f"{s.relative:.2f}", f"{s.individual:.2f}",
                       "straggler" if s.straggler else "", style="red" if s.straggler else "")
         parts.append(t)
@@ -330,26 +332,26 @@ def _render_analysis(a: stragglers.Analysis) -> list[Any]:
         t.add_column("by mean")
         t.add_column("by max")
         for m, d in a.outliers.items():
-            fmt = lambda rows: ", ".join(f"{p}: {_value(m, v)}" for p, v in rows)
-            t.add_row(_METRIC_NAMES.get(m, m), fmt(d["mean"]), fmt(d["max"]))
+            fmt = lambda rows: ", ".join(f"{p}: {describe_metric(m, v)}" for p, v in rows)
+            t.add_row(names.get(m, m), fmt(d["mean"]), fmt(d["max"]))
         parts.append(t)
     return parts
 
 
-_METRIC_NAMES = {"data_wait": "data wait", "h2d_seconds": "host to device", "cpu_utilization_mean": "CPU (mean)",
-                 "cpu_utilization_max": "CPU (busiest core)", "host_memory_used_bytes": "host memory",
-                 "rss_bytes": "process RSS", "device_memory_used_bytes": "device memory",
-                 "device_memory_peak_bytes": "device memory peak", "gpu_utilization": "GPU utilisation",
-                 "gpu_power_watts": "GPU power (W)", "gpu_temperature_celsius": "GPU temperature (C)",
-                 "network_sent_bytes_per_second": "network sent", "network_received_bytes_per_second": "network received"}
+def metric_names() -> dict[str, str]:
+    """What the report and the dashboard call each metric (:func:`stragglers.metrics`), by key."""
+    return {k: m.label or k for k, m in stragglers.metrics().items()}
 
 
-def _value(metric: str, v: float) -> str:
-    if "bytes" in metric:
-        return describe_bytes(v, per_second=metric.endswith("per_second"))
-    if metric in ("data_wait", "h2d_seconds"):
+def describe_metric(metric: str, v: float) -> str:
+    """A value of ``metric`` for people, by its unit: ``1.5 GiB``, ``12.5 ms``, ``87%``, ``312``."""
+    known = stragglers.metrics().get(metric)
+    unit = known.unit if known else None
+    if unit in ("bytes", "bytes/s"):
+        return describe_bytes(v, per_second=unit == "bytes/s")
+    if unit == "seconds":
         return describe_seconds(v)
-    if "utilization" in metric:
+    if unit == "ratio":
         return f"{100 * v:.0f}%"
     return f"{v:.3g}"
 

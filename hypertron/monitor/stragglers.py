@@ -3,7 +3,7 @@
 In synchronous data parallelism every process takes the same step time (they wait for each
 other in the collectives), so a slow process shows in what it does alone before a step: its
 wait for the next batch (``data_wait`` of its step events) and its host-to-device copies
-(``h2d_seconds`` of its host samples, :mod:`hypertron.monitor.collector`). For each of those
+(the copy times of its host samples, :mod:`hypertron.monitor.collector`). For each of those
 and each process, after nvidia-resiliency-ext's straggler scores:
 
 * **current** = the median of its last ``window`` values (default 100 steps; 5 copy timings; a
@@ -18,6 +18,9 @@ and each process, after nvidia-resiliency-ext's straggler scores:
 **Outliers**, as the Cloud TPU/GPU monitoring dashboards' "Outliers [MEAN]" and "[MAX]"
 tiles: per metric, the top ``top`` processes by their mean and by their max over the window
 (the report's ``--since``/``--window``, else the run's last job).
+
+Which metrics are scored and ranked, their windows and floors, is said by their records:
+:data:`DATA_WAIT` and :data:`hypertron.runfiles.HOST_METRICS`.
 """
 
 from __future__ import annotations
@@ -27,20 +30,31 @@ from typing import Any
 
 import numpy as np
 
+from hypertron import runfiles
 from hypertron.monitor.goodput import Job
 from hypertron.monitor.read import Columns
+from hypertron.runfiles import Metric
 
 THRESHOLD, TOP = 0.75, 5
-# metric: (values per score window, floor in seconds)
-SCORED = {"data_wait": (100, 0.010), "h2d_seconds": (5, 0.005)}
-# Host-sample metrics ranked for outliers (beside data_wait, from the step events), and the
-# counters turned into rates first.
-OUTLIER_METRICS = ("data_wait", "h2d_seconds", "cpu_utilization_mean", "cpu_utilization_max",
-                   "host_memory_used_bytes", "rss_bytes", "device_memory_used_bytes", "device_memory_peak_bytes",
-                   "gpu_utilization", "gpu_power_watts", "gpu_temperature_celsius",
-                   "network_sent_bytes_per_second", "network_received_bytes_per_second")
-RATES = {"network_sent_bytes_per_second": "network_sent_bytes",
-         "network_received_bytes_per_second": "network_received_bytes"}
+# The step events' data wait, ranked and scored beside the host metrics (runfiles.HOST_METRICS).
+DATA_WAIT = Metric(key="data_wait", unit="seconds", help="a step's wait for its batch (its step event)",
+                   label="data wait", outlier=True, straggler=(100, 0.010))
+
+
+def metrics() -> dict[str, Metric]:
+    """Every metric the analysis knows, by key: the data wait, then the host metrics."""
+    return {m.key: m for m in (DATA_WAIT, *runfiles.HOST_METRICS)}
+
+
+def scored() -> dict[str, tuple[int, float]]:
+    """The metrics scored for stragglers: (values per score window, floor in seconds)."""
+    return {k: m.straggler for k, m in metrics().items() if m.straggler}
+
+
+def ranked() -> list[Metric]:
+    """The metrics ranked for outliers, those scored for stragglers first; the host counters are
+    ranked by their rates (a metric with ``rate_of``)."""
+    return sorted((m for m in metrics().values() if m.outlier), key=lambda m: m.straggler is None)
 
 
 @dataclass
@@ -78,7 +92,7 @@ def block_medians(values: np.ndarray, window: int) -> np.ndarray:
 def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHOLD,
           window: int | None = None, floor: float | None = None) -> list[Score]:
     """The straggler scores of every process with values of ``metric`` (its time-ordered series)."""
-    w, f = SCORED[metric]
+    w, f = scored()[metric]
     w, f = window or w, f if floor is None else floor
     medians = {p: block_medians(v[np.isfinite(v)], w) for p, v in series.items()}
     medians = {p: m for p, m in medians.items() if len(m)}
@@ -103,27 +117,24 @@ def analyse(jobs: dict[int, list[Job]], hosts: dict[int, Columns], window: tuple
     # pipeline's start (goodput's synchronous data loading): only the later ones are compared.
     waits = {p: (np.concatenate([j.ends[1:] for j in js]), np.concatenate([j.data_waits[1:] for j in js]))
              for p, js in jobs.items() if js}
-    out.scores += score({p: v for p, (_, v) in waits.items()}, "data_wait", threshold)
-    h2d = {p: h["h2d_seconds"][np.isfinite(h["h2d_seconds"])] for p, h in hosts.items()}
-    out.scores += score({p: v for p, v in h2d.items() if len(v)}, "h2d_seconds", threshold)
+    out.scores += score({p: v for p, (_, v) in waits.items()}, DATA_WAIT.key, threshold)
+    for m in runfiles.HOST_METRICS:
+        if m.straggler:
+            values = {p: h[m.key][np.isfinite(h[m.key])] for p, h in hosts.items()}
+            out.scores += score({p: v for p, v in values.items() if len(v)}, m.key, threshold)
 
     last_start = jobs[0][-1].start if jobs.get(0) else -np.inf  # process 0's last job
     lo, hi = window if window is not None else (last_start, np.inf)
-    series: dict[str, dict[int, np.ndarray]] = {m: {} for m in OUTLIER_METRICS}
+    outliers = ranked()
+    series: dict[str, dict[int, np.ndarray]] = {m.key: {} for m in outliers}
     for p, (t, v) in waits.items():
-        series["data_wait"][p] = v[(t >= lo) & (t <= hi)]
+        series[DATA_WAIT.key][p] = v[(t >= lo) & (t <= hi)]
     for p, h in hosts.items():
         t = h["time"]
         keep = (t >= lo) & (t <= hi)
-        for m in OUTLIER_METRICS:
-            if m in RATES:
-                c = h[RATES[m]]
-                rate = np.full(len(t), np.nan)
-                rate[1:] = np.diff(c) / np.maximum(np.diff(t), 1e-9)
-                rate[1:][np.diff(c) < 0] = np.nan  # a counter reset (a reboot)
-                series[m][p] = rate[keep]
-            elif m in h.data:
-                series[m][p] = h[m][keep]
+        for m in outliers:
+            if m is not DATA_WAIT:
+                series[m.key][p] = (_rate(h[m.rate_of], t) if m.rate_of else h[m.key])[keep]
     for m, per in series.items():
         stats = {p: v[np.isfinite(v)] for p, v in per.items()}
         stats = {p: v for p, v in stats.items() if len(v)}
@@ -131,6 +142,14 @@ def analyse(jobs: dict[int, list[Job]], hosts: dict[int, Columns], window: tuple
             by = lambda f: sorted(((p, float(f(v))) for p, v in stats.items()), key=lambda x: (-x[1], x[0]))[:top]
             out.outliers[m] = {"mean": by(np.mean), "max": by(np.max)}
     return out
+
+
+def _rate(counter: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """A counter's rate per second between consecutive samples (NaN at the first and at a reset)."""
+    rate = np.full(len(t), np.nan)
+    rate[1:] = np.diff(counter) / np.maximum(np.diff(t), 1e-9)
+    rate[1:][np.diff(counter) < 0] = np.nan  # a counter reset (a reboot)
+    return rate
 
 
 def to_json(a: Analysis) -> dict[str, Any]:
