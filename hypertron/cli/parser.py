@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
         "docs/memory.md has the formulas.")
     pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
-    pl.add_argument("--hardware", default="h100", help="h100, h100-pcie, h100-nvl, h200, a100, tpu-v5p, tpu-v5e, "
-                    "tpu-v6e or cpu (default %(default)s)")
+    pl.add_argument("--hardware", default="h100", help="the accelerator: a name in the hardware table "
+                    "(default %(default)s; a name not in it lists them)")
     pl.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)

@@ -55,21 +55,16 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hypertron.config import ConfigError
     from hypertron.embed import plan as planner
-    from hypertron.units import describe_bytes
-    from hypertron.models.hardware import HARDWARE, host_memory_per_device
     from hypertron.recsys import dlrm
+    from hypertron.units import describe_bytes
 
-    if args.hardware not in HARDWARE:
-        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[args.hardware]
-    devices = args.devices or hw.per_node
+    devices, device_memory = _devices(args)
     d = cfg.dlrm
     tables, features = dlrm.table_specs(d, d.placement)
     sizes = dlrm.sizes(d)
     dense = 4 * sizes["dense_params"] * (1 if d.optimizer == "sgd" else 2)  # replicated: parameters (+ Adagrad)
-    memory = int(hw.memory or host_memory_per_device(devices)) - dense
+    memory = int(device_memory) - dense
     p = planner.plan(tables, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
                      shards=devices, batch=cfg.train.global_batch, device_bytes=max(memory, 1))
     if args.json:
@@ -84,6 +79,16 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
             highlight=False)
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits else 1
+
+
+def _devices(args: argparse.Namespace) -> tuple[int, float]:
+    """``--devices`` of ``--hardware`` (default: one node's) and the bytes of each one's memory
+    (``--device-memory`` where given; ``cpu``: this host's, shared)."""
+    from hypertron.models.hardware import host_memory_per_device, lookup
+
+    hw = lookup(args.hardware)
+    devices = args.devices or hw.per_node
+    return devices, getattr(args, "device_memory", None) or hw.memory or host_memory_per_device(devices)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -150,19 +155,14 @@ def cmd_embed_plan(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hypertron.config import ConfigError, read_yaml
+    from hypertron.config import read_yaml
     from hypertron.embed import plan as planner
-    from hypertron.models.hardware import HARDWARE, host_memory_per_device
 
     doc = read_yaml(args.spec, "embedding tables file")
     tables, features, per, batch = planner.load(doc, args.spec)
     if args.batch is not None:
         batch = args.batch
-    if args.hardware not in HARDWARE:
-        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[args.hardware]
-    devices = args.devices or hw.per_node
-    memory = args.device_memory or hw.memory or host_memory_per_device(devices)
+    devices, memory = _devices(args)
     p = planner.plan(tables, features, per, shards=devices, batch=batch, device_bytes=int(memory))
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
