@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
+import os
 
-from hypertron.config import ServeConfig, choices, load_serve_config
+from hypertron.cli.flags import add_dataclass_flags, flag
+from hypertron.config import ServeConfig, load_serve_config
 
 
 # The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
@@ -41,28 +42,54 @@ _SERVE_FLAGS: dict[str, dict] = {
 }
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`ServeConfig` field; a flag not given is left out of the namespace, so
-    that a ``--config`` file's value stands unless a flag overrides it."""
-    hints = typing.get_type_hints(ServeConfig)
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``bench serve`` to ``sub``."""
+    sv = sub.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
+        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.",
+    )
+    sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
+                    "with _ for -: max_slots: 16); flags given override it")
     missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
     assert not missing, f"ServeConfig fields and serve flags differ: {missing}"
-    for field in dataclasses.fields(ServeConfig):
-        tp = hints[field.name]
-        kind = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # int | None -> int
-        options = dict(_SERVE_FLAGS[field.name], default=argparse.SUPPRESS)
-        aliases = options.pop("aliases", ())
-        if typing.get_origin(tp) is typing.Literal:
-            options["choices"] = choices(tp)
-        elif kind is int:
-            options["type"] = int
-        if field.default not in (None, ""):
-            options["help"] = (options.get("help", "") + f" (default {field.default})").strip()
-        parser.add_argument(_flag(field.name), *aliases, dest=field.name, **options)
+    # A flag not given is left out of the namespace, so that a --config file's value stands.
+    add_dataclass_flags(sv, ServeConfig, _SERVE_FLAGS, given_only=True, show_default=True)
+    sv.set_defaults(func=cmd_serve)
+    _add_bench(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks")
+    what = b.add_subparsers(dest="what", required=True)
+    bs = what.add_parser(
+        "serve", help="load-test an OpenAI-compatible completions server",
+        description="Send streaming POST /v1/completions requests to any OpenAI-compatible server, "
+        "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
+        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).",
+    )
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL", help="default %(default)s")
+    bs.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
+                    help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    bs.add_argument("--model", help="default: the first id from GET /v1/models")
+    bs.add_argument("--num-requests", type=int, default=100, metavar="N", help="default %(default)s")
+    bs.add_argument("--request-rate", type=float, metavar="R",
+                    help="Poisson arrivals, requests/s; inf = all at once (the default)")
+    bs.add_argument("--concurrency", type=int, metavar="N", help="keep N requests in flight instead")
+    bs.add_argument("--prompts", metavar="FILE", help='JSONL: {"prompt": str or [token ids], '
+                    '"max_tokens"?: int} per line, cycled (default: random token-id prompts)')
+    bs.add_argument("--random-input-len", type=int, metavar="L", help="random prompt length (default 128)")
+    bs.add_argument("--random-vocab-low", type=int, default=3, metavar="ID", help="default %(default)s")
+    bs.add_argument("--random-vocab-high", type=int, default=259, metavar="ID", help="exclusive, default %(default)s")
+    bs.add_argument("--max-tokens", type=int, default=128, metavar="M",
+                    help="per request, unless its prompts line says (default %(default)s)")
+    bs.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0 (greedy)")
+    bs.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (an extension)')
+    bs.add_argument("--seed", type=int, default=0, metavar="S", help="for the arrival times and random prompts")
+    bs.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds to connect, or between two reads of a stream (default %(default)s)")
+    bs.add_argument("--output", metavar="FILE", help="write the report as JSON")
+    bs.set_defaults(func=cmd_bench_serve)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -71,7 +98,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     given = {k: v for k, v in vars(args).items() if k in _SERVE_FLAGS}
 
     def name(key: str) -> str:
-        return f"{args.config}: {key}" if args.config and key not in given else _flag(key)
+        return f"{args.config}: {key}" if args.config and key not in given else flag(key)
 
     return load_serve_config(args.config, given, name)
 

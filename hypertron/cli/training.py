@@ -6,6 +6,102 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hypertron.cli.flags import bytes_arg
+from hypertron.config import TOKENIZABLE_SOURCES, choices
+from hypertron.config.schema import WeightQuantization
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``train``, ``plan``, ``generate``, ``convert``, ``embed plan`` and ``tokenize`` to ``sub``."""
+    for add in (_add_train, _add_plan, _add_generate, _add_convert, _add_embed, _add_tokenize):
+        add(sub)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "train", help="train a model",
+        description="Train a model. Arguments: an optional YAML recipe, then key=value overrides "
+        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.",
+    )
+    t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    t.set_defaults(func=cmd_train)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser(
+        "plan", help="memory per device, compute and communication time of a training config, before launch",
+        description="Plan a training run on hardware you may not have: per-device memory (parameters, "
+        "gradients, optimiser state exact; activations estimated), compute time at the device's peak, "
+        "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
+        "docs/memory.md has the formulas.")
+    pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    pl.add_argument("--hardware", default="h100", help="the accelerator: a name in the hardware table "
+                    "(default %(default)s; a name not in it lists them)")
+    pl.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
+    g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",
+                   help="run directory (its latest checkpoint) or Hugging Face model directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
+                   help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
+    g.set_defaults(func=cmd_generate)
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
+    c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
+    c.add_argument("--out", metavar="DIR", help="model bundle to write (with --from-hf): a new or empty directory")
+    c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
+    c.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
+                   help="model bundle or run directory to export (with --to-hf)")
+    c.set_defaults(func=cmd_convert)
+
+
+def _add_embed(sub: argparse._SubParsersAction) -> None:
+    em = sub.add_parser("embed", help="sharded embedding tables")
+    ema = em.add_subparsers(dest="action", required=True)
+    ep = ema.add_parser(
+        "plan", help="where each embedding table goes over the devices, and why",
+        description="Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) "
+        "table-wise, row-wise or column-wise over the devices: bytes held per device, ids and bytes exchanged "
+        "per step, the reason for each choice. A table's placement set in the file is kept. Exit 1 when the "
+        "tables do not fit.")
+    ep.add_argument("spec", metavar="SPEC.yaml")
+    ep.add_argument("--hardware", default="h100", help="the device, for its memory (default %(default)s; "
+                    "cpu: this host's memory shared by the devices)")
+    ep.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    ep.add_argument("--device-memory", type=bytes_arg, default=None, metavar="BYTES",
+                    help="memory per device for the tables (e.g. 60GB), in place of the hardware's")
+    ep.add_argument("--batch", type=int, default=None, metavar="N", help="samples per step, in place of the file's")
+    ep.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ep.set_defaults(func=cmd_embed_plan)
+
+
+def _add_tokenize(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser(
+        "tokenize", help="pre-tokenise a corpus for data.source=tokens",
+        description="Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with "
+        "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
+        "must be new or an empty directory.",
+    )
+    k.add_argument("--source", required=True, choices=TOKENIZABLE_SOURCES)
+    k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
+    k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
+    k.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json (or its directory) "
+                   "or a SentencePiece .model")
+    k.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    k.set_defaults(func=cmd_tokenize)
+
 
 def _config(args: argparse.Namespace):
     """The config of ``[RECIPE] key=value ...`` (train, plan)."""
@@ -125,6 +221,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from hypertron.config import ConfigError
     from hypertron.models import bundle, hf
 
+    if args.from_hf and not args.out:
+        raise ConfigError("convert --from-hf needs --out DIR")
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
     if args.from_hf:
@@ -169,20 +267,6 @@ def cmd_embed_plan(args: argparse.Namespace) -> int:
     else:
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits else 1
-
-
-def _bytes_arg(text: str) -> int:
-    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6,
-             "gb": 1e9, "tb": 1e12}
-    number = text.rstrip("bBkKmMgGtTiI ")
-    unit = text[len(number):].strip().lower()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r}: not a size (e.g. 80GB, 16GiB, 1e9)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return int(value)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
