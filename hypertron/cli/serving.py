@@ -9,6 +9,7 @@ import os
 
 from hypertron.cli.flags import add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
+from hypertron.loadgen import BenchSettings
 
 
 # The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
@@ -68,27 +69,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
         "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).",
     )
-    bs.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL", help="default %(default)s")
-    bs.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
-                    help="sent as a Bearer token (default: $OPENAI_API_KEY)")
-    bs.add_argument("--model", help="default: the first id from GET /v1/models")
-    bs.add_argument("--num-requests", type=int, default=100, metavar="N", help="default %(default)s")
-    bs.add_argument("--request-rate", type=float, metavar="R",
-                    help="Poisson arrivals, requests/s; inf = all at once (the default)")
-    bs.add_argument("--concurrency", type=int, metavar="N", help="keep N requests in flight instead")
-    bs.add_argument("--prompts", metavar="FILE", help='JSONL: {"prompt": str or [token ids], '
-                    '"max_tokens"?: int} per line, cycled (default: random token-id prompts)')
-    bs.add_argument("--random-input-len", type=int, metavar="L", help="random prompt length (default 128)")
-    bs.add_argument("--random-vocab-low", type=int, default=3, metavar="ID", help="default %(default)s")
-    bs.add_argument("--random-vocab-high", type=int, default=259, metavar="ID", help="exclusive, default %(default)s")
-    bs.add_argument("--max-tokens", type=int, default=128, metavar="M",
-                    help="per request, unless its prompts line says (default %(default)s)")
-    bs.add_argument("--temperature", type=float, default=0.0, metavar="T", help="default 0 (greedy)")
-    bs.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (an extension)')
-    bs.add_argument("--seed", type=int, default=0, metavar="S", help="for the arrival times and random prompts")
-    bs.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
-                    help="seconds to connect, or between two reads of a stream (default %(default)s)")
-    bs.add_argument("--output", metavar="FILE", help="write the report as JSON")
+    # The key's default is the environment's, read when the flags are made.
+    add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY"))})
     bs.set_defaults(func=cmd_bench_serve)
 
 
@@ -111,9 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from hypertron.loadgen import BenchSettings, bench_serve
+    from hypertron.loadgen import bench_serve
 
     names = {f.name for f in dataclasses.fields(BenchSettings)}
     return bench_serve(BenchSettings(**{k: v for k, v in vars(args).items() if k in names}))
