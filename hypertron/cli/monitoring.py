@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from hypertron.cli.flags import add_dataclass_flags
+from hypertron.monitor.settings import ReportSettings
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``monitor`` to ``sub``."""
@@ -23,14 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Unix time, or a duration before now such as 2h)")
     mo.add_argument("--window", metavar="DURATION", help="the window's length (90s, 30m, 2h); alone: "
                     "the last DURATION")
-    mo.add_argument("--hang-factor", type=float, default=10.0, metavar="K",
-                    help="hung: no step for K x the ideal step time (default %(default)s)...")
-    mo.add_argument("--hang-min", type=float, default=60.0, metavar="S",
-                    help="...and at least S seconds (default %(default)s)")
-    mo.add_argument("--straggler-threshold", type=float, default=0.75, metavar="R",
-                    help="a process scoring under R is a straggler (default %(default)s)")
-    mo.add_argument("--top", type=int, default=5, metavar="N",
-                    help="outliers: the top N processes per metric (default %(default)s)")
+    add_dataclass_flags(mo, ReportSettings)
     mo.add_argument("--serve", action="store_true",
                     help="serve a live dashboard of the run (one page, updated while it runs)")
     mo.add_argument("--host", default="127.0.0.1", help="--serve: the address to listen on (default %(default)s; "

@@ -29,8 +29,8 @@ import numpy as np
 
 from hypertron.monitor.goodput import Job
 from hypertron.monitor.read import Columns
+from hypertron.monitor.settings import DEFAULTS
 
-THRESHOLD, TOP = 0.75, 5
 # metric: (values per score window, floor in seconds)
 SCORED = {"data_wait": (100, 0.010), "h2d_seconds": (5, 0.005)}
 # Host-sample metrics ranked for outliers (beside data_wait, from the step events), and the
@@ -75,7 +75,7 @@ def block_medians(values: np.ndarray, window: int) -> np.ndarray:
     return np.median(tail.reshape(-1, window), axis=1)
 
 
-def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHOLD,
+def score(series: dict[int, np.ndarray], metric: str, threshold: float = DEFAULTS.straggler_threshold,
           window: int | None = None, floor: float | None = None) -> list[Score]:
     """The straggler scores of every process with values of ``metric`` (its time-ordered series)."""
     w, f = SCORED[metric]
@@ -95,7 +95,7 @@ def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHO
 
 
 def analyse(jobs: dict[int, list[Job]], hosts: dict[int, Columns], window: tuple[float, float] | None = None,
-            threshold: float = THRESHOLD, top: int = TOP) -> Analysis:
+            threshold: float = DEFAULTS.straggler_threshold, top: int = DEFAULTS.top) -> Analysis:
     """Scores and outliers from each process's jobs (:func:`hypertron.monitor.goodput.split_jobs`:
     their step ends and data waits) and host samples (``host_metrics.<i>.jsonl`` columns)."""
     out = Analysis()
