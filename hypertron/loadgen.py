@@ -43,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hypertron.config import flag_field
 from hypertron.errors import UserError
 
 if TYPE_CHECKING:
@@ -57,36 +58,31 @@ DEFAULT_INPUT_LEN = 128
 _ARRIVAL_STREAM, _PROMPT_STREAM = 0, 1
 
 
-def _option(default, help: str, metavar: str | None = None):
-    """A setting's field with its ``--flag``'s help and metavar (``hypertron.cli.flags`` reads them)."""
-    return field(default=default, metadata={"help": help} | ({"metavar": metavar} if metavar else {}))
-
-
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
     """What ``hypertron bench serve`` was asked to do: one field per command-line option, whose
     flag (``num_requests`` is ``--num-requests``), default and help are the field's."""
 
-    base_url: str = _option("http://127.0.0.1:8000", "default %(default)s", "URL")
-    api_key: str | None = _option(None, "sent as a Bearer token (default: $OPENAI_API_KEY)", "KEY")
-    model: str | None = _option(None, "default: the first id from GET /v1/models")
-    num_requests: int = _option(100, "default %(default)s", "N")
-    request_rate: float | None = _option(  # None (and no concurrency) = inf
+    base_url: str = flag_field("http://127.0.0.1:8000", "default %(default)s", "URL")
+    api_key: str | None = flag_field(None, "sent as a Bearer token (default: $OPENAI_API_KEY)", "KEY")
+    model: str | None = flag_field(None, "default: the first id from GET /v1/models")
+    num_requests: int = flag_field(100, "default %(default)s", "N")
+    request_rate: float | None = flag_field(  # None (and no concurrency) = inf
         None, "Poisson arrivals, requests/s; inf = all at once (the default)", "R")
-    concurrency: int | None = _option(None, "keep N requests in flight instead", "N")
-    prompts: str | None = _option(None, 'JSONL: {"prompt": str or [token ids], "max_tokens"?: int} per line, '
-                                  "cycled (default: random token-id prompts)", "FILE")
-    random_input_len: int | None = _option(None, f"random prompt length (default {DEFAULT_INPUT_LEN})", "L")
+    concurrency: int | None = flag_field(None, "keep N requests in flight instead", "N")
+    prompts: str | None = flag_field(None, 'JSONL: {"prompt": str or [token ids], "max_tokens"?: int} per line, '
+                                     "cycled (default: random token-id prompts)", "FILE")
+    random_input_len: int | None = flag_field(None, f"random prompt length (default {DEFAULT_INPUT_LEN})", "L")
     # ids 3..258 exist in every vocabulary hypertron ships and are not the usual special ids 0..2
-    random_vocab_low: int = _option(3, "default %(default)s", "ID")
-    random_vocab_high: int = _option(259, "exclusive, default %(default)s", "ID")
-    max_tokens: int = _option(128, "per request, unless its prompts line says (default %(default)s)", "M")
-    temperature: float = _option(0.0, "default 0 (greedy)", "T")
-    ignore_eos: bool = _option(False, 'send "ignore_eos": true (an extension)')
-    seed: int = _option(0, "for the arrival times and random prompts", "S")
-    request_timeout: float = _option(  # per connect / read / write
+    random_vocab_low: int = flag_field(3, "default %(default)s", "ID")
+    random_vocab_high: int = flag_field(259, "exclusive, default %(default)s", "ID")
+    max_tokens: int = flag_field(128, "per request, unless its prompts line says (default %(default)s)", "M")
+    temperature: float = flag_field(0.0, "default 0 (greedy)", "T")
+    ignore_eos: bool = flag_field(False, 'send "ignore_eos": true (an extension)')
+    seed: int = flag_field(0, "for the arrival times and random prompts", "S")
+    request_timeout: float = flag_field(  # per connect / read / write
         600.0, "seconds to connect, or between two reads of a stream (default %(default)s)", "S")
-    output: str | None = _option(None, "write the report as JSON", "FILE")
+    output: str | None = flag_field(None, "write the report as JSON", "FILE")
 
     def validate(self) -> None:
         """Raise :class:`UserError` naming the first impossible option."""

@@ -28,7 +28,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options
     """One flag per field of the dataclass ``settings``, in field order: ``--field-name``, its
     default the field's, its ``choices`` a ``Literal`` type's, its type ``int`` or ``float`` (``X | None``
     as ``X``), a ``bool`` a switch. Help, metavar, ``aliases`` and any other ``add_argument`` option
-    come from the field's ``metadata``, overridden by ``options[field name]``.
+    come from the field's ``metadata`` (:func:`hypertron.config.flag_field` puts them there),
+    overridden by ``options[field name]``.
 
     ``given_only``: a flag not given is left out of the namespace (its default is a file's, or the
     dataclass's later); ``show_default``: the help ends with ``(default X)`` where X is not None."""

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def _option(default, metavar: str, help: str):
-    """A setting's field with its ``--flag``'s help and metavar (``hypertron.cli.flags`` reads them)."""
-    return field(default=default, metadata={"metavar": metavar, "help": help})
+from hypertron.config import flag_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,10 +18,10 @@ class ReportSettings:
     ``straggler_threshold``: a process whose relative or individual score is under it is a
     straggler; ``top``: the outliers are the top ``top`` processes per metric."""
 
-    hang_factor: float = _option(10.0, "K", "hung: no step for K x the ideal step time (default %(default)s)...")
-    hang_min: float = _option(60.0, "S", "...and at least S seconds (default %(default)s)")
-    straggler_threshold: float = _option(0.75, "R", "a process scoring under R is a straggler (default %(default)s)")
-    top: int = _option(5, "N", "outliers: the top N processes per metric (default %(default)s)")
+    hang_factor: float = flag_field(10.0, "hung: no step for K x the ideal step time (default %(default)s)...", "K")
+    hang_min: float = flag_field(60.0, "...and at least S seconds (default %(default)s)", "S")
+    straggler_threshold: float = flag_field(0.75, "a process scoring under R is a straggler (default %(default)s)", "R")
+    top: int = flag_field(5, "outliers: the top N processes per metric (default %(default)s)", "N")
 
 
 DEFAULTS = ReportSettings()
