@@ -78,7 +78,8 @@ def _add_workload_create(wla: argparse._SubParsersAction) -> None:
         "with --output). key=value overrides after the options change the recipe. docs/launch.md shows the objects.")
     wc.add_argument("name", metavar="NAME", help="the workload's name (a DNS label; its pods' host names must "
                     "stay within 57 characters)")
-    wc.add_argument("--recipe", required=True, metavar="R", help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
+    wc.add_argument("--recipe", required=True, metavar="R",
+                    help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
     wc.add_argument("--nodes", type=int, default=None, metavar="N", help="default: the recipe's")
     wc.add_argument("--image", metavar="IMG", help="the container image with hypertron installed "
                     "(default: $HYPERTRON_IMAGE)")
