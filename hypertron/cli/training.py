@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from hypertron.cli.flags import bytes_arg
-from hypertron.config import TOKENIZABLE_SOURCES, choices
+from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
 from hypertron.config.schema import WeightQuantization
 
 
@@ -188,7 +188,6 @@ def _devices(args: argparse.Namespace) -> tuple[int, float]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hypertron.config import ConfigError
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_model
 
@@ -215,16 +214,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from hypertron.checkpoint import load_params
-    from hypertron.config import ConfigError
-    from hypertron.models import bundle, hf
-
     if args.from_hf and not args.out:
         raise ConfigError("convert --from-hf needs --out DIR")
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
+    from pathlib import Path
+
+    from hypertron.checkpoint import load_params
+    from hypertron.models import bundle, hf
+
     if args.from_hf:
         out = Path(args.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
