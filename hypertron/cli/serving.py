@@ -1,5 +1,6 @@
-"""``hypertron serve`` and ``bench serve``: one flag per :class:`ServeConfig` field, and the load
-generator."""
+"""``hypertron serve`` and ``bench serve``: one flag per :class:`ServeConfig` field (their help
+written here), and one per :class:`~hypertron.loadgen.BenchSettings` field (help and all the field's)
+for the load generator."""
 
 from __future__ import annotations
 
