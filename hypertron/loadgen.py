@@ -32,7 +32,6 @@ httpx, talks to any server, ours included, and imports no JAX.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
@@ -42,11 +41,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-import numpy as np
-
+from hypertron.config import flag_field
 from hypertron.errors import UserError
+
+if TYPE_CHECKING:
+    import httpx
+    import numpy as np
+# asyncio, httpx and numpy are imported where they are used: the CLI reads BenchSettings to make
+# `bench serve`'s flags whatever the command, and every command's start would pay for them.
 
 DEFAULT_INPUT_LEN = 128
 # Random prompt streams: arrivals and prompt ids come from separate generators of one
@@ -56,24 +60,29 @@ _ARRIVAL_STREAM, _PROMPT_STREAM = 0, 1
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSettings:
-    """What ``hypertron bench serve`` was asked to do (one field per command-line option)."""
+    """What ``hypertron bench serve`` was asked to do: one field per command-line option, whose
+    flag (``num_requests`` is ``--num-requests``), default and help are the field's."""
 
-    base_url: str = "http://127.0.0.1:8000"
-    model: str | None = None  # None: the first id of GET /v1/models
-    api_key: str | None = None
-    num_requests: int = 100
-    request_rate: float | None = None  # requests/s; None (and no concurrency) = inf
-    concurrency: int | None = None
-    prompts: str | None = None  # JSONL file; None: random token-id prompts
-    random_input_len: int | None = None  # None: DEFAULT_INPUT_LEN
-    random_vocab_low: int = 3  # ids 3..258 exist in every vocabulary hypertron ships
-    random_vocab_high: int = 259  # and are not the usual special ids 0..2
-    max_tokens: int = 128
-    temperature: float = 0.0
-    ignore_eos: bool = False
-    seed: int = 0
-    request_timeout: float = 600.0  # seconds, per connect / read / write
-    output: str | None = None  # JSON report path
+    base_url: str = flag_field("http://127.0.0.1:8000", "default %(default)s", "URL")
+    api_key: str | None = flag_field(None, "sent as a Bearer token (default: $OPENAI_API_KEY)", "KEY")
+    model: str | None = flag_field(None, "default: the first id from GET /v1/models")
+    num_requests: int = flag_field(100, "default %(default)s", "N")
+    request_rate: float | None = flag_field(  # None (and no concurrency) = inf
+        None, "Poisson arrivals, requests/s; inf = all at once (the default)", "R")
+    concurrency: int | None = flag_field(None, "keep N requests in flight instead", "N")
+    prompts: str | None = flag_field(None, 'JSONL: {"prompt": str or [token ids], "max_tokens"?: int} per line, '
+                                     "cycled (default: random token-id prompts)", "FILE")
+    random_input_len: int | None = flag_field(None, f"random prompt length (default {DEFAULT_INPUT_LEN})", "L")
+    # ids 3..258 exist in every vocabulary hypertron ships and are not the usual special ids 0..2
+    random_vocab_low: int = flag_field(3, "default %(default)s", "ID")
+    random_vocab_high: int = flag_field(259, "exclusive, default %(default)s", "ID")
+    max_tokens: int = flag_field(128, "per request, unless its prompts line says (default %(default)s)", "M")
+    temperature: float = flag_field(0.0, "default 0 (greedy)", "T")
+    ignore_eos: bool = flag_field(False, 'send "ignore_eos": true (an extension)')
+    seed: int = flag_field(0, "for the arrival times and random prompts", "S")
+    request_timeout: float = flag_field(  # per connect / read / write
+        600.0, "seconds to connect, or between two reads of a stream (default %(default)s)", "S")
+    output: str | None = flag_field(None, "write the report as JSON", "FILE")
 
     def validate(self) -> None:
         """Raise :class:`UserError` naming the first impossible option."""
@@ -190,6 +199,8 @@ def arrival_schedule(num_requests: int, rate: float, seed: int) -> np.ndarray:
     """Send times [num_requests] in seconds after the start of a Poisson process of ``rate``
     requests/s: the first at 0, then exponential gaps of mean ``1 / rate``; all 0 when ``rate``
     is inf. The same seed gives the same schedule."""
+    import numpy as np
+
     if math.isinf(rate):
         return np.zeros(num_requests)
     rng = np.random.default_rng([seed, _ARRIVAL_STREAM])
@@ -199,6 +210,8 @@ def arrival_schedule(num_requests: int, rate: float, seed: int) -> np.ndarray:
 
 def random_prompts(num: int, input_len: int, low: int, high: int, max_tokens: int, seed: int) -> list[Prompt]:
     """``num`` prompts of ``input_len`` token ids drawn uniformly from [low, high)."""
+    import numpy as np
+
     rng = np.random.default_rng([seed, _PROMPT_STREAM])
     ids = rng.integers(low, high, size=(num, input_len))
     return [Prompt(row.tolist(), max_tokens) for row in ids]
@@ -313,6 +326,8 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord) -> dict | None:
 async def send_request(client: httpx.AsyncClient, index: int, prompt: Prompt, body: dict) -> RequestRecord:
     """POST one streaming completion (``body`` plus this prompt) and record its timings; never
     raises for a failed request, it records the failure instead."""
+    import httpx
+
     rec = RequestRecord(index=index)
     usage = None
     payload = {**body, "prompt": prompt.prompt, "max_tokens": prompt.max_tokens}
@@ -347,6 +362,8 @@ def api_root(base_url: str) -> str:
 async def resolve_model(client: httpx.AsyncClient, settings: BenchSettings) -> str:
     """Check the server answers (GET /v1/models) and return the model to ask for: ``--model``,
     else the first listed id. Raises :class:`UserError` when it cannot."""
+    import httpx
+
     where = f"{api_root(settings.base_url)}/v1/models"
     try:
         resp = await client.get("/v1/models")
@@ -384,6 +401,8 @@ async def run_benchmark(
 ) -> BenchRun:
     """Send ``settings.num_requests`` requests (request i gets ``prompts[i]``) on the Poisson
     schedule or at fixed concurrency; ``on_done`` is called as each one finishes."""
+    import httpx
+
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     # No connection cap: a pool limit would queue requests on the client and count the wait as TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -412,6 +431,8 @@ async def run_benchmark(
 async def _at_concurrency(one, num_requests: int, concurrency: int) -> list[RequestRecord]:
     """``concurrency`` workers share one iterator of indices: each sends its next request as soon
     as its last one ends, so exactly that many are in flight until the indices run out."""
+    import asyncio
+
     indices = iter(range(num_requests))
     records: list[RequestRecord] = []
 
@@ -424,6 +445,8 @@ async def _at_concurrency(one, num_requests: int, concurrency: int) -> list[Requ
 
 
 async def _on_schedule(one, offsets: np.ndarray, t0: float) -> list[RequestRecord]:
+    import asyncio
+
     tasks = []
     for i, offset in enumerate(offsets):
         delay = t0 + float(offset) - time.perf_counter()
@@ -439,6 +462,8 @@ async def _on_schedule(one, offsets: np.ndarray, t0: float) -> list[RequestRecor
 def latency_stats_ms(values_s: list[float]) -> dict[str, float | None]:
     """Mean, p50, p90, p99 in milliseconds of durations in seconds (linear-interpolated
     percentiles, numpy's default); all None for no values."""
+    import numpy as np
+
     if not values_s:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
@@ -530,6 +555,8 @@ def print_report(report: dict, console) -> None:
 def bench_serve(settings: BenchSettings) -> int:
     """``hypertron bench serve``: validate, run with a progress bar, print the tables, write the
     JSON report if asked. Returns the exit code: 0, or 1 when no request completed."""
+    import asyncio
+
     from rich.console import Console
     from rich.progress import Progress
 

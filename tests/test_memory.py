@@ -180,3 +180,12 @@ def test_plan_prints_the_breakdown_and_a_predicted_step(capsys):
     assert "does not fit" in capsys.readouterr().out
     assert cli.main(["plan", "--hardware", "b300"]) == 2
     assert "--hardware='b300': not one of h100" in capsys.readouterr().err
+
+
+def test_a_hardware_name_is_looked_up_in_the_table_and_an_unknown_one_lists_its_names():
+    from hypertron.config import ConfigError
+
+    assert hardware.lookup("h100") is hardware.HARDWARE["h100"]
+    with pytest.raises(ConfigError) as e:
+        hardware.lookup("b300")
+    assert str(e.value) == "--hardware='b300': not one of " + ", ".join(hardware.HARDWARE)

@@ -25,7 +25,7 @@ SETTINGS = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "
 
 
 def _flags(settings: dict) -> list[str]:
-    return [arg for key, value in settings.items() for arg in (cli._flag(key), str(value))]
+    return [arg for key, value in settings.items() for arg in (cli.flag(key), str(value))]
 
 
 def _config(argv: list[str]) -> ServeConfig:

@@ -7,7 +7,113 @@ import argparse
 import os
 import sys
 
+from hypertron.cli.flags import add_output_flags
 from hypertron.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``launch local``, ``recipes``, ``workload ...`` and ``cluster setup`` to ``sub``."""
+    for add in (_add_launch, _add_recipes, _add_workload, _add_cluster):
+        add(sub)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    la = sub.add_parser("launch", help="run a command as several cooperating processes")
+    where = la.add_subparsers(dest="where", required=True)
+    lo = where.add_parser(
+        "local", help="N processes on this machine (jax.distributed over 127.0.0.1)",
+        description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
+        "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.",
+    )
+    lo.add_argument("--processes", type=int, metavar="N")
+    lo.add_argument("--recipe", metavar="R", help="train this recipe as its processes (nodes x processes per node), "
+                    "with its environment; key=value overrides may follow")
+    lo.add_argument("--gpus", metavar="N_OR_LIST", help="split these GPUs (a count or 0,1,2,3) over the processes, "
+                    "each its own CUDA_VISIBLE_DEVICES slice (default: the launcher's CUDA_VISIBLE_DEVICES)")
+    lo.add_argument("--cpu-devices", type=int, default=None, metavar="K",
+                    help="run on the CPU with K simulated devices per process")
+    lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    lo.set_defaults(func=cmd_launch)
+
+
+def _add_recipes(sub: argparse._SubParsersAction) -> None:
+    rc = sub.add_parser(
+        "recipes", help="the recipes per model x machine, with their predicted memory per device",
+        description="List the recipes (recipes/<machine>/<model>.yaml) with their machine, node count, mesh and "
+        "the memory model's prediction per device; with a NAME, its XLA flags and environment with their reasons "
+        "and its whole plan.")
+    rc.add_argument("name", nargs="?", metavar="NAME", help="one recipe, e.g. a3mega-h100/llama3.1-70b")
+    rc.add_argument("--nodes", type=int, default=None, metavar="N", help="on N nodes (default: each recipe's own)")
+    rc.add_argument("--json", action="store_true", help="print as JSON")
+    rc.add_argument("--config", action="store_true", help="with NAME: also print the resolved config as YAML")
+    rc.set_defaults(func=cmd_recipes)
+
+
+def _add_workload(sub: argparse._SubParsersAction) -> None:
+    wl = sub.add_parser("workload", help="training workloads on Kubernetes (JobSet + Kueue) or Slurm (sbatch)")
+    wla = wl.add_subparsers(dest="action", required=True)
+    _add_workload_create(wla)
+    for action, text in (("list", "hypertron's workloads and their state"), ("describe", "a workload's state and pods"),
+                         ("logs", "a process's log"), ("delete", "delete a workload (its checkpoints stay)")):
+        a = wla.add_parser(action, help=text)
+        if action != "list":
+            a.add_argument("name", metavar="NAME")
+        if action == "logs":
+            a.add_argument("--process", type=int, default=0, metavar="I", help="default %(default)s")
+            a.add_argument("--storage", metavar="DIR", help="--scheduler slurm: as at create (default runs)")
+        a.add_argument("--namespace", default="default", help="default %(default)s")
+    for a in wla.choices.values():
+        a.add_argument("--scheduler", choices=("kubernetes", "slurm"), default="kubernetes",
+                       help="a JobSet on Kubernetes, or an sbatch job on Slurm (default %(default)s)")
+    wl.set_defaults(func=cmd_workload)
+
+
+def _add_workload_create(wla: argparse._SubParsersAction) -> None:
+    from hypertron.launch.machines import PRIORITIES
+
+    wc = wla.add_parser(
+        "create", help="render, validate and submit a recipe as a JobSet",
+        description="Render a recipe as a ConfigMap (the resolved recipe) and a JobSet of one pod per node, "
+        "validate both strictly, print them, and submit them (or only print them with --dry-run, or write them "
+        "with --output). key=value overrides after the options change the recipe. docs/launch.md shows the objects.")
+    wc.add_argument("name", metavar="NAME", help="the workload's name (a DNS label; its pods' host names must "
+                    "stay within 57 characters)")
+    wc.add_argument("--recipe", required=True, metavar="R",
+                    help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
+    wc.add_argument("--nodes", type=int, default=None, metavar="N", help="default: the recipe's")
+    wc.add_argument("--image", metavar="IMG", help="the container image with hypertron installed "
+                    "(default: $HYPERTRON_IMAGE)")
+    wc.add_argument("--priority", default="medium", metavar="P",
+                    help=f"{', '.join(PRIORITIES)} (default %(default)s)")
+    wc.add_argument("--max-restarts", type=int, default=10, metavar="K",
+                    help="gang restarts before the workload fails; each preemption or eviction uses one "
+                    "(default %(default)s)")
+    wc.add_argument("--queue", default="hypertron", metavar="Q", help="the Kueue LocalQueue (default %(default)s)")
+    wc.add_argument("--storage", metavar="WHERE", help="where the run directory lives: pvc:CLAIM or gs://BUCKET; "
+                    "with --scheduler slurm, a directory on the shared file system (default runs)")
+    wc.add_argument("--partition", metavar="P", help="--scheduler slurm: the partition (default: the cluster's)")
+    wc.add_argument("--time", metavar="T", help="--scheduler slurm: the time limit (minutes, HH:MM:SS, D-HH:MM)")
+    wc.add_argument("--namespace", default="default", help="default %(default)s")
+    add_output_flags(wc, "submit")
+    wc.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    from hypertron.launch.machines import MACHINES
+
+    cl = sub.add_parser("cluster", help="a cluster's queueing objects (Kueue and priority classes)")
+    cla = cl.add_subparsers(dest="action", required=True)
+    cs = cla.add_parser(
+        "setup", help="Kueue's ResourceFlavor, ClusterQueue and LocalQueue, and five PriorityClasses",
+        description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
+        "and JobSet installed: a ResourceFlavor for the machine, a ClusterQueue with a quota of --nodes of them, "
+        "the LocalQueue workloads name, and the PriorityClasses very-low .. very-high.")
+    cs.add_argument("--hardware", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
+    cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
+    cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
+    cs.add_argument("--namespace", default="default", help="the LocalQueue's (default %(default)s)")
+    add_output_flags(cs, "apply")
+    cl.set_defaults(func=cmd_cluster)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -221,9 +327,3 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
     objects = k8s.cluster_objects(machines.machine(args.hardware), args.nodes, args.queue, args.namespace)
     return _render_or_apply(objects, args, "applied", create_only=False)
-
-
-def _add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:
-    out = parser.add_mutually_exclusive_group()
-    out.add_argument("--dry-run", action="store_true", help=f"print the objects; {verb} nothing")
-    out.add_argument("--output", metavar="FILE", help=f"write the objects to a new FILE; {verb} nothing")

@@ -1,13 +1,16 @@
-"""``hypertron serve`` and ``bench serve``: one flag per :class:`ServeConfig` field, and the load
-generator."""
+"""``hypertron serve`` and ``bench serve``: one flag per :class:`ServeConfig` field (their help
+written here), and one per :class:`~hypertron.loadgen.BenchSettings` field (help and all the field's)
+for the load generator."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
+import os
 
-from hypertron.config import ServeConfig, choices, load_serve_config
+from hypertron.cli.flags import add_dataclass_flags, flag
+from hypertron.config import ServeConfig, load_serve_config
+from hypertron.loadgen import BenchSettings
 
 
 # The flags of `hypertron serve`, one per ServeConfig key (`max_slots` is --max-slots): their types,
@@ -41,28 +44,35 @@ _SERVE_FLAGS: dict[str, dict] = {
 }
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`ServeConfig` field; a flag not given is left out of the namespace, so
-    that a ``--config`` file's value stands unless a flag overrides it."""
-    hints = typing.get_type_hints(ServeConfig)
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``bench serve`` to ``sub``."""
+    sv = sub.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
+        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.",
+    )
+    sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
+                    "with _ for -: max_slots: 16); flags given override it")
     missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
     assert not missing, f"ServeConfig fields and serve flags differ: {missing}"
-    for field in dataclasses.fields(ServeConfig):
-        tp = hints[field.name]
-        kind = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # int | None -> int
-        options = dict(_SERVE_FLAGS[field.name], default=argparse.SUPPRESS)
-        aliases = options.pop("aliases", ())
-        if typing.get_origin(tp) is typing.Literal:
-            options["choices"] = choices(tp)
-        elif kind is int:
-            options["type"] = int
-        if field.default not in (None, ""):
-            options["help"] = (options.get("help", "") + f" (default {field.default})").strip()
-        parser.add_argument(_flag(field.name), *aliases, dest=field.name, **options)
+    # A flag not given is left out of the namespace, so that a --config file's value stands.
+    add_dataclass_flags(sv, ServeConfig, _SERVE_FLAGS, given_only=True, show_default=True)
+    sv.set_defaults(func=cmd_serve)
+    _add_bench(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks")
+    what = b.add_subparsers(dest="what", required=True)
+    bs = what.add_parser(
+        "serve", help="load-test an OpenAI-compatible completions server",
+        description="Send streaming POST /v1/completions requests to any OpenAI-compatible server, "
+        "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
+        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).",
+    )
+    # The key's default is the environment's, read when the flags are made.
+    add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY"))})
+    bs.set_defaults(func=cmd_bench_serve)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -71,7 +81,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     given = {k: v for k, v in vars(args).items() if k in _SERVE_FLAGS}
 
     def name(key: str) -> str:
-        return f"{args.config}: {key}" if args.config and key not in given else _flag(key)
+        return f"{args.config}: {key}" if args.config and key not in given else flag(key)
 
     return load_serve_config(args.config, given, name)
 
@@ -84,9 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from hypertron.loadgen import BenchSettings, bench_serve
+    from hypertron.loadgen import bench_serve
 
     names = {f.name for f in dataclasses.fields(BenchSettings)}
     return bench_serve(BenchSettings(**{k: v for k, v in vars(args).items() if k in names}))

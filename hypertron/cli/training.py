@@ -6,6 +6,102 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hypertron.cli.flags import bytes_arg
+from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
+from hypertron.config.schema import WeightQuantization
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``train``, ``plan``, ``generate``, ``convert``, ``embed plan`` and ``tokenize`` to ``sub``."""
+    for add in (_add_train, _add_plan, _add_generate, _add_convert, _add_embed, _add_tokenize):
+        add(sub)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "train", help="train a model",
+        description="Train a model. Arguments: an optional YAML recipe, then key=value overrides "
+        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.",
+    )
+    t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    t.set_defaults(func=cmd_train)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser(
+        "plan", help="memory per device, compute and communication time of a training config, before launch",
+        description="Plan a training run on hardware you may not have: per-device memory (parameters, "
+        "gradients, optimiser state exact; activations estimated), compute time at the device's peak, "
+        "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
+        "docs/memory.md has the formulas.")
+    pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    pl.add_argument("--hardware", default="h100", help="the accelerator: a name in the hardware table "
+                    "(default %(default)s; a name not in it lists them)")
+    pl.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
+    g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",
+                   help="run directory (its latest checkpoint) or Hugging Face model directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
+                   help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
+    g.set_defaults(func=cmd_generate)
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
+    c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
+    c.add_argument("--out", metavar="DIR", help="model bundle to write (with --from-hf): a new or empty directory")
+    c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
+    c.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
+                   help="model bundle or run directory to export (with --to-hf)")
+    c.set_defaults(func=cmd_convert)
+
+
+def _add_embed(sub: argparse._SubParsersAction) -> None:
+    em = sub.add_parser("embed", help="sharded embedding tables")
+    ema = em.add_subparsers(dest="action", required=True)
+    ep = ema.add_parser(
+        "plan", help="where each embedding table goes over the devices, and why",
+        description="Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) "
+        "table-wise, row-wise or column-wise over the devices: bytes held per device, ids and bytes exchanged "
+        "per step, the reason for each choice. A table's placement set in the file is kept. Exit 1 when the "
+        "tables do not fit.")
+    ep.add_argument("spec", metavar="SPEC.yaml")
+    ep.add_argument("--hardware", default="h100", help="the device, for its memory (default %(default)s; "
+                    "cpu: this host's memory shared by the devices)")
+    ep.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    ep.add_argument("--device-memory", type=bytes_arg, default=None, metavar="BYTES",
+                    help="memory per device for the tables (e.g. 60GB), in place of the hardware's")
+    ep.add_argument("--batch", type=int, default=None, metavar="N", help="samples per step, in place of the file's")
+    ep.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ep.set_defaults(func=cmd_embed_plan)
+
+
+def _add_tokenize(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser(
+        "tokenize", help="pre-tokenise a corpus for data.source=tokens",
+        description="Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with "
+        "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
+        "must be new or an empty directory.",
+    )
+    k.add_argument("--source", required=True, choices=TOKENIZABLE_SOURCES)
+    k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
+    k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
+    k.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json (or its directory) "
+                   "or a SentencePiece .model")
+    k.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    k.set_defaults(func=cmd_tokenize)
+
 
 def _config(args: argparse.Namespace):
     """The config of ``[RECIPE] key=value ...`` (train, plan)."""
@@ -55,21 +151,16 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hypertron.config import ConfigError
     from hypertron.embed import plan as planner
-    from hypertron.units import describe_bytes
-    from hypertron.models.hardware import HARDWARE, host_memory_per_device
     from hypertron.recsys import dlrm
+    from hypertron.units import describe_bytes
 
-    if args.hardware not in HARDWARE:
-        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[args.hardware]
-    devices = args.devices or hw.per_node
+    devices, device_memory = _devices(args)
     d = cfg.dlrm
     tables, features = dlrm.table_specs(d, d.placement)
     sizes = dlrm.sizes(d)
     dense = 4 * sizes["dense_params"] * (1 if d.optimizer == "sgd" else 2)  # replicated: parameters (+ Adagrad)
-    memory = int(hw.memory or host_memory_per_device(devices)) - dense
+    memory = int(device_memory) - dense
     p = planner.plan(tables, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
                      shards=devices, batch=cfg.train.global_batch, device_bytes=max(memory, 1))
     if args.json:
@@ -86,8 +177,17 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
     return 0 if p.fits else 1
 
 
+def _devices(args: argparse.Namespace) -> tuple[int, float]:
+    """``--devices`` of ``--hardware`` (default: one node's) and the bytes of each one's memory
+    (``--device-memory`` where given; ``cpu``: this host's, shared)."""
+    from hypertron.models.hardware import host_memory_per_device, lookup
+
+    hw = lookup(args.hardware)
+    devices = args.devices or hw.per_node
+    return devices, getattr(args, "device_memory", None) or hw.memory or host_memory_per_device(devices)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hypertron.config import ConfigError
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_model
 
@@ -114,14 +214,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.from_hf and not args.out:
+        raise ConfigError("convert --from-hf needs --out DIR")
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
     from pathlib import Path
 
     from hypertron.checkpoint import load_params
-    from hypertron.config import ConfigError
     from hypertron.models import bundle, hf
 
-    if bool(args.from_hf) == bool(args.to_hf):
-        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
     if args.from_hf:
         out = Path(args.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -150,39 +251,20 @@ def cmd_embed_plan(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hypertron.config import ConfigError, read_yaml
+    from hypertron.config import read_yaml
     from hypertron.embed import plan as planner
-    from hypertron.models.hardware import HARDWARE, host_memory_per_device
 
     doc = read_yaml(args.spec, "embedding tables file")
     tables, features, per, batch = planner.load(doc, args.spec)
     if args.batch is not None:
         batch = args.batch
-    if args.hardware not in HARDWARE:
-        raise ConfigError(f"--hardware={args.hardware!r}: not one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[args.hardware]
-    devices = args.devices or hw.per_node
-    memory = args.device_memory or hw.memory or host_memory_per_device(devices)
+    devices, memory = _devices(args)
     p = planner.plan(tables, features, per, shards=devices, batch=batch, device_bytes=int(memory))
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
     else:
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits else 1
-
-
-def _bytes_arg(text: str) -> int:
-    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6,
-             "gb": 1e9, "tb": 1e12}
-    number = text.rstrip("bBkKmMgGtTiI ")
-    unit = text[len(number):].strip().lower()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r}: not a size (e.g. 80GB, 16GiB, 1e9)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return int(value)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from hypertron.config.schema import (
     TrainConfig,
     choices,
     dtype_on,
+    flag_field,
 )
 from hypertron.config.validation import validate, validate_model, validate_serve
 from hypertron.errors import ConfigError
@@ -61,6 +62,7 @@ __all__ = [
     "TrainConfig",
     "choices",
     "dump_yaml",
+    "flag_field",
     "from_dict",
     "load_config",
     "load_serve_config",

@@ -71,6 +71,12 @@ def choices(choice_type: typing.Any) -> tuple[str, ...]:
     return typing.get_args(choice_type)
 
 
+def flag_field(default: typing.Any, help: str, metavar: str | None = None) -> typing.Any:
+    """A settings dataclass's field whose command-line flag has this help and metavar, kept in the
+    field's metadata (``hypertron.cli.flags.add_dataclass_flags`` makes the flag from it)."""
+    return field(default=default, metadata={"help": help} | ({"metavar": metavar} if metavar else {}))
+
+
 # Sources ``hypertron tokenize`` reads (the other two are token ids already).
 TOKENIZABLE_SOURCES = tuple(s for s in choices(DataSource) if s not in ("synthetic", "tokens"))
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hypertron.config import ConfigError
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -47,6 +49,13 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("tpu-v6e", ("tpu v6",), 32 * GB, 918e12, None, 1836e12, hbm=1.64e12, inside=448 * GB, per_node=4),
     Hardware("cpu", ("cpu",), None, None, note="host memory, read at run time; no peak: no MFU"),
 )}
+
+
+def lookup(name: str) -> Hardware:
+    """The table's entry named ``name`` (``--hardware``); a name not in it is one line listing the names."""
+    if name not in HARDWARE:
+        raise ConfigError(f"--hardware={name!r}: not one of {', '.join(HARDWARE)}")
+    return HARDWARE[name]
 
 
 def host_memory_per_device(devices: int) -> float:

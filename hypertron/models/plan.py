@@ -30,7 +30,7 @@ from typing import Any
 
 from hypertron.config import Config, ConfigError
 from hypertron.models.flops import train_flops_per_token
-from hypertron.models.hardware import HARDWARE, Hardware, host_memory_per_device
+from hypertron.models.hardware import Hardware, host_memory_per_device, lookup
 from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, param_dtype, step_bytes
 from hypertron.units import describe_bytes
 
@@ -76,9 +76,7 @@ class Plan:
 def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int | None = None) -> Plan:
     """The plan of ``cfg`` on ``devices`` devices of ``hardware`` (default: one node's), in nodes
     (processes) of ``per_node`` devices (default: the hardware's)."""
-    if hardware not in HARDWARE:
-        raise ConfigError(f"--hardware={hardware!r}: not one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[hardware]
+    hw = lookup(hardware)
     per_node = per_node or hw.per_node
     devices = devices or per_node
     if devices < 1:

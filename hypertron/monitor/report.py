@@ -26,11 +26,11 @@ from hypertron.errors import UserError
 from hypertron.units import describe_bytes, describe_duration, describe_seconds
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
 from hypertron.monitor import stragglers
+from hypertron.monitor.settings import DEFAULTS
 from hypertron.monitor.read import (EVENT_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, Columns,
                                     host_columns, read_jsonl)
 from hypertron.runfiles import METRICS_FILE, event_files, host_metrics_files
 
-HANG_FACTOR, HANG_MIN = 10.0, 60.0
 SPIKE_MADS, SPIKE_BLOCK = 6.0, 100
 
 
@@ -78,9 +78,9 @@ def pid_alive(pid: int | None, host: str | None, started: float) -> bool | None:
         return False
 
 
-def build(run_dir: str | Path, now: float | None = None, hang_factor: float = HANG_FACTOR,
-          hang_min: float = HANG_MIN, window: tuple[float, float] | None = None,
-          straggler_threshold: float = stragglers.THRESHOLD, top: int = stragglers.TOP) -> Report:
+def build(run_dir: str | Path, now: float | None = None, hang_factor: float = DEFAULTS.hang_factor,
+          hang_min: float = DEFAULTS.hang_min, window: tuple[float, float] | None = None,
+          straggler_threshold: float = DEFAULTS.straggler_threshold, top: int = DEFAULTS.top) -> Report:
     """The report of ``run_dir`` at ``now`` (default: the present)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now

@@ -33,9 +33,9 @@ import numpy as np
 from hypertron import runfiles
 from hypertron.monitor.goodput import Job
 from hypertron.monitor.read import Columns
+from hypertron.monitor.settings import DEFAULTS
 from hypertron.runfiles import Metric
 
-THRESHOLD, TOP = 0.75, 5
 # The step events' data wait, ranked and scored beside the host metrics (runfiles.HOST_METRICS).
 DATA_WAIT = Metric(key="data_wait", unit="seconds", help="a step's wait for its batch (its step event)",
                    label="data wait", outlier=True, straggler=(100, 0.010))
@@ -89,7 +89,7 @@ def block_medians(values: np.ndarray, window: int) -> np.ndarray:
     return np.median(tail.reshape(-1, window), axis=1)
 
 
-def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHOLD,
+def score(series: dict[int, np.ndarray], metric: str, threshold: float = DEFAULTS.straggler_threshold,
           window: int | None = None, floor: float | None = None) -> list[Score]:
     """The straggler scores of every process with values of ``metric`` (its time-ordered series)."""
     w, f = scored()[metric]
@@ -109,7 +109,7 @@ def score(series: dict[int, np.ndarray], metric: str, threshold: float = THRESHO
 
 
 def analyse(jobs: dict[int, list[Job]], hosts: dict[int, Columns], window: tuple[float, float] | None = None,
-            threshold: float = THRESHOLD, top: int = TOP) -> Analysis:
+            threshold: float = DEFAULTS.straggler_threshold, top: int = DEFAULTS.top) -> Analysis:
     """Scores and outliers from each process's jobs (:func:`hypertron.monitor.goodput.split_jobs`:
     their step ends and data waits) and host samples (``host_metrics.<i>.jsonl`` columns)."""
     out = Analysis()

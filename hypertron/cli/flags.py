@@ -1,0 +1,74 @@
+"""What the commands' flags share: the parser with the CLI's one-line errors, flags made from a
+settings dataclass, sizes as flag values, and the ``--dry-run`` / ``--output`` pair."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from hypertron.config import choices
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's own error shape: one ``error:`` line and exit code 2 (the usage is
+    what ``--help`` shows)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def flag(key: str) -> str:
+    """The flag of a settings key: ``max_slots`` is ``--max-slots``."""
+    return "--" + key.replace("_", "-")
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options: dict[str, dict] | None = None,
+                        given_only: bool = False, show_default: bool = False) -> None:
+    """One flag per field of the dataclass ``settings``, in field order: ``--field-name``, its
+    default the field's, its ``choices`` a ``Literal`` type's, its type ``int`` or ``float`` (``X | None``
+    as ``X``), a ``bool`` a switch. Help, metavar, ``aliases`` and any other ``add_argument`` option
+    come from the field's ``metadata`` (:func:`hypertron.config.flag_field` puts them there),
+    overridden by ``options[field name]``.
+
+    ``given_only``: a flag not given is left out of the namespace (its default is a file's, or the
+    dataclass's later); ``show_default``: the help ends with ``(default X)`` where X is not None."""
+    hints = typing.get_type_hints(settings)
+    for field in dataclasses.fields(settings):
+        tp = hints[field.name]
+        kind = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # int | None -> int
+        opts = {**field.metadata, **(options or {}).get(field.name, {})}
+        aliases = opts.pop("aliases", ())
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if typing.get_origin(tp) is typing.Literal:
+            opts.setdefault("choices", choices(tp))
+        elif kind is bool:
+            opts.setdefault("action", "store_true")
+        elif kind in (int, float):
+            opts.setdefault("type", kind)
+        if show_default and default not in (None, ""):
+            opts["help"] = (opts.get("help", "") + f" (default {default})").strip()
+        opts.setdefault("default", argparse.SUPPRESS if given_only else default)
+        parser.add_argument(flag(field.name), *aliases, dest=field.name, **opts)
+
+
+def bytes_arg(text: str) -> int:
+    """A size typed by a person (``80GB``, ``16GiB``, ``1e9``) in bytes; argparse's error otherwise."""
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6,
+             "gb": 1e9, "tb": 1e12}
+    number = text.rstrip("bBkKmMgGtTiI ")
+    unit = text[len(number):].strip().lower()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a size (e.g. 80GB, 16GiB, 1e9)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return int(value)
+
+
+def add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``--dry-run`` or ``--output FILE``: show or write the objects a command would ``verb``."""
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--dry-run", action="store_true", help=f"print the objects; {verb} nothing")
+    out.add_argument("--output", metavar="FILE", help=f"write the objects to a new FILE; {verb} nothing")
