@@ -22,6 +22,7 @@ from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
 from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
+from support import runs  # tests/support
 
 ROOT = Path(__file__).parent.parent
 RECIPE = ROOT / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"
@@ -195,9 +196,6 @@ def _train(*args: str) -> list[str]:
     return [sys.executable, "-m", "hypertron.cli", "train", str(RECIPE), "monitor.collect=false", *args]
 
 
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
@@ -224,7 +222,7 @@ def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
     resumed = subprocess.run(_train(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 6" in resumed.stderr and "auc" in resumed.stderr
-    want, got = _losses(tmp_path / "a"), _losses(run)
+    want, got = runs.losses(tmp_path / "a"), runs.losses(run)
     assert sorted(got) == list(range(1, 13))
     assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact
     evals = lambda r: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines() if "eval_auc" in x]

@@ -17,18 +17,13 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from hypertron import cli
 from hypertron.embed import (
     COMBINERS, EmbedError, FeatureSpec, Jagged, TableSpec, apply_gradients, check_ids, check_specs, init_table,
     lookup, reference_lookup, reference_update, restore_tables, route, save_tables, shard_table,
 )
 from hypertron.embed.route import PAD
+from support.cli import cli_output  # tests/support
 
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +261,7 @@ def test_the_planner_places_each_table_by_its_rule_with_hand_computed_figures(tm
     device; a larger one is split the way that exchanges fewer bytes per step; a placement set
     by hand is kept. Every figure below is worked out by hand from docs/embeddings.md's formulas."""
     (tmp_path / "spec.yaml").write_text(PLAN_SPEC)
-    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
+    code, out, err = cli_output("embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
                           "--device-memory", "1GB", "--json")
     assert code == 0, err
     plan = json.loads(out)
@@ -285,7 +280,7 @@ def test_the_planner_places_each_table_by_its_rule_with_hand_computed_figures(tm
     assert "column-wise needs 8 to divide dim=60" in reasons["big"] and reasons["pinned"] == "set by hand"
     assert plan["bytes_per_device"][0] == 30_000_000 + 19_200_000 + 72 + 256_000 and plan["fits"]
     # Devices of 49.3 MB: device 0 then holds 49.456 MB, over; exit 1 and the table says so.
-    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
+    code, out, err = cli_output("embed", "plan", str(tmp_path / "spec.yaml"), "--devices", "8",
                           "--device-memory", "49.3MB")
     assert code == 1 and "does not fit: the fullest device (device 0) holds 47.2 MiB of 47 MiB" in out, out
 
@@ -301,7 +296,7 @@ def test_the_planner_places_each_table_by_its_rule_with_hand_computed_figures(tm
 ])
 def test_a_bad_plan_file_is_one_line(tmp_path, capsys, text, message):
     (tmp_path / "spec.yaml").write_text(text)
-    code, out, err = _cli(capsys, "embed", "plan", str(tmp_path / "spec.yaml"))
+    code, out, err = cli_output("embed", "plan", str(tmp_path / "spec.yaml"))
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
@@ -332,7 +327,7 @@ def test_dlrm_v2s_tables_plan_onto_one_h100_node_with_the_traffic_spread(capsys)
     others go whole, spread so that no device exchanges 1.25x another's bytes; on one H100 they
     do not fit (exit 1)."""
     spec = str(Path(__file__).parent.parent / "docs" / "examples" / "dlrm-v2-tables.yaml")
-    code, out, err = _cli(capsys, "embed", "plan", spec, "--hardware", "h100", "--devices", "8", "--json")
+    code, out, err = cli_output("embed", "plan", spec, "--hardware", "h100", "--devices", "8", "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert sum(t["rows"] for t in plan["tables"]) == 204_184_588 and len(plan["tables"]) == 26
@@ -341,5 +336,5 @@ def test_dlrm_v2s_tables_plan_onto_one_h100_node_with_the_traffic_spread(capsys)
     assert plan["fits"] and max(plan["bytes_per_device"]) < 20e9
     sent = plan["bytes_exchanged_per_device"]
     assert max(sent) < 1.25 * min(sent), sent
-    code, out, err = _cli(capsys, "embed", "plan", spec, "--hardware", "h100", "--devices", "1")
+    code, out, err = cli_output("embed", "plan", spec, "--hardware", "h100", "--devices", "1")
     assert code == 1 and "does not fit" in out

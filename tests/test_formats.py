@@ -19,6 +19,7 @@ from test_tokenizers import train_bpe  # tests/ is on sys.path (no __init__.py)
 from hypertron.cli import main
 from hypertron.data import DataError, check_source, load_documents, make_batches, read_metadata, tokenize_corpus
 from hypertron.tokenizer import get_tokenizer
+from support.runs import write_documents  # tests/support
 
 DOCUMENTS = [
     "def f(x):\n    return x + 1\n",
@@ -218,7 +219,7 @@ def test_tokens_source_errors(tmp_path, bpe_path):
     with pytest.raises(DataError, match="data.paths: .* is not a hypertron tokenize output"):
         check_source("tokens", (str(tmp_path),), "text")
     out = str(tmp_path / "tokens")
-    tokenize_corpus(source="text", paths=(_write_text(tmp_path / "docs"),), tokenizer="byte", out=out)
+    tokenize_corpus(source="text", paths=(write_documents(tmp_path / "docs", DOCUMENTS),), tokenizer="byte", out=out)
     with pytest.raises(DataError, match="data.source: .*tokens was written by hypertron tokenize; "
                                         "read it with data.source=tokens"):
         check_source("arrayrecord", (out,), "text")
@@ -271,11 +272,6 @@ def test_failed_tokenize_leaves_nothing(tmp_path):
         tokenize_corpus(source="tokens", paths=(str(tmp_path),), tokenizer="byte", out=str(tmp_path / "out"))
 
 
-def _write_text(directory) -> str:
-    directory.mkdir()
-    for i, text in enumerate(DOCUMENTS):
-        (directory / f"doc{i}.txt").write_text(text, encoding="utf-8")
-    return str(directory)
 
 
 def test_train_on_pretokenised_subword_corpus(tmp_path):
@@ -285,7 +281,7 @@ def test_train_on_pretokenised_subword_corpus(tmp_path):
 
     bpe = train_bpe(tmp_path / "tok" / "tokenizer.json")
     out = str(tmp_path / "tokens")
-    tokenize_corpus(source="text", paths=(_write_text(tmp_path / "docs"),), tokenizer=bpe, out=out)
+    tokenize_corpus(source="text", paths=(write_documents(tmp_path / "docs", DOCUMENTS),), tokenizer=bpe, out=out)
     result = train(load_config(None, [
         "model=tiny", "model.num_layers=1", "model.vocab_size=400", "train.steps=3", "train.global_batch=8",
         "train.seq_len=16", "data.source=tokens", f"data.paths={out}", f"data.tokenizer={bpe}",

@@ -16,6 +16,7 @@ import pytest
 
 from hypertron.config import PRESETS, load_config
 from hypertron.models.attention import self_attention
+from support.numerics import rel_err  # tests/support
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,9 +44,6 @@ def matmul_summary(hlo: str, name: str) -> str:
             f"f8e4m3fn {hlo.count('f8e4m3fn')}, f8e5m2 {hlo.count('f8e5m2')}")
 
 
-def _rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def _segments(b: int, t: int) -> jax.Array:
@@ -82,9 +80,9 @@ def test_cudnn_attention_matches_xla_and_float32(segments, window):
     ref_out, ref_grads = jax.jit(lambda: run("plain", jnp.float32))()
     for impl in ("cudnn", "xla"):
         out, grads = jax.jit(lambda impl=impl: run(impl, jnp.bfloat16))()
-        assert _rel_err(out, ref_out) < 2e-2, impl
+        assert rel_err(out, ref_out) < 2e-2, impl
         for g, r, name in zip(grads, ref_grads, "qkv"):
-            assert _rel_err(g, r) < 2e-2, (impl, "d" + name)
+            assert rel_err(g, r) < 2e-2, (impl, "d" + name)
 
 
 def test_cudnn_is_what_auto_picks_for_bf16():

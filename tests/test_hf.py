@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
+from support.numerics import rel_err  # noqa: E402  (tests/support)
 
 from hypertron.models import forward  # noqa: E402
 from hypertron.models.hf import (  # noqa: E402
@@ -367,9 +368,6 @@ def test_bf16_checkpoint(tmp_path):
 # there (cuDNN attention, the Pallas ragged kernel); on CPU they run the XLA paths in bf16.
 
 
-def _rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def _bf16(case):
@@ -385,7 +383,7 @@ def test_logits_match_in_bf16(case):
     error of the logits under 3e-2 (bf16 keeps 8 bits of mantissa; measured on CPU: <= 0.014)."""
     cfg, params = _bf16(case)
     ours = np.asarray(jax.jit(forward, static_argnames="cfg")(params, jnp.asarray(case.tokens), cfg=cfg))
-    assert _rel_err(ours, _hf_logits(case.model, case.tokens)) < 3e-2
+    assert rel_err(ours, _hf_logits(case.model, case.tokens)) < 3e-2
 
 
 @pytest.mark.gpu
@@ -401,4 +399,4 @@ def test_engine_in_bf16_matches_transformers_teacher_forced(case, kv):
     tokens, prompt = [int(t) for t in case.tokens[0]], 5
     ours = teacher_forced_logprobs(params, cfg, kv, tokens + [0], prompt)  # read p + 1 after p, from 5 on
     ref = torch.log_softmax(torch.tensor(_hf_logits(case.model, case.tokens[:1])[0, prompt:]), -1).numpy()
-    assert _rel_err(ours, ref) < 2e-2
+    assert rel_err(ours, ref) < 2e-2

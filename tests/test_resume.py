@@ -9,7 +9,6 @@ end of the run to send its signal.
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from hypertron.config import load_config
 from hypertron.runfiles import EVENTS
 from hypertron.train.events import read_events
 from hypertron.train.loop import train
+from support import runs  # tests/support
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 # The stdlib corpus, so data order matters; batch 32 x 128 makes steps slow enough to signal between.
@@ -51,15 +51,8 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180
         time.sleep(0.01)
 
 
-def _losses(run: Path) -> dict[int, float]:
-    """Train loss per step from metrics.jsonl; a step logged twice (killed, then redone) keeps the later."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _step_events(run: Path) -> list[int]:
-    path = run / "events.jsonl"
-    return [e["step"] for e in read_events(path) if e["event"] == "step"] if path.exists() else []
 
 
 def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path):
@@ -75,7 +68,7 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill; steps too fast"
-        assert max(_step_events(run)) < 12
+        assert max(runs.steps(run)) < 12
         assert straight.wait(timeout=300) == 0, straight.stderr.read()
     finally:
         for p in (straight, killed):
@@ -84,7 +77,7 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 6" in resumed.stderr
-    want, got = _losses(tmp_path / "a"), _losses(run)
+    want, got = runs.losses(tmp_path / "a"), runs.losses(run)
     assert sorted(want) == sorted(got) == list(range(1, 13))
     assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact float equality
 
@@ -95,12 +88,12 @@ def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_pat
     proc = subprocess.Popen(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: len(_step_events(run)) >= 3, proc, "three steps")
+        _wait_for(lambda: len(runs.steps(run)) >= 3, proc, "three steps")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
         proc.kill()
-    reached = max(_step_events(run))
+    reached = max(runs.steps(run))
     assert reached < 1000
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [reached]
     assert (run / "checkpoints" / str(reached) / MANIFEST).exists()

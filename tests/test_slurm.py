@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hypertron import cli
 from hypertron.launch import recipes, slurm
 from hypertron.train.events import read_events
 
 sys.path.insert(0, str(Path(__file__).parent / "system"))
 from slurm import LocalSlurm, missing  # noqa: E402  (tests/system/slurm.py)
+from support import runs  # tests/support
+from support.cli import cli_output  # tests/support
 
 GOLDEN = Path(__file__).parent / "golden" / "launch" / "llama3.1-70b-a3mega.sbatch"
 # The tiny run of tests/test_multiprocess.py, as a recipe of 1 node x 2 processes of 4 CPU devices.
@@ -64,19 +65,14 @@ def local_slurm(tmp_path_factory):
     s.stop()
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def test_bad_input_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
-    code, out, err = _cli(capsys, "workload", "create", "w", "--scheduler", "slurm", "--recipe", "cpu/tiny",
+    code, out, err = cli_output("workload", "create", "w", "--scheduler", "slurm", "--recipe", "cpu/tiny",
                           "--storage", str(tmp_path / "runs"))
     assert code == 2 and err == "error: sbatch is not on PATH: run this on a Slurm login node (or install Slurm's " \
         "client commands)\n" and not (tmp_path / "runs").exists()
-    code, out, err = _cli(capsys, "workload", "create", "w", "--scheduler", "slurm", "--recipe", "cpu/tiny",
+    code, out, err = cli_output("workload", "create", "w", "--scheduler", "slurm", "--recipe", "cpu/tiny",
                           "--time", "soon", "--dry-run")
     assert code == 2 and err.startswith("error: --time='soon'") and err.count("\n") == 1
 
@@ -88,9 +84,6 @@ def _wait(predicate, what: str, timeout: float = 240.0, detail=lambda: "") -> No
         time.sleep(0.3)
 
 
-def _steps(run: Path) -> list[int]:
-    path = run / "events.jsonl"
-    return [e["step"] for e in read_events(path) if e["event"] == "step"] if path.exists() else []
 
 
 def _state(job_id: str, env: dict) -> str:
@@ -111,19 +104,19 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
               "--storage", str(storage)]
 
     # An unknown partition: Slurm refuses it, in one line.
-    code, _, err = _cli(capsys, *create, "--partition", "nope")
+    code, _, err = cli_output(*create, "--partition", "nope")
     assert code == 2 and "invalid partition" in err and err.count("\n") == 1, err
 
     # 1. Submitted; deleted while it runs (scancel: SIGTERM, the run saves), then created again: it resumes.
-    code, out, err = _cli(capsys, *create)
+    code, out, err = cli_output(*create)
     assert code == 0 and "submitted Slurm job" in out, err
     first = out.split()[3]
-    _wait(lambda: len(_steps(run)) >= 3, "three steps")
-    assert _cli(capsys, "workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0
+    _wait(lambda: len(runs.steps(run)) >= 3, "three steps")
+    assert cli_output("workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0
     _wait(lambda: _state(first, env) == "CANCELLED", "the cancelled job to end")
-    saved = max(_steps(run))
+    saved = max(runs.steps(run))
     assert (run / "checkpoints" / str(saved)).is_dir()
-    code, out, err = _cli(capsys, *create, f"train.steps={saved + 2}")
+    code, out, err = cli_output(*create, f"train.steps={saved + 2}")
     assert code == 0, err
     second = out.split()[3]
     _wait(lambda: _state(second, env) == "COMPLETED", "the resumed job to complete")
@@ -138,9 +131,9 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
     #    its scheduler (sched_interval, 2 s there, 60 s by default) starts it
     #    again by itself. (Moving that hold to "now" raced the old allocation's cleanup: the job
     #    started while its credential was still revoked and failed.)
-    code, out, err = _cli(capsys, *create)
+    code, out, err = cli_output(*create)
     third = out.split()[3]
-    _wait(lambda: max(_steps(run)) > saved + 2, "the third job's first step")
+    _wait(lambda: max(runs.steps(run)) > saved + 2, "the third job's first step")
     subprocess.run(["scancel", "--signal=TERM", third], env=env, check=True)
     _wait(lambda: {"Restarts=1", "JobState=PENDING", "Reason=BeginTime"} <= set(subprocess.run(
         ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout.split()), "the requeue")
@@ -149,7 +142,7 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
           "the requeued job's first step", detail=lambda: subprocess.run(
               ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout
           + (run / f"slurm-{third}.out").read_text()[-2000:] + local_slurm.logs())
-    assert _cli(capsys, "workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0
+    assert cli_output("workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0
     _wait(lambda: _state(third, env) == "CANCELLED", "the requeued job to end")
     log = (run / f"slurm-{third}.out").read_text()
     assert "hypertron: stopped by SIGTERM (exit 42): requeueing job" in log

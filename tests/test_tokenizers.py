@@ -16,6 +16,7 @@ import pytest
 
 from hypertron.data import DataError, make_batches
 from hypertron.tokenizer import HFTokenizer, SentencePieceTokenizer, get_tokenizer, tokenizer_identity
+from support.runs import write_documents  # tests/support
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -133,7 +134,7 @@ def test_hf_special_tokens_from_tokenizer_config(tmp_path):
     tokenizer = get_tokenizer(str(tmp_path / "model"))  # the directory, as a model directory is given
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (None, 2, 0)
 
-    batches = make_batches(source="text", paths=(_write_docs(tmp_path / "docs"),),
+    batches = make_batches(source="text", paths=(write_documents(tmp_path / "docs", DOCUMENTS),),
                            tokenizer=str(tmp_path / "model"), seq_len=16, batch_size=2, shuffle=False,
                            vocab_size=tokenizer.vocab_size)
     stream = _stream(batches, 4)
@@ -295,9 +296,3 @@ def test_bad_tokenizer_paths(tmp_path):
     with pytest.raises(DataError, match="data.tokenizer: .*vocab.txt is not a .json or .model file"):
         get_tokenizer(str(tmp_path / "vocab.txt"))
 
-
-def _write_docs(directory) -> str:
-    directory.mkdir()
-    for i, text in enumerate(DOCUMENTS):
-        (directory / f"doc{i}.txt").write_text(text, encoding="utf-8")
-    return str(directory)

@@ -76,3 +76,9 @@ def one_error_line(r: Result, *needles: str) -> str:
     return lines[0]
 
 
+
+
+def cli_output(*argv: object) -> tuple[int, str, str]:
+    """:func:`run_cli` as (exit code, stdout, stderr)."""
+    r = run_cli(list(argv))
+    return r.rc, r.stdout, r.stderr
