@@ -479,9 +479,9 @@ def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 
                 kv_cache_dtype: str = "auto", quantize: str = "none", background_compile: bool = False):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
     engine's ``eos_ids`` are the tokenizer's."""
-    from hypertron.serve.model import load_model, served_name
+    from hypertron.serve.model import load_for_inference, served_name
 
-    model, params, tok = load_model(checkpoint, quantize)
+    model, params, tok = load_for_inference(checkpoint, quantize)
     engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                          kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids, background_compile=background_compile)
     return engine, tok, served_name(checkpoint)
