@@ -250,7 +250,7 @@ def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
 
 
 def test_engine_settings_are_checked(params):
-    from hypertron.serve.scheduler import Scheduler, Sequence
+    from hypertron.serve.scheduler import Request, Scheduler
 
     with pytest.raises(ConfigError, match="kv_cache_dtype=fp8"):
         PagedEngine(params, CFG, kv_cache_dtype="fp8")
@@ -258,7 +258,7 @@ def test_engine_settings_are_checked(params):
         PagedEngine(params, CFG, page_size=6)
     sched = Scheduler(max_slots=2, num_pages=8, page_size=8, max_seq_len=64)
     with pytest.raises(ValueError, match="prompt of 64 tokens: expected 1 to 63"):
-        sched.add(Sequence(0, list(range(3, 67)), GREEDY))
+        sched.add(Request(0, list(range(3, 67)), GREEDY))
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 is below max_slots=8"):
         Scheduler(max_slots=8, num_pages=8, page_size=8, max_seq_len=64, max_num_batched_tokens=4)
 
