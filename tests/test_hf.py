@@ -141,7 +141,7 @@ def _leaves(tree):
 
 
 def test_logits_match(case):
-    ours = np.asarray(forward(case.params, case.tokens, case.cfg))
+    ours = np.asarray(forward(case.params, case.tokens, case.cfg).logits)
     theirs = _hf_logits(case.model, case.tokens)
     assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -384,7 +384,7 @@ def test_logits_match_in_bf16(case):
     """bf16 weights and compute against transformers in float32. Stated tolerance: relative
     error of the logits under 3e-2 (bf16 keeps 8 bits of mantissa; measured on CPU: <= 0.014)."""
     cfg, params = _bf16(case)
-    ours = np.asarray(jax.jit(forward, static_argnames="cfg")(params, jnp.asarray(case.tokens), cfg=cfg))
+    ours = np.asarray(jax.jit(forward, static_argnames="cfg")(params, jnp.asarray(case.tokens), cfg=cfg).logits)
     assert _rel_err(ours, _hf_logits(case.model, case.tokens)) < 3e-2
 
 

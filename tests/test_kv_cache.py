@@ -56,24 +56,24 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
     pages = _pages_with_nan(cfg, num_pages, page_size, kv_dtype)
 
     rows = np.repeat(np.arange(b), prefix)
-    _, cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
-                     [prefix] * b, cold=True)
+    cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
+                  [prefix] * b, cold=True).cache
     flat = [tokens[0, prefix]] + list(tokens[1:, prefix:].reshape(-1))
     positions = [prefix] + list(np.tile(np.arange(prefix, prefix + chunk), b - 1))
     rows = [0] + list(np.repeat(np.arange(1, b), chunk))
-    logits, _ = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
-                      num_decode=1)
+    logits = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
+                   num_decode=1).logits
 
-    full = forward(params, jnp.asarray(tokens), cfg)
+    full = forward(params, jnp.asarray(tokens), cfg).logits
     want = jnp.concatenate([full[0, prefix:prefix + 1], full[1:, prefix:].reshape(-1, cfg.vocab_size)])
     assert np.isfinite(np.asarray(logits)).all()
     err = float(jnp.linalg.norm(logits[0] - want) / jnp.linalg.norm(want))
     assert err < tol, err
     # The contiguous cache gives the same, prefix then chunk.
     contiguous = init_cache(cfg, b, 32)
-    _, contiguous = forward(params, jnp.asarray(tokens[:, :prefix]), cfg, cache=contiguous)
+    contiguous = forward(params, jnp.asarray(tokens[:, :prefix]), cfg, cache=contiguous).cache
     positions = jnp.broadcast_to(jnp.arange(prefix, prefix + chunk, dtype=jnp.int32), (b, chunk))
-    again, _ = forward(params, jnp.asarray(tokens[:, prefix:]), cfg, positions=positions, cache=contiguous)
+    again = forward(params, jnp.asarray(tokens[:, prefix:]), cfg, positions=positions, cache=contiguous).logits
     np.testing.assert_allclose(again, full[:, prefix:], rtol=1e-5, atol=1e-5)
     assert isinstance(contiguous, ContiguousCache)
 
@@ -106,7 +106,7 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
     assert calls == [((1, 16, cfg.num_heads, cfg.head_dim), (1, 16))]
     # What it wrote into the pages is what decoding reads: the next steps equal the full forward.
     for prompt, seq in zip(prompts, seqs):
-        full = forward(params, jnp.asarray([prompt + seq.generated]), cfg)[0]
+        full = forward(params, jnp.asarray([prompt + seq.generated]), cfg).logits[0]
         assert seq.generated == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
 
 

@@ -7,9 +7,9 @@ import jax
 from hypertron.config import ModelConfig
 from hypertron.models import params as _params
 from hypertron.models.decoder import (
+    Forward,
     declare,
     forward,
-    forward_with_stats,
     init_cache,
     resolve_dtype,
     unstack_layers,
@@ -47,6 +47,6 @@ def fp8_histories(cfg: ModelConfig) -> dict:
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
-__all__ = ["ContiguousCache", "PagedCache", "cast_params", "count_params", "declare", "forward", "forward_with_stats",
+__all__ = ["ContiguousCache", "Forward", "PagedCache", "cast_params", "count_params", "declare", "forward",
            "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype",
            "unstack_layers"]

@@ -128,8 +128,9 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    logits, paged = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None],
-                            cache=paged, logits_at=at[None])
+    fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
+                  logits_at=at[None])
+    logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
     nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], b["sample_pos"])
     out = {"tokens": nxt}
