@@ -2,8 +2,9 @@
 
 A paged step's attention (decode tokens and chunks of prompts after cached prefixes, flat in
 one row) equals attention without any cache, for random page tables, GQA and a sliding window,
-with float and int8 pages; cold prompts' prefill in the engine goes through the attention
-function training uses, packed, and allocates no contiguous cache.
+with float and int8 pages, and so does the contiguous reference (``tests/contiguous_cache.py``);
+cold prompts' prefill in the engine goes through the attention function training uses, packed,
+and allocates no contiguous cache.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from contiguous_cache import ContiguousCache, init_cache  # tests/
 
 from hypertron.config import PRESETS
-from hypertron.models import ContiguousCache, PagedCache, forward, init_cache, init_params
+from hypertron.models import PagedCache, forward, init_params
 from hypertron.models.kv_pages import init_pages
 
 BASE = dataclasses.replace(PRESETS["tiny"], num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64,
@@ -96,7 +98,7 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
         raise AssertionError("the serving path allocated a contiguous cache")
 
     monkeypatch.setattr(kv_cache, "self_attention", spy)
-    monkeypatch.setattr(kv_cache.ContiguousCache, "init", no_contiguous)
+    monkeypatch.setattr(ContiguousCache, "init", no_contiguous)
     cfg = dataclasses.replace(BASE, num_layers=1, max_seq_len=48)  # a shape no other test compiles
     params = init_params(cfg, jax.random.key(2))
     engine = PagedEngine(params, cfg, max_slots=2, page_size=8)

@@ -172,7 +172,7 @@ def test_padding_takes_no_capacity_and_no_part_in_the_router_statistics(mode):
 
 
 def test_generation_never_drops_tokens_even_when_capped():
-    from hypertron.models import init_cache
+    from contiguous_cache import init_cache  # tests/
 
     cfg = _cfg(mode="capped", capacity_factor=0.25)
     params = init_params(cfg, jax.random.key(0))

@@ -10,11 +10,10 @@ from hypertron.models.decoder import (
     Forward,
     declare,
     forward,
-    init_cache,
     resolve_dtype,
     unstack_layers,
 )
-from hypertron.models.kv_cache import ContiguousCache, PagedCache
+from hypertron.models.kv_cache import KVCache, PagedCache
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -47,6 +46,6 @@ def fp8_histories(cfg: ModelConfig) -> dict:
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
-__all__ = ["ContiguousCache", "Forward", "PagedCache", "cast_params", "count_params", "declare", "forward",
-           "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype",
+__all__ = ["Forward", "KVCache", "PagedCache", "cast_params", "count_params", "declare", "forward",
+           "fp8_histories", "init_params", "quantize_params", "resolve_dtype",
            "unstack_layers"]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from hypertron.config import ModelConfig, dtype_on
 from hypertron.models.attention import attention_impl, attention_mask, plain_attention, self_attention  # noqa: F401
-from hypertron.models.kv_cache import ContiguousCache, PagedCache
+from hypertron.models.kv_cache import KVCache
 from hypertron.models.mlp import activation, declare_mlp, mlp
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, matmul, stack
@@ -31,7 +31,6 @@ from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
 
 Params = dict[str, Any]
-Cache = ContiguousCache | PagedCache
 
 
 # ---------------------------------------------------------------------------
@@ -135,7 +134,7 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
 # The layer and the model
 
 
-def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | None):
+def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: KVCache | None):
     """One decoder block. Without a cache, attention is over ``x`` itself (training); with one
     (:mod:`hypertron.models.kv_cache`), the cache takes the new keys and values and attends."""
     with jax.named_scope("attention"):
@@ -168,7 +167,7 @@ _REMAT_POLICIES = {
 }
 
 
-def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: Cache | None,
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: KVCache | None,
              logits_at=None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for(cfg.quantization, dtype)
@@ -245,7 +244,7 @@ class Forward:
     ``dropped`` (fraction of copies over capacity) [l]. A pytree, so jitted functions return it."""
 
     logits: jax.Array
-    cache: Cache | None = None
+    cache: KVCache | None = None
     stats: dict[str, jax.Array] | None = None
 
 
@@ -256,7 +255,7 @@ def forward(
     *,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
-    cache: Cache | None = None,
+    cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
     stats: bool = False,
 ) -> Forward:
@@ -272,8 +271,3 @@ def forward(
     """
     logits, new_cache, layer_stats = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache, logits_at)
     return Forward(logits, None if cache is None else new_cache, layer_stats if stats else None)
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> ContiguousCache:
-    """An empty contiguous cache for ``batch`` sequences of up to ``max_len`` tokens."""
-    return ContiguousCache.init(cfg, batch, max_len, resolve_dtype(cfg.dtype) if dtype is None else dtype)
