@@ -72,7 +72,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     own, ``compiles`` of them)."""
     from hypertron.models.kv_pages import bytes_per_token
     from hypertron.serve.engine import PagedEngine
-    from hypertron.serve.scheduler import Scheduler, Sequence
+    from hypertron.serve.scheduler import Request, Scheduler
     from hypertron.serve.types import SamplingParams
 
     batch, context = prompts.shape
@@ -84,7 +84,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     sched = Scheduler(max_slots=batch, num_pages=engine.num_pages, page_size=page_size, max_seq_len=cfg.max_seq_len,
                       max_num_batched_tokens=context + batch, max_prefill_rows=1)
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
-    seqs = [Sequence(i, p.tolist(), greedy) for i, p in enumerate(prompts)]
+    seqs = [Request(i, p.tolist(), greedy) for i, p in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)
 

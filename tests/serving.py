@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hypertron.serve.engine import PagedEngine
-from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
+from hypertron.serve.scheduler import Request, Scheduler, run_until_done
 from hypertron.serve.types import Row, SamplingParams, StepPlan
 
 
@@ -18,7 +18,7 @@ def scheduler_for(engine, **kw) -> Scheduler:
 def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
     """``(sequences, outputs per sequence, scheduler)`` of ``prompts`` run to the end."""
     sched = scheduler_for(engine, **scheduler_kw)
-    seqs = [Sequence(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    seqs = [Request(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
     for seq in seqs:
         sched.add(seq)
     outs = {i: [] for i in range(len(seqs))}

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from hypertron import cli
 from hypertron.config import PRESETS
 from hypertron.models import init_params
-from hypertron.models.bundle import BundleError, load_model, save_model
+from hypertron.models.bundle import BundleError, read_bundle, save_model
 
 CFG = dataclasses.replace(PRESETS["tiny-moe"], num_layers=2, vocab_size=400, max_seq_len=64)
 
@@ -43,7 +43,7 @@ def test_round_trip_keeps_config_weights_tokenizer_and_eos_ids(tmp_path, tokeniz
     save_model(tmp_path / "b", CFG, params, str(tokenizer_dir / "tokenizer.json"))
     save_model(tmp_path / "b", CFG, params, str(tokenizer_dir))  # replaces it; nothing else left beside
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
-    cfg, loaded, tok = load_model(tmp_path / "b")
+    cfg, loaded, tok = read_bundle(tmp_path / "b")
     assert cfg == CFG
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
         assert b.dtype == np.float32 and np.array_equal(np.asarray(a), b)
@@ -51,7 +51,7 @@ def test_round_trip_keeps_config_weights_tokenizer_and_eos_ids(tmp_path, tokeniz
     assert tok.encode("def main(): return 42") == original.encode("def main(): return 42")
     assert tok.eos_ids == original.eos_ids and {7, 9} <= set(tok.eos_ids)
     assert tok.chat_template == original.chat_template is not None
-    _, half, _ = load_model(tmp_path / "b", dtype="bfloat16")
+    _, half, _ = read_bundle(tmp_path / "b", dtype="bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(half))
 
 
@@ -88,7 +88,7 @@ def test_a_bad_bundle_is_one_line_naming_the_file_and_exit_2(tmp_path, params, c
         _broken(path, what)
     if what == "manifest":  # then the CLI takes the folder for a run directory, and says it is not one
         with pytest.raises(BundleError, match=re.escape(message)):
-            load_model(path)
+            read_bundle(path)
         message = "is not a hypertron run directory"
     assert cli.main(["generate", "--model", str(path), "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
@@ -97,10 +97,10 @@ def test_a_bad_bundle_is_one_line_naming_the_file_and_exit_2(tmp_path, params, c
 
 def test_serve_generate_and_export_read_a_bundle(tmp_path, tokenizer_dir, params, capsys):
     from hypertron.models.hf import load_hf
-    from hypertron.serve.model import load_model as load_for_serving, served_name
+    from hypertron.serve.model import load_for_inference, served_name
 
     save_model(tmp_path / "run" / "model", CFG, params, str(tokenizer_dir))
-    model, served, tok = load_for_serving(tmp_path / "run" / "model")
+    model, served, tok = load_for_inference(tmp_path / "run" / "model")
     assert served_name(tmp_path / "run" / "model") == "run"
     assert model.vocab_size == 400 and {7, 9} <= set(tok.eos_ids)
     assert cli.main(["convert", "--checkpoint", str(tmp_path / "run" / "model"), "--to-hf", str(tmp_path / "hf")]) == 0

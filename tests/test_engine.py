@@ -38,7 +38,7 @@ def params():
 
 def _is_greedy(params, cfg, prompt, generated) -> bool:
     """Whether each generated token is the argmax of the full forward (no cache) before it."""
-    logits = forward(params, jnp.asarray([list(prompt) + list(generated)]), cfg)[0, len(prompt) - 1:-1]
+    logits = forward(params, jnp.asarray([list(prompt) + list(generated)]), cfg).logits[0, len(prompt) - 1:-1]
     return list(generated) == [int(t) for t in jnp.argmax(logits, -1)]
 
 
@@ -175,7 +175,7 @@ def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
     assert plain.logprobs is None and plain.top_ids is None
     asked = dataclasses.replace(row, slot=1, sampling=dataclasses.replace(GREEDY, logprobs=2), pages=(2,))
     result = engine.run(StepPlan(1, (), (asked,), logprobs=True))
-    logp = jax.nn.log_softmax(forward(params, jnp.asarray([[5, 6, 7]]), CFG)[0, -1])
+    logp = jax.nn.log_softmax(forward(params, jnp.asarray([[5, 6, 7]]), CFG).logits[0, -1])
     assert result.tokens[0] == plain.tokens[0] == int(jnp.argmax(logp))
     np.testing.assert_allclose(result.top_logprobs[0], np.sort(np.asarray(logp))[::-1][:4], atol=1e-5)
 
@@ -250,7 +250,7 @@ def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
 
 
 def test_engine_settings_are_checked(params):
-    from hypertron.serve.scheduler import Scheduler, Sequence
+    from hypertron.serve.scheduler import Request, Scheduler
 
     with pytest.raises(ConfigError, match="kv_cache_dtype=fp8"):
         PagedEngine(params, CFG, kv_cache_dtype="fp8")
@@ -258,7 +258,7 @@ def test_engine_settings_are_checked(params):
         PagedEngine(params, CFG, page_size=6)
     sched = Scheduler(max_slots=2, num_pages=8, page_size=8, max_seq_len=64)
     with pytest.raises(ValueError, match="prompt of 64 tokens: expected 1 to 63"):
-        sched.add(Sequence(0, list(range(3, 67)), GREEDY))
+        sched.add(Request(0, list(range(3, 67)), GREEDY))
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 is below max_slots=8"):
         Scheduler(max_slots=8, num_pages=8, page_size=8, max_seq_len=64, max_num_batched_tokens=4)
 
@@ -306,8 +306,8 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     (served,), _, _ = run(engine, [prompt], [GREEDY])
     tokens = served.generated
     seq = jnp.asarray([prompt + tokens])
-    ref_logits = forward(rounded, seq, ref_cfg)[0, len(prompt) - 1:-1]
-    ours = forward(engine.params, seq, engine.cfg)[0, len(prompt) - 1:-1].astype(jnp.float32)
+    ref_logits = forward(rounded, seq, ref_cfg).logits[0, len(prompt) - 1:-1]
+    ours = forward(engine.params, seq, engine.cfg).logits[0, len(prompt) - 1:-1].astype(jnp.float32)
     rel = float(jnp.linalg.norm(ours - ref_logits) / jnp.linalg.norm(ref_logits))
     assert rel < 2e-2, rel
     assert tokens == [int(t) for t in jnp.argmax(ref_logits, -1)]

@@ -142,7 +142,7 @@ def _leaves(tree):
 
 
 def test_logits_match(case):
-    ours = np.asarray(forward(case.params, case.tokens, case.cfg))
+    ours = np.asarray(forward(case.params, case.tokens, case.cfg).logits)
     theirs = _hf_logits(case.model, case.tokens)
     assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -209,7 +209,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     each token's log-probability and top-3 equal the log-softmax of transformers' logits at its
     position. Dispatching one step ahead gives exactly what collecting each step at once gives."""
     from hypertron.serve.engine import PagedEngine
-    from hypertron.serve.scheduler import Scheduler, Sequence, run_until_done
+    from hypertron.serve.scheduler import Request, Scheduler, run_until_done
     from hypertron.serve.types import SamplingParams
 
     prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9, 12)] + [[int(t) for t in case.tokens[1, :5]]]
@@ -219,7 +219,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
         engine = PagedEngine(case.params, case.cfg, max_slots=4, page_size=4, num_pages=20, max_top_logprobs=3)
         sched = Scheduler(max_slots=4, num_pages=engine.num_pages, page_size=4, max_seq_len=case.cfg.max_seq_len,
                           max_num_batched_tokens=6, max_prefill_rows=2)
-        seqs = [Sequence(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
+        seqs = [Request(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
                 for i, p in enumerate(prompts)]
         for seq in seqs:
             sched.add(seq)
@@ -382,7 +382,7 @@ def test_logits_match_in_bf16(case):
     """bf16 weights and compute against transformers in float32. Stated tolerance: relative
     error of the logits under 3e-2 (bf16 keeps 8 bits of mantissa; measured on CPU: <= 0.014)."""
     cfg, params = _bf16(case)
-    ours = np.asarray(jax.jit(forward, static_argnames="cfg")(params, jnp.asarray(case.tokens), cfg=cfg))
+    ours = np.asarray(jax.jit(forward, static_argnames="cfg")(params, jnp.asarray(case.tokens), cfg=cfg).logits)
     assert rel_err(ours, _hf_logits(case.model, case.tokens)) < 3e-2
 
 

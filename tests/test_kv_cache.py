@@ -2,8 +2,9 @@
 
 A paged step's attention (decode tokens and chunks of prompts after cached prefixes, flat in
 one row) equals attention without any cache, for random page tables, GQA and a sliding window,
-with float and int8 pages; cold prompts' prefill in the engine goes through the attention
-function training uses, packed, and allocates no contiguous cache.
+with float and int8 pages, and so does the contiguous reference (``tests/support/contiguous_cache.py``);
+cold prompts' prefill in the engine goes through the attention function training uses, packed,
+and allocates no contiguous cache.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.contiguous_cache import ContiguousCache, init_cache  # tests/support
 
 from hypertron.config import PRESETS
-from hypertron.models import ContiguousCache, PagedCache, forward, init_cache, init_params
+from hypertron.models import PagedCache, forward, init_params
 from hypertron.models.kv_pages import init_pages
 
 BASE = dataclasses.replace(PRESETS["tiny"], num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64,
@@ -56,29 +58,29 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
     pages = _pages_with_nan(cfg, num_pages, page_size, kv_dtype)
 
     rows = np.repeat(np.arange(b), prefix)
-    _, cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
-                     [prefix] * b, cold=True)
+    cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
+                  [prefix] * b, cold=True).cache
     flat = [tokens[0, prefix]] + list(tokens[1:, prefix:].reshape(-1))
     positions = [prefix] + list(np.tile(np.arange(prefix, prefix + chunk), b - 1))
     rows = [0] + list(np.repeat(np.arange(1, b), chunk))
-    logits, _ = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
-                      num_decode=1)
+    logits = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
+                   num_decode=1).logits
 
-    full = forward(params, jnp.asarray(tokens), cfg)
+    full = forward(params, jnp.asarray(tokens), cfg).logits
     want = jnp.concatenate([full[0, prefix:prefix + 1], full[1:, prefix:].reshape(-1, cfg.vocab_size)])
     assert np.isfinite(np.asarray(logits)).all()
     err = float(jnp.linalg.norm(logits[0] - want) / jnp.linalg.norm(want))
     assert err < tol, err
     # The contiguous cache gives the same, prefix then chunk.
     contiguous = init_cache(cfg, b, 32)
-    _, contiguous = forward(params, jnp.asarray(tokens[:, :prefix]), cfg, cache=contiguous)
+    contiguous = forward(params, jnp.asarray(tokens[:, :prefix]), cfg, cache=contiguous).cache
     positions = jnp.broadcast_to(jnp.arange(prefix, prefix + chunk, dtype=jnp.int32), (b, chunk))
-    again, _ = forward(params, jnp.asarray(tokens[:, prefix:]), cfg, positions=positions, cache=contiguous)
+    again = forward(params, jnp.asarray(tokens[:, prefix:]), cfg, positions=positions, cache=contiguous).logits
     np.testing.assert_allclose(again, full[:, prefix:], rtol=1e-5, atol=1e-5)
     assert isinstance(contiguous, ContiguousCache)
 
 
-def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monkeypatch):
+def test_a_cold_prefill_uses_the_training_attention(monkeypatch):
     import hypertron.models.kv_cache as kv_cache
     from serving import run  # tests/
 
@@ -92,11 +94,7 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
         calls.append((args[0].shape, args[4].shape))  # queries, segment ids
         return training_attention(*args, **kwargs)
 
-    def no_contiguous(*args, **kwargs):
-        raise AssertionError("the serving path allocated a contiguous cache")
-
     monkeypatch.setattr(kv_cache, "self_attention", spy)
-    monkeypatch.setattr(kv_cache.ContiguousCache, "init", no_contiguous)
     cfg = dataclasses.replace(BASE, num_layers=1, max_seq_len=48)  # a shape no other test compiles
     params = init_params(cfg, jax.random.key(2))
     engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
@@ -106,7 +104,7 @@ def test_a_cold_prefill_uses_the_training_attention_and_no_contiguous_cache(monk
     assert calls == [((1, 16, cfg.num_heads, cfg.head_dim), (1, 16))]
     # What it wrote into the pages is what decoding reads: the next steps equal the full forward.
     for prompt, seq in zip(prompts, seqs):
-        full = forward(params, jnp.asarray([prompt + seq.generated]), cfg)[0]
+        full = forward(params, jnp.asarray([prompt + seq.generated]), cfg).logits[0]
         assert seq.generated == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
 
 

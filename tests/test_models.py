@@ -56,7 +56,7 @@ def test_attention_paths_agree_with_segments_and_window():
     seg = jnp.array([[1] * 7 + [2] * 9, [1] * 16])
     pos = jnp.array([list(range(7)) + list(range(9)), list(range(16))])
     outs = {
-        impl: forward(params, tokens, dataclasses.replace(cfg, attention=impl), positions=pos, segment_ids=seg)
+        impl: forward(params, tokens, dataclasses.replace(cfg, attention=impl), positions=pos, segment_ids=seg).logits
         for impl in ("plain", "xla")
     }
     np.testing.assert_allclose(outs["plain"], outs["xla"], atol=2e-5)
@@ -72,11 +72,11 @@ def test_packed_documents_do_not_attend_to_each_other(impl):
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 6 + [2] * 10])
     pos = jnp.array([list(range(6)) + list(range(10))])
-    out = forward(params, packed, cfg, positions=pos, segment_ids=seg)
-    alone = forward(params, b, cfg)
+    out = forward(params, packed, cfg, positions=pos, segment_ids=seg).logits
+    alone = forward(params, b, cfg).logits
     np.testing.assert_allclose(out[:, 6:], alone, atol=2e-5)
     # Without segment ids the second document does see the first.
-    mixed = forward(params, packed, cfg, positions=pos)
+    mixed = forward(params, packed, cfg, positions=pos).logits
     assert not np.allclose(mixed[:, 6:], alone, atol=1e-3)
 
 
@@ -84,9 +84,9 @@ def test_remat_and_unrolled_layers_do_not_change_the_math():
     base = _small()
     params = init_params(base, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(5), (2, 12), 3, 259)
-    ref = forward(params, tokens, base)
+    ref = forward(params, tokens, base).logits
     for kw in (dict(remat="none"), dict(remat="dots"), dict(scan_layers=False)):
-        np.testing.assert_allclose(forward(params, tokens, dataclasses.replace(base, **kw)), ref, atol=1e-5)
+        np.testing.assert_allclose(forward(params, tokens, dataclasses.replace(base, **kw)).logits, ref, atol=1e-5)
 
 
 def _hlo_size(num_layers: int) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hypertron.config import ModelConfig, MoEConfig, load_config
-from hypertron.models import forward_with_stats, init_params
+from hypertron.models import forward, init_params
 from hypertron.models.decoder import activation
 from hypertron.models.moe import _capped, _dropless, capacity, moe_mlp, route
 from hypertron.config import PRESETS
@@ -75,13 +75,13 @@ def test_capped_with_room_for_everything_equals_dropless(gating):
     cfg = _cfg(gating=gating)
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 3, cfg.vocab_size)
-    dropless, s1 = forward_with_stats(params, tokens, cfg)
+    dropless = forward(params, tokens, cfg, stats=True)
     big = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mode="capped", capacity_factor=100.0))
-    capped, s2 = forward_with_stats(params, tokens, big)
-    np.testing.assert_allclose(capped, dropless, rtol=1e-5, atol=1e-5)
-    assert float(jnp.max(s2["dropped"])) == 0.0
+    capped = forward(params, tokens, big, stats=True)
+    np.testing.assert_allclose(capped.logits, dropless.logits, rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(capped.stats["dropped"])) == 0.0
     small = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mode="capped", capacity_factor=0.5))
-    _, s3 = forward_with_stats(params, tokens, small)
+    s3 = forward(params, tokens, small, stats=True).stats
     assert float(jnp.min(s3["dropped"])) >= 0.5 - 1e-6  # at most half of the copies fit
 
 
@@ -162,24 +162,25 @@ def test_padding_takes_no_capacity_and_no_part_in_the_router_statistics(mode):
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 3, cfg.vocab_size)
     segments = jnp.ones((2, 16), jnp.int32).at[:, 10:].set(0)  # the last 6 positions of each row are padding
     other = tokens.at[:, 10:].set(jax.random.randint(jax.random.key(2), (2, 6), 3, cfg.vocab_size))
-    a, sa = forward_with_stats(params, tokens, cfg, segment_ids=segments)
-    b, sb = forward_with_stats(params, other, cfg, segment_ids=segments)
-    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-5)  # real tokens unaffected
+    a = forward(params, tokens, cfg, segment_ids=segments, stats=True)
+    b = forward(params, other, cfg, segment_ids=segments, stats=True)
+    np.testing.assert_allclose(a.logits[:, :10], b.logits[:, :10], rtol=1e-5, atol=1e-5)  # real tokens unaffected
+    sa, sb = a.stats, b.stats
     for key in ("load_balance", "router_z", "load", "dropped"):
         np.testing.assert_allclose(sa[key], sb[key], rtol=1e-5, atol=1e-6)
     assert float(jnp.sum(sa["load"][0])) == 2 * 10 * cfg.moe.top_k  # only real copies are counted
 
 
 def test_generation_never_drops_tokens_even_when_capped():
-    from hypertron.models import forward, init_cache
+    from support.contiguous_cache import init_cache  # tests/support
 
     cfg = _cfg(mode="capped", capacity_factor=0.25)
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 3, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    cached, _ = forward(params, tokens, cfg, positions=positions, cache=init_cache(cfg, 2, 16))
+    cached = forward(params, tokens, cfg, positions=positions, cache=init_cache(cfg, 2, 16)).logits
     dropless = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, mode="dropless"))
-    np.testing.assert_allclose(cached, forward_with_stats(params, tokens, dropless)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cached, forward(params, tokens, dropless).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_top1_with_mixtral_gating_is_refused():

@@ -79,13 +79,13 @@ def test_a_parameter_declared_once_is_converted_quantised_and_served(extra_param
     # Used: zeroing it changes the logits.
     tokens = jnp.asarray([[1, 40, 50, 60, 70, 80]], jnp.int32)
     zeroed = {**params, "layers": {**params["layers"], "w_extra": jnp.zeros((L, d, d))}}
-    assert not np.allclose(forward(params, tokens, CFG), forward(zeroed, tokens, CFG), atol=1e-3)
+    assert not np.allclose(forward(params, tokens, CFG).logits, forward(zeroed, tokens, CFG).logits, atol=1e-3)
 
     # Served: the paged engine (a prompt in chunks), int8 weights, is greedy under the full forward.
     prompt, n = [1, 40, 50, 60, 70, 80], 6
     int8_params = prepare_params(params, CFG, "int8")
     (got,) = generate(int8_params, CFG, [prompt], n, page_size=4, max_num_batched_tokens=4)
-    logits = forward(int8_params, jnp.asarray([prompt + got]), CFG)[0, len(prompt) - 1:-1]
+    logits = forward(int8_params, jnp.asarray([prompt + got]), CFG).logits[0, len(prompt) - 1:-1]
     assert got == [int(t) for t in jnp.argmax(logits, -1)]
 
 

@@ -22,7 +22,7 @@ from hypertron.serve.generate import generate
 from hypertron.serve.model import prepare_params
 
 EINSUM = einsum_for("none", jnp.float32)
-FORWARD = jax.jit(forward, static_argnames="cfg")
+FORWARD = jax.jit(lambda params, tokens_bt, cfg: forward(params, tokens_bt, cfg).logits, static_argnames="cfg")
 TOKENS = jax.random.randint(jax.random.key(1), (2, 32), 0, 259)
 MODELS = {  # 2 layers each; the MoE one has room for every copy, so only routing can change
     "tiny": {},

@@ -10,7 +10,7 @@ import math
 import pytest
 from fake_engine import TOP, FakeEngine, reference, token_logprobs  # tests/
 
-from hypertron.serve.scheduler import LENGTH, STOP, Scheduler, Sequence, group_size, run_until_done
+from hypertron.serve.scheduler import LENGTH, STOP, Request, Scheduler, group_size, run_until_done
 from hypertron.serve.types import SamplingParams
 from hypertron.tokenizer import get_tokenizer
 
@@ -21,7 +21,7 @@ def _setup(engine: FakeEngine, prompts, samplings, **kw):
     sched = Scheduler(max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
                       max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids,
                       max_top_logprobs=engine.max_top_logprobs, **kw)
-    seqs = [Sequence(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    seqs = [Request(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
     return sched, seqs
 
 

@@ -146,10 +146,10 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
     give the same tokens, greedy and seeded (compared as the server's detokenizer writes them:
     this random model emits bytes that are not whole characters)."""
     from hypertron.serve.generate import generate
-    from hypertron.serve.model import load_model
+    from hypertron.serve.model import load_for_inference
     from hypertron.serve.detokenize import detokenizer
 
-    model, params, tok = load_model(run_dir)
+    model, params, tok = load_for_inference(run_dir)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
     app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2"], monkeypatch)
     with ThreadedServer(app, lifespan="on") as s:

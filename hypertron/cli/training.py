@@ -189,7 +189,7 @@ def _devices(args: argparse.Namespace) -> tuple[int, float]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hypertron.serve.generate import generate
-    from hypertron.serve.model import load_model
+    from hypertron.serve.model import load_for_inference
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
@@ -199,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k={args.top_k}: must not be negative (0 = off)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p}: must be in (0, 1]")
-    model, params, tok = load_model(args.checkpoint, args.quantize)
+    model, params, tok = load_for_inference(args.checkpoint, args.quantize)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
     if len(ids) + args.max_new_tokens > model.max_seq_len:
         raise ConfigError(
@@ -236,7 +236,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR (or a model bundle)")
         if bundle.is_bundle(args.checkpoint):
             _, tokenizer = bundle.read_config(args.checkpoint)
-            model_cfg, params, _ = bundle.load_model(args.checkpoint)
+            model_cfg, params, _ = bundle.read_bundle(args.checkpoint)
         else:
             cfg, params = load_params(args.checkpoint)
             model_cfg, tokenizer = cfg.model, cfg.data.tokenizer

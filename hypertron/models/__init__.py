@@ -7,14 +7,13 @@ import jax
 from hypertron.config import ModelConfig
 from hypertron.models import params as _params
 from hypertron.models.decoder import (
+    Forward,
     declare,
     forward,
-    forward_with_stats,
-    init_cache,
     resolve_dtype,
     unstack_layers,
 )
-from hypertron.models.kv_cache import ContiguousCache, PagedCache
+from hypertron.models.kv_cache import KVCache, PagedCache
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -47,6 +46,6 @@ def fp8_histories(cfg: ModelConfig) -> dict:
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
-__all__ = ["ContiguousCache", "PagedCache", "cast_params", "count_params", "declare", "forward", "forward_with_stats",
-           "fp8_histories", "init_cache", "init_params", "quantize_params", "resolve_dtype",
+__all__ = ["Forward", "KVCache", "PagedCache", "cast_params", "count_params", "declare", "forward",
+           "fp8_histories", "init_params", "quantize_params", "resolve_dtype",
            "unstack_layers"]

@@ -111,7 +111,7 @@ def read_config(path: str | Path) -> tuple[ModelConfig, str]:
     return cfg, tok if tok == "byte" else str(Path(path) / tok)
 
 
-def load_model(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict, Tokenizer]:
+def read_bundle(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict, Tokenizer]:
     """``(model config, params, tokenizer)`` of a bundle; the params as numpy arrays in the dtype
     they were saved in, or ``dtype``. Every declared parameter must be there with its declared
     shape; a missing, extra or misshapen tensor is refused, naming it."""

@@ -13,6 +13,7 @@ Naming: ``b`` batch, ``t`` query positions, ``s`` key positions, ``d`` embed,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Any
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 
 from hypertron.config import ModelConfig, dtype_on
 from hypertron.models.attention import attention_impl, attention_mask, plain_attention, self_attention  # noqa: F401
-from hypertron.models.kv_cache import ContiguousCache, PagedCache
+from hypertron.models.kv_cache import KVCache
 from hypertron.models.mlp import activation, declare_mlp, mlp
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, matmul, stack
@@ -30,7 +31,6 @@ from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
 
 Params = dict[str, Any]
-Cache = ContiguousCache | PagedCache
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
 # The layer and the model
 
 
-def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: Cache | None):
+def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: KVCache | None):
     """One decoder block. Without a cache, attention is over ``x`` itself (training); with one
     (:mod:`hypertron.models.kv_cache`), the cache takes the new keys and values and attends."""
     with jax.named_scope("attention"):
@@ -167,7 +167,7 @@ _REMAT_POLICIES = {
 }
 
 
-def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: Cache | None,
+def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_ids_bt, cache: KVCache | None,
              logits_at=None):
     dtype = resolve_dtype(cfg.dtype)
     einsum = einsum_for(cfg.quantization, dtype)
@@ -234,6 +234,20 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """What :func:`forward` returns: ``logits`` [b, t, vocab] (float32; [b, k, vocab] with
+    ``logits_at``); ``cache`` as the tokens left it (None without one); ``stats`` the per-layer
+    MoE statistics stacked over layers when asked for (``{}`` for a dense model; None when not
+    asked): ``load_balance`` and ``router_z`` losses [l], ``load`` (copies per expert) [l, e] and
+    ``dropped`` (fraction of copies over capacity) [l]. A pytree, so jitted functions return it."""
+
+    logits: jax.Array
+    cache: KVCache | None = None
+    stats: dict[str, jax.Array] | None = None
+
+
 def forward(
     params: Params,
     tokens_bt: jax.Array,
@@ -241,37 +255,19 @@ def forward(
     *,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
-    cache: Cache | None = None,
+    cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
-):
-    """Logits [b, t, vocab] (float32) for token ids [b, t]; with ``cache``, ``(logits, cache)``.
+    stats: bool = False,
+) -> Forward:
+    """The model on token ids [b, t]: their logits [b, t, vocab] (float32), the cache they were
+    written into (with ``cache``) and the MoE statistics (with ``stats=True``), as one
+    :class:`Forward`.
 
     ``positions`` [b, t] default to 0..t-1; ``segment_ids`` [b, t] keep packed documents from
-    attending to each other. With a cache (:mod:`hypertron.models.kv_cache`: contiguous or
-    paged), the tokens' keys and values are written into it at their positions and they attend
-    to what it holds; generation's prefill (t = the prompt) and decode (t = 1) both come here.
-    ``logits_at`` [b, k]: the logits of those token indices only ([b, k, vocab]), the others'
-    never computed.
+    attending to each other. With a cache (:mod:`hypertron.models.kv_cache`), the tokens' keys
+    and values are written into it at their positions and they attend to what it holds;
+    generation's prefill (t = the prompt) and decode (t = 1) both come here. ``logits_at``
+    [b, k]: the logits of those token indices only ([b, k, vocab]), the others' never computed.
     """
-    logits, new_cache, _ = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache, logits_at)
-    return logits if cache is None else (logits, new_cache)
-
-
-def forward_with_stats(
-    params: Params,
-    tokens_bt: jax.Array,
-    cfg: ModelConfig,
-    *,
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Like :func:`forward`, plus per-layer MoE statistics stacked over layers (``{}`` for dense
-    models): ``load_balance`` and ``router_z`` losses [l], ``load`` (copies per expert) [l, e] and
-    ``dropped`` (fraction of copies over capacity) [l]."""
-    logits, _, stats = _decoder(params, tokens_bt, cfg, positions, segment_ids, None)
-    return logits, stats
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> ContiguousCache:
-    """An empty contiguous cache for ``batch`` sequences of up to ``max_len`` tokens."""
-    return ContiguousCache.init(cfg, batch, max_len, resolve_dtype(cfg.dtype) if dtype is None else dtype)
+    logits, new_cache, layer_stats = _decoder(params, tokens_bt, cfg, positions, segment_ids, cache, logits_at)
+    return Forward(logits, None if cache is None else new_cache, layer_stats if stats else None)

@@ -1,60 +1,45 @@
 """KV caches as small pytrees that know how to take new keys and values and attend.
 
-The decoder's layer calls ``cache.attend(layer, q, k, v, positions, segment_ids, cfg)`` and
-never asks which cache it holds; :func:`hypertron.models.forward` with ``cache=`` runs the
-layers with the cache in the scan's carry, so each layer's writes update it in place.
+The decoder's layer calls ``cache.attend(layer, q, k, v, positions, segment_ids, cfg)``
+(:class:`KVCache`) and never asks which cache it holds; :func:`hypertron.models.forward` with
+``cache=`` runs the layers with the cache in the scan's carry, so each layer's writes update it
+in place.
 
-* :class:`ContiguousCache`: ``k`` / ``v [layers, batch, max_len, kv_heads, head_dim]``, each
-  row's tokens at their positions. For a batch of sequences generated together.
 * :class:`PagedCache`: one serving step over the engine's page pool
   (:mod:`hypertron.models.kv_pages`): the tokens of many sequences in one flat row, decode
   tokens (one per sequence, through the ragged decode-attention kernel) then prefill chunks
   (packed, through the training attention when every chunk starts a sequence; over the
   gathered pages when a chunk follows a cached prefix). Keys and values go straight into the
   pages.
+
+The contiguous cache (``k`` / ``v [layers, batch, max_len, kv_heads, head_dim]``, each row's
+tokens at their positions) is the tests' reference (``tests/contiguous_cache.py``): nothing here
+generates that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import causal_window_mask, gather_pages, ragged_decode_attention
-from hypertron.models.attention import attention_mask, plain_attention, self_attention
+from hypertron.models.attention import self_attention
 from hypertron.models.kv_pages import layer_page_table, pages_per_layer, write_tokens
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ContiguousCache:
-    """``k`` / ``v [layers, batch, max_len, kv_heads, head_dim]``; a row's new tokens are written
-    from its first position on, and it attends to every cached position up to its own."""
+class KVCache(Protocol):
+    """What a layer asks of a cache: take layer ``layer``'s new keys and values
+    ``k_btkh`` / ``v_btkh`` at ``positions_bt`` and attend ``q_btnh`` to what it holds; returns
+    the attention output ``[b, t, n, h]`` and the cache with the tokens written."""
 
-    k: jax.Array
-    v: jax.Array
-
-    @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> ContiguousCache:
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    def attend(self, layer, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
-        def write(cache, new):
-            rows = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (p[0], 0, 0)))(
-                jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), new, positions_bt)
-            return rows, jax.lax.dynamic_update_index_in_dim(cache, rows, layer, 0)
-
-        k_bskh, k = write(self.k, k_btkh)
-        v_bskh, v = write(self.v, v_btkh)
-        s = k_bskh.shape[1]
-        kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q_btnh.shape[0], s))
-        mask = attention_mask(positions_bt, kv_pos, cfg)
-        attn = plain_attention(q_btnh, k_bskh.astype(q_btnh.dtype), v_bskh.astype(q_btnh.dtype), mask)
-        return attn, ContiguousCache(k, v)
+    def attend(self, layer: Any, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+               positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
+               cfg: ModelConfig) -> tuple[jax.Array, KVCache]: ...
 
 
 @jax.tree_util.register_dataclass

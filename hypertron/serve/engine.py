@@ -128,8 +128,9 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    logits, paged = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None],
-                            cache=paged, logits_at=at[None])
+    fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
+                  logits_at=at[None])
+    logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
     nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], b["sample_pos"])
     out = {"tokens": nxt}
@@ -479,9 +480,9 @@ def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 
                 kv_cache_dtype: str = "auto", quantize: str = "none", background_compile: bool = False):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
     engine's ``eos_ids`` are the tokenizer's."""
-    from hypertron.serve.model import load_model, served_name
+    from hypertron.serve.model import load_for_inference, served_name
 
-    model, params, tok = load_model(checkpoint, quantize)
+    model, params, tok = load_for_inference(checkpoint, quantize)
     engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                          kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids, background_compile=background_compile)
     return engine, tok, served_name(checkpoint)

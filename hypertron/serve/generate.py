@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from hypertron.config import ModelConfig
 from hypertron.serve.engine import PagedEngine
-from hypertron.serve.scheduler import Output, Scheduler, Sequence, run_until_done
+from hypertron.serve.scheduler import Output, Request, Scheduler, run_until_done
 from hypertron.serve.types import SamplingParams
 
 
@@ -51,7 +51,7 @@ def generate(
     scheduler = Scheduler(max_slots=len(prompts), num_pages=engine.num_pages, page_size=page_size,
                           max_seq_len=cfg.max_seq_len, max_num_batched_tokens=budget,
                           max_prefill_rows=len(prompts))
-    seqs = [Sequence(i, list(p), SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+    seqs = [Request(i, list(p), SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                                 top_p=top_p, seed=seed + i)) for i, p in enumerate(prompts)]
     for seq in seqs:
         scheduler.add(seq)

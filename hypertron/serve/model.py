@@ -46,7 +46,7 @@ def served_name(path: str | Path) -> str:
     return path.parent.name if bundle.is_bundle(path) and path.name == "model" else path.name
 
 
-def load_model(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
+def load_for_inference(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
     """``(model config, params, tokenizer)`` of ``path``: a model bundle
     (:mod:`hypertron.models.bundle`), a run directory's latest checkpoint (its tokenizer is the
     run's ``data.tokenizer``) or a Hugging Face directory (its ``tokenizer.json`` or SentencePiece
@@ -55,7 +55,7 @@ def load_model(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, d
     :func:`prepare_params` (matmul and embedding weights in the compute dtype, or int8; norms and
     router in float32); a tokenizer with more ids than the model is refused."""
     if bundle.is_bundle(path):
-        model, params, tokenizer = bundle.load_model(path)  # its vocabulary is checked there
+        model, params, tokenizer = bundle.read_bundle(path)  # its vocabulary is checked there
         key = f"{path}/{bundle.MANIFEST}: model.vocab_size"
     elif is_hf_dir(path):
         model, params = hf.load_hf(path)

@@ -40,9 +40,9 @@ from hypertron.serve.scheduler import (
     LENGTH,
     STOP,
     Output,
+    Request,
     Scheduler,
 )
-from hypertron.serve.scheduler import Sequence as SchedSequence
 from hypertron.serve.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,10 @@ class QueueFull(Exception):
 
 
 @dataclasses.dataclass(eq=False)
-class _Request:
-    seq: SchedSequence
+class _Submission:
+    """A request submitted by a client, and where its outputs go (its event loop's queue)."""
+
+    seq: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
@@ -88,14 +90,14 @@ class Orchestrator:
             step_overhead_tokens=step_overhead_tokens)
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
-        self._incoming: list[_Request] = []
-        self._cancelled: list[_Request] = []
+        self._incoming: list[_Submission] = []
+        self._cancelled: list[_Submission] = []
         self._waiting = 0  # requests not admitted yet (incoming + the scheduler's queue), for max_queue
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._requests: dict[int, _Request] = {}  # owned by the loop thread
-        self._outbox: list[tuple[_Request, Output]] = []
+        self._requests: dict[int, _Submission] = {}  # owned by the loop thread
+        self._outbox: list[tuple[_Submission, Output]] = []
         self._preemptions = 0
         self._compiles: dict[str, int] = {}
 
@@ -115,8 +117,8 @@ class Orchestrator:
             raise ValueError(f"logprobs={sampling.logprobs}: expected 0 to {self.max_top_logprobs}")
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
-        seq = SchedSequence(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs)
-        req = _Request(seq, asyncio.get_running_loop(), asyncio.Queue())
+        seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs)
+        req = _Submission(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if not self.running:
                 raise RuntimeError("the orchestrator is not running")
@@ -128,7 +130,7 @@ class Orchestrator:
             self._cv.notify()
         return Generation(seq, req.queue, self.tokenizer, self.metrics, lambda: self._cancel(req), stop)
 
-    def _cancel(self, req: _Request) -> None:
+    def _cancel(self, req: _Submission) -> None:
         with self._cv:
             self._cancelled.append(req)
             self._cv.notify()

@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.metrics import ServeMetrics
-from hypertron.serve.scheduler import ABORT, STOP, Output
-from hypertron.serve.scheduler import Sequence as SchedSequence
+from hypertron.serve.scheduler import ABORT, STOP, Output, Request
 from hypertron.serve.types import TokenLogprobs
 
 
@@ -48,7 +47,7 @@ class Generation:
     client goes away) frees the request's slot before the engine's next step.
     """
 
-    def __init__(self, seq: SchedSequence, queue: asyncio.Queue, tokenizer, metrics: ServeMetrics,
+    def __init__(self, seq: Request, queue: asyncio.Queue, tokenizer, metrics: ServeMetrics,
                  cancel: Callable[[], None], stop: Sequence[str]):
         self._queue, self._metrics, self._cancel = queue, metrics, cancel
         self._stop = tuple(s for s in stop if s)

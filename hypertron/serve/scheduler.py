@@ -1,6 +1,6 @@
 """Which tokens each engine step runs: decode rows and prefill chunks within a token budget.
 
-One :class:`Scheduler` owns the requests (:class:`Sequence`), the decode slots and the KV-cache
+One :class:`Scheduler` owns the requests (:class:`Request`), the decode slots and the KV-cache
 page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
 :class:`~hypertron.serve.types.StepPlan` of at most ``max_num_batched_tokens`` tokens:
 
@@ -58,7 +58,7 @@ DEFAULT_MAX_PREFILL_ROWS = 8
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
+class Request:
     """A request as the scheduler sees it."""
 
     id: int
@@ -90,7 +90,7 @@ class Output:
     """What one sequence got from a step: a token (with its log-probabilities when asked for,
     and the prompt's before the first token when asked for) and/or its end."""
 
-    seq: Sequence
+    seq: Request
     token: int | None = None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
@@ -130,10 +130,10 @@ class Scheduler:
             raise ValueError(f"step_overhead_tokens={step_overhead_tokens}: expected at least 0, or None")
         self.max_num_batched_tokens, self.max_prefill_rows = max_num_batched_tokens, max_prefill_rows
         self.step_overhead_tokens = step_overhead_tokens
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: dict[int, Sequence] = {}  # by id, in admission order
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}  # by id, in admission order
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
-        self._live: dict[int, Sequence] = {}
+        self._live: dict[int, Request] = {}
         self._free_pages = list(range(num_pages, 0, -1))  # pop() hands out 1, 2, ...
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._hold = False  # after a pre-emption, until a sequence ends
@@ -144,7 +144,7 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue a sequence (its prompt 1 .. max_seq_len - 1 tokens, its seed set)."""
         if not 0 < len(seq.prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
@@ -153,7 +153,7 @@ class Scheduler:
         self._live[seq.id] = seq
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Request) -> None:
         """End ``seq`` now, wherever it is, without an output (its consumer went away or stopped)."""
         if seq.status != FINISHED and seq.id in self._live:
             self._finish(seq, ABORT, emit=False)
@@ -273,19 +273,19 @@ class Scheduler:
         lengths += [self._fill_length(s) for s in itertools.islice(self.waiting, cap)]
         return group_size(len(lengths), sum(lengths) / len(lengths), self.step_overhead_tokens + decodes)
 
-    def _goes_on(self, seq: Sequence) -> bool:
+    def _goes_on(self, seq: Request) -> bool:
         """Whether another token may be sampled: not at max_tokens or max_seq_len yet."""
         return seq.outputs < seq.sampling.max_tokens and len(seq.prompt) + seq.outputs < self.max_seq_len
 
     @staticmethod
-    def _fill_length(seq: Sequence) -> int:
+    def _fill_length(seq: Request) -> int:
         """The tokens ``seq`` prefills when admitted: its prompt and what it generated before a pre-emption."""
         return len(seq.prompt) + len(seq.generated)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def _page_for(self, seq: Sequence, position: int) -> bool:
+    def _page_for(self, seq: Request, position: int) -> bool:
         """Take the page ``position`` is written into, if ``seq`` has none yet; False if none is free."""
         if position // self.page_size < len(seq.pages):
             return True
@@ -294,7 +294,7 @@ class Scheduler:
         seq.pages.append(self._free_pages.pop())
         return True
 
-    def _admit(self, seq: Sequence, busy: bool) -> bool | None:
+    def _admit(self, seq: Request, busy: bool) -> bool | None:
         """Give ``seq`` (first in the queue) a slot and the pages of its prompt: True; False to
         wait; None when it can never fit (it is ended)."""
         if seq.rows_in_flight:  # pre-empted while a step of it ran: take its token first
@@ -312,7 +312,7 @@ class Scheduler:
         self.running[seq.id] = seq
         return True
 
-    def _chunk(self, seq: Sequence, budget: int) -> Row:
+    def _chunk(self, seq: Request, budget: int) -> Row:
         start = seq.computed
         n = min(len(seq.fill) - start, budget)
         seq.computed += n
@@ -322,7 +322,7 @@ class Scheduler:
         return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
                    sample=seq.computed == len(seq.fill), prompt_targets=targets)
 
-    def _add_prompt_logprobs(self, seq: Sequence, row: Row, prompt) -> None:
+    def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:
             return
         chosen, ids, lps = prompt
@@ -332,7 +332,7 @@ class Scheduler:
                 seq.prompt_logprobs.append(TokenLogprobs(float(chosen[j]), tuple(int(t) for t in ids[j][:n]),
                                                          tuple(float(v) for v in lps[j][:n])))
 
-    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+    def _emit(self, seq: Request, token: int, logprobs: TokenLogprobs | None) -> None:
         s = seq.sampling
         prompt_lps = None
         if seq.prompt_logprobs is not None and not seq.generated:
@@ -346,7 +346,7 @@ class Scheduler:
         if len(seq.generated) >= s.max_tokens or len(seq.prompt) + len(seq.generated) >= self.max_seq_len:
             self._finish(seq, LENGTH)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Request) -> None:
         """Give back ``seq``'s slot and pages (the engine may still be running a step that writes
         them; steps run in order, so the next owner's writes come after)."""
         self._free_pages.extend(reversed(seq.pages))
@@ -354,14 +354,14 @@ class Scheduler:
         seq.pages, seq.slot = [], None
         del self.running[seq.id]
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         self.preemptions += 1
         self._release(seq)
         seq.status, seq.fill, seq.computed = WAITING, [], 0
         self.waiting.appendleft(seq)
         self._hold = True
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, emit: bool = True) -> None:
+    def _finish(self, seq: Request, reason: str, error: str | None = None, emit: bool = True) -> None:
         if seq.status == RUNNING:
             self._release(seq)
         elif seq in self.waiting:

@@ -26,8 +26,7 @@ from hypertron.checkpoint import CheckpointError, latest_step, load_params, read
 from hypertron.config import Config
 from hypertron.data import check_source, make_batches
 from hypertron.models import resolve_dtype
-from hypertron.models.bundle import is_bundle, save_model
-from hypertron.models.bundle import load_model as load_bundle
+from hypertron.models.bundle import is_bundle, read_bundle, save_model
 from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.models.flops import device_peak_flops, train_flops_per_token
 from hypertron.parallel.mesh import make_mesh
@@ -134,7 +133,7 @@ class LanguageModel:
             console.print(f"starting from the parameters in {cfg.train.init_from}")
             shardings = trainer.abstract_state()["params"]
             if is_bundle(cfg.train.init_from):
-                _, params, _ = load_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
+                _, params, _ = read_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
                 # Each process places the slices its devices hold, from the whole array it read.
                 state["params"] = jax.tree.map(
                     lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
