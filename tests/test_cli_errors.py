@@ -75,31 +75,38 @@ class Case:
     check_keys: bool = True  # False where the message must quote the user's unknown key
 
 
-def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
-    """Each case trains (if it got that far) into runs/<name>, which must never appear."""
-    empty_dir = inputs / "empty_corpus"
-    empty_dir.mkdir()
-    (empty_dir / "not_text.bin").write_bytes(b"\0\1\2")  # no *.txt / *.md / *.py inside
-    empty_file = inputs / "empty.txt"
-    empty_file.write_text("")
-    blank_jsonl = inputs / "blank.jsonl"
-    blank_jsonl.write_text("\n  \n\n")
-    not_a_run = inputs / "not_a_run"
-    not_a_run.mkdir()
-    (not_a_run / "notes.txt").write_text("hello\n")
-    no_hf = inputs / "no_hf_config"
-    no_hf.mkdir()
-    (no_hf / "model.safetensors").write_bytes(b"")
+class _Inputs:
+    """The files and directories the cases point at, and how a case names its run directory."""
 
-    def recipe(name: str, text: str) -> str:
-        path = inputs / f"{name}.yaml"
-        path.write_text(text.format(run_dir=runs / name))
+    def __init__(self, inputs: Path, runs: Path):
+        self.root, self.runs = inputs, runs
+        self.empty_dir = inputs / "empty_corpus"
+        self.empty_dir.mkdir()
+        (self.empty_dir / "not_text.bin").write_bytes(b"\0\1\2")  # no *.txt / *.md / *.py inside
+        self.empty_file = inputs / "empty.txt"
+        self.empty_file.write_text("")
+        self.blank_jsonl = inputs / "blank.jsonl"
+        self.blank_jsonl.write_text("\n  \n\n")
+        self.not_a_run = inputs / "not_a_run"
+        self.not_a_run.mkdir()
+        (self.not_a_run / "notes.txt").write_text("hello\n")
+        self.no_hf = inputs / "no_hf_config"
+        self.no_hf.mkdir()
+        (self.no_hf / "model.safetensors").write_bytes(b"")
+
+    def recipe(self, name: str, text: str) -> str:
+        path = self.root / f"{name}.yaml"
+        path.write_text(text.format(run_dir=self.runs / name))
         return str(path)
 
-    def train(name: str, *args: str) -> list[str]:
-        return ["train", *args, f"run_dir={runs / name}"]
+    def train(self, name: str, *args: str) -> list[str]:
+        return ["train", *args, f"run_dir={self.runs / name}"]
 
-    cases = {
+
+def _config_cases(i: _Inputs) -> dict[str, Case]:
+    """Mistakes in keys, types and shapes."""
+    recipe, train = i.recipe, i.train
+    return {
         # 1. unknown keys
         "unknown_train_key": Case(train("unknown_train_key", *SMALL, "train.stepz=3"),
                                   ("train.stepz",), check_keys=False),
@@ -136,6 +143,15 @@ def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
         # an impossible combination found without devices
         "seq_len_too_long": Case(train("seq_len_too_long", "model=tiny", "train.seq_len=4096"),
                                  ("train.seq_len=4096", "model.max_seq_len")),
+    }
+
+
+def _path_and_command_cases(i: _Inputs) -> dict[str, Case]:
+    """Missing or unusable files and directories, and commands missing what they need."""
+    inputs, runs, train, recipe = i.root, i.runs, i.train, i.recipe
+    empty_dir, empty_file, blank_jsonl = i.empty_dir, i.empty_file, i.blank_jsonl
+    not_a_run, no_hf = i.not_a_run, i.no_hf
+    return {
         # 5. a missing data path
         "missing_data_path": Case(train("missing_data_path", *SMALL, "data.source=text",
                                         "data.paths=/nonexistent/x.txt"), ("/nonexistent/x.txt",)),
@@ -192,7 +208,12 @@ def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
             ["convert", "--to-hf", str(runs / "convert_to_hf_not_a_run"), "--checkpoint", str(not_a_run)],
             (str(not_a_run),)),
     }
-    return cases
+
+
+def _error_cases(inputs: Path, runs: Path) -> dict[str, Case]:
+    """Each case trains (if it got that far) into runs/<name>, which must never appear."""
+    i = _Inputs(inputs, runs)
+    return {**_config_cases(i), **_path_and_command_cases(i)}
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +235,8 @@ _CASE_NAMES = [
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",
     "missing_tokenizer", "tokenizer_not_a_tokenizer", "process_id_out_of_range",
-    "processes_without_coordinator", "coordinator_without_port", "monitor_interval_zero", "launch_zero_processes", "launch_without_command",
+    "processes_without_coordinator", "coordinator_without_port", "monitor_interval_zero", "launch_zero_processes",
+    "launch_without_command",
     "generate_not_a_run", "generate_missing_dir",
     "convert_from_hf_without_config", "convert_from_hf_without_out",
     "convert_to_hf_not_a_run",
