@@ -1,12 +1,16 @@
 """The layers of DESIGN.md hold: import-linter's contracts pass, no import cycle at any level, every
-module is under a contract, and no contract makes an exception."""
+module is under a contract, and no contract makes an exception; the packages with layers of their own
+have exhaustive contracts. And the code's size stays reviewable: no module over 600 lines, no function
+over 80, no two functions with the same body."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import tomllib
+from collections import defaultdict
 from pathlib import Path
 
 import grimp
@@ -83,3 +87,52 @@ def test_the_ground_floor_imports_no_jax():
             "print(sorted(m for m in ('jax', 'grain', 'orbax') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_the_packages_with_layers_of_their_own_have_exhaustive_contracts():
+    layered = {c["containers"][0] for c in CONTRACTS if c["type"] == "layers" and c.get("exhaustive")}
+    want = {"hypertron", "hypertron.serve", "hypertron.models", "hypertron.monitor", "hypertron.cli",
+            "hypertron.train", "hypertron.kernels"}
+    assert want <= layered, sorted(want - layered)
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def _sources(*folders: str) -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+            for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, ast.Module]:
+    return _sources("hypertron", "bench", "tests")
+
+
+def _functions(tree: ast.Module):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_module_over_600_lines(sources):
+    long = {path: tree.body[-1].end_lineno for path, tree in sources.items()
+            if not path.startswith("tests/") and tree.body and tree.body[-1].end_lineno > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_no_function_over_80_lines(sources):
+    long = [f"{path}:{f.lineno} {f.name} ({f.end_lineno - f.lineno + 1} lines)"
+            for path, tree in sources.items() for f in _functions(tree)
+            if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_no_two_functions_have_the_same_body(sources):
+    """Bodies of two lines or more, compared as syntax trees (docstrings aside): a copy belongs in
+    one place that both call."""
+    bodies = defaultdict(list)
+    for path, tree in sources.items():
+        for f in _functions(tree):
+            body = f.body[1:] if ast.get_docstring(f) is not None else f.body
+            if body and body[-1].end_lineno - body[0].lineno >= 1:
+                bodies[ast.dump(ast.Module(body=body, type_ignores=[]))].append(f"{path}:{f.lineno} {f.name}")
+    assert not [places for places in bodies.values() if len(places) > 1]

@@ -6,6 +6,6 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from hypertron.cli import main
+    from hypertron.cli.parser import main
 
     sys.exit(main())

@@ -33,7 +33,7 @@ from hypertron.config.loading import BUNDLE_FORMAT as FORMAT
 from hypertron.config.loading import BUNDLE_MANIFEST as MANIFEST
 from hypertron.config.loading import BUNDLE_VERSION as VERSION
 from hypertron.config.loading import bundle_manifest, bundle_model, to_dict
-from hypertron.models import declare
+from hypertron.models.decoder import declare
 from hypertron.models.params import leaves_with_paths
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer, tokenizer_file
 
