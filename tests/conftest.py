@@ -41,3 +41,25 @@ def float32_matmuls():
 
     with jax.default_matmul_precision("float32"):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests (marked ``slow``: over 20 s on CI's 2 cores) start first, spread over the workers.
+
+    ``make test`` runs ``--dist worksteal``: each of the N workers is first handed a contiguous share
+    of the collection (the k-th of N, sized as xdist sizes it), and an idle worker later steals the
+    tail of a busy one's queue. So each share is built to begin with every N-th slow test: a long
+    test never waits behind short ones, nor two long ones behind each other on one worker while
+    another worker is idle. Each worker computes the same order, as xdist requires."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    ordered, remaining = [], len(items)
+    for k in range(workers):
+        size = remaining // (workers - k)  # xdist's share for the k-th worker
+        remaining -= size
+        mine = slow[k::workers]
+        take = max(0, size - len(mine))
+        ordered += mine + fast[:take]
+        fast = fast[take:]
+    items[:] = ordered + fast

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
 import tomllib
 from collections import defaultdict
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+from support import processes  # tests/support
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
@@ -27,7 +27,7 @@ def graph() -> grimp.ImportGraph:
 
 def test_import_linter_contracts_are_kept():
     lint = Path(sys.executable).parent / "lint-imports"
-    r = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    r = processes.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"{len(CONTRACTS)} kept, 0 broken" in r.stdout
@@ -85,7 +85,7 @@ def test_the_ground_floor_imports_no_jax():
     library: neither may pull in JAX."""
     code = ("import sys, hypertron.config, hypertron.tokenizer, hypertron.errors, hypertron.cli; "
             "print(sorted(m for m in ('jax', 'grain', 'orbax') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    r = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert r.stdout.strip() == "[]"
 
 

@@ -14,12 +14,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Literal
 
 from hypertron.config import flag_field
+from support import processes  # tests/support
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_flags.json"
 
@@ -84,7 +84,7 @@ def test_every_command_s_flags_equal_the_recording(monkeypatch):
 def test_building_the_parser_imports_no_jax():
     code = ("import sys; from hypertron.cli import build_parser; build_parser(); "
             "print(sorted(m for m in ('jax', 'numpy', 'httpx') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    r = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert r.stdout.strip() == "[]", r.stdout
 
 

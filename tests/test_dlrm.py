@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
 from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
 from support import runs  # tests/support
+from support import processes  # tests/support
 
 ROOT = Path(__file__).parent.parent
 RECIPE = ROOT / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"
@@ -200,11 +200,11 @@ def _train(*args: str) -> list[str]:
 
 def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
     common = ["train.steps=12", "checkpoint.every=6", "train.eval_every=6", "train.eval_batches=2"]
-    straight = subprocess.Popen(_train(*common, f"run_dir={tmp_path / 'a'}"), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+    straight = processes.start(_train(*common, f"run_dir={tmp_path / 'a'}"), env=ENV, stdout=processes.DEVNULL,
+                                stderr=processes.PIPE, text=True)
     run = tmp_path / "b"
-    killed = subprocess.Popen(_train(*common, f"run_dir={run}"), env=ENV, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    killed = processes.start(_train(*common, f"run_dir={run}"), env=ENV, stdout=processes.DEVNULL,
+                              stderr=processes.PIPE, text=True)
     try:
         import time
         deadline = time.monotonic() + 240
@@ -219,7 +219,7 @@ def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
     finally:
         for p in (straight, killed):
             p.kill()
-    resumed = subprocess.run(_train(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
+    resumed = processes.run(_train(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 6" in resumed.stderr and "auc" in resumed.stderr
     want, got = runs.losses(tmp_path / "a"), runs.losses(run)
@@ -285,7 +285,7 @@ def test_bad_dlrm_runs_are_refused_in_one_line_before_anything_is_written(tmp_pa
         (["dlrm.source=criteo", f"dlrm.paths={RECIPE}", "dlrm.ids_per_sample=" + ",".join(["2"] * 26),
           "dlrm.table_rows=" + ",".join(["5"] * 26)], "Criteo lines hold one id per feature"),
     ]:
-        r = subprocess.run(_train(f"run_dir={run}", "train.eval_every=0", *args),
+        r = processes.run(_train(f"run_dir={run}", "train.eval_every=0", *args),
                            env=dict(ENV, HYPERTRON_FAULT_DATA_DELAY=""), capture_output=True, text=True, timeout=120)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 2 and message in r.stderr and len(lines) == 1, r.stderr

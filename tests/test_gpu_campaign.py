@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,13 +18,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_campaign  # noqa: E402  (bench/gpu_campaign.py)
+from support import processes  # tests/support
 
 pytestmark = pytest.mark.slow
 
 
 def _campaign(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a GPU host
-    return subprocess.run([sys.executable, str(REPO / "bench" / "gpu_campaign.py"), *args], cwd=REPO, env=env,
+    return processes.run([sys.executable, str(REPO / "bench" / "gpu_campaign.py"), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -111,7 +111,7 @@ def test_the_script_starts_where_hypertron_is_not_installed_yet():
     """On the GPU machine hypertron is importable only after ``--wheels`` installed it, so the
     script must get that far without it (2026-11-25: a module-level import stopped the first call).
     ``-S``: no site-packages, so neither hypertron nor JAX."""
-    proc = subprocess.run([sys.executable, "-S", str(REPO / "bench" / "gpu_campaign.py"), "T1", "--plan"],
+    proc = processes.run([sys.executable, "-S", str(REPO / "bench" / "gpu_campaign.py"), "T1", "--plan"],
                           capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split()[0] == "t1.xla_flags"

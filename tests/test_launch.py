@@ -25,6 +25,7 @@ from hypertron.errors import UserError
 from hypertron.launch.local import free_ports
 from hypertron.launch import k8s, machines, recipes, validate
 from hypertron.train.events import read_events
+from support import processes  # tests/support
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
@@ -55,7 +56,7 @@ def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
 
 def _xla_accepts(flags: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+    return processes.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -218,10 +219,10 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
         assert host == "tiny-workers-0-0.tiny"
         env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
         env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
-        procs.append(subprocess.Popen(
+        procs.append(processes.start(
             [sys.executable, "-m", "hypertron.cli", "train", str(recipe), f"run_dir={run}", "train.steps=100000",
              "train.log_every=1", "monitor.collect=false"],
-            env=base | env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            env=base | env, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True))
     try:
         events = run / "events.jsonl"
         deadline = time.monotonic() + 240

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
 import sys
 import threading
 from collections import Counter
@@ -39,6 +38,7 @@ from hypertron.cli import main
 from hypertron.launch.local import free_ports
 from hypertron import loadgen
 from hypertron.loadgen import BenchSettings, Prompt, RequestRecord
+from support import processes  # tests/support
 
 TTFT_S = 0.05
 ITL_S = 0.02
@@ -339,9 +339,9 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, args, names):
 
 def test_cli_subprocess_one_line_and_no_jax():
     # the real command: exit 2, one line, no traceback; and neither the CLI nor loadgen imports JAX
-    r = subprocess.run([sys.executable, "-m", "hypertron.cli", "bench", "serve", "--base-url",
+    r = processes.run([sys.executable, "-m", "hypertron.cli", "bench", "serve", "--base-url",
                         f"http://127.0.0.1:{free_ports()}", "--num-requests", "2"],
                        check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot reach" in r.stderr, r.stderr
     code = "import sys, hypertron.cli, hypertron.loadgen; assert 'jax' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    processes.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from hypertron import cli
 from hypertron.monitor import report as mon
 from hypertron.monitor.goodput import BADPUT, PRODUCTIVE
+from support import processes  # tests/support
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,7 +253,7 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
             "train.steps=12", "train.global_batch=8", "train.seq_len=64", "checkpoint.every=6",
             "train.log_every=100"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = processes.start(args, env=env, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     events = run / "events.jsonl"
     try:
         deadline = time.time() + 300
@@ -279,7 +279,7 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
     first = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "step"]
     last = first[-1]["step"]
     assert last >= 9  # the kill lands after step 9 (rarely after 10: the rule below still holds)
-    resumed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    resumed = processes.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     g = mon.build(run).goodput
     assert [j.status for j in g.jobs] == ["killed", "completed"]
@@ -298,7 +298,7 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
 def test_running_processes_hang_and_the_multi_process_table(tmp_path):
     """Process 1 of a running two-process job stops stepping while alive: it alone is hung."""
     now = time.time()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = processes.start([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         import socket
 

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -31,6 +30,7 @@ from hypertron.monitor import stragglers
 from hypertron.monitor.collector import Collector
 from hypertron.train import loop as train_loop
 from hypertron.train import task as train_task
+from support import processes  # tests/support
 
 TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
         "train.seq_len=16", "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
@@ -223,18 +223,18 @@ def slowed_run(tmp_path_factory):
         (root / "prometheus.yml").write_text(
             f"global: {{scrape_interval: 1s, scrape_timeout: 1s}}\n"
             f"scrape_configs:\n  - job_name: hypertron\n    static_configs:\n      - targets: [{targets}]\n")
-        prom = subprocess.Popen(["prometheus", f"--config.file={root / 'prometheus.yml'}",
+        prom = processes.start(["prometheus", f"--config.file={root / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                                stdout=subprocess.DEVNULL, stderr=open(root / "prometheus.log", "w"))
+                                stdout=processes.DEVNULL, stderr=open(root / "prometheus.log", "w"))
     else:
         why = "Debian's prometheus is not installed (make test installs it when run as root)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     env["HYPERTRON_FAULT_DATA_DELAY"] = f"{SLOW_PROCESS}:{DELAY}"
-    job = subprocess.Popen(
+    job = processes.start(
         [sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", str(PROCESSES), "--cpu-devices", "1",
          "--", "train", *TINY, f"run_dir={run}", "train.steps=30", "monitor.interval=0.5", "monitor.h2d_every=2",
          "monitor.h2d_bytes=65536", f"monitor.port={port}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=env, stdout=processes.PIPE, stderr=processes.STDOUT, text=True)
     try:
         deadline = time.time() + 400
         while job.poll() is None and time.time() < deadline:
@@ -269,7 +269,7 @@ def _first_errors(out: str, n: int = 20) -> str:
 @pytest.mark.slow
 def test_the_slowed_process_and_only_it_is_a_straggler(slowed_run):
     run, _, _ = slowed_run
-    proc = subprocess.run([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--json"],
+    proc = processes.run([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr  # a straggler is an alarm
     report = json.loads(proc.stdout)
@@ -423,8 +423,8 @@ def test_headless_chromium_shows_the_dashboard_of_a_real_run(slowed_run, tmp_pat
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (make test installs it when run as root)")
     run, _, _ = slowed_run
-    server = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--serve", "--port", "0",
-                               "--refresh", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = processes.start([sys.executable, "-m", "hypertron.cli", "monitor", str(run), "--serve", "--port", "0",
+                               "--refresh", "0.5"], stdout=processes.PIPE, stderr=processes.STDOUT, text=True)
     try:
         line = server.stdout.readline()
         assert "http://127.0.0.1:" in line, line + server.stdout.read()
@@ -432,10 +432,10 @@ def test_headless_chromium_shows_the_dashboard_of_a_real_run(slowed_run, tmp_pat
         # Chromium as root needs --no-sandbox; virtual time lets the page poll several times at once.
         browse = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
                   f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=6000", "--window-size=1400,2600"]
-        dom = subprocess.run(browse + ["--enable-logging=stderr", "--v=0", "--dump-dom", url],
+        dom = processes.run(browse + ["--enable-logging=stderr", "--v=0", "--dump-dom", url],
                              capture_output=True, text=True, timeout=120)
         shot = tmp_path / "dashboard.png"
-        subprocess.run(browse + [f"--screenshot={shot}", url], capture_output=True, timeout=120)
+        processes.run(browse + [f"--screenshot={shot}", url], capture_output=True, timeout=120)
     finally:
         server.terminate()
         server.wait(10)

@@ -23,6 +23,7 @@ from hypertron.data import make_batches
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.events import read_events
 from hypertron.train.step import global_batch, make_trainer
+from support import processes  # tests/support
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim
 
 def _launch(*overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    return subprocess.run([sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", "2",
+    return processes.run([sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", "2",
                            "--cpu-devices", "4", "--", "train", *overrides],
                           env=env, capture_output=True, text=True, timeout=400)
 
@@ -97,9 +98,9 @@ def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path)
     run, recipe = tmp_path / "run", tmp_path / "tiny2.yaml"
     recipe.write_text(RECIPE)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    proc = subprocess.Popen([sys.executable, "-m", "hypertron.cli", "launch", "local", "--recipe", str(recipe),
+    proc = processes.start([sys.executable, "-m", "hypertron.cli", "launch", "local", "--recipe", str(recipe),
                              "train.steps=100000", "checkpoint.every=100000", f"run_dir={run}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=processes.DEVNULL, stderr=processes.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while not ((run / "events.jsonl").exists()

@@ -25,6 +25,7 @@ from hypertron.runfiles import EVENTS
 from hypertron.train.events import read_events
 from hypertron.train.loop import train
 from support import runs  # tests/support
+from support import processes  # tests/support
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 # The stdlib corpus, so data order matters; batch 32 x 128 makes steps slow enough to signal between.
@@ -58,11 +59,11 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180
 def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path):
     """12 steps straight == 6 steps, SIGKILL once checkpoint 6 is final, resume to 12: same losses, bit for bit."""
     common = [*SLOW, "train.steps=12", "checkpoint.every=6"]
-    straight = subprocess.Popen(_train_cmd(*common, f"run_dir={tmp_path / 'a'}"), env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    straight = processes.start(_train_cmd(*common, f"run_dir={tmp_path / 'a'}"), env=ENV,
+                                stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     run = tmp_path / "b"
-    killed = subprocess.Popen(_train_cmd(*common, f"run_dir={run}"), env=ENV,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed = processes.start(_train_cmd(*common, f"run_dir={run}"), env=ENV,
+                              stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     try:
         _wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
         killed.send_signal(signal.SIGKILL)
@@ -73,7 +74,7 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
     finally:
         for p in (straight, killed):
             p.kill()
-    resumed = subprocess.run(_train_cmd(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True,
+    resumed = processes.run(_train_cmd(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 6" in resumed.stderr
@@ -85,8 +86,8 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
 def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_path):
     run = tmp_path / "run"
     started = time.time()
-    proc = subprocess.Popen(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = processes.start(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
+                            env=ENV, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     try:
         _wait_for(lambda: len(runs.steps(run)) >= 3, proc, "three steps")
         proc.send_signal(signal.SIGTERM)
@@ -98,7 +99,7 @@ def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_pat
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [reached]
     assert (run / "checkpoints" / str(reached) / MANIFEST).exists()
 
-    again = subprocess.run(_train_cmd(*SLOW, f"train.steps={reached + 2}", "checkpoint.every=1000",
+    again = processes.run(_train_cmd(*SLOW, f"train.steps={reached + 2}", "checkpoint.every=1000",
                                       f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {reached}" in again.stderr

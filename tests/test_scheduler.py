@@ -13,6 +13,7 @@ from fake_engine import TOP, FakeEngine, reference, token_logprobs  # tests/
 from hypertron.serve.scheduler import LENGTH, STOP, Request, Scheduler, group_size, run_until_done
 from hypertron.serve.types import SamplingParams
 from hypertron.tokenizer import get_tokenizer
+from support import processes  # tests/support
 
 TOK = get_tokenizer("byte")
 
@@ -191,9 +192,8 @@ def test_prompt_logprobs_come_whole_before_the_first_token_through_chunks():
 
 
 def test_the_scheduler_the_serving_loop_and_the_api_import_no_jax():
-    import subprocess
     import sys
 
     code = ("import sys, hypertron.serve.scheduler, hypertron.serve.orchestrator, hypertron.serve.server; "
             "assert 'jax' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    processes.run([sys.executable, "-c", code], check=True)

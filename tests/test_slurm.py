@@ -1,4 +1,4 @@
-"""Slurm for real: Debian's slurm-wlm and munge started on localhost (``tests/system/slurm.py``),
+"""Slurm for real: Debian's slurm-wlm and munge started on localhost (``tests/support/slurm.py``),
 ``hypertron workload create --scheduler slurm`` submitting the job, and ``workload delete``,
 Slurm's signals and the script's own requeue acting on it.
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,10 +19,9 @@ import pytest
 from hypertron.launch import recipes, slurm
 from hypertron.train.events import read_events
 
-sys.path.insert(0, str(Path(__file__).parent / "system"))
-from slurm import LocalSlurm, missing  # noqa: E402  (tests/system/slurm.py)
-from support import runs  # tests/support
-from support.cli import cli_output  # tests/support
+from support import processes, runs  # tests/support
+from support.cli import cli_output
+from support.slurm import LocalSlurm, missing
 
 GOLDEN = Path(__file__).parent / "golden" / "launch" / "llama3.1-70b-a3mega.sbatch"
 # The tiny run of tests/test_multiprocess.py, as a recipe of 1 node x 2 processes of 4 CPU devices.
@@ -51,7 +48,7 @@ def test_the_sbatch_script_of_a_multi_node_recipe_equals_its_golden_file():
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text(), "HYPERTRON_UPDATE_GOLDEN=1 rewrites it; read the diff"
     assert "#SBATCH --nodes=32" in text and "#SBATCH --gpus-per-node=8" in text and "--requeue" in text
-    bash = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    bash = processes.run(["bash", "-n"], input=text, capture_output=True, text=True)
     assert bash.returncode == 0, bash.stderr  # valid shell
 
 
@@ -87,7 +84,7 @@ def _wait(predicate, what: str, timeout: float = 240.0, detail=lambda: "") -> No
 
 
 def _state(job_id: str, env: dict) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    out = processes.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
     return dict(w.split("=", 1) for w in out.split() if "=" in w).get("JobState", "")
 
 
@@ -134,12 +131,12 @@ def test_a_slurm_job_trains_like_one_process_resumes_after_delete_and_requeues_i
     code, out, err = cli_output(*create)
     third = out.split()[3]
     _wait(lambda: max(runs.steps(run)) > saved + 2, "the third job's first step")
-    subprocess.run(["scancel", "--signal=TERM", third], env=env, check=True)
-    _wait(lambda: {"Restarts=1", "JobState=PENDING", "Reason=BeginTime"} <= set(subprocess.run(
+    processes.run(["scancel", "--signal=TERM", third], env=env, check=True)
+    _wait(lambda: {"Restarts=1", "JobState=PENDING", "Reason=BeginTime"} <= set(processes.run(
         ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout.split()), "the requeue")
     events = run / "events.jsonl"
     _wait(lambda: [e["event"] for e in read_events(events)].count("first_step") == 4,
-          "the requeued job's first step", detail=lambda: subprocess.run(
+          "the requeued job's first step", detail=lambda: processes.run(
               ["scontrol", "show", "job", third], env=env, capture_output=True, text=True).stdout
           + (run / f"slurm-{third}.out").read_text()[-2000:] + local_slurm.logs())
     assert cli_output("workload", "delete", "tiny2", "--scheduler", "slurm")[0] == 0

@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+DEVNULL, PIPE, STDOUT = subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT
+
 TIMEOUT_S = 300.0
 
 
@@ -31,24 +33,33 @@ def hypertron_env(drop: Iterable[str] = (), **set_: str) -> dict[str, str]:
     return env
 
 
-def run(argv: list[str], *, cwd=None, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S,
-        stdin: str | None = None) -> subprocess.CompletedProcess:
-    """Run to the end; text output captured."""
-    return subprocess.run(argv, cwd=cwd, env=hypertron_env() if env is None else env, input=stdin,
-                          stdin=None if stdin is not None else subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
+def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with the suite's defaults: the suite's environment, no stdin, text output
+    captured, a timeout (each overridable)."""
+    kwargs.setdefault("env", hypertron_env())
+    if "input" not in kwargs:
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+    if "stdout" not in kwargs and "stderr" not in kwargs:
+        kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("timeout", TIMEOUT_S)
+    return subprocess.run(argv, **kwargs)
 
 
-def run_hypertron(*args: object, cwd=None, env: dict[str, str] | None = None,
-                  timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    return run(hypertron_argv(*args), cwd=cwd, env=env, timeout=timeout)
+def run_hypertron(*args: object, **kwargs) -> subprocess.CompletedProcess:
+    return run(hypertron_argv(*args), **kwargs)
 
 
-def start(argv: list[str], *, cwd=None, env: dict[str, str] | None = None, stdout=subprocess.DEVNULL,
-          stderr=subprocess.PIPE, **popen) -> subprocess.Popen:
-    """Start and return at once (stderr kept as text for the failure message, unless redirected)."""
-    return subprocess.Popen(argv, cwd=cwd, env=hypertron_env() if env is None else env,
-                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True, **popen)
+def start(argv: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` with the suite's defaults: the suite's environment, no stdin, stdout
+    dropped, stderr kept as text for a failure message (each overridable)."""
+    kwargs.setdefault("env", hypertron_env())
+    kwargs.setdefault("stdin", subprocess.DEVNULL)
+    kwargs.setdefault("stdout", subprocess.DEVNULL)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    if kwargs["stderr"] is subprocess.PIPE or kwargs["stdout"] is subprocess.PIPE:
+        kwargs.setdefault("text", True)
+    return subprocess.Popen(argv, **kwargs)
 
 
 def start_hypertron(*args: object, **kwargs) -> subprocess.Popen:
