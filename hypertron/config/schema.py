@@ -352,7 +352,7 @@ class LaunchConfig:
     """Where a recipe runs: read by ``hypertron recipes``, ``workload`` and ``launch``, not by the
     training loop (a workload puts the flags and the environment into each process's environment)."""
 
-    hardware: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
+    machine: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
     nodes: int = 1  # the default node count; the mesh's dcn axes take the rest
     processes_per_node: int = 1  # 1: one process drives a node's devices; a GPU machine's GPU count: one per GPU
     xla_flags: tuple[Setting, ...] = ()
