@@ -198,6 +198,23 @@ def test_a_recipe_names_its_machine_in_launch_machine(tmp_path):
     assert shown.rc == 0 and json.loads(shown.stdout)["machine"] == "cpu", shown.describe()
 
 
+def test_the_old_spellings_of_a_machine_are_one_line_naming_the_new_one(tmp_path):
+    """``launch.hardware`` (in a recipe or an override) and ``cluster setup --hardware`` were the
+    machine; now ``--hardware`` is only plan's accelerator."""
+    old = tmp_path / "old.yaml"
+    old.write_text(recipes.path_of("cpu/tiny").read_text().replace("\n  machine: cpu\n", "\n  hardware: cpu\n"))
+    create = ["workload", "create", "w", "--recipe", "cpu/tiny", "--storage", "pvc:runs", "--image", IMAGE, "--dry-run"]
+    for argv in (["recipes", str(old)], [*create, "launch.hardware=cpu"]):
+        line = one_error_line(run_cli(argv), "launch.hardware is now launch.machine")
+        assert line.startswith("error: launch.hardware is now launch.machine ("), line
+    # the flag, before argparse's own checks (the second leaves out the required --nodes)
+    for argv in (["cluster", "setup", "--hardware", "cpu", "--nodes", "2", "--dry-run"],
+                 ["cluster", "setup", "--hardware=cpu"]):
+        one_error_line(run_cli(argv), "cluster setup --hardware is now --machine", ", ".join(machines.MACHINES))
+    # an unknown machine lists the table's
+    one_error_line(run_cli([*create, "launch.machine=tpu"]), "launch.machine='tpu'", ", ".join(machines.MACHINES))
+
+
 def test_output_writes_a_new_file_and_never_overwrites(tmp_path, capsys):
     out = tmp_path / "objects.yaml"
     argv = ["cluster", "setup", "--machine", "cpu", "--nodes", "2", "--output", str(out)]

@@ -109,6 +109,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
         "and JobSet installed: a ResourceFlavor for the machine, a ClusterQueue with a quota of --nodes of them, "
         "the LocalQueue workloads name, and the PriorityClasses very-low .. very-high.")
     cs.add_argument("--machine", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
+    cs.renamed["--hardware"] = ("cluster setup --hardware is now --machine (a machine from the table: "
+                                f"{', '.join(MACHINES)}; plan's --hardware is the accelerator)")
     cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
     cs.add_argument("--namespace", default="default", help="the LocalQueue's (default %(default)s)")

@@ -359,6 +359,16 @@ class LaunchConfig:
     env: tuple[Setting, ...] = ()
 
 
+# Config keys that were renamed: the old dotted key -> what a recipe or override writes now. Given,
+# the old key is one line naming the new one (not "unknown config key"). The machines' names are
+# not listed here: their table is hypertron.launch.machines, a layer above, and an unknown name
+# there lists them.
+RENAMED_KEYS = {
+    "launch.hardware": "launch.machine (the machine the recipe runs on, as in recipes/<machine>/; "
+                       "plan's --hardware is the accelerator)",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything one run needs."""
