@@ -104,7 +104,7 @@ def recipe_xla_flags() -> tuple[tuple[str, str], ...]:
     flags: dict[str, str] = {}
     for name in recipes.names():
         cfg = load_config(recipes.path_of(name))
-        if cfg.launch.hardware != "cpu":
+        if cfg.launch.machine != "cpu":
             flags.update((f.value, f.reason) for f in cfg.launch.xla_flags if f.value not in flags)
     if not flags:  # 2026-11-25 on the GPU: none found, and T1 "tested" only OTHER_SPELLINGS
         raise RuntimeError(f"no GPU recipe's XLA flags found under {recipes.root()}")

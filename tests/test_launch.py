@@ -9,6 +9,7 @@ Golden files: ``HYPERTRON_UPDATE_GOLDEN=1 pytest tests/test_launch.py`` rewrites
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from hypertron.launch.local import free_ports
 from hypertron.launch import k8s, machines, recipes, validate
 from hypertron.train.events import read_events
 from support import processes  # tests/support
+from support.cli import one_error_line, run_cli
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
@@ -37,7 +39,7 @@ def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
     assert REQUIRED <= set(recipes.names())
     for name in recipes.names():
         r = recipes.load(name)
-        assert r.machine.name == name.split("/")[0] == r.cfg.launch.hardware, name
+        assert r.machine.name == name.split("/")[0] == r.cfg.launch.machine, name
         assert r.cfg.model.name == load_config(None, [f"model={name.split('/')[1]}"]).model.name or name == "cpu/tiny"
         size = 1
         for n in r.mesh.values():
@@ -86,7 +88,7 @@ CASES = {  # golden file: (objects, the command line that prints them)
                       ["workload", "create", "tiny", "--recipe", "cpu/tiny", "--image", IMAGE, "--storage", "pvc:runs",
                        "--priority", "low", "--max-restarts", "2", "--queue", "cpu-queue"]),
     "cluster-a3mega.yaml": (lambda: k8s.cluster_objects(machines.machine("a3mega-h100"), 32),
-                            ["cluster", "setup", "--hardware", "a3mega-h100", "--nodes", "32"]),
+                            ["cluster", "setup", "--machine", "a3mega-h100", "--nodes", "32"]),
 }
 
 
@@ -188,9 +190,35 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_applied(argv, message, caps
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+def test_a_recipe_names_its_machine_in_launch_machine(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(recipes.path_of("cpu/tiny").read_text())
+    r = recipes.load(str(mine))
+    assert r.cfg.launch.machine == "cpu" and r.machine is machines.MACHINES["cpu"]
+    shown = run_cli(["recipes", str(mine), "--json"])
+    assert shown.rc == 0 and json.loads(shown.stdout)["machine"] == "cpu", shown.describe()
+
+
+def test_the_old_spellings_of_a_machine_are_one_line_naming_the_new_one(tmp_path):
+    """``launch.hardware`` (in a recipe or an override) and ``cluster setup --hardware`` were the
+    machine; now ``--hardware`` is only plan's accelerator."""
+    old = tmp_path / "old.yaml"
+    old.write_text(recipes.path_of("cpu/tiny").read_text().replace("\n  machine: cpu\n", "\n  hardware: cpu\n"))
+    create = ["workload", "create", "w", "--recipe", "cpu/tiny", "--storage", "pvc:runs", "--image", IMAGE, "--dry-run"]
+    for argv in (["recipes", str(old)], [*create, "launch.hardware=cpu"]):
+        line = one_error_line(run_cli(argv), "launch.hardware is now launch.machine")
+        assert line.startswith("error: launch.hardware is now launch.machine ("), line
+    # the flag, before argparse's own checks (the second leaves out the required --nodes)
+    for argv in (["cluster", "setup", "--hardware", "cpu", "--nodes", "2", "--dry-run"],
+                 ["cluster", "setup", "--hardware=cpu"]):
+        one_error_line(run_cli(argv), "cluster setup --hardware is now --machine", ", ".join(machines.MACHINES))
+    # an unknown machine lists the table's
+    one_error_line(run_cli([*create, "launch.machine=tpu"]), "launch.machine='tpu'", ", ".join(machines.MACHINES))
+
+
 def test_output_writes_a_new_file_and_never_overwrites(tmp_path, capsys):
     out = tmp_path / "objects.yaml"
-    argv = ["cluster", "setup", "--hardware", "cpu", "--nodes", "2", "--output", str(out)]
+    argv = ["cluster", "setup", "--machine", "cpu", "--nodes", "2", "--output", str(out)]
     assert cli.main(argv) == 0
     text = out.read_text()
     assert [o["kind"] for o in yaml.safe_load_all(text)] == ["ResourceFlavor", "ClusterQueue", "LocalQueue"] + [

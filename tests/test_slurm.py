@@ -32,7 +32,7 @@ train: {global_batch: 8, seq_len: 32, log_every: 1, schedule: constant, warmup_s
 checkpoint: {every: 1000}
 monitor: {collect: false}
 launch:
-  hardware: cpu
+  machine: cpu
   nodes: 1
   processes_per_node: 2
   xla_flags: [{value: --xla_force_host_platform_device_count=4, reason: four devices per process}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 from hypertron.config import choices
@@ -12,7 +13,22 @@ from hypertron.config import choices
 
 class Parser(argparse.ArgumentParser):
     """argparse with the CLI's own error shape: one ``error:`` line and exit code 2 (the usage is
-    what ``--help`` shows)."""
+    what ``--help`` shows). ``renamed`` maps a flag this command once had to the line that names
+    its new spelling; given, that line is the error, before any other check of the command's flags."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.renamed: dict[str, str] = {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse hands a subcommand its own arguments through this method, so a command's renamed
+        # flags are looked for among the arguments it was given (up to a "--": what follows is not its)
+        given = list(sys.argv[1:] if args is None else args)
+        own = given[:given.index("--")] if "--" in given else given
+        for name in (a.split("=")[0] for a in own):
+            if name in self.renamed:
+                self.exit(2, f"error: {self.renamed[name]}\n")
+        return super().parse_known_args(given, namespace)
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -108,7 +108,9 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
         description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
         "and JobSet installed: a ResourceFlavor for the machine, a ClusterQueue with a quota of --nodes of them, "
         "the LocalQueue workloads name, and the PriorityClasses very-low .. very-high.")
-    cs.add_argument("--hardware", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
+    cs.add_argument("--machine", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
+    cs.renamed["--hardware"] = ("cluster setup --hardware is now --machine (a machine from the table: "
+                                f"{', '.join(MACHINES)}; plan's --hardware is the accelerator)")
     cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
     cs.add_argument("--namespace", default="default", help="the LocalQueue's (default %(default)s)")
@@ -325,5 +327,5 @@ def cmd_workload(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from hypertron.launch import k8s, machines
 
-    objects = k8s.cluster_objects(machines.machine(args.hardware), args.nodes, args.queue, args.namespace)
+    objects = k8s.cluster_objects(machines.machine(args.machine), args.nodes, args.queue, args.namespace)
     return _render_or_apply(objects, args, "applied", create_only=False)

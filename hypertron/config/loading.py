@@ -32,7 +32,15 @@ from typing import Any, Literal
 import yaml
 
 from hypertron.config.presets import DLRM_PRESETS, PRESETS
-from hypertron.config.schema import Config, DlrmConfig, ModelConfig, MoEConfig, RopeScaling, ServeConfig
+from hypertron.config.schema import (
+    RENAMED_KEYS,
+    Config,
+    DlrmConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+    ServeConfig,
+)
 from hypertron.config.validation import choice_error, validate, validate_serve
 from hypertron.errors import ConfigError
 
@@ -125,6 +133,8 @@ def build(cls: type, values: dict[str, Any], prefix: str = "", base: Any = None,
     kwargs: dict[str, Any] = {}
     for k, v in values.items():
         if k not in names:
+            if prefix + k in RENAMED_KEYS:
+                raise ConfigError(f"{prefix}{k} is now {RENAMED_KEYS[prefix + k]}{where}")
             raise ConfigError(f"unknown config key '{prefix}{k}'{where}")
         kwargs[k] = _coerce(v, hints[k], name(k) if name else prefix + k)
     if base is not None:

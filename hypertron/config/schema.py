@@ -352,11 +352,21 @@ class LaunchConfig:
     """Where a recipe runs: read by ``hypertron recipes``, ``workload`` and ``launch``, not by the
     training loop (a workload puts the flags and the environment into each process's environment)."""
 
-    hardware: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
+    machine: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
     nodes: int = 1  # the default node count; the mesh's dcn axes take the rest
     processes_per_node: int = 1  # 1: one process drives a node's devices; a GPU machine's GPU count: one per GPU
     xla_flags: tuple[Setting, ...] = ()
     env: tuple[Setting, ...] = ()
+
+
+# Config keys that were renamed: the old dotted key -> what a recipe or override writes now. Given,
+# the old key is one line naming the new one (not "unknown config key"). The machines' names are
+# not listed here: their table is hypertron.launch.machines, a layer above, and an unknown name
+# there lists them.
+RENAMED_KEYS = {
+    "launch.hardware": "launch.machine (the machine the recipe runs on, as in recipes/<machine>/; "
+                       "plan's --hardware is the accelerator)",
+}
 
 
 @dataclass(frozen=True, kw_only=True)

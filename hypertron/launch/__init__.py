@@ -1,4 +1,4 @@
-"""Getting a training job onto machines: recipes per model x hardware (:mod:`.recipes`), local
+"""Getting a training job onto machines: recipes per model x machine (:mod:`.recipes`), local
 processes (:mod:`.local`), Kubernetes JobSet + Kueue objects rendered and validated before
 anything is applied (:mod:`.k8s`, :mod:`.validate`) and the cluster calls (:mod:`.cluster`).
 

@@ -1,6 +1,6 @@
 """The machines recipes are written for: one node's devices and what a cluster needs to place a pod.
 
-A recipe's ``launch.hardware`` names one of these (``recipes/<machine>/<model>.yaml``). The
+A recipe's ``launch.machine`` names one of these (``recipes/<machine>/<model>.yaml``). The
 device's figures (memory, peaks, links) are :mod:`hypertron.models.hardware`'s; this table adds
 what a Kubernetes pod needs: the GKE machine type and accelerator label, GPUs per node, and how
 the nodes talk (``tcpxo``: A3 Mega's GPUDirect-TCPXO, which needs a sidecar daemon and the
@@ -45,5 +45,5 @@ MACHINES: dict[str, Machine] = {m.name: m for m in (
 
 def machine(name: str) -> Machine:
     if name not in MACHINES:
-        raise UserError(f"launch.hardware={name!r}: not a machine hypertron knows ({', '.join(MACHINES)})")
+        raise UserError(f"launch.machine={name!r}: not a machine hypertron knows ({', '.join(MACHINES)})")
     return MACHINES[name]

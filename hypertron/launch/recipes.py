@@ -144,9 +144,9 @@ def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, 
     when the mesh cannot use that many devices or the batch does not split over them."""
     path = path_of(name)
     cfg = load_config(path, list(overrides))
-    if not cfg.launch.hardware:
-        raise UserError(f"recipe {name}: no launch.hardware, so no machine to run on (recipes/<machine>/ have one)")
-    m = machine(cfg.launch.hardware)
+    if not cfg.launch.machine:
+        raise UserError(f"recipe {name}: no launch.machine, so no machine to run on (recipes/<machine>/ have one)")
+    m = machine(cfg.launch.machine)
     if nodes is not None:
         if nodes < 1:
             raise UserError(f"--nodes={nodes}: must be at least 1")
