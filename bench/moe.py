@@ -79,7 +79,8 @@ def bench_layer(cfg, tokens, dtype, iters):
     return seconds, float(dropped)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``None``: ``sys.argv``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048, help="tokens per step (one device)")
     p.add_argument("--d-model", type=int, default=128)
@@ -91,19 +92,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="compute dtype; auto: float32 on CPU, bfloat16 on accelerators")
     p.add_argument("--backends", nargs="+", default=None, help="gmm backends for table (a)")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def run_meta(dtype, argv: list[str] | None) -> dict:
+    """Date, device, versions, dtype, the layer's gmm backend and the command line of this run."""
     from hypertron.kernels.gmm import resolve_backend
-    from hypertron.config import PRESETS
 
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(("float32" if on_cpu else "bfloat16") if args.dtype == "auto" else args.dtype)
-    backends = args.backends or (["grouped", "ragged_dot"] if on_cpu else ["pallas", "ragged_dot"])
-    T, d, f, k = args.tokens, args.d_model, args.d_ff, args.top_k
-    m = T * k
     dev = jax.devices()[0]
     command = "python bench/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {
+    return {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.device_count()} x {getattr(dev, 'device_kind', dev.platform)} "
                   f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
@@ -111,25 +109,30 @@ def main(argv: list[str] | None = None) -> int:
         "layer_gmm_backend": resolve_backend("auto"), "command": command.strip(),
     }
 
-    # (a) grouped matmul vs dense
-    g_rows = bench_gmm(m, d, f, args.experts, backends, dtype, args.iters)
-    flops = 2 * m * d * f
-    dense_fwd, dense_bwd = g_rows[0][3], g_rows[0][4]
 
-    # (b) + (c) the layer, dropless and capped, as the experts grow
+def bench_layers(args: argparse.Namespace, dtype) -> list[dict]:
+    """Tables (b) and (c): per expert count, the layer's step seconds and dropped fraction, dropless
+    and capped (``{"experts", "dropless", "dropless_dropped", "capped", "capped_dropped"}``)."""
+    from hypertron.config import PRESETS
+
     base = PRESETS["tiny-moe"]
     l_rows = []
     for e in args.experts:
         row = {"experts": e}
         for mode in ("dropless", "capped"):
-            seconds, dropped = bench_layer(layer_config(base, d, f, e, k, mode), T, dtype, args.iters)
+            cfg = layer_config(base, args.d_model, args.d_ff, e, args.top_k, mode)
+            seconds, dropped = bench_layer(cfg, args.tokens, dtype, args.iters)
             row[mode] = seconds
             row[f"{mode}_dropped"] = dropped
             print(f"  ... layer E={e} {mode}: {seconds * 1e3:.1f} ms", file=sys.stderr)
         l_rows.append(row)
-    expert_flops = 6 * m * 3 * d * f  # three expert matmuls, forward + backward, useful rows only
+    return l_rows
 
-    print(f"\n(a) grouped matmul  m={m} (tokens x top_k)  k={d}  n={f}  {dtype}  "
+
+def print_gmm(g_rows: list, m: int, flops: int, args: argparse.Namespace, dtype) -> None:
+    """Table (a): each backend's grouped matmul against the dense one (``g_rows[0]``)."""
+    dense_fwd, dense_bwd = g_rows[0][3], g_rows[0][4]
+    print(f"\n(a) grouped matmul  m={m} (tokens x top_k)  k={args.d_model}  n={args.d_ff}  {dtype}  "
           f"({flops / 1e9:.3f} GFLOP forward)")
     print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8} {'% dense':>7} "
           f"{'fwd+bwd ms':>10} {'TFLOP/s':>8} {'% dense':>7}")
@@ -141,9 +144,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * dense_fwd / t_fwd:>6.0f}% {t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f} "
               f"{100 * dense_bwd / t_bwd:>6.0f}%")
 
+
+def print_layers(l_rows: list[dict], m: int, args: argparse.Namespace, meta: dict) -> None:
+    """Tables (b), the dropless layer as the experts grow, and (c), capped vs dropless."""
+    T, d, f, k = args.tokens, args.d_model, args.d_ff, args.top_k
+    expert_flops = 6 * m * 3 * d * f  # three expert matmuls, forward + backward, useful rows only
     first = l_rows[0]["dropless"]
     print(f"\n(b) MoE layer forward+backward, dropless (gmm backend {meta['layer_gmm_backend']}), "
-          f"{T} tokens, top_k={k}, d_model={d}, d_ff={f} per expert, {dtype}")
+          f"{T} tokens, top_k={k}, d_model={d}, d_ff={f} per expert, {meta['dtype']}")
     print(f"{'experts':>7} {'step ms':>8} {'tokens/s':>10} {'vs E=' + str(args.experts[0]):>8} "
           f"{'expert TFLOP/s':>14}")
     for r in l_rows:
@@ -157,22 +165,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['experts']:>7} {r['dropless'] * 1e3:>11.2f} {r['capped'] * 1e3:>9.2f} "
               f"{r['capped'] / r['dropless']:>15.2f} {100 * r['capped_dropped']:>6.1f}%")
 
+
+def write_json(path: str, meta: dict, args: argparse.Namespace, flops: int, g_rows: list, l_rows: list[dict]) -> None:
+    """Every figure of the three tables, with ``meta`` and the sizes, as JSON at ``path``."""
+    first = l_rows[0]["dropless"]
+    out = {
+        "meta": meta | {"tokens": args.tokens, "d_model": args.d_model, "d_ff": args.d_ff, "top_k": args.top_k,
+                        "iters": args.iters},
+        "gmm": [{"backend": b, "groups": g, "split": s, "fwd_s": tf, "fwd_bwd_s": tb,
+                 "fwd_tflops": None if tf is None else flops / tf / 1e12,
+                 "fwd_bwd_tflops": None if tb is None else 3 * flops / tb / 1e12}
+                for b, g, s, tf, tb in g_rows],
+        "layer": [r | {"tokens_per_s": args.tokens / r["dropless"],
+                       "throughput_vs_first": first / r["dropless"]} for r in l_rows],
+    }
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(("float32" if on_cpu else "bfloat16") if args.dtype == "auto" else args.dtype)
+    backends = args.backends or (["grouped", "ragged_dot"] if on_cpu else ["pallas", "ragged_dot"])
+    m = args.tokens * args.top_k
+    flops = 2 * m * args.d_model * args.d_ff
+    meta = run_meta(dtype, argv)
+
+    g_rows = bench_gmm(m, args.d_model, args.d_ff, args.experts, backends, dtype, args.iters)  # (a)
+    l_rows = bench_layers(args, dtype)  # (b) + (c)
+    print_gmm(g_rows, m, flops, args, dtype)
+    print_layers(l_rows, m, args, meta)
+
     print(f"\ndate: {meta['date']}  device: {meta['device']}")
     print(f"versions: python {meta['python']}, jax {meta['jax']}  timing: median of {args.iters} after 1 warm-up")
     print(f"command: {meta['command']}")
-
     if args.json:
-        out = {
-            "meta": meta | {"tokens": T, "d_model": d, "d_ff": f, "top_k": k, "iters": args.iters},
-            "gmm": [{"backend": b, "groups": g, "split": s, "fwd_s": tf, "fwd_bwd_s": tb,
-                     "fwd_tflops": None if tf is None else flops / tf / 1e12,
-                     "fwd_bwd_tflops": None if tb is None else 3 * flops / tb / 1e12}
-                    for b, g, s, tf, tb in g_rows],
-            "layer": [r | {"tokens_per_s": T / r["dropless"],
-                           "throughput_vs_first": first / r["dropless"]} for r in l_rows],
-        }
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+        write_json(args.json, meta, args, flops, g_rows, l_rows)
     return 0
 
 

@@ -37,13 +37,15 @@ prompts with a common prefix; hypertron has no prefix cache); the two servers ge
 Per server, in turn: start it on 127.0.0.1 on a free port (its own process group, stopped with
 SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send the warm-up
 (``--warmup-requests`` at the largest concurrency; compiles and the continuous-batching manager
-start there; not reported; default twice the largest concurrency), one non-streaming greedy request for the first prompt (its text is
-compared between the servers, to show they run the same model), then for each concurrency C a
+start there; not reported; default twice the largest concurrency), one non-streaming greedy
+request for the first prompt (its text is compared between the servers, to show they run the same
+model), then for each concurrency C a
 warm-up run of 2 N requests (not reported: hypertron compiles the step shapes each load meets
 often, in the background, and a compile takes one of this machine's two cores for about a
 second; the figures are of the server in its steady state), for hypertron up to 4 more of N
-while the last one compiled anything (its ``/metrics`` count), and ``--repeats`` runs of ``hypertron bench serve --prompts FILE --concurrency C --num-requests N
---max-tokens M --temperature 0 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
+while the last one compiled anything (its ``/metrics`` count), and ``--repeats`` runs of
+``hypertron bench serve --prompts FILE --concurrency C --num-requests N --max-tokens M --temperature 0
+--model NAME --output JSON`` (N = max(--num-requests, 2 C), new
 prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
 send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
 ``hypertron/loadgen.py``). The tables show each figure's median over the runs, and every run's
@@ -70,9 +72,9 @@ Interference (hypertron only; ``--no-interference`` skips it): ``--streams`` str
 of ``--stream-tokens`` tokens each decode; once all have their first token, ``--long-prompts``
 prompts of ``--long-len`` tokens arrive, one every ``--long-interval`` s (4 tokens each). The
 figure is the streams' inter-token gaps from the first long prompt on (p50, p99, max), median of
-``--repeats`` runs after two warm-up runs (they compile the steps' shapes), for two servers: at ``--max-num-batched-tokens`` (a long
-prompt is prefilled in chunks while the streams decode) and at 4,096 (each long prompt whole, in
-one step).
+``--repeats`` runs after two warm-up runs (they compile the steps' shapes), for two servers: at
+``--max-num-batched-tokens`` (a long prompt is prefilled in chunks while the streams decode) and at
+4,096 (each long prompt whole, in one step).
 
 The servers and the load generator share the machine. Prints one table per concurrency
 (request throughput, output tokens/s, TTFT / TPOT mean p50 p99, end to end p50 p99, errors),
@@ -83,6 +85,7 @@ with both servers' full reports, as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -94,8 +97,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Self
+from typing import Self, TextIO
 
 import httpx
 import numpy as np
@@ -169,6 +173,15 @@ class Server:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    @contextlib.contextmanager
+    def tail_on_error(self):
+        """Shows the server's last log lines on stderr when the block raises (and re-raises)."""
+        try:
+            yield
+        except Exception:
+            print(f"{self.name} server log, last lines:\n{self.tail()}", file=sys.stderr)
+            raise
 
     def tail(self, n: int = 30) -> str:
         self.log.flush()
@@ -350,7 +363,8 @@ def interference(base_url: str, model: str, prompts: dict[str, str], args, repea
             | {"runs": runs, "compiles": counts_since(before, compile_counts(base_url))})
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``None``: ``sys.argv``), its counts checked positive."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-requests", type=int, default=32, help="per concurrency C and run (at least 2 C)")
@@ -380,28 +394,83 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.concurrency + [args.num_requests, args.max_tokens, args.input_len, args.repeats]) <= 0:
         p.error("--concurrency, --num-requests, --max-tokens, --input-len and --repeats must be positive")
-    accelerate = None
-    if "transformers" in args.servers:
-        missing, accelerate = missing_serve_deps(args.peer_pythonpath)
-        if missing:
-            print(f"error: transformers serve needs {', '.join(missing)}: pip install -e '.[serve-bench]' (or "
-                  f"pip install {' '.join(missing)}, or --peer-pythonpath DIR holding them)", file=sys.stderr)
-            return 2
-        script("transformers")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped (finally)
-    max_c = max(args.concurrency)
-    warmup = args.warmup_requests or 2 * max_c
+    return args
 
+
+def peer_deps(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """When transformers serve is measured: the modules it lacks (named in one line on stderr) and its
+    ``accelerate`` version; ``([], None)`` when it is not."""
+    if "transformers" not in args.servers:
+        return [], None
+    missing, accelerate = missing_serve_deps(args.peer_pythonpath)
+    if missing:
+        print(f"error: transformers serve needs {', '.join(missing)}: pip install -e '.[serve-bench]' (or "
+              f"pip install {' '.join(missing)}, or --peer-pythonpath DIR holding them)", file=sys.stderr)
+    else:
+        script("transformers")
+    return missing, accelerate
+
+
+def versions_of(accelerate: str | None) -> dict[str, str | None]:
+    """The versions the report names (this imports torch and transformers)."""
     import torch
     import transformers
 
-    t_start = time.perf_counter()
-    work = args.keep or tempfile.mkdtemp(prefix="serve_http_")
-    os.makedirs(work, exist_ok=bool(args.keep is None))
-    hf_dir, run_dir = os.path.join(work, "hf"), os.path.join(work, "run")
-    banned = build_model(hf_dir, args.vocab)
-    convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
-    subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return {"python": platform.python_version(), "jax": version("jax"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "accelerate": accelerate}
+
+
+def command_line(argv: list[str]) -> str:
+    """A server's command line as the report shows it: the program's name without its directory."""
+    return " ".join([os.path.basename(argv[0]), *argv[1:]])
+
+
+@dataclass
+class Setup:
+    """What the measurements and the report share: the arguments, the work directory with the model
+    (Hugging Face's in ``hf_dir``, hypertron's in ``run_dir``) and every run's prompts, the servers'
+    environments, their page pool and their command lines."""
+
+    args: argparse.Namespace
+    t_start: float
+    work: str
+    hf_dir: str
+    run_dir: str
+    banned: int                   # lm_head rows zeroed
+    prompts: dict[str, str]       # run name -> prompts file
+    probe: str                    # the first warm-up prompt (its greedy text is compared)
+    warmup: int                   # requests of the warm-up run
+    n_requests: dict[int, int]    # concurrency -> requests per run
+    env: dict                     # hypertron serve's environment
+    peer_env: dict                # transformers serve's
+    kv: str                       # hypertron's --kv-cache-dtype
+    dtype: str                    # transformers' --dtype
+    pages: int                    # 16-token pages for every slot's prompt and output
+    cb: list[str]                 # transformers' continuous-batching flags (none without it)
+
+    @property
+    def max_c(self) -> int:
+        return max(self.args.concurrency)
+
+    def hypertron_argv(self, port: int, slots: int, num_pages: int | None, budget: int) -> list[str]:
+        return [script("hypertron"), "serve", "--checkpoint", self.run_dir, "--port", str(port), "--max-slots",
+                str(slots), "--page-size", "16", "--kv-cache-dtype", self.kv, "--model-name", "bench",
+                "--max-num-batched-tokens", str(budget),
+                *([] if num_pages is None else ["--num-pages", str(num_pages)]),
+                *shlex.split(self.args.hypertron_args)]
+
+    def server_argv(self, name: str, port: int) -> tuple[list[str], str, dict]:
+        """A measured server's command line, the model name it answers to, and its environment."""
+        args = self.args
+        if name == "hypertron":
+            budget = max(args.max_num_batched_tokens, self.max_c)
+            return self.hypertron_argv(port, self.max_c, self.pages + 1, budget), "bench", self.env
+        return ([script("transformers"), "serve", self.hf_dir, *self.cb, "--device", args.device, "--dtype",
+                 self.dtype, "--host", "127.0.0.1", "--port", str(port)], self.hf_dir, self.peer_env)
+
+
+def run_sizes(args: argparse.Namespace, warmup: int) -> tuple[dict[int, int], dict]:
+    """Requests per run at each concurrency, and every run's prompt count (for ``write_prompts``)."""
     n_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
     runs = {"warmup": warmup, **{f"c{c}{r}": n_requests[c] * (2 if r == "w" else 1) for c in args.concurrency
                                  for r in ["w", *(f"x{k}" for k in range(EXTRA_WARMUPS)),
@@ -409,6 +478,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_interference:
         for i in range(args.repeats + 2):
             runs |= {f"streams{i}": args.streams, f"longs{i}": (args.long_prompts, args.long_len)}
+    return n_requests, runs
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """Writes the model (both formats) and the prompts into the work directory; the servers' settings."""
+    t_start = time.perf_counter()
+    work = args.keep or tempfile.mkdtemp(prefix="serve_http_")
+    os.makedirs(work, exist_ok=bool(args.keep is None))
+    hf_dir, run_dir = os.path.join(work, "hf"), os.path.join(work, "run")
+    banned = build_model(hf_dir, args.vocab)
+    convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
+    subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    max_c = max(args.concurrency)
+    warmup = args.warmup_requests or 2 * max_c
+    n_requests, runs = run_sizes(args, warmup)
     prompts = write_prompts(hf_dir, work, runs, args.input_len)
     with open(prompts["warmup"], encoding="utf-8") as f:
         probe = json.loads(f.readline())["prompt"]
@@ -433,143 +517,205 @@ def main(argv: list[str] | None = None) -> int:
     pool = ["--cb-block-size", "16", "--cb-num-blocks", str(pages),
             "--cb-max-batch-tokens", str(args.max_num_batched_tokens)]
     cb = [] if args.no_continuous_batching else ["--continuous-batching", *pool]
+    return Setup(args=args, t_start=t_start, work=work, hf_dir=hf_dir, run_dir=run_dir, banned=banned,
+                 prompts=prompts, probe=probe, warmup=warmup, n_requests=n_requests, env=env, peer_env=peer_env,
+                 kv=kv, dtype=dtype, pages=pages, cb=cb)
 
-    def hypertron_argv(port: int, slots: int, num_pages: int | None, budget: int) -> list[str]:
-        return [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots",
-                str(slots), "--page-size", "16", "--kv-cache-dtype", kv, "--model-name", "bench",
-                "--max-num-batched-tokens", str(budget),
-                *([] if num_pages is None else ["--num-pages", str(num_pages)]), *shlex.split(args.hypertron_args)]
 
-    def server_argv(name: str, port: int) -> tuple[list[str], str, dict]:
-        if name == "hypertron":
-            return hypertron_argv(port, max_c, pages + 1, max(args.max_num_batched_tokens, max_c)), "bench", env
-        return ([script("transformers"), "serve", hf_dir, *cb, "--device", args.device, "--dtype", dtype,
-                 "--host", "127.0.0.1", "--port", str(port)], hf_dir, peer_env)
+@dataclass
+class Measured:
+    """Every figure of the report, filled server by server."""
 
-    results, texts, commands, ready_s = {}, {}, {}, {}
-    for name in args.servers:
+    results: dict[str, dict[int, dict]] = field(default_factory=dict)  # server -> concurrency -> medians
+    texts: dict[str, str] = field(default_factory=dict)                # server -> greedy text of the probe
+    commands: dict[str, str] = field(default_factory=dict)             # server -> its command line
+    ready_s: dict[str, float] = field(default_factory=dict)
+    interference: dict[str, dict] = field(default_factory=dict)        # "chunked" / "whole" -> figures
+
+
+@dataclass
+class Target:
+    """A measured server while it runs: ``bench`` sends it one load, the report and log in the work directory."""
+
+    setup: Setup
+    name: str
+    base_url: str
+    model: str
+    log: TextIO
+
+    def bench(self, run: str, concurrency: int, num: int, out: str) -> dict:
+        """The load of prompts ``run``; its report is kept as ``{name}-{out}.json``."""
+        s = self.setup
+        return bench(self.base_url, self.model, s.prompts[run], concurrency, num, s.args.max_tokens,
+                     os.path.join(s.work, f"{self.name}-{out}.json"), self.log)
+
+
+def extra_warmups(t: Target, c: int, before: dict[str, float]) -> int:
+    """hypertron: more warm-up runs of N at concurrency ``c`` while the last one compiled something
+    (``before``: the compile counts before it), at most ``EXTRA_WARMUPS``; how many ran."""
+    extra = 0
+    while True:
+        k = counts_since(before, after := compile_counts(t.base_url))
+        if k["sync"] + k["background"] == 0 or extra == EXTRA_WARMUPS:
+            return extra
+        before = after
+        t.bench(f"c{c}x{extra}", c, t.setup.n_requests[c], f"c{c}-warmup{extra + 1}")
+        extra += 1
+
+
+def measure_concurrency(t: Target, c: int) -> dict:
+    """The warm-up runs at concurrency ``c``, then the median report of ``--repeats`` runs (hypertron's
+    with the compiles during them and the extra warm-ups before)."""
+    n, hyp = t.setup.n_requests[c], t.name == "hypertron"
+    t0 = time.perf_counter()
+    before = compile_counts(t.base_url) if hyp else {}
+    t.bench(f"c{c}w", c, 2 * n, f"c{c}-warmup")  # this load's step shapes
+    extra = extra_warmups(t, c, before) if hyp else 0
+    before = compile_counts(t.base_url) if hyp else {}
+    report = median_report([t.bench(f"c{c}r{i}", c, n, f"c{c}-r{i}") for i in range(t.setup.args.repeats)])
+    if hyp:
+        report["compiles"] = counts_since(before, compile_counts(t.base_url))
+        report["extra_warmups"] = extra
+    print(f"  ... {t.name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return report
+
+
+def measure_server(s: Setup, name: str, m: Measured) -> None:
+    """One server: started, warmed up, its greedy text of the probe, then each concurrency."""
+    args = s.args
+    port = free_ports()
+    argv_s, model, senv = s.server_argv(name, port)
+    m.commands[name] = command_line(argv_s)
+    with Server(name, argv_s, port, os.path.join(s.work, f"{name}.log"), senv) as srv, \
+            open(os.path.join(s.work, f"{name}-bench.log"), "w") as log:
+        m.ready_s[name] = srv.wait_ready(args.ready_timeout)
+        print(f"{name}: ready in {m.ready_s[name]:.1f} s; warm-up ...", file=sys.stderr)
+        with srv.tail_on_error():
+            t = Target(s, name, srv.base_url, model, log)
+            t.bench("warmup", s.max_c, s.warmup, "warmup")
+            m.texts[name] = greedy_text(srv.base_url, model, s.probe, args.max_tokens)
+            m.results[name] = {}
+            for c in args.concurrency:
+                m.results[name][c] = measure_concurrency(t, c)
+
+
+def measure_interference(s: Setup, m: Measured) -> None:
+    """The interference workload, hypertron only, into ``m.interference``: at ``--max-num-batched-tokens``
+    (chunked prefill) and at ``MAX_SEQ_LEN``, a budget that takes a whole long prompt in a step (no chunking)."""
+    args = s.args
+    if args.no_interference or "hypertron" not in args.servers:
+        return
+    slots = args.streams + args.long_prompts
+    for label, budget in (("chunked", args.max_num_batched_tokens), ("whole", MAX_SEQ_LEN)):
         port = free_ports()
-        argv_s, model, senv = server_argv(name, port)
-        commands[name] = " ".join([os.path.basename(argv_s[0]), *argv_s[1:]])
-        with Server(name, argv_s, port, os.path.join(work, f"{name}.log"), senv) as srv, \
-                open(os.path.join(work, f"{name}-bench.log"), "w") as log:
-            ready_s[name] = srv.wait_ready(args.ready_timeout)
-            print(f"{name}: ready in {ready_s[name]:.1f} s; warm-up ...", file=sys.stderr)
-            try:
-                bench(srv.base_url, model, prompts["warmup"], max_c, warmup, args.max_tokens,
-                      os.path.join(work, f"{name}-warmup.json"), log)
-                texts[name] = greedy_text(srv.base_url, model, probe, args.max_tokens)
-                results[name] = {}
-                for c in args.concurrency:
-                    t0 = time.perf_counter()
-                    before = compile_counts(srv.base_url) if name == "hypertron" else {}
-                    bench(srv.base_url, model, prompts[f"c{c}w"], c, 2 * n_requests[c], args.max_tokens,
-                          os.path.join(work, f"{name}-c{c}-warmup.json"), log)  # this load's step shapes
-                    extra = 0
-                    while name == "hypertron":  # more warm-up runs while the last one compiled something
-                        k = counts_since(before, after := compile_counts(srv.base_url))
-                        if k["sync"] + k["background"] == 0 or extra == EXTRA_WARMUPS:
-                            break
-                        before = after
-                        bench(srv.base_url, model, prompts[f"c{c}x{extra}"], c, n_requests[c], args.max_tokens,
-                              os.path.join(work, f"{name}-c{c}-warmup{extra + 1}.json"), log)
-                        extra += 1
-                    before = compile_counts(srv.base_url) if name == "hypertron" else {}
-                    results[name][c] = median_report([
-                        bench(srv.base_url, model, prompts[f"c{c}r{i}"], c, n_requests[c], args.max_tokens,
-                              os.path.join(work, f"{name}-c{c}-r{i}.json"), log) for i in range(args.repeats)])
-                    if name == "hypertron":
-                        results[name][c]["compiles"] = counts_since(before, compile_counts(srv.base_url))
-                        results[name][c]["extra_warmups"] = extra
-                    print(f"  ... {name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-            except Exception:
-                print(f"{name} server log, last lines:\n{srv.tail()}", file=sys.stderr)
-                raise
+        argv_s = s.hypertron_argv(port, slots, None, budget)
+        m.commands[f"hypertron interference, {label}"] = command_line(argv_s)
+        with Server("hypertron", argv_s, port, os.path.join(s.work, f"interference-{label}.log"), s.env) as srv:
+            srv.wait_ready(args.ready_timeout)
+            t0 = time.perf_counter()
+            with srv.tail_on_error():
+                m.interference[label] = interference(srv.base_url, "bench", s.prompts, args, args.repeats)
+            print(f"  ... interference, {label} prefill: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-    # Interference: hypertron only, at the budget above (chunked prefill) and at one that takes a
-    # whole long prompt in a step (no chunking).
-    chunked = {}
-    if not args.no_interference and "hypertron" in args.servers:
-        slots = args.streams + args.long_prompts
-        for label, budget in (("chunked", args.max_num_batched_tokens), ("whole", MAX_SEQ_LEN)):
-            port = free_ports()
-            argv_s = hypertron_argv(port, slots, None, budget)
-            commands[f"hypertron interference, {label}"] = " ".join([os.path.basename(argv_s[0]), *argv_s[1:]])
-            with Server("hypertron", argv_s, port, os.path.join(work, f"interference-{label}.log"), env) as srv:
-                srv.wait_ready(args.ready_timeout)
-                t0 = time.perf_counter()
-                try:
-                    chunked[label] = interference(srv.base_url, "bench", prompts, args, args.repeats)
-                except Exception:
-                    print(f"hypertron server log, last lines:\n{srv.tail()}", file=sys.stderr)
-                    raise
-                print(f"  ... interference, {label} prefill: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-    for c in args.concurrency:
-        print_table(c, {n: results[n][c] for n in results}, args, n_requests[c])
-    if chunked:
-        print(f"\ninterference: {args.streams} streams of {args.stream_tokens} tokens, then {args.long_prompts} "
-              f"prompts of {args.long_len} tokens one every {args.long_interval} s (hypertron; medians of "
-              f"{args.repeats} runs; the streams' token gaps from the first long prompt on, ms)")
-        print(f"{'prefill':<34}{'ITL p50':>10}{'ITL p99':>10}{'ITL max':>10}{'long e2e':>10}")
-        for label, r in chunked.items():
-            name = (f"chunked (budget {args.max_num_batched_tokens})" if label == "chunked"
-                    else f"whole prompts (budget {MAX_SEQ_LEN})")
-            print(f"{name:<34}{r['itl_p50']:>10.1f}{r['itl_p99']:>10.1f}{r['itl_max']:>10.1f}"
-                  f"{r['long_latency_mean']:>10.1f}")
-        if len(chunked) == 2:
-            print(f"ITL p99 chunked / whole: {chunked['chunked']['itl_p99'] / chunked['whole']['itl_p99']:.2f}")
+def print_interference(chunked: dict[str, dict], args: argparse.Namespace) -> None:
+    """The interference table (nothing when it was not measured)."""
+    if not chunked:
+        return
+    print(f"\ninterference: {args.streams} streams of {args.stream_tokens} tokens, then {args.long_prompts} "
+          f"prompts of {args.long_len} tokens one every {args.long_interval} s (hypertron; medians of "
+          f"{args.repeats} runs; the streams' token gaps from the first long prompt on, ms)")
+    print(f"{'prefill':<34}{'ITL p50':>10}{'ITL p99':>10}{'ITL max':>10}{'long e2e':>10}")
+    for label, r in chunked.items():
+        name = (f"chunked (budget {args.max_num_batched_tokens})" if label == "chunked"
+                else f"whole prompts (budget {MAX_SEQ_LEN})")
+        print(f"{name:<34}{r['itl_p50']:>10.1f}{r['itl_p99']:>10.1f}{r['itl_max']:>10.1f}"
+              f"{r['long_latency_mean']:>10.1f}")
+    if len(chunked) == 2:
+        print(f"ITL p99 chunked / whole: {chunked['chunked']['itl_p99'] / chunked['whole']['itl_p99']:.2f}")
 
-    print()
+
+def print_checks(s: Setup, m: Measured) -> None:
+    """The compiles during the measured runs, the token totals, and whether the greedy texts agree."""
+    args, results = s.args, m.results
     for c in args.concurrency:
         if "compiles" in results.get("hypertron", {}).get(c, {}):
             k = results["hypertron"][c]["compiles"]
             print(f"concurrency {c}: hypertron's measured runs (after {results['hypertron'][c]['extra_warmups']} "
                   f"more warm-up runs): {k['sync']} compiles waited for, {k['background']} in the background, "
                   f"{k['padded']} steps run padded")
-    for label, r in chunked.items():
+    for label, r in m.interference.items():
         k = r.get("compiles", {})
         print(f"interference, {label}: measured runs: {k.get('sync', 0)} compiles waited for, "
               f"{k.get('background', 0)} in the background, {k.get('padded', 0)} steps run padded")
     for c in args.concurrency:
-        want = n_requests[c] * args.max_tokens * args.repeats
+        want = s.n_requests[c] * args.max_tokens * args.repeats
         counts = {n: (results[n][c]["total_input_tokens"], results[n][c]["total_output_tokens"]) for n in results}
         print(f"concurrency {c}: input / output tokens " +
               ", ".join(f"{n} {i:,} / {o:,}" for n, (i, o) in counts.items()) + f" (output wanted {want:,})")
-    if len(texts) == 2:
-        a, b = texts.values()
+    if len(m.texts) == 2:
+        a, b = m.texts.values()
         print(f"greedy completion of the first warm-up prompt: {'equal' if a == b else 'DIFFERENT'} "
               f"on both servers ({len(a)} vs {len(b)} characters)")
-    print(f"hypertron: --max-slots {max_c} --page-size 16 --kv-cache-dtype {kv} --num-pages {pages + 1} "
-          f"--max-num-batched-tokens {max(args.max_num_batched_tokens, max_c)}; transformers: "
-          f"{'continuous batching' if cb else 'no continuous batching'}, --dtype {dtype}, "
-          f"torch {torch.get_num_threads()} threads (default); no ignore_eos: {banned} lm_head rows zeroed "
+
+
+def print_settings(s: Setup, m: Measured, versions: dict, argv: list[str] | None) -> None:
+    """The servers' settings and command lines, the device, the versions and this command."""
+    import torch
+
+    args, v = s.args, versions
+    print(f"hypertron: --max-slots {s.max_c} --page-size 16 --kv-cache-dtype {s.kv} --num-pages {s.pages + 1} "
+          f"--max-num-batched-tokens {max(args.max_num_batched_tokens, s.max_c)}; transformers: "
+          f"{'continuous batching' if s.cb else 'no continuous batching'}, --dtype {s.dtype}, "
+          f"torch {torch.get_num_threads()} threads (default); no ignore_eos: {s.banned} lm_head rows zeroed "
           f"(special tokens, EOS among them, and partial UTF-8 bytes)")
     print(f"device: {args.device} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
-    print(f"versions: python {platform.python_version()}, jax {version('jax')}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}"
-          + (f", accelerate {accelerate} (transformers serve's)" if accelerate else ""))
-    for name, cmd in commands.items():
-        print(f"{name} server: {cmd.replace(work, '$WORK')}")
+    print(f"versions: python {v['python']}, jax {v['jax']}, torch {v['torch']}, transformers {v['transformers']}"
+          + (f", accelerate {v['accelerate']} (transformers serve's)" if v["accelerate"] else ""))
+    for name, cmd in m.commands.items():
+        print(f"{name} server: {cmd.replace(s.work, '$WORK')}")
     print(f"load: hypertron bench serve --base-url URL --model NAME --prompts $WORK/prompts-cCrR.jsonl "
           f"--concurrency C --num-requests max({args.num_requests}, 2C) --max-tokens {args.max_tokens} "
           f"--temperature 0 --output JSON, {args.repeats} runs (R) per C")
     print(("command: python bench/serve_http.py " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
-    elapsed = time.perf_counter() - t_start
+
+
+def write_output(path: str, s: Setup, m: Measured, versions: dict, elapsed: float) -> None:
+    """Everything the tables show, with each server's full median reports, as JSON."""
+    with open(path, "w") as f:
+        json.dump({"args": vars(s.args), "commands": m.commands, "ready_s": m.ready_s, "greedy_texts": m.texts,
+                   "elapsed_s": elapsed, "versions": versions,
+                   "results": {n: {str(c): r for c, r in rs.items()} for n, rs in m.results.items()},
+                   "interference": m.interference}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    missing, accelerate = peer_deps(args)
+    if missing:
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped (finally)
+    versions = versions_of(accelerate)
+    s = prepare(args)
+    m = Measured()
+    for name in args.servers:
+        measure_server(s, name, m)
+    measure_interference(s, m)
+
+    for c in args.concurrency:
+        print_table(c, {n: m.results[n][c] for n in m.results}, args, s.n_requests[c])
+    print_interference(m.interference, args)
+    print()
+    print_checks(s, m)
+    print_settings(s, m, versions, argv)
+    elapsed = time.perf_counter() - s.t_start
     print(f"total {elapsed:.0f} s")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"args": vars(args), "commands": commands, "ready_s": ready_s, "greedy_texts": texts,
-                       "elapsed_s": elapsed, "versions": {"python": platform.python_version(),
-                                                          "jax": version("jax"), "torch": torch.__version__,
-                                                          "transformers": transformers.__version__,
-                                                          "accelerate": accelerate},
-                       "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()},
-                       "interference": chunked}, f, indent=2)
+        write_output(args.output, s, m, versions, elapsed)
         print(f"wrote {args.output}")
     if args.keep is None:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(s.work, ignore_errors=True)
     return 0
 
 

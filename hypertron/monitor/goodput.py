@@ -256,23 +256,109 @@ class Goodput:
                 "goodput": 100.0 * seconds[PRODUCTIVE] / total if total > 0 else None}
 
 
+@dataclass
+class _Spans:
+    """What ``compute`` gathers job by job: the base spans' starts and labels (in chunks), the inner
+    spans, and the per-job figures the ``Goodput`` reports."""
+
+    bounds: list[np.ndarray] = field(default_factory=list)
+    labels: list[np.ndarray] = field(default_factory=list)
+    inner: list[tuple[float, float, int]] = field(default_factory=list)
+    startup: list[float] = field(default_factory=list)           # per job
+    counted_steps: list[np.ndarray] = field(default_factory=list)
+    counted_times: list[np.ndarray] = field(default_factory=list)
+    max_productive: int = 0
+
+    def base(self, a: float, label: str) -> None:
+        """A base span starts at ``a`` (it ends where the next one starts)."""
+        self.bounds.append(np.array([a], float))
+        self.labels.append(np.array([_LABEL[label]]))
+
+    def timeline(self, run_end: float) -> Timeline:
+        """The spans as a ``Timeline`` ending at ``run_end``; each inner span clipped to its base span."""
+        starts_arr = np.concatenate(self.bounds)
+        bounds_arr = np.maximum.accumulate(np.append(starts_arr, max(run_end, starts_arr[-1])))
+        labels_arr = np.concatenate(self.labels).astype(np.int64)
+        if not self.inner:
+            return Timeline(bounds_arr, labels_arr, np.zeros((0, 2)), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        spans = np.array([(a, b) for a, b, _ in self.inner])
+        where = np.clip(np.searchsorted(bounds_arr, spans[:, 0], side="right") - 1, 0, len(labels_arr) - 1)
+        spans[:, 0] = np.maximum(spans[:, 0], bounds_arr[where])
+        spans[:, 1] = np.clip(spans[:, 1], spans[:, 0], bounds_arr[where + 1])
+        return Timeline(bounds_arr, labels_arr, spans, np.array([lab for _, _, lab in self.inner]), where)
+
+
+def _inner_in_steps(job: Job, rec_times: np.ndarray, acc: _Spans) -> tuple[np.ndarray, np.ndarray]:
+    """Adds the job's evaluations and blocking saves as inner spans (they take their own cause);
+    returns the seconds of each inside each step time (evaluation, save), [n steps] each."""
+    n_pairs = len(rec_times) - 1
+    pair_start = rec_times[:-1]
+    eval_in = np.zeros(n_pairs)
+    save_in = np.zeros(n_pairs)
+    for spans, label, acc_in in ((job.evals, "evaluation", eval_in),
+                                 ([(a, b) for a, b, _ in job.saves], "checkpoint_save", save_in)):
+        for a, b in spans:
+            k = int(np.searchsorted(pair_start, a, side="right")) - 1
+            if 0 <= k < n_pairs and b <= rec_times[k + 1]:
+                acc_in[k] += b - a
+            acc.inner.append((a, b, _LABEL[label]))
+    return eval_in, save_in
+
+
+def _program_startup(job: Job, starts: np.ndarray, adjusted: np.ndarray, nontail: np.ndarray,
+                     acc: _Spans) -> float:
+    """The reference's per-segment rule: the first counted step's excess over the mean of the others
+    (``adjusted``: step times less evaluations; ``nontail``: counted and not the tail), added as an
+    inner span at the step's start."""
+    if not (nontail[0] and nontail.sum() >= 2):
+        return 0.0
+    others = adjusted[1:][nontail[1:]]
+    startup = max(0.0, float(adjusted[0] - others.mean()))
+    # Placed at the step's start; never past the step's own end (before its eval/save).
+    startup = min(startup, float(job.ends[0] - starts[0]))
+    if startup > 0:
+        acc.inner.append((float(starts[0]), float(starts[0]) + startup, _LABEL["program_startup"]))
+    return startup
+
+
+def _step_spans(job: Job, limit: int, acc: _Spans) -> tuple[float, int, float]:
+    """Adds a job with steps from its loop's start: its step times (productive up to step ``limit``,
+    where the next job resumed; wasted past it) and their inner spans. Returns where the step after
+    its last one begins, the steps redone and their seconds (the wasted progress)."""
+    starts = job.starts
+    acc.base(job.loop_start, "data_loading_sync")
+    # Step starts, and where the step after the last one begins.
+    rec_steps = np.append(job.steps, job.steps[-1] + 1)
+    rec_times = np.append(starts, max(job.close, float(starts[-1])))
+    tail = job.end is not None  # the last step runs to job_end (the reference's rule)
+    consecutive = np.diff(rec_steps) == 1
+    counted = consecutive & (rec_steps[1:] <= limit)
+    wasted = consecutive & ~counted
+    raw = np.diff(rec_times)
+    acc.bounds.append(rec_times[:-1].astype(float))
+    acc.labels.append(np.where(counted, _LABEL[PRODUCTIVE], _LABEL["wasted_progress"]))
+    eval_in, save_in = _inner_in_steps(job, rec_times, acc)
+    # Program startup: evaluations left out, the tail excluded.
+    nontail = counted.copy()
+    if tail:
+        nontail[-1] = False
+    acc.startup.append(_program_startup(job, starts, raw - eval_in, nontail, acc))
+    if counted.any():
+        acc.max_productive = max(acc.max_productive, int(rec_steps[:-1][counted].max()))
+    # Step times for the deviation: counted steps but each job's first, net of eval and save.
+    keep = nontail.copy()
+    keep[0] = False
+    acc.counted_steps.append(job.steps[keep[: len(job.steps)]])
+    acc.counted_times.append((raw - eval_in - save_in)[keep])
+    return float(rec_times[-1]), int(wasted.sum()), float((raw * wasted).sum())
+
+
 def compute(jobs: list[Job], now: float) -> Goodput:
     """Goodput of a run from its classified jobs (``classify``); ``now`` ends a running one."""
     if not jobs:
         raise ValueError("no job in the events")
-    bounds: list[np.ndarray] = []  # chunks of span starts and their labels
-    labels: list[np.ndarray] = []
-    inner: list[tuple[float, float, int]] = []
+    acc = _Spans()
     disruptions: list[Disruption] = []
-    startup_per_job: list[float] = []
-    counted_steps: list[np.ndarray] = []
-    counted_times: list[np.ndarray] = []
-    max_productive = 0
-
-    def base(a: float, label: str) -> None:
-        bounds.append(np.array([a], float))
-        labels.append(np.array([_LABEL[label]]))
-
     with_steps = [j for j in jobs if len(j.steps)]
     for job in jobs:
         nxt = next((k for k in with_steps if k.index > job.index), None)
@@ -283,63 +369,17 @@ def compute(jobs: list[Job], now: float) -> Goodput:
         disrupted = job.index < jobs[-1].index and (redone or ended_badly)
 
         # The phases before the first step.
-        base(job.start, "backend_init" if job.backend_ready is not None else "training_prep")
+        acc.base(job.start, "backend_init" if job.backend_ready is not None else "training_prep")
         if job.backend_ready is not None:
-            base(job.backend_ready, "training_prep")
+            acc.base(job.backend_ready, "training_prep")
         for a, b in job.restores:
-            inner.append((a, b, _LABEL["checkpoint_restore"]))
+            acc.inner.append((a, b, _LABEL["checkpoint_restore"]))
         if last is not None:
-            starts = job.starts
-            base(job.loop_start, "data_loading_sync")
-            # Step starts, and where the step after the last one begins.
-            rec_steps = np.append(job.steps, job.steps[-1] + 1)
-            rec_times = np.append(starts, max(job.close, float(starts[-1])))
-            close = float(rec_times[-1])
-            tail = job.end is not None  # the last step runs to job_end (the reference's rule)
-            consecutive = np.diff(rec_steps) == 1
-            counted = consecutive & (rec_steps[1:] <= (resumed if redone else np.iinfo(np.int64).max))
-            wasted = consecutive & ~counted
-            raw = np.diff(rec_times)
-            n_pairs = len(raw)
-            bounds.append(rec_times[:-1].astype(float))
-            labels.append(np.where(counted, _LABEL[PRODUCTIVE], _LABEL["wasted_progress"]))
-            # Evaluations and blocking saves inside the steps' times take their own cause.
-            pair_start = rec_times[:-1]
-            eval_in = np.zeros(n_pairs)
-            save_in = np.zeros(n_pairs)
-            for spans, label, acc in ((job.evals, "evaluation", eval_in),
-                                      ([(a, b) for a, b, _ in job.saves], "checkpoint_save", save_in)):
-                for a, b in spans:
-                    k = int(np.searchsorted(pair_start, a, side="right")) - 1
-                    if 0 <= k < n_pairs and b <= rec_times[k + 1]:
-                        acc[k] += b - a
-                    inner.append((a, b, _LABEL[label]))
-            # Program startup (the reference's per-segment rule): the first counted step's excess
-            # over the mean of the others, evaluations left out, the tail excluded.
-            adjusted = raw - eval_in
-            nontail = counted.copy()
-            if tail:
-                nontail[-1] = False
-            startup = 0.0
-            if nontail[0] and nontail.sum() >= 2:
-                others = adjusted[1:][nontail[1:]]
-                startup = max(0.0, float(adjusted[0] - others.mean()))
-                # Placed at the step's start; never past the step's own end (before its eval/save).
-                startup = min(startup, float(job.ends[0] - starts[0]))
-                if startup > 0:
-                    inner.append((float(starts[0]), float(starts[0]) + startup, _LABEL["program_startup"]))
-            startup_per_job.append(startup)
-            if counted.any():
-                max_productive = max(max_productive, int(rec_steps[:-1][counted].max()))
-            # Step times for the deviation: counted steps but each job's first, net of eval and save.
-            keep = nontail.copy()
-            keep[0] = False
-            counted_steps.append(job.steps[keep[: len(job.steps)]])
-            counted_times.append((raw - eval_in - save_in)[keep])
-            redone_steps, lost = int(wasted.sum()), float((raw * wasted).sum())
+            limit = resumed if redone else np.iinfo(np.int64).max
+            close, redone_steps, lost = _step_spans(job, limit, acc)
         else:
             close = job.close
-            startup_per_job.append(0.0)
+            acc.startup.append(0.0)
             redone_steps, lost = 0, 0.0
         # The gap to the next job (recovery after a disruption), or to the run's end.
         if disrupted:
@@ -347,30 +387,22 @@ def compute(jobs: list[Job], now: float) -> Goodput:
             disruptions.append(Disruption(job=job.index, status=job.status or "", last_step=last,
                                           resumed_at=resumed, redone_steps=redone_steps, wasted=lost,
                                           recovery=float(following.start - close)))
-        base(close, "infrastructure_recovery" if disrupted else "other")
+        acc.base(close, "infrastructure_recovery" if disrupted else "other")
     run_end = jobs[-1].end if jobs[-1].end is not None else (
         now if jobs[-1].status == RUNNING else jobs[-1].last_event)
-    starts_arr = np.concatenate(bounds)
-    bounds_arr = np.maximum.accumulate(np.append(starts_arr, max(run_end, starts_arr[-1])))
-    labels_arr = np.concatenate(labels).astype(np.int64)
-    if inner:
-        spans = np.array([(a, b) for a, b, _ in inner])
-        where = np.clip(np.searchsorted(bounds_arr, spans[:, 0], side="right") - 1, 0, len(labels_arr) - 1)
-        spans[:, 0] = np.maximum(spans[:, 0], bounds_arr[where])
-        spans[:, 1] = np.clip(spans[:, 1], spans[:, 0], bounds_arr[where + 1])
-        timeline = Timeline(bounds_arr, labels_arr, spans, np.array([lab for _, _, lab in inner]), where)
-    else:
-        timeline = Timeline(bounds_arr, labels_arr, np.zeros((0, 2)), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    timeline = acc.timeline(run_end)
+    bounds_arr = timeline.bounds
     seconds = timeline.totals()
     start = float(bounds_arr[0])
     async_wait = float(sum(j.data_waits[1:].sum() for j in jobs if len(j.steps)))
     last_step = max((int(j.steps[-1]) for j in with_steps), default=0)
+    max_productive = acc.max_productive
     if jobs[-1].end is not None and len(jobs[-1].steps):
         max_productive = max(max_productive, int(jobs[-1].steps[-1]))
-    stats = step_stats(np.concatenate(counted_steps) if counted_steps else np.zeros(0, np.int64),
-                       np.concatenate(counted_times) if counted_times else np.zeros(0))
+    stats = step_stats(np.concatenate(acc.counted_steps) if acc.counted_steps else np.zeros(0, np.int64),
+                       np.concatenate(acc.counted_times) if acc.counted_times else np.zeros(0))
     return Goodput(start=start, end=float(bounds_arr[-1]), total=float(bounds_arr[-1] - start),
-                   seconds=seconds, jobs=jobs, disruptions=disruptions, startup=startup_per_job,
+                   seconds=seconds, jobs=jobs, disruptions=disruptions, startup=acc.startup,
                    data_loading_async=async_wait, max_productive_step=max_productive, last_step=last_step,
                    steps=stats, timeline=timeline)
 
