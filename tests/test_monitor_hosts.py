@@ -120,7 +120,7 @@ def test_a_metric_added_to_the_table_reaches_every_reader(tmp_path, monkeypatch)
               {"time": t0 + 1, "event": "step", "step": 1, "step_time": 1.0, "data_wait": 0.01},
               {"time": t0 + 2, "event": "job_end", "step": 1, "status": "completed", "seconds": 2.0}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps({**e, "process": 0}) + "\n" for e in events))
-    port = _free_ports(1)
+    port = free_ports(1)
     for index, value in ((0, 1 << 20), (1, 3 << 20)):
         widgets[0] = value
         c = Collector(tmp_path, MonitorConfig(interval=0.01, port=port if index == 0 else 0), process_index=index)

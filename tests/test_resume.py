@@ -11,8 +11,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,19 +35,7 @@ TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim
 
 
 def _train_cmd(*overrides: str) -> list[str]:
-    return [sys.executable, "-m", "hypertron.cli", "train", *overrides]
-
-
-def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"training ended (exit {proc.returncode}) before {what}:\n"
-                                 f"{proc.stderr.read() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+    return processes.hypertron_argv("train", *overrides)
 
 
 
@@ -65,7 +51,7 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
     killed = processes.start(_train_cmd(*common, f"run_dir={run}"), env=ENV,
                               stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     try:
-        _wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
+        processes.wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill; steps too fast"
@@ -89,7 +75,7 @@ def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_pat
     proc = processes.start(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
                             env=ENV, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
     try:
-        _wait_for(lambda: len(runs.steps(run)) >= 3, proc, "three steps")
+        processes.wait_for(lambda: len(runs.steps(run)) >= 3, proc, "three steps")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:

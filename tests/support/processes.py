@@ -67,14 +67,16 @@ def start_hypertron(*args: object, **kwargs) -> subprocess.Popen:
 
 
 def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 180.0,
-             poll_s: float = 0.05) -> None:
-    """Until ``predicate()``; a process that ends first, or a timeout, fails the test with its stderr."""
+             poll_s: float = 0.01) -> None:
+    """Until ``predicate()``; a process that ends first, or a timeout (which kills it), fails the test
+    with its stderr."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
             raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}:\n"
                                  f"{proc.stderr.read() if proc.stderr else ''}")
         if time.monotonic() > deadline:
+            proc.kill()
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(poll_s)
 
