@@ -31,9 +31,9 @@ from hypertron.monitor.collector import Collector
 from hypertron.train import loop as train_loop
 from hypertron.train import task as train_task
 from support import processes  # tests/support
+from support.tiny import ONE_LAYER  # tests/support
 
-TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
-        "train.seq_len=16", "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
+TINY = [*ONE_LAYER, "data.source=stdlib", "train.log_every=100", "checkpoint.enabled=false"]
 
 
 def _get(url: str) -> str:

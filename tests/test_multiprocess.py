@@ -24,11 +24,11 @@ from hypertron.parallel.mesh import make_mesh
 from hypertron.train.events import read_events
 from hypertron.train.step import global_batch, make_trainer
 from support import processes  # tests/support
+from support.tiny import TWO_LAYERS  # tests/support
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
-        "train.global_batch=8", "train.seq_len=32", "train.log_every=1", "data.source=stdlib",
+TINY = [*TWO_LAYERS, "train.log_every=1", "data.source=stdlib",
         "train.schedule=constant", "train.warmup_steps=0", "checkpoint.every=2"]
 
 

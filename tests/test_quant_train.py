@@ -19,9 +19,9 @@ from hypertron.quant.einsum import einsum_for
 from hypertron.serve.engine import load_engine
 from hypertron.train.loop import train
 from hypertron.train.step import global_batch, make_trainer
+from support.tiny import TWO_LAYERS  # tests/support
 
-TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
-        "train.global_batch=8", "train.seq_len=32", "data.source=stdlib"]
+TINY = [*TWO_LAYERS, "data.source=stdlib"]
 SUB = "btd,df->btf"
 
 

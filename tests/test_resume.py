@@ -24,14 +24,14 @@ from hypertron.train.events import read_events
 from hypertron.train.loop import train
 from support import runs  # tests/support
 from support import processes  # tests/support
+from support.tiny import TWO_LAYERS  # tests/support
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 # The stdlib corpus, so data order matters; batch 32 x 128 makes steps slow enough to signal between.
 SLOW = ["model=tiny", "train.global_batch=32", "train.seq_len=128", "train.log_every=1",
         "train.warmup_steps=2", "data.source=stdlib"]
 # A small, fast run for in-process tests.
-TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
-        "train.global_batch=8", "train.seq_len=32", "train.log_every=1", "data.source=stdlib"]
+TINY = [*TWO_LAYERS, "train.log_every=1", "data.source=stdlib"]
 
 
 def _train_cmd(*overrides: str) -> list[str]:

@@ -10,9 +10,9 @@ from hypertron.config import load_config
 from hypertron.train.events import read_events
 from hypertron.train.loop import train
 from hypertron.tracker import Tracker, Tracking
+from support.tiny import ONE_LAYER  # tests/support
 
-TINY = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "train.global_batch=8",
-        "train.seq_len=16", "train.log_every=1", "data.source=stdlib", "train.eval_every=2",
+TINY = [*ONE_LAYER, "train.log_every=1", "data.source=stdlib", "train.eval_every=2",
         "train.eval_batches=1", "data.eval_fraction=0.05", "checkpoint.every=2"]
 
 

@@ -12,9 +12,9 @@ from hypertron.parallel.mesh import make_mesh
 from hypertron.train.loop import train
 from hypertron.train.optimizer import schedule
 from hypertron.train.step import global_batch, make_trainer
+from support.tiny import TWO_LAYERS  # tests/support
 
-TINY = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
-        "train.global_batch=8", "train.seq_len=32", "train.log_every=1"]
+TINY = [*TWO_LAYERS, "train.log_every=1"]
 
 
 def test_loss_falls_on_embedded_corpus_and_checkpoint_is_saved(tmp_path):

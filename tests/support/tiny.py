@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# One layer, 32 wide; two steps of 8 x 16 tokens from the synthetic source.
-TINY_CLI = [
-    "model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.num_heads=2",
-    "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=64",
-    "train.steps=2", "train.global_batch=8", "train.seq_len=16", "train.log_every=1",
-    "data.source=synthetic",
-]
+# The tiny preset cut down, as key=value overrides: two layers 64 wide, trained on batches of 8 x 32
+# tokens (the training, resume, quantised-training and multi-process tests), or one layer 32 wide on
+# 8 x 16 (the tracker and host-monitor tests, and below the CLI's).
+TWO_LAYERS = ["model=tiny", "model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
+              "train.global_batch=8", "train.seq_len=32"]
+ONE_LAYER = ["model=tiny", "model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64",
+             "train.global_batch=8", "train.seq_len=16"]
+# One layer of two heads sharing one KV head; two steps from the synthetic source.
+TINY_CLI = [*ONE_LAYER, "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+            "train.steps=2", "train.log_every=1", "data.source=synthetic"]
 
 
 def tiny_hf_llama(*, seed: int = 0, scaled_init: bool = False, **config):
