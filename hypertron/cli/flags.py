@@ -1,5 +1,6 @@
-"""What the commands' flags share: the parser with the CLI's one-line errors, flags made from a
-settings dataclass, sizes as flag values, and the ``--dry-run`` / ``--output`` pair."""
+"""What the commands' flags share: the parser with the CLI's one-line errors, a command added with
+its function, flags made from a settings dataclass, sizes as flag values, ``--json``, and the
+``--dry-run`` / ``--output`` pair."""
 
 from __future__ import annotations
 
@@ -32,6 +33,24 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, func: typing.Callable[[argparse.Namespace], int], *,
+                help: str, description: str | None = None) -> Parser:
+    """Add the command ``name`` to ``sub``, run by ``func(args)``; its parser, for its flags."""
+    command = sub.add_parser(name, help=help, description=description)
+    command.set_defaults(func=func)
+    return command
+
+
+def add_command_group(sub: argparse._SubParsersAction, name: str, *, help: str, dest: str = "action",
+                      func: typing.Callable[[argparse.Namespace], int] | None = None) -> argparse._SubParsersAction:
+    """Add the command ``name`` to ``sub``, whose own subcommands (one required, its name in
+    ``args.<dest>``) are added to what this returns; ``func``, if given, runs each of them."""
+    group = sub.add_parser(name, help=help)
+    if func is not None:
+        group.set_defaults(func=func)
+    return group.add_subparsers(dest=dest, required=True)
 
 
 def flag(key: str) -> str:
@@ -81,6 +100,11 @@ def bytes_arg(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
     return int(value)
+
+
+def add_json_flag(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """``--json``: print ``what`` (the plan, the report; or the command's output) as JSON."""
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON" if what else "print as JSON")
 
 
 def add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:

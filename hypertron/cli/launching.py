@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from hypertron.cli.flags import add_output_flags
+from hypertron.cli.flags import add_command, add_command_group, add_json_flag, add_output_flags
 from hypertron.errors import UserError
 
 
@@ -18,13 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    la = sub.add_parser("launch", help="run a command as several cooperating processes")
-    where = la.add_subparsers(dest="where", required=True)
-    lo = where.add_parser(
-        "local", help="N processes on this machine (jax.distributed over 127.0.0.1)",
+    where = add_command_group(sub, "launch", help="run a command as several cooperating processes", dest="where")
+    lo = add_command(
+        where, "local", cmd_launch, help="N processes on this machine (jax.distributed over 127.0.0.1)",
         description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
-        "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.",
-    )
+        "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.")
     lo.add_argument("--processes", type=int, metavar="N")
     lo.add_argument("--recipe", metavar="R", help="train this recipe as its processes (nodes x processes per node), "
                     "with its environment; key=value overrides may follow")
@@ -33,25 +31,23 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     lo.add_argument("--cpu-devices", type=int, default=None, metavar="K",
                     help="run on the CPU with K simulated devices per process")
     lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
-    lo.set_defaults(func=cmd_launch)
 
 
 def _add_recipes(sub: argparse._SubParsersAction) -> None:
-    rc = sub.add_parser(
-        "recipes", help="the recipes per model x machine, with their predicted memory per device",
+    rc = add_command(
+        sub, "recipes", cmd_recipes, help="the recipes per model x machine, with their predicted memory per device",
         description="List the recipes (recipes/<machine>/<model>.yaml) with their machine, node count, mesh and "
         "the memory model's prediction per device; with a NAME, its XLA flags and environment with their reasons "
         "and its whole plan.")
     rc.add_argument("name", nargs="?", metavar="NAME", help="one recipe, e.g. a3mega-h100/llama3.1-70b")
     rc.add_argument("--nodes", type=int, default=None, metavar="N", help="on N nodes (default: each recipe's own)")
-    rc.add_argument("--json", action="store_true", help="print as JSON")
+    add_json_flag(rc)
     rc.add_argument("--config", action="store_true", help="with NAME: also print the resolved config as YAML")
-    rc.set_defaults(func=cmd_recipes)
 
 
 def _add_workload(sub: argparse._SubParsersAction) -> None:
-    wl = sub.add_parser("workload", help="training workloads on Kubernetes (JobSet + Kueue) or Slurm (sbatch)")
-    wla = wl.add_subparsers(dest="action", required=True)
+    wla = add_command_group(
+        sub, "workload", help="training workloads on Kubernetes (JobSet + Kueue) or Slurm (sbatch)", func=cmd_workload)
     _add_workload_create(wla)
     for action, text in (("list", "hypertron's workloads and their state"), ("describe", "a workload's state and pods"),
                          ("logs", "a process's log"), ("delete", "delete a workload (its checkpoints stay)")):
@@ -61,11 +57,16 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
         if action == "logs":
             a.add_argument("--process", type=int, default=0, metavar="I", help="default %(default)s")
             a.add_argument("--storage", metavar="DIR", help="--scheduler slurm: as at create (default runs)")
-        a.add_argument("--namespace", default="default", help="default %(default)s")
+        _add_namespace(a)
     for a in wla.choices.values():
         a.add_argument("--scheduler", choices=("kubernetes", "slurm"), default="kubernetes",
                        help="a JobSet on Kubernetes, or an sbatch job on Slurm (default %(default)s)")
-    wl.set_defaults(func=cmd_workload)
+
+
+def _add_namespace(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """``--namespace``, the Kubernetes namespace (default ``default``) of the objects or of ``whose``."""
+    parser.add_argument("--namespace", default="default",
+                        help=f"{whose} (default %(default)s)" if whose else "default %(default)s")
 
 
 def _add_workload_create(wla: argparse._SubParsersAction) -> None:
@@ -93,7 +94,7 @@ def _add_workload_create(wla: argparse._SubParsersAction) -> None:
                     "with --scheduler slurm, a directory on the shared file system (default runs)")
     wc.add_argument("--partition", metavar="P", help="--scheduler slurm: the partition (default: the cluster's)")
     wc.add_argument("--time", metavar="T", help="--scheduler slurm: the time limit (minutes, HH:MM:SS, D-HH:MM)")
-    wc.add_argument("--namespace", default="default", help="default %(default)s")
+    _add_namespace(wc)
     add_output_flags(wc, "submit")
     wc.add_argument("overrides", nargs="*", metavar="key=value")
 
@@ -101,8 +102,8 @@ def _add_workload_create(wla: argparse._SubParsersAction) -> None:
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     from hypertron.launch.machines import MACHINES
 
-    cl = sub.add_parser("cluster", help="a cluster's queueing objects (Kueue and priority classes)")
-    cla = cl.add_subparsers(dest="action", required=True)
+    cla = add_command_group(
+        sub, "cluster", help="a cluster's queueing objects (Kueue and priority classes)", func=cmd_cluster)
     cs = cla.add_parser(
         "setup", help="Kueue's ResourceFlavor, ClusterQueue and LocalQueue, and five PriorityClasses",
         description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
@@ -113,9 +114,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
                                 f"{', '.join(MACHINES)}; plan's --hardware is the accelerator)")
     cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
-    cs.add_argument("--namespace", default="default", help="the LocalQueue's (default %(default)s)")
+    _add_namespace(cs, "the LocalQueue's")
     add_output_flags(cs, "apply")
-    cl.set_defaults(func=cmd_cluster)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -5,21 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from hypertron.cli.flags import add_dataclass_flags
+from hypertron.cli.flags import add_command, add_dataclass_flags, add_json_flag
 from hypertron.monitor.settings import ReportSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``monitor`` to ``sub``."""
-    mo = sub.add_parser(
-        "monitor", help="goodput, badput by cause, disruptions and alarms of a training run",
+    mo = add_command(
+        sub, "monitor", cmd_monitor, help="goodput, badput by cause, disruptions and alarms of a training run",
         description="Report where a training run's time went, by ml-goodput-measurement's definitions, "
         "from its run directory: goodput, badput by cause, jobs, disruptions, step-time deviation, and "
         "alarms (a hung process, a NaN loss, loss spikes). Exit 1 when an alarm is raised. "
-        "docs/monitoring.md defines every figure.",
-    )
+        "docs/monitoring.md defines every figure.")
     mo.add_argument("run_dir", metavar="RUN_DIR")
-    mo.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_flag(mo, "the report")
     mo.add_argument("--follow", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 5) until the run's job stops")
     mo.add_argument("--since", metavar="TIME", help="also report the window from TIME (ISO date-time, "
@@ -34,7 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     mo.add_argument("--port", type=int, default=8090, help="--serve: the port (default %(default)s; 0: any free one)")
     mo.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
                     help="--serve: how often the page updates (default %(default)s)")
-    mo.set_defaults(func=cmd_monitor)
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:

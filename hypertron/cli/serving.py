@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import os
 
-from hypertron.cli.flags import add_dataclass_flags, flag
+from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
 from hypertron.loadgen import BenchSettings
 
@@ -46,33 +46,28 @@ _SERVE_FLAGS: dict[str, dict] = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``serve`` and ``bench serve`` to ``sub``."""
-    sv = sub.add_parser(
-        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+    sv = add_command(
+        sub, "serve", cmd_serve, help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
-        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.",
-    )
+        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.")
     sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
                     "with _ for -: max_slots: 16); flags given override it")
     missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
     assert not missing, f"ServeConfig fields and serve flags differ: {missing}"
     # A flag not given is left out of the namespace, so that a --config file's value stands.
     add_dataclass_flags(sv, ServeConfig, _SERVE_FLAGS, given_only=True, show_default=True)
-    sv.set_defaults(func=cmd_serve)
     _add_bench(sub)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks")
-    what = b.add_subparsers(dest="what", required=True)
-    bs = what.add_parser(
-        "serve", help="load-test an OpenAI-compatible completions server",
+    what = add_command_group(sub, "bench", help="benchmarks", dest="what")
+    bs = add_command(
+        what, "serve", cmd_bench_serve, help="load-test an OpenAI-compatible completions server",
         description="Send streaming POST /v1/completions requests to any OpenAI-compatible server, "
         "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
-        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).",
-    )
+        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).")
     # The key's default is the environment's, read when the flags are made.
     add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY"))})
-    bs.set_defaults(func=cmd_bench_serve)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hypertron.cli.flags import bytes_arg
+from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg
 from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
 from hypertron.config.schema import WeightQuantization
 
@@ -18,32 +18,35 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser(
-        "train", help="train a model",
+    t = add_command(
+        sub, "train", cmd_train, help="train a model",
         description="Train a model. Arguments: an optional YAML recipe, then key=value overrides "
-        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.",
-    )
+        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.")
     t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
-    t.set_defaults(func=cmd_train)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    pl = sub.add_parser(
-        "plan", help="memory per device, compute and communication time of a training config, before launch",
+    pl = add_command(
+        sub, "plan", cmd_plan,
+        help="memory per device, compute and communication time of a training config, before launch",
         description="Plan a training run on hardware you may not have: per-device memory (parameters, "
         "gradients, optimiser state exact; activations estimated), compute time at the device's peak, "
         "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
         "docs/memory.md has the formulas.")
     pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
-    pl.add_argument("--hardware", default="h100", help="the accelerator: a name in the hardware table "
-                    "(default %(default)s; a name not in it lists them)")
-    pl.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.set_defaults(func=cmd_plan)
+    _add_hardware_flags(pl, "the accelerator: a name in the hardware table (default %(default)s; a name not in "
+                        "it lists them)")
+    add_json_flag(pl, "the plan")
+
+
+def _add_hardware_flags(parser: argparse.ArgumentParser, hardware_help: str) -> None:
+    """``--hardware`` (a name in the hardware table) and ``--devices N`` (plan, embed plan)."""
+    parser.add_argument("--hardware", default="h100", help=hardware_help)
+    parser.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("generate", help="continue a prompt from a checkpoint")
+    g = add_command(sub, "generate", cmd_generate, help="continue a prompt from a checkpoint")
     g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",
                    help="run directory (its latest checkpoint) or Hugging Face model directory")
     g.add_argument("--prompt", required=True)
@@ -54,53 +57,46 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
                    help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
-    g.set_defaults(func=cmd_generate)
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    c = sub.add_parser("convert", help="import or export Hugging Face checkpoints")
+    c = add_command(sub, "convert", cmd_convert, help="import or export Hugging Face checkpoints")
     c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
     c.add_argument("--out", metavar="DIR", help="model bundle to write (with --from-hf): a new or empty directory")
     c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
     c.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
                    help="model bundle or run directory to export (with --to-hf)")
-    c.set_defaults(func=cmd_convert)
 
 
 def _add_embed(sub: argparse._SubParsersAction) -> None:
-    em = sub.add_parser("embed", help="sharded embedding tables")
-    ema = em.add_subparsers(dest="action", required=True)
-    ep = ema.add_parser(
-        "plan", help="where each embedding table goes over the devices, and why",
+    ema = add_command_group(sub, "embed", help="sharded embedding tables")
+    ep = add_command(
+        ema, "plan", cmd_embed_plan, help="where each embedding table goes over the devices, and why",
         description="Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) "
         "table-wise, row-wise or column-wise over the devices: bytes held per device, ids and bytes exchanged "
         "per step, the reason for each choice. A table's placement set in the file is kept. Exit 1 when the "
         "tables do not fit.")
     ep.add_argument("spec", metavar="SPEC.yaml")
-    ep.add_argument("--hardware", default="h100", help="the device, for its memory (default %(default)s; "
-                    "cpu: this host's memory shared by the devices)")
-    ep.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    _add_hardware_flags(ep, "the device, for its memory (default %(default)s; cpu: this host's memory shared by "
+                        "the devices)")
     ep.add_argument("--device-memory", type=bytes_arg, default=None, metavar="BYTES",
                     help="memory per device for the tables (e.g. 60GB), in place of the hardware's")
     ep.add_argument("--batch", type=int, default=None, metavar="N", help="samples per step, in place of the file's")
-    ep.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ep.set_defaults(func=cmd_embed_plan)
+    add_json_flag(ep, "the plan")
 
 
 def _add_tokenize(sub: argparse._SubParsersAction) -> None:
-    k = sub.add_parser(
-        "tokenize", help="pre-tokenise a corpus for data.source=tokens",
+    k = add_command(
+        sub, "tokenize", cmd_tokenize, help="pre-tokenise a corpus for data.source=tokens",
         description="Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with "
         "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
-        "must be new or an empty directory.",
-    )
+        "must be new or an empty directory.")
     k.add_argument("--source", required=True, choices=TOKENIZABLE_SOURCES)
     k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
     k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
     k.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json (or its directory) "
                    "or a SentencePiece .model")
     k.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
-    k.set_defaults(func=cmd_tokenize)
 
 
 def _config(args: argparse.Namespace):
