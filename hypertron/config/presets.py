@@ -56,17 +56,8 @@ _GEMMA = dict(
     max_seq_len=8192,
 )
 
-_TINY = ModelConfig(
-    name="tiny",
-    vocab_size=259,
-    embed_dim=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    mlp_dim=384,
-    max_seq_len=2048,
-)
+# The schema's defaults are the tiny decoder; the preset adds only a name and a shorter context.
+_TINY = ModelConfig(name="tiny", max_seq_len=2048)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": _LLAMA2_7B,
