@@ -212,13 +212,15 @@ def bundle_model(path: str | Path) -> ModelConfig:
                  where=f" in {Path(path) / BUNDLE_MANIFEST}")
 
 
+def _split_preset(raw: Any) -> tuple[Any, dict[str, Any]]:
+    """A ``model:`` or ``dlrm:`` section, given as a preset name or as a mapping of fields with an
+    optional ``preset:``: the preset (None when not named) and the other fields."""
+    fields = {} if raw is None else dict(raw) if isinstance(raw, dict) else {"preset": raw}
+    return fields.pop("preset", None), fields
+
+
 def _resolve_model(raw: Any) -> ModelConfig:
-    if raw is None:
-        return PRESETS["tiny"]
-    if not isinstance(raw, dict):
-        raw = {"preset": raw}
-    raw = dict(raw)
-    preset = raw.pop("preset", None)
+    preset, raw = _split_preset(raw)
     if preset is None:
         base = PRESETS["tiny"]
     elif (Path(str(preset)) / BUNDLE_MANIFEST).is_file():  # model=BUNDLE: the bundle's model
@@ -242,12 +244,8 @@ def _resolve_model(raw: Any) -> ModelConfig:
 
 def _resolve_dlrm(raw: Any) -> DlrmConfig:
     """``dlrm:`` as a preset name, or a mapping of fields (``preset:`` first, if given)."""
-    if raw is None:
-        return DLRM_PRESETS["dlrm-v2-tiny"]
-    if not isinstance(raw, dict):
-        raw = {"preset": raw}
-    raw = dict(raw)
-    preset = str(raw.pop("preset", "dlrm-v2-tiny"))
+    preset, raw = _split_preset(raw)
+    preset = "dlrm-v2-tiny" if preset is None else str(preset)
     if preset not in DLRM_PRESETS:
         raise ConfigError(f"dlrm={preset}: unknown preset (choose from {', '.join(sorted(DLRM_PRESETS))})")
     return build(DlrmConfig, raw, "dlrm.", base=DLRM_PRESETS[preset])
