@@ -94,6 +94,24 @@ def measure(m, k, n, groups_list, splits, backends, dtype, iters, *, tiling=None
     return rows
 
 
+def print_rows(rows: list, flops: int, dense: tuple | None = None) -> None:
+    """The table of :func:`measure`'s rows: forward and forward+backward (3x the forward's FLOPs)
+    milliseconds and TFLOP/s per backend, group count and split; with ``dense`` (the dense backend's
+    row) also each time as a percentage of the dense one. A failed backend says so (its error is on stderr)."""
+    vs_dense = f" {'% dense':>7}" if dense else ""
+    percent = lambda base, t: f" {100 * base / t:>6.0f}%" if base else ""
+    print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8}{vs_dense} "
+          f"{'fwd+bwd ms':>10} {'TFLOP/s':>8}{vs_dense}")
+    for backend, groups, how, t_fwd, t_bwd in rows:
+        if t_fwd is None:
+            print(f"{backend:<11} {groups:>3} {how:<7} failed (see stderr)")
+            continue
+        fwd = f"{t_fwd * 1e3:>8.2f} {flops / t_fwd / 1e12:>8.4f}{percent(dense and dense[3], t_fwd)}"
+        bwd = "" if t_bwd is None else (f" {t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f}"
+                                        f"{percent(dense and dense[4], t_bwd)}")
+        print(f"{backend:<11} {groups:>3} {how:<7} {fwd}{bwd}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, default=4096)
@@ -120,15 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * m * k * n
     dev = jax.devices()[0]
     print(f"grouped matmul  m={m} k={k} n={n}  {args.dtype}  ({flops / 1e9:.2f} GFLOP forward)")
-    print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8} "
-          f"{'fwd+bwd ms':>10} {'TFLOP/s':>8}")
-    for backend, groups, how, t_fwd, t_bwd in rows:
-        if t_fwd is None:
-            print(f"{backend:<11} {groups:>3} {how:<7} failed")
-            continue
-        bwd = "" if t_bwd is None else f"{t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f}"
-        print(f"{backend:<11} {groups:>3} {how:<7} {t_fwd * 1e3:>8.2f} "
-              f"{flops / t_fwd / 1e12:>8.4f} {bwd}")
+    print_rows(rows, flops)
     print(f"auto backend here: {resolve_backend('auto')}; tiling: "
           f"{'tm=' + str(args.tm) if args.tm else f'defaults (pallas {DEFAULT_TILING})'}")
     print(f"device: {jax.device_count()} x {getattr(dev, 'device_kind', dev.platform)} "

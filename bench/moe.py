@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gmm import measure, time_fn  # bench/gmm.py, this directory
+from gmm import measure, print_rows, time_fn  # bench/gmm.py, this directory
 
 
 def bench_gmm(m, k, n, experts, backends, dtype, iters):
@@ -131,18 +131,9 @@ def bench_layers(args: argparse.Namespace, dtype) -> list[dict]:
 
 def print_gmm(g_rows: list, m: int, flops: int, args: argparse.Namespace, dtype) -> None:
     """Table (a): each backend's grouped matmul against the dense one (``g_rows[0]``)."""
-    dense_fwd, dense_bwd = g_rows[0][3], g_rows[0][4]
     print(f"\n(a) grouped matmul  m={m} (tokens x top_k)  k={args.d_model}  n={args.d_ff}  {dtype}  "
           f"({flops / 1e9:.3f} GFLOP forward)")
-    print(f"{'backend':<11} {'G':>3} {'split':<7} {'fwd ms':>8} {'TFLOP/s':>8} {'% dense':>7} "
-          f"{'fwd+bwd ms':>10} {'TFLOP/s':>8} {'% dense':>7}")
-    for backend, groups, how, t_fwd, t_bwd in g_rows:
-        if t_fwd is None:
-            print(f"{backend:<11} {groups:>3} {how:<7} {'failed (see stderr)':>27}")
-            continue
-        print(f"{backend:<11} {groups:>3} {how:<7} {t_fwd * 1e3:>8.2f} {flops / t_fwd / 1e12:>8.4f} "
-              f"{100 * dense_fwd / t_fwd:>6.0f}% {t_bwd * 1e3:>10.2f} {3 * flops / t_bwd / 1e12:>8.4f} "
-              f"{100 * dense_bwd / t_bwd:>6.0f}%")
+    print_rows(g_rows, flops, dense=g_rows[0])
 
 
 def print_layers(l_rows: list[dict], m: int, args: argparse.Namespace, meta: dict) -> None:

@@ -42,7 +42,7 @@ from hypertron.config.schema import (
     ServeConfig,
 )
 from hypertron.config.validation import choice_error, validate, validate_serve
-from hypertron.errors import ConfigError
+from hypertron.errors import ConfigError, UserError, one_line
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -165,23 +165,44 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: Any) -> None:
 BUNDLE_FORMAT, BUNDLE_VERSION, BUNDLE_MANIFEST = "hypertron-model", 1, "model.json"
 
 
+def read_json(path: Path, error: type[UserError], missing: str, unreadable: typing.Callable[[str], str]) -> Any:
+    """The JSON value in the file ``path``: ``error(missing)`` if there is no such file,
+    ``error(unreadable(reason))`` if it cannot be read or parsed (``reason``: the library's message on
+    one line). The one reader of the JSON files a user hands over (bundles, corpora, HF configs)."""
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise error(unreadable(one_line(e))) from None
+
+
+def read_manifest(path: Path, error: type[UserError], form: tuple[str, int], *, missing: str,
+                  unreadable: typing.Callable[[str], str], wrong_format: str, wrong_version: typing.Callable[[Any], str]
+                  ) -> dict[str, Any]:
+    """A versioned JSON manifest: a dict whose ``format`` and ``version`` are ``form``. Read by
+    :func:`read_json`; ``error(wrong_format)`` for another format, ``error(wrong_version(found))``
+    for another version."""
+    manifest = read_json(path, error, missing, unreadable)
+    if not isinstance(manifest, dict) or manifest.get("format") != form[0]:
+        raise error(wrong_format)
+    if manifest.get("version") != form[1]:
+        raise error(wrong_version(manifest.get("version")))
+    return manifest
+
+
 def bundle_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of a model bundle (:mod:`hypertron.models.bundle`), checked: a dict with its
     ``model`` (the ModelConfig's fields) and ``tokenizer``. Read here, below the models, so that
     ``model=BUNDLE`` works in any config."""
     manifest_file = Path(path) / BUNDLE_MANIFEST
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not a model bundle (no {BUNDLE_MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{manifest_file}: unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
-        raise ConfigError(f"{manifest_file}: not a {BUNDLE_FORMAT} manifest")
-    if manifest.get("version") != BUNDLE_VERSION:
-        raise ConfigError(f"{manifest_file}: version {manifest.get('version')!r}, this hypertron reads "
-                          f"{BUNDLE_VERSION}")
-    return manifest
+    return read_manifest(
+        manifest_file, ConfigError, (BUNDLE_FORMAT, BUNDLE_VERSION),
+        missing=f"{path}: not a model bundle (no {BUNDLE_MANIFEST})",
+        unreadable=lambda reason: f"{manifest_file}: unreadable ({reason})",
+        wrong_format=f"{manifest_file}: not a {BUNDLE_FORMAT} manifest",
+        wrong_version=lambda found: f"{manifest_file}: version {found!r}, this hypertron reads {BUNDLE_VERSION}",
+    )
 
 
 def bundle_model(path: str | Path) -> ModelConfig:
@@ -191,13 +212,15 @@ def bundle_model(path: str | Path) -> ModelConfig:
                  where=f" in {Path(path) / BUNDLE_MANIFEST}")
 
 
+def _split_preset(raw: Any) -> tuple[Any, dict[str, Any]]:
+    """A ``model:`` or ``dlrm:`` section, given as a preset name or as a mapping of fields with an
+    optional ``preset:``: the preset (None when not named) and the other fields."""
+    fields = {} if raw is None else dict(raw) if isinstance(raw, dict) else {"preset": raw}
+    return fields.pop("preset", None), fields
+
+
 def _resolve_model(raw: Any) -> ModelConfig:
-    if raw is None:
-        return PRESETS["tiny"]
-    if not isinstance(raw, dict):
-        raw = {"preset": raw}
-    raw = dict(raw)
-    preset = raw.pop("preset", None)
+    preset, raw = _split_preset(raw)
     if preset is None:
         base = PRESETS["tiny"]
     elif (Path(str(preset)) / BUNDLE_MANIFEST).is_file():  # model=BUNDLE: the bundle's model
@@ -221,12 +244,8 @@ def _resolve_model(raw: Any) -> ModelConfig:
 
 def _resolve_dlrm(raw: Any) -> DlrmConfig:
     """``dlrm:`` as a preset name, or a mapping of fields (``preset:`` first, if given)."""
-    if raw is None:
-        return DLRM_PRESETS["dlrm-v2-tiny"]
-    if not isinstance(raw, dict):
-        raw = {"preset": raw}
-    raw = dict(raw)
-    preset = str(raw.pop("preset", "dlrm-v2-tiny"))
+    preset, raw = _split_preset(raw)
+    preset = "dlrm-v2-tiny" if preset is None else str(preset)
     if preset not in DLRM_PRESETS:
         raise ConfigError(f"dlrm={preset}: unknown preset (choose from {', '.join(sorted(DLRM_PRESETS))})")
     return build(DlrmConfig, raw, "dlrm.", base=DLRM_PRESETS[preset])

@@ -25,25 +25,13 @@ _LLAMA2_7B = ModelConfig(
     max_seq_len=4096,
 )
 
-_LLAMA3_8B = replace(
-    _LLAMA2_7B,
-    name="llama3-8b",
-    vocab_size=128256,
-    num_kv_heads=8,
-    mlp_dim=14336,
-    rope_theta=500000.0,
-    max_seq_len=8192,
-)
+_LLAMA3_8B = replace(_LLAMA2_7B, name="llama3-8b", vocab_size=128256, num_kv_heads=8, mlp_dim=14336,
+                     rope_theta=500000.0, max_seq_len=8192)
 
-_LLAMA3_70B = replace(
-    _LLAMA3_8B,
-    name="llama3-70b",
-    embed_dim=8192,
-    num_layers=80,
-    num_heads=64,
-    num_kv_heads=8,
-    mlp_dim=28672,
-)
+# The 70B trunk, the same in Llama 2 and Llama 3 (GQA with 8 KV heads in both).
+_LLAMA_70B = dict(embed_dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672)
+
+_LLAMA3_70B = replace(_LLAMA3_8B, name="llama3-70b", **_LLAMA_70B)
 
 _GEMMA = dict(
     activation="gelu",
@@ -56,17 +44,8 @@ _GEMMA = dict(
     max_seq_len=8192,
 )
 
-_TINY = ModelConfig(
-    name="tiny",
-    vocab_size=259,
-    embed_dim=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    mlp_dim=384,
-    max_seq_len=2048,
-)
+# The schema's defaults are the tiny decoder; the preset adds only a name and a shorter context.
+_TINY = ModelConfig(name="tiny", max_seq_len=2048)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": _LLAMA2_7B,
@@ -74,10 +53,7 @@ PRESETS: dict[str, ModelConfig] = {
         _LLAMA2_7B, name="llama2-13b", embed_dim=5120, num_layers=40, num_heads=40,
         num_kv_heads=40, mlp_dim=13824,
     ),
-    "llama2-70b": replace(
-        _LLAMA2_7B, name="llama2-70b", embed_dim=8192, num_layers=80, num_heads=64,
-        num_kv_heads=8, mlp_dim=28672,
-    ),
+    "llama2-70b": replace(_LLAMA2_7B, name="llama2-70b", **_LLAMA_70B),
     "llama3-8b": _LLAMA3_8B,
     "llama3-70b": _LLAMA3_70B,
     "llama3.1-8b": replace(

@@ -20,14 +20,15 @@ corpus copied to another machine with its tokenizer still matches.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from hypertron.config.loading import read_manifest
 from hypertron.data.files import array_record_source, describe_paths
-from hypertron.errors import DataError, one_line
+from hypertron.errors import DataError
 from hypertron.tokenizer import tokenizer_identity
 
 METADATA_FILE = "hypertron_tokens.json"
@@ -38,19 +39,14 @@ VERSION = 1
 def read_metadata(path: str) -> dict:
     """The metadata of a ``hypertron tokenize`` output directory; :class:`DataError` if it is not one."""
     metadata_path = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(metadata_path):
-        raise DataError(f"data.paths: {path} is not a hypertron tokenize output (no {METADATA_FILE})")
-    try:
-        with open(metadata_path, encoding="utf-8") as f:
-            metadata = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.paths: cannot read {metadata_path} ({one_line(e)})") from None
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise DataError(f"data.paths: {metadata_path} is not {FORMAT} metadata")
-    if metadata.get("version") != VERSION:
-        raise DataError(f"data.paths: {path} has format version {metadata.get('version')}; "
-                        f"this hypertron reads version {VERSION}")
-    return metadata
+    return read_manifest(
+        Path(metadata_path), DataError, (FORMAT, VERSION),
+        missing=f"data.paths: {path} is not a hypertron tokenize output (no {METADATA_FILE})",
+        unreadable=lambda reason: f"data.paths: cannot read {metadata_path} ({reason})",
+        wrong_format=f"data.paths: {metadata_path} is not {FORMAT} metadata",
+        wrong_version=lambda found: f"data.paths: {path} has format version {found}; "
+                                    f"this hypertron reads version {VERSION}",
+    )
 
 
 def token_documents(paths: Sequence[str], tokenizer: str | None) -> Sequence[np.ndarray]:

@@ -158,19 +158,22 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, backend: st
 def gmm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                   preferred_element_type=None) -> jax.Array:
     """:func:`gmm` by masking ``lhs`` once per group and one einsum: ``[m, n]``."""
-    out_dtype = _out_dtype(preferred_element_type, lhs)
-    lhs_gmk = _mask_per_group(lhs, group_sizes)
-    out_mn = jnp.einsum("gmk,gkn->mn", lhs_gmk, rhs, preferred_element_type=jnp.float32)
-    return out_mn.astype(out_dtype)
+    return _masked_einsum("gmk,gkn->mn", lhs, rhs, group_sizes, preferred_element_type)
 
 
 def tgmm_reference(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type=None) -> jax.Array:
     """:func:`tgmm` by masking ``lhs`` once per group and one einsum: ``[G, k, n]``."""
+    return _masked_einsum("gmk,mn->gkn", lhs, dout, group_sizes, preferred_element_type)
+
+
+def _masked_einsum(subscripts: str, lhs: jax.Array, other: jax.Array, group_sizes: jax.Array,
+                   preferred_element_type) -> jax.Array:
+    """``lhs`` [m, k] masked once per group (``gmk``), contracted with ``other`` by ``subscripts`` in
+    float32, in the output dtype of :func:`gmm`."""
     out_dtype = _out_dtype(preferred_element_type, lhs)
     lhs_gmk = _mask_per_group(lhs, group_sizes)
-    out_gkn = jnp.einsum("gmk,mn->gkn", lhs_gmk, dout, preferred_element_type=jnp.float32)
-    return out_gkn.astype(out_dtype)
+    return jnp.einsum(subscripts, lhs_gmk, other, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def resolve_backend(backend: str = "auto") -> str:

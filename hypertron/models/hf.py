@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hypertron.config import ModelConfig, MoEConfig, RopeScaling, validate_model
+from hypertron.config.loading import read_json
 from hypertron.errors import ConfigError, UserError
 from hypertron.models.decoder import declare
 from hypertron.models.params import ParamSpec, leaves_with_paths
@@ -478,12 +479,8 @@ def load_hf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """
     path = Path(path)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise HFError(f"{config_file}: not found")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise HFError(f"{config_file}: invalid JSON ({e.msg})") from None
+    hf = read_json(config_file, HFError, f"{config_file}: not found",
+                   lambda reason: f"{config_file}: invalid JSON ({reason})")
     cfg = config_from_hf(hf, name=path.resolve().name)
     files = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
