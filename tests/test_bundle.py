@@ -37,6 +37,7 @@ def params():
     return init_params(CFG, jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_round_trip_keeps_config_weights_tokenizer_and_eos_ids(tmp_path, tokenizer_dir, params):
     from hypertron.tokenizer import get_tokenizer
 

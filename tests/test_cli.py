@@ -9,6 +9,7 @@ from support.processes import run_hypertron as run
 from support.tiny import write_tiny_hf_llama
 
 
+@pytest.mark.slow
 def test_train_then_generate(tmp_path):
     r = run("train", "model=tiny", "model.num_layers=1", "train.steps=3", "train.global_batch=8",
             "train.seq_len=16", "train.log_every=1", "run_dir=run", cwd=tmp_path)
@@ -29,6 +30,7 @@ def test_train_then_generate(tmp_path):
     assert b.returncode == 0 and b.stdout == g.stdout, b.stderr
 
 
+@pytest.mark.slow
 def test_convert_round_trip(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

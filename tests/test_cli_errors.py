@@ -306,6 +306,7 @@ def _need_hf(saved) -> tuple[Path, Path]:
     return saved["base"] / "hf", saved["base"] / "hf64"
 
 
+@pytest.mark.slow
 def test_tiny_run_trains_and_compiles_are_counted(saved):
     """The real run works, and the compile counter really counts (so a zero means something)."""
     _need_run(saved)

@@ -65,6 +65,7 @@ def test_auc_and_log_loss_on_hand_computed_cases():
     assert log_loss(np.array([100.0]), np.array([1])) == pytest.approx(0.0, abs=1e-30)
 
 
+@pytest.mark.slow
 def test_tiny_dlrm_learns_the_planted_teacher_and_its_tables_carry_the_signal():
     """Held-out AUC after 150 steps is near the teacher's own (0.92 on this data); with every
     pooled embedding zeroed it is 0.5 within noise: the signal is in the tables."""
@@ -132,6 +133,7 @@ def _torch_loss(model, cfg, batch):
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor(batch["labels"]))
 
 
+@pytest.mark.slow
 def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
     import torch
 
@@ -155,6 +157,7 @@ def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
     assert ours[-1] < ours[0] - 0.01  # it learned: the steps were not all alike
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,placement", [("adagrad", "column"), ("rowwise_adagrad", "table")])
 def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
     """Tables: Adagrad (torch's), or TorchRec's RowWiseAdagrad (one accumulator per row); MLPs: Adagrad.
@@ -198,6 +201,7 @@ def _train(*args: str) -> list[str]:
 
 
 
+@pytest.mark.slow
 def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
     common = ["train.steps=12", "checkpoint.every=6", "train.eval_every=6", "train.eval_batches=2"]
     straight = processes.start(_train(*common, f"run_dir={tmp_path / 'a'}"), env=ENV, stdout=processes.DEVNULL,
@@ -235,6 +239,7 @@ def _criteo_line(rng, label: int) -> str:
     return "\t".join([str(label), *counts, *ids])
 
 
+@pytest.mark.slow
 def test_criteo_format_files_are_read_as_the_dlrm_reference_reads_them_and_train(tmp_path):
     line = "1\t5\t\t-3\t0" + "\t7" * 9 + "\t" + "\t".join(["ff", "", "10"] + ["0"] * 23)
     rows = tuple(range(10, 36))
@@ -276,6 +281,7 @@ def test_bad_dlrm_configs_are_one_line_naming_the_key(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_bad_dlrm_runs_are_refused_in_one_line_before_anything_is_written(tmp_path):
     run = tmp_path / "run"
     for args, message in [

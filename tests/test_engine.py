@@ -42,6 +42,7 @@ def _is_greedy(params, cfg, prompt, generated) -> bool:
     return list(generated) == [int(t) for t in jnp.argmax(logits, -1)]
 
 
+@pytest.mark.slow
 def test_one_step_ahead_drops_the_token_after_eos_and_frees_everything(params):
     """Greedy tokens equal the full forward's; with the third of them as EOS, the run one step
     ahead stops before it (the step already dispatched after it is dropped) exactly as the run
@@ -95,6 +96,7 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert engine.cost(Shape(1, 8, 16, 4, cold=True)) == 17 * 852_736 + 1_024 * (1 * 16 + 16 * 16)
 
 
+@pytest.mark.slow
 def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(params, monkeypatch):
     """With background compiles and one large shape compiled, every step runs padded to it (the
     background compiler held off, any cost allowed): tokens and log-probabilities are those of an
@@ -133,6 +135,7 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
             assert engine.compiled_shapes == [big]
 
 
+@pytest.mark.slow
 def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_they_were(params):
     """``hypertron serve`` measures a step's cost before it serves (its prefill grouping follows
     it): the two steps run on padding alone, so what the engine then serves is unchanged."""
@@ -180,6 +183,7 @@ def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
     np.testing.assert_allclose(result.top_logprobs[0], np.sort(np.asarray(logp))[::-1][:4], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(params):
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=6)
     other = SamplingParams(temperature=0.7, seed=1, max_tokens=6)
@@ -234,6 +238,7 @@ def trained(tmp_path_factory):
     return load_params(run)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
     cfg, params = trained
@@ -263,6 +268,7 @@ def test_engine_settings_are_checked(params):
         Scheduler(max_slots=8, num_pages=8, page_size=8, max_seq_len=64, max_num_batched_tokens=4)
 
 
+@pytest.mark.slow
 def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     """A run with float32 master weights and bf16 compute, loaded for serving: every matmul and
     embedding weight on the device is bf16 (counted in bytes), norms and the MoE router float32 (the

@@ -274,6 +274,7 @@ def test_failed_tokenize_leaves_nothing(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_train_on_pretokenised_subword_corpus(tmp_path):
     """``hypertron train`` end to end on a ``hypertron tokenize`` output with a BPE tokenizer.json."""
     from hypertron.config import load_config

@@ -202,6 +202,7 @@ def test_greedy_generation_matches(case):
     assert ours == [theirs]
 
 
+@pytest.mark.slow
 def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     """Four prompts of 3 to 12 tokens through the scheduler and the paged engine with a budget of
     6 tokens a step: the long prompts are prefilled in chunks over several steps, while the

@@ -41,6 +41,7 @@ def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths, num
                    cache=cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,kv_dtype,tol", [(None, "float32", 1e-5), (6, "float32", 1e-5), (None, "int8", 5e-2)])
 def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(window, kv_dtype, tol):
     """Three sequences' prefixes prefilled in one packed cold step; then one step in which the
@@ -80,6 +81,7 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
     assert isinstance(contiguous, ContiguousCache)
 
 
+@pytest.mark.slow
 def test_a_cold_prefill_uses_the_training_attention(monkeypatch):
     import hypertron.models.kv_cache as kv_cache
     from serving import run  # tests/

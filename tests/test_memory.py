@@ -103,6 +103,7 @@ HELD_OUT = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat,model,mesh", HELD_OUT)
 def test_activation_estimate_is_within_15_percent_of_xla(remat, model, mesh):
     import jax.numpy as jnp

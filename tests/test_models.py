@@ -48,6 +48,7 @@ def _small(**kw) -> ModelConfig:
     return dataclasses.replace(PRESETS["tiny"], num_layers=2, embed_dim=64, mlp_dim=128, **kw)
 
 
+@pytest.mark.slow
 def test_attention_paths_agree_with_segments_and_window():
     """jax.nn.dot_product_attention ('xla') equals the explicit-mask reference, packed and windowed."""
     cfg = _small(sliding_window=5)
@@ -80,6 +81,7 @@ def test_packed_documents_do_not_attend_to_each_other(impl):
     assert not np.allclose(mixed[:, 6:], alone, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_remat_and_unrolled_layers_do_not_change_the_math():
     base = _small()
     params = init_params(base, jax.random.key(0))

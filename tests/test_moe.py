@@ -48,6 +48,7 @@ def _per_token(x_td, weights_tk, experts_tk, p, cfg, keep_tk=None):
     return out
 
 
+@pytest.mark.slow
 def test_capped_drops_exactly_the_copies_past_capacity():
     cfg = _cfg(num_experts=2, top_k=2, mode="capped", capacity_factor=0.3)  # ceil(0.3 x 6 x 2 / 2) per sequence
     assert capacity(cfg, 6) == 2
@@ -70,6 +71,7 @@ def test_capped_drops_exactly_the_copies_past_capacity():
     assert float(dropped2) == pytest.approx(8 / 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gating", ["topk_softmax", "softmax_topk"])
 def test_capped_with_room_for_everything_equals_dropless(gating):
     cfg = _cfg(gating=gating)
@@ -130,6 +132,7 @@ def test_moe_config_errors():
     assert cfg.model.moe == MoEConfig(num_experts=4)
 
 
+@pytest.mark.slow
 def test_tiny_moe_trains_on_the_embedded_corpus_like_the_dense_tiny_model(tmp_path):
     from hypertron.train.loop import train
 

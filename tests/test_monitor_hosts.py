@@ -162,6 +162,7 @@ def test_a_taken_port_is_one_line(tmp_path):
 
 # --- the loop is not slowed down ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_monitor_adds_no_fetch_and_keeps_the_next_step_queued(tmp_path, monkeypatch):
     """Step n + 1 is dispatched before step n's metrics are fetched, one fetch per step, with a
     collector sampling as often as it can (and timing a host-to-device copy at every step)."""

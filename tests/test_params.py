@@ -54,6 +54,7 @@ def extra_parameter(monkeypatch):
     return init_params(CFG, jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_a_parameter_declared_once_is_converted_quantised_and_served(extra_parameter):
     from hypertron.models import forward
     from hypertron.models.hf import from_hf_tensors, to_hf_tensors

@@ -141,6 +141,7 @@ def _trainer(overrides):
     return trainer, trainer.init(jax.random.key(0)), global_batch(batch, trainer.batch_sharding)
 
 
+@pytest.mark.slow
 def test_delayed_histories_live_in_the_state_and_accumulate_by_their_maximum():
     trainer, state, batch = _trainer(["model.quantization=fp8", "model.amax_history=4"])
     s1, m1 = trainer.step(state, batch)
@@ -169,6 +170,7 @@ def test_delayed_histories_live_in_the_state_and_accumulate_by_their_maximum():
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_int8_train_step_runs_int8_matmuls_and_fp8_steps_quantise():
     """The lowered step: int8 matmuls take int8 operands and accumulate in int32 (on every
     platform); the fp8 step rounds through e4m3 and e5m2. The unembedding stays unquantised."""
@@ -223,6 +225,7 @@ def test_compiled_matmuls_stay_int8_on_cpu_and_fp8_on_hopper():
 # Training runs
 
 
+@pytest.mark.slow
 def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path):
     common = TINY + ["train.steps=200", "train.lr=3e-3", "train.warmup_steps=20", "train.log_every=50",
                      "checkpoint.enabled=false"]
@@ -236,6 +239,7 @@ def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path):
         assert abs(final[mode] - final["none"]) <= 0.03 * final["none"], final
 
 
+@pytest.mark.slow
 def test_resume_with_fp8_delayed_scaling_gives_the_uninterrupted_losses(tmp_path, capsys):
     common = TINY + ["train.steps=6", "checkpoint.every=3", "train.warmup_steps=2", "train.log_every=1",
                      "model.quantization=fp8", "model.amax_history=4"]

@@ -42,6 +42,7 @@ def _train_cmd(*overrides: str) -> list[str]:
 
 
 
+@pytest.mark.slow
 def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path):
     """12 steps straight == 6 steps, SIGKILL once checkpoint 6 is final, resume to 12: same losses, bit for bit."""
     common = [*SLOW, "train.steps=12", "checkpoint.every=6"]
@@ -69,6 +70,7 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
     assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact float equality
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_path):
     run = tmp_path / "run"
     started = time.time()
@@ -128,6 +130,7 @@ def _largest_file(step_dir: Path) -> Path:
     return max((p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_with_one_line_and_refused_when_none_is_left(tmp_path):
     run = tmp_path / "run"
     common = [*TINY, f"run_dir={run}", "checkpoint.every=2", "checkpoint.keep=3"]
@@ -156,6 +159,7 @@ def test_damaged_checkpoints_are_skipped_with_one_line_and_refused_when_none_is_
     assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous(tmp_path):
     """Damage the manifest cannot see (same size, garbage bytes): the restore fails and the one before is used."""
     run = tmp_path / "run"

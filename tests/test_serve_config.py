@@ -105,6 +105,7 @@ def _serve(argv: list[str], monkeypatch):
     return captured["app"], cfg
 
 
+@pytest.mark.slow
 def test_serve_from_a_config_file_answers_as_from_flags(tmp_path, run_dir, monkeypatch):
     settings = {"max_slots": 2, "page_size": 8, "kv_cache_dtype": "int8", "model_name": "tiny-served",
                 "api_key": "secret", "max_tokens_limit": 12}

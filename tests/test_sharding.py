@@ -62,6 +62,7 @@ SHARDS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES))
 def test_sharded_step_matches_single_device(name, reference):
     _, ref_metrics, ref_grads = reference

@@ -17,6 +17,7 @@ from support.tiny import TWO_LAYERS  # tests/support
 TINY = [*TWO_LAYERS, "train.log_every=1"]
 
 
+@pytest.mark.slow
 def test_loss_falls_on_embedded_corpus_and_checkpoint_is_saved(tmp_path):
     run = tmp_path / "run"
     cfg = load_config(None, TINY + [f"run_dir={run}", "train.steps=30", "train.lr=3e-3",
@@ -39,6 +40,7 @@ def test_loss_falls_on_embedded_corpus_and_checkpoint_is_saved(tmp_path):
     assert tuned.losses[0] < first - 1.5
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     """6 steps straight equal 3 steps, a restart from the checkpoint, then 3 more."""
     common = TINY + ["train.steps=6", "checkpoint.every=3", "data.source=stdlib", "train.warmup_steps=2"]
@@ -67,6 +69,7 @@ def _one_step(overrides):
     return state, jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_full_batch():
     s1, m1 = _one_step(["train.grad_accum=1", "train.warmup_steps=0", "train.clip_norm=0"])
     s4, m4 = _one_step(["train.grad_accum=4", "train.warmup_steps=0", "train.clip_norm=0"])
@@ -94,6 +97,7 @@ def test_schedule_warms_up_then_decays(kind):
     assert end == pytest.approx(1.0 if kind == "constant" else 0.1, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32():
     """The accelerator default (bf16 compute, float32 master weights) trains like float32."""
     _, f32 = _one_step(["model.dtype=float32"])
