@@ -43,23 +43,43 @@ def float32_matmuls():
         yield
 
 
+def _unit(item) -> tuple:
+    """Tests that share a module- or class-scoped fixture stay on one worker (each worker would
+    otherwise build the fixture again: a 4-process job, a trained model); any other test is a unit
+    of its own."""
+    info = getattr(item, "_fixtureinfo", None)
+    shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
+                    if defs and defs[-1].scope in ("module", "class", "package"))
+    return (item.module.__name__, tuple(shared)) if shared else (item.nodeid,)
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests (marked ``slow``: over 20 s on CI's 2 cores) start first, spread over the workers.
 
     ``make test`` runs ``--dist worksteal``: each of the N workers is first handed a contiguous share
     of the collection (the k-th of N, sized as xdist sizes it), and an idle worker later steals the
-    tail of a busy one's queue. So each share is built to begin with every N-th slow test: a long
-    test never waits behind short ones, nor two long ones behind each other on one worker while
-    another worker is idle. Each worker computes the same order, as xdist requires."""
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    fast = [item for item in items if not item.get_closest_marker("slow")]
+    tail of a busy one's queue. So each share is built to begin with slow tests, dealt to the share
+    with the fewest so far, largest group first, where tests sharing a module-scoped fixture form one
+    group (:func:`_unit`) that goes whole to one share, its fast tests too; then the fast tests in
+    collection order. Each worker computes the same order, as xdist requires."""
+    units: dict[tuple, list] = {}
+    for item in items:
+        units.setdefault(_unit(item), []).append(item)
+    slow_units = [u for u in units.values() if any(i.get_closest_marker("slow") for i in u)]
+    in_slow = {id(i) for u in slow_units for i in u}
+    fast = [i for i in items if id(i) not in in_slow]
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    heads: list[list] = [[] for _ in range(workers)]
+    weight = [0] * workers
+    for unit in sorted(slow_units, key=lambda u: -sum(bool(i.get_closest_marker("slow")) for i in u)):
+        k = weight.index(min(weight))
+        heads[k] += unit
+        weight[k] += sum(bool(i.get_closest_marker("slow")) for i in unit)
     ordered, remaining = [], len(items)
     for k in range(workers):
         size = remaining // (workers - k)  # xdist's share for the k-th worker
         remaining -= size
-        mine = slow[k::workers]
-        take = max(0, size - len(mine))
-        ordered += mine + fast[:take]
+        take = max(0, size - len(heads[k]))
+        ordered += heads[k] + fast[:take]
         fast = fast[take:]
     items[:] = ordered + fast
