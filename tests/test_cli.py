@@ -1,5 +1,5 @@
-"""The hypertron command end to end: train, generate (as processes, what a shell sees), convert both
-ways (in process)."""
+"""The hypertron command end to end: train, then generate (as processes, what a shell sees; the
+repeats in process), convert both ways (in process)."""
 
 import numpy as np
 import pytest
@@ -20,14 +20,15 @@ def test_train_then_generate(tmp_path):
             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", cwd=tmp_path)
     assert g.returncode == 0, g.stderr
     assert g.stdout.startswith("def ")
-    again = run("generate", "--checkpoint", "run", "--prompt", "def ", "--max-new-tokens", "12",
-                "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", cwd=tmp_path)
-    assert again.stdout == g.stdout  # the seed makes sampling repeatable
+    sampling = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20", "--top-p",
+                "0.9", "--seed", "3"]
+    # The same again, in this process: the seed makes sampling repeatable, from process to process.
+    again = run_cli(["generate", "--checkpoint", "run", *sampling], cwd=tmp_path)
+    assert again.rc == 0 and again.stdout == g.stdout, again.stderr
     # The final save also wrote the model bundle: the same model, read without the run.
     assert "wrote the model bundle run/model" in r.stderr and (tmp_path / "run" / "model" / "model.json").is_file()
-    b = run("generate", "--model", "run/model", "--prompt", "def ", "--max-new-tokens", "12",
-            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", cwd=tmp_path)
-    assert b.returncode == 0 and b.stdout == g.stdout, b.stderr
+    b = run_cli(["generate", "--model", "run/model", *sampling], cwd=tmp_path)
+    assert b.rc == 0 and b.stdout == g.stdout, b.stderr
 
 
 @pytest.mark.slow
