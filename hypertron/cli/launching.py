@@ -292,10 +292,11 @@ def _slurm_workload(args: argparse.Namespace) -> int:
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
-    from hypertron.launch import cluster, k8s
+    from hypertron.launch import cluster, k8s, validate
 
     if args.scheduler == "slurm":
         return _slurm_workload(args)
+    validate.dns_label(args.namespace, "--namespace")
     for flag in ("partition", "time"):
         if getattr(args, flag, None):
             raise UserError(f"--{flag} is a Slurm setting (with --scheduler slurm)")

@@ -34,6 +34,7 @@ import yaml
 from hypertron.errors import UserError
 from hypertron.launch.machines import PRIORITIES, Machine
 from hypertron.launch.recipes import PREEMPT_EXIT_CODE, Recipe
+from hypertron.launch.validate import DNS_1035_LABEL, DNS_SUBDOMAIN, dns_label, int32
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
@@ -52,7 +53,6 @@ RUN_MOUNT = "/mnt/run"
 RECIPE_MOUNT = "/etc/hypertron"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 GPU = "nvidia.com/gpu"
-_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ class Workload:
 def check(w: Workload) -> None:
     """Every mistake that can be caught before submission, one line each."""
     last_host = f"{w.name}-{JOB}-0-{w.nodes - 1}"
-    if not _LABEL.match(w.name):
-        raise UserError(f"workload name {w.name!r}: lower-case letters, digits and '-', starting with a letter "
-                        "and not ending with '-' (it becomes a DNS label)")
+    dns_label(w.name, "workload name", DNS_1035_LABEL)  # the JobSet's Service is named after it
+    dns_label(w.namespace, "--namespace")
+    int32(w.nodes, "--nodes", low=1)  # the Job's parallelism
     if len(last_host) > HOSTNAME_LIMIT:
         raise UserError(f"workload name {w.name!r} is too long: its pods' host names ({last_host!r}, "
                         f"{len(last_host)} characters, and 6 more for the pod's suffix) must be at most "
@@ -88,10 +88,8 @@ def check(w: Workload) -> None:
                         f"{HOSTNAME_LIMIT - len(last_host) + len(w.name)} characters")
     if w.priority not in PRIORITIES:
         raise UserError(f"--priority={w.priority!r}: one of {', '.join(PRIORITIES)}")
-    if w.max_restarts < 0:
-        raise UserError(f"--max-restarts={w.max_restarts}: must not be negative")
-    if not _LABEL.match(w.queue):
-        raise UserError(f"--queue={w.queue!r}: not a valid queue name (a DNS label)")
+    int32(w.max_restarts, "--max-restarts")
+    dns_label(w.queue, "--queue")  # a LocalQueue's name and a label's value
     if w.recipe.processes_per_node != 1:
         raise UserError(f"recipe {w.recipe.name}: launch.processes_per_node={w.recipe.processes_per_node}, but a "
                         "Kubernetes workload runs one process per pod (node); set it to 1")
@@ -110,7 +108,7 @@ def storage_volume(storage: str) -> tuple[dict, dict]:
                                         "volumeAttributes": {"bucketName": bucket, "mountOptions": "implicit-dirs"}}},
                 {"gke-gcsfuse/volumes": "true"})
     claim = storage.removeprefix("pvc:")
-    if not claim or not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", claim):
+    if not claim or len(claim) > 253 or not DNS_SUBDOMAIN.match(claim):
         raise UserError(f"--storage={storage!r}: a PersistentVolumeClaim name (pvc:NAME) or a bucket (gs://BUCKET); "
                         "the run directory must outlive a pod, so a node's disk will not do")
     return {"name": "run", "persistentVolumeClaim": {"claimName": claim}}, {}
@@ -256,10 +254,9 @@ def pod_environment(js: dict, index: int) -> dict[str, str]:
 def cluster_objects(m: Machine, nodes: int, queue: str = "hypertron", namespace: str = "default") -> list[dict]:
     """Kueue's ResourceFlavor for the machine, a ClusterQueue with a quota of ``nodes`` of them, the
     LocalQueue workloads name, and the five PriorityClasses."""
-    if nodes < 1:
-        raise UserError(f"--nodes={nodes}: the quota must be at least one node")
-    if not _LABEL.match(queue):
-        raise UserError(f"--queue={queue!r}: not a valid queue name (a DNS label)")
+    int32(nodes, "--nodes", low=1)
+    dns_label(queue, "--queue")
+    dns_label(namespace, "--namespace")
     resource, per_node = (GPU, m.gpus) if m.gpus else ("cpu", 1)
     flavor = {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": m.name},
               "spec": {"nodeLabels": {"cloud.google.com/gke-accelerator": m.accelerator}} if m.accelerator else {}}

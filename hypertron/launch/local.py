@@ -30,6 +30,9 @@ from hypertron.errors import UserError
 
 # How long the other processes get to notice a failed peer and exit on their own.
 _GRACE_SECONDS = 15.0
+# The most processes (and GPUs) one machine is asked to run: far past any machine's accelerators, and
+# a bound on what a typo (--processes 10000) would fork. docs/launch.md says it.
+MAX_PROCESSES = 256
 
 
 def _ephemeral_start() -> int:
@@ -79,8 +82,8 @@ def parse_gpus(value: str | None, environ=os.environ) -> list[str]:
     if value is None:
         value = environ.get("CUDA_VISIBLE_DEVICES", "")
     elif value.strip().isdigit():  # a count
-        if int(value) < 1:
-            raise UserError(f"--gpus={value}: at least 1")
+        if not 1 <= int(value) <= MAX_PROCESSES:
+            raise UserError(f"--gpus={value}: from 1 to {MAX_PROCESSES}")
         return [str(i) for i in range(int(value))]
     value = value.strip()
     if not value:
@@ -117,8 +120,8 @@ def launch_recipe(name: str, overrides: list[str], gpus: str | None = None) -> i
 def launch_local(command: list[str], processes: int, cpu_devices: int | None = None, env: dict | None = None,
                  gpus: str | None = None) -> int:
     """Run ``hypertron COMMAND...`` as ``processes`` cooperating processes; returns the exit code."""
-    if processes < 1:
-        raise UserError(f"--processes={processes}: must be at least 1")
+    if not 1 <= processes <= MAX_PROCESSES:
+        raise UserError(f"--processes={processes}: must be from 1 to {MAX_PROCESSES} (processes on this machine)")
     if cpu_devices is not None and cpu_devices < 1:
         raise UserError(f"--cpu-devices={cpu_devices}: must be at least 1")
     if command and command[0] == "--":

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from hypertron.launch.recipes import PREEMPT_EXIT_CODE, Recipe
 
 COMMENT = "hypertron"  # every job hypertron submits carries it (squeue's %k), so list shows only ours
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]*$")  # what an #SBATCH value may hold unquoted
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
 
 
@@ -46,6 +48,15 @@ class Job:
 
 
 def check(job: Job) -> None:
+    """Every value the script holds: a control character (a newline would end a directive or a
+    command and start another) is refused, and so is a backslash in the run directory (sbatch reads
+    one in ``--output`` as "no %j here")."""
+    for what, value in (("--storage", job.storage), ("--recipe", job.recipe.name), ("the interpreter", job.python),
+                        *((f"launch.env {k}", f"{k}={v}") for k, v in job.recipe.env().items())):
+        if any(unicodedata.category(c) == "Cc" for c in value):
+            raise UserError(f"{what}={value!r}: holds a control character; a script cannot carry it safely")
+    if "\\" in str(job.run_dir):
+        raise UserError(f"--storage={job.storage!r}: a backslash cannot be written into Slurm's --output pattern")
     if not _NAME.match(job.name):
         raise UserError(f"job name {job.name!r}: letters, digits, '.', '_' and '-', starting with a letter or digit")
     if job.time and not _TIME.match(job.time):
@@ -54,13 +65,27 @@ def check(job: Job) -> None:
         raise UserError(f"--partition={job.partition!r}: not a partition name")
 
 
+def directive(value: str) -> str:
+    """``value`` as sbatch reads it back from an ``#SBATCH`` line, which no shell parses: sbatch
+    splits the line at white space outside quotes, drops the quotes, takes the character after a
+    backslash as it is, and ends the line at a ``#`` (older versions even inside quotes). A value
+    of plain characters stays as it is; any other is double-quoted with ``\\``, ``"``, ``'`` and ``#``
+    escaped by a backslash."""
+    if _PLAIN.match(value):
+        return value
+    return '"' + re.sub(r"([\\\"'#])", r"\\\1", value) + '"'
+
+
 def script(job: Job) -> str:
     """The sbatch script (directives, the recipe's environment, srun, the requeue on the restart code)."""
+    check(job)
     r, run = job.recipe, job.run_dir
     q = shlex.quote
+    pattern = str(run).replace("%", "%%")  # --output expands %j; %% is a literal %
     directives = [f"--job-name={job.name}", f"--nodes={r.nodes}", f"--ntasks-per-node={r.processes_per_node}",
                   *([f"--gpus-per-node={r.machine.gpus}", "--exclusive"] if r.machine.gpus else []),
-                  f"--chdir={run}", f"--output={run}/slurm-%j.out", "--open-mode=append", "--requeue",
+                  f"--chdir={directive(str(run))}", f"--output={directive(pattern + '/slurm-%j.out')}",
+                  "--open-mode=append", "--requeue",
                   f"--comment={COMMENT}",
                   *([f"--partition={job.partition}"] if job.partition else []),
                   *([f"--time={job.time}"] if job.time else [])]
@@ -69,7 +94,7 @@ def script(job: Job) -> str:
              f"process{'es' * (r.processes_per_node > 1)}, rendered by hypertron workload create --scheduler slurm",
              *(f"#SBATCH {d}" for d in directives), "",
              "# The recipe's environment (XLA flags, NCCL and the network).",
-             *(f"export {k}={q(v)}" for k, v in r.env().items()), "",
+             *(f"export {k}={q(v)}" for k, v in r.env().items()), "",  # k: a name (config.validation)
              "# One hypertron train per task; jax.distributed finds the job from Slurm's variables.",
              f"srun --kill-on-bad-exit=1 {q(job.python)} -m hypertron.cli train {q(str(run / 'recipe.yaml'))}",
              "code=$?",

@@ -9,13 +9,17 @@ something the API server drops.
   ``from_dict`` silently drops unknown keys; what the models add are their defaults),
   and the enumerations neither checks (failure-policy actions and reasons, pod-failure-policy
   operators);
-* Kueue's ``v1beta1`` objects against the fields Kueue documents (:data:`KUEUE_SCHEMAS`).
+* Kueue's ``v1beta1`` objects against the fields Kueue documents (:data:`KUEUE_SCHEMAS`);
+* what those schemas leave to the API server: every object's name, namespace, label and annotation
+  keys and label values against its rules (DNS-1123 labels and subdomains and their lengths), and
+  the integers the schemas type ``int32`` / ``int64`` against those ranges.
 
 A failure is a :class:`~hypertron.errors.UserError` naming the object and the field.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -28,7 +32,15 @@ JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexe
 POD_FAILURE_ACTIONS = ("FailJob", "FailIndex", "Ignore", "Count")
 RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")  # JobSet's webhook: no '-', at most 128
 
-_NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253}
+# The API server's rules for names (k8s.io/apimachinery/pkg/util/validation).
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")         # RFC 1123: namespaces, most names; at most 63
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")       # a Service's name (a JobSet's becomes one)
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # at most 253
+_QUALIFIED = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")  # a label key's name, a label value: 63
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+_NAME = {"type": "string", "pattern": DNS_SUBDOMAIN.pattern, "maxLength": 253}
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
 _META = {"type": "object", "additionalProperties": False, "required": ["name"],
          "properties": {"name": _NAME, "namespace": _NAME, "labels": _STRINGS, "annotations": _STRINGS}}
@@ -78,6 +90,56 @@ KUEUE_SCHEMAS: dict[str, dict] = {
 }
 
 
+def dns_label(value: str, what: str, pattern: re.Pattern = DNS_LABEL) -> None:
+    """Refuse ``value`` (named ``what``) unless it is a DNS label (RFC 1123, or RFC 1035 with ``DNS_1035_LABEL``)."""
+    if not isinstance(value, str) or len(value) > 63 or not pattern.match(value):
+        first = "a letter" if pattern is DNS_1035_LABEL else "a letter or digit"
+        raise UserError(f"{what}={value!r}: not a DNS label (at most 63 lower-case letters, digits and '-', starting "
+                        f"with {first} and ending with a letter or digit)")
+
+
+def dns_subdomain(value: str, what: str) -> None:
+    if not isinstance(value, str) or len(value) > 253 or not DNS_SUBDOMAIN.match(value):
+        raise UserError(f"{what}={value!r}: not a DNS subdomain (at most 253 characters: DNS labels joined by '.')")
+
+
+def label_key(key: str, what: str) -> None:
+    """A label's or an annotation's key: an optional DNS-subdomain prefix and '/', then a name of at most
+    63 letters, digits, '-', '_' and '.', starting and ending with a letter or digit."""
+    prefix, _, name = key.rpartition("/") if isinstance(key, str) else ("", "", "")
+    if prefix:
+        dns_subdomain(prefix, f"{what} {key!r}: its prefix")
+    if len(name) > 63 or not _QUALIFIED.match(name):
+        raise UserError(f"{what} {key!r}: not a label key (an optional DNS-subdomain prefix and '/', then at most 63 "
+                        "letters, digits, '-', '_' and '.', starting and ending with a letter or digit)")
+
+
+def label_value(value: str, what: str) -> None:
+    if not isinstance(value, str) or len(value) > 63 or value and not _QUALIFIED.match(value):
+        raise UserError(f"{what}={value!r}: not a label value (empty, or at most 63 letters, digits, '-', '_' and '.', "
+                        "starting and ending with a letter or digit)")
+
+
+def int32(value: int, what: str, low: int = 0) -> None:
+    """Refuse a count outside ``low`` .. 2**31-1, the range of the schema's ``int32``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= INT32:
+        raise UserError(f"{what}={value}: must be an integer from {low} to {INT32} (an int32 in the object's schema)")
+
+
+def metadata(meta: dict, where: str) -> None:
+    """A metadata block: its name a DNS subdomain, its namespace a DNS label, its labels' and
+    annotations' keys and its labels' values as the API server takes them."""
+    if "name" in meta:
+        dns_subdomain(meta["name"], f"{where}: metadata.name")
+    if "namespace" in meta:
+        dns_label(meta["namespace"], f"{where}: metadata.namespace")
+    for key, value in (meta.get("labels") or {}).items():
+        label_key(key, f"{where}: metadata.labels:")
+        label_value(value, f"{where}: metadata.labels.{key}")
+    for key in meta.get("annotations") or {}:
+        label_key(key, f"{where}: metadata.annotations:")
+
+
 def _where(obj: dict) -> str:
     return f"{obj.get('kind', '?')} {obj.get('metadata', {}).get('name', '?')}"
 
@@ -97,6 +159,30 @@ def core(obj: dict, where: str = "") -> None:
         raise UserError(f"{where} is not valid Kubernetes {KUBERNETES}: {_path(e.path)}: {e.message}") from None
     except kubernetes_validate.SchemaNotFoundError as e:
         raise UserError(f"{where}: no Kubernetes schema for it ({e.message})") from None
+    error = next(iter(_integers(obj["apiVersion"], obj["kind"]).iter_errors(obj)), None)
+    if error is not None:
+        raise UserError(f"{where} is not valid Kubernetes {KUBERNETES}: {_path(error.absolute_path)}={error.instance}: "
+                        f"out of the range of its schema's {error.validator_value}")
+
+
+@functools.cache
+def _integers(api_version: str, kind: str):
+    """A validator of the integers in kubernetes-validate's schema of a kind against their formats
+    (``int32``, ``int64``), which the library leaves unchecked."""
+    import jsonschema
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
+
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= KUBERNETES][-1]  # as validate() picks it
+    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = utils.schema_contents(f"{folder}/{kind.lower()}-{group}.json", KUBERNETES)
+    registry = Resource.from_contents(utils.schema_contents(f"{folder}/_definitions.json", KUBERNETES)) @ (
+        Resource.from_contents(schema) @ Registry())
+    checker = jsonschema.FormatChecker(())
+    for name, top in (("int32", INT32), ("int64", INT64)):
+        checker.checks(name)(lambda v, top=top: not isinstance(v, int) or -top - 1 <= v <= top)
+    return jsonschema.Draft202012Validator(schema, registry=registry, format_checker=checker)
 
 
 def kueue(obj: dict) -> None:
@@ -120,6 +206,13 @@ def jobset(obj: dict) -> None:
     if obj.get("apiVersion") != "jobset.x-k8s.io/v1alpha2" or obj.get("kind") != "JobSet":
         raise UserError(f"{_where(obj)}: expected apiVersion jobset.x-k8s.io/v1alpha2, kind JobSet")
     spec = obj.get("spec") or {}
+    dns_label(obj.get("metadata", {}).get("name"), f"{_where(obj)}: metadata.name", DNS_1035_LABEL)
+    if "maxRestarts" in spec.get("failurePolicy", {}):
+        int32(spec["failurePolicy"]["maxRestarts"], f"{_where(obj)}: spec.failurePolicy.maxRestarts")
+    for job in spec.get("replicatedJobs", []):
+        int32(job.get("replicas", 1), f"{_where(obj)}: replicated job {job.get('name')}: replicas")
+        metadata(job.get("template", {}).get("spec", {}).get("template", {}).get("metadata") or {},
+                 f"{_where(obj)}: replicated job {job.get('name')}: pod template")
     for i, rule in enumerate(spec.get("failurePolicy", {}).get("rules", [])):
         at = f"{_where(obj)}: spec.failurePolicy.rules.{i}"
         if rule.get("action") not in JOBSET_ACTIONS:
@@ -179,8 +272,9 @@ def _lost(a: Any, b: Any, at: str = "") -> str | None:
 
 
 def check(objects: list[dict]) -> None:
-    """Every object, by its kind."""
+    """Every object, by its kind, and its metadata."""
     for obj in objects:
+        metadata(obj.get("metadata") or {}, _where(obj))
         api = obj.get("apiVersion", "")
         if api.startswith("kueue.x-k8s.io/"):
             kueue(obj)
