@@ -179,7 +179,9 @@ def _devices(args: argparse.Namespace) -> tuple[int, float]:
     from hypertron.models.hardware import host_memory_per_device, lookup
 
     hw = lookup(args.hardware)
-    devices = args.devices or hw.per_node
+    devices = hw.per_node if args.devices is None else args.devices
+    if devices < 1:
+        raise ConfigError(f"--devices={devices}: must be at least 1")
     return devices, getattr(args, "device_memory", None) or hw.memory or host_memory_per_device(devices)
 
 

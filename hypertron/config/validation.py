@@ -9,6 +9,7 @@ live where those things are known, in ``hypertron.train``. Every failure is a
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -174,11 +175,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"launch.nodes={la.nodes}, launch.processes_per_node={la.processes_per_node}: "
                           "must be at least 1")
     for s in la.xla_flags:
-        if not s.value.startswith("--xla_") or "=" not in s.value or " " in s.value:
+        if not s.value.startswith("--xla_") or "=" not in s.value or any(c.isspace() for c in s.value):
             raise ConfigError(f"launch.xla_flags: {s.value!r} is not --xla_name=value")
     for s in la.env:
         name, eq, _ = s.value.partition("=")
-        if not eq or not name.replace("_", "").isalnum() or name[0].isdigit():
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # a shell's and a pod's variable name
             raise ConfigError(f"launch.env: {s.value!r} is not NAME=value")
 
 
@@ -187,8 +188,10 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
     ``local_devices`` each, with no devices needed (``hypertron train`` checks the ones it has,
     ``hypertron recipes`` and ``workload`` a cluster's): a mesh that does not match the devices, a
     batch that does not split over the data shards or the processes, an expert axis that does not
-    divide the experts, and a tensor-parallel group that would span two processes."""
-    shape = cfg.mesh.shape(num_devices, processes)
+    divide the experts, a tensor-parallel group that would span two processes, and an across-node
+    split that would not give each process one contiguous block of the batch."""
+    ici, dcn = cfg.mesh.split(num_devices, processes)
+    shape = {a: ici[a] * dcn[a] for a in ici}
     data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
     if micro % data_shards:
@@ -208,11 +211,40 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             raise ConfigError(
                 f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
             )
+        if dcn["tensor"] > 1:
+            raise ConfigError(f"mesh.dcn.tensor={dcn['tensor']}: a tensor-parallel group must stay inside one "
+                              "process (its devices share that process's rows); split across nodes along mesh.dcn.data "
+                              "or mesh.dcn.fsdp")
         if local_devices % shape["tensor"]:
             raise ConfigError(
                 f"mesh.tensor={shape['tensor']} does not divide the {local_devices} devices of a process"
             )
+        _check_process_blocks(ici, dcn)
     return shape
+
+
+def _check_process_blocks(ici: dict[str, int], dcn: dict[str, int]) -> None:
+    """Each process must feed one contiguous block of the batch shards (data x fsdp x expert, in
+    that order): in the hybrid layout a process holds the inside-node part of every axis, which is
+    contiguous only when every axis after the first one split inside a process is not split across
+    processes (:func:`hypertron.parallel.mesh.check_process_rows` checks the devices' grid itself)."""
+    inside = False
+    for a in ("data", "fsdp", "expert"):
+        if inside and dcn[a] > 1:
+            split = ", ".join(f"{b}={ici[b]} x {dcn[b]}" for b in ("data", "fsdp", "expert"))
+            raise ConfigError(f"mesh.dcn: this split ({split}, inside x across) gives a process batch rows that are "
+                              "not one contiguous block; split across nodes along mesh.dcn.data (or fsdp alone, "
+                              "with data 1 inside), never tensor")
+        inside = inside or ici[a] > 1
+
+
+def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: int, platform: str) -> dict[str, int]:
+    """What ``hypertron train`` checks of its devices before compiling and ``hypertron plan`` of the
+    devices it plans for (one function, so a plan that fits is a run that starts): cuDNN attention
+    only on NVIDIA GPUs, then :func:`check_mesh`. ``platform`` is JAX's name (gpu, tpu, cpu)."""
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {platform}")
+    return check_mesh(cfg, num_devices, processes, local_devices)
 
 
 def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,

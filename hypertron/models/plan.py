@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hypertron.config import Config, ConfigError
+from hypertron.config.validation import check_devices
 from hypertron.models.flops import train_flops_per_token
 from hypertron.models.hardware import Hardware, host_memory_per_device, lookup
 from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, param_dtype, step_bytes
@@ -78,15 +79,16 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     (processes) of ``per_node`` devices (default: the hardware's)."""
     hw = lookup(hardware)
     per_node = per_node or hw.per_node
-    devices = devices or per_node
+    devices = per_node if devices is None else devices
     if devices < 1:
         raise ConfigError(f"--devices={devices}: must be at least 1")
     nodes = -(-devices // per_node)
     if devices % nodes:
         raise ConfigError(f"--devices={devices}: does not fill {nodes} nodes of {per_node} evenly")
     accelerator, gpu = hw.name != "cpu", hw.name in GPUS
+    # train's own checks of its devices, on these (a process per node): a plan that fits is a run that starts
+    mesh = check_devices(cfg, devices, nodes, devices // nodes, "gpu" if gpu else hw.name.split("-")[0])
     ici, dcn = cfg.mesh.split(devices, nodes)
-    mesh = {a: ici[a] * dcn[a] for a in ici}
     mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu)
     device_memory = hw.memory
     if device_memory is None and hw.name == "cpu":

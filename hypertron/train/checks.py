@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 from hypertron.config import Config
-from hypertron.config.validation import check_mesh
+from hypertron.config.validation import check_devices
 from hypertron.errors import ConfigError
 from hypertron.tokenizer import check_vocab, get_tokenizer
 
@@ -17,15 +17,13 @@ from hypertron.tokenizer import check_vocab, get_tokenizer
 def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks for training ``cfg`` on ``num_devices`` devices; returns the resolved mesh shape.
 
-    Refuses cuDNN attention off NVIDIA GPUs, a vocabulary smaller than the tokenizer's, what
-    :func:`hypertron.config.validation.check_mesh` refuses for these devices and processes, and
+    Refuses what :func:`hypertron.config.validation.check_devices` refuses for these devices and
+    processes (``hypertron plan`` runs the same), a vocabulary smaller than the tokenizer's, and
     (with ``train.memory_check``) a run the memory model says cannot fit a device.
     """
-    if cfg.model.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {jax.default_backend()}")
+    shape = check_devices(cfg, num_devices, jax.process_count(), jax.local_device_count(), jax.default_backend())
     if cfg.data.source != "synthetic":
         check_vocab(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
-    shape = check_mesh(cfg, num_devices, jax.process_count(), jax.local_device_count())
     if cfg.train.memory_check:
         check_memory(cfg, shape, jax.devices()[0])
     return shape
