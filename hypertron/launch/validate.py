@@ -200,9 +200,6 @@ def jobset(obj: dict) -> None:
     """The enumerations, each job template as a ``batch/v1`` Job against Kubernetes' schema
     (whose messages give the whole path), then the JobSet through the typed models with a round
     trip."""
-    import pydantic
-    from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
-
     if obj.get("apiVersion") != "jobset.x-k8s.io/v1alpha2" or obj.get("kind") != "JobSet":
         raise UserError(f"{_where(obj)}: expected apiVersion jobset.x-k8s.io/v1alpha2, kind JobSet")
     spec = obj.get("spec") or {}
@@ -238,6 +235,9 @@ def jobset(obj: dict) -> None:
                   "metadata": {"name": f"{obj['metadata']['name']}-{job['name']}", **template.get("metadata", {})},
                   "spec": template.get("spec", {})}
         core(as_job, f"{_where(obj)}: replicated job {job['name']}, as a batch/v1 Job,")
+    import pydantic
+    from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
+
     try:
         back = JobsetV1alpha2JobSet.from_dict(obj).to_dict()
     except pydantic.ValidationError as e:
