@@ -121,6 +121,8 @@ def test_launch_local_caps_its_processes():
                    f"--processes={local.MAX_PROCESSES + 1}", f"from 1 to {local.MAX_PROCESSES}")
     one_error_line(run_cli(["launch", "local", "--processes", "2", "--gpus", "100000000000", "--", "train"]),
                    "--gpus=100000000000")
+    one_error_line(run_cli(["launch", "local", "--recipe", "cpu/tiny", "launch.nodes=300", "train.global_batch=1200"]),
+                   "recipe cpu/tiny: 300 processes", f"the {local.MAX_PROCESSES} launch local runs")
 
 
 class _TwoProcesses:

@@ -114,6 +114,9 @@ def launch_recipe(name: str, overrides: list[str], gpus: str | None = None) -> i
     from hypertron.launch import recipes
 
     r = recipes.load(name, None, overrides)
+    if r.processes > MAX_PROCESSES:
+        raise UserError(f"recipe {r.name}: {r.processes} processes ({r.nodes} nodes x {r.processes_per_node}) are "
+                        f"more than the {MAX_PROCESSES} launch local runs on one machine")
     return launch_local(["train", str(recipes.path_of(name)), *overrides], r.processes, env=r.env(), gpus=gpus)
 
 
