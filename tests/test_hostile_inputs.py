@@ -153,6 +153,8 @@ TRAIN_REFUSES = {
                             ["--hardware", "tpu-v5p", "--devices", "8"], True),
     "rows not one block": (["model=tiny", "mesh.data=2", "mesh.fsdp=2", "mesh.dcn.fsdp=-1"],
                            ["--hardware", "tpu-v5p", "--devices", "8"], True),
+    "dlrm batch over devices": (["task=dlrm", "dlrm=dlrm-v2-tiny", "train.global_batch=100"],
+                                ["--hardware", "h100", "--devices", "8"], False),
     "batch over processes": (["model=tiny", "mesh.fsdp=1", "mesh.tensor=8"], ["--hardware", "tpu-v5p", "--devices", "8"],
                              True),
 }
@@ -169,5 +171,7 @@ def test_plan_refuses_what_train_refuses_in_the_same_words(case, tmp_path, monke
     assert one_error_line(run_cli(["plan", *overrides, *where])) == trained
 
 
-def test_plan_takes_no_device_count_of_zero():
+def test_plan_takes_no_device_count_of_zero_and_no_dlrm_over_nodes():
     one_error_line(run_cli(["plan", "model=tiny", "--devices", "0"]), "--devices=0", "at least 1")
+    one_error_line(run_cli(["plan", "task=dlrm", "dlrm=dlrm-v2-tiny", "--devices", "16"]),
+                   "task=dlrm runs in one process", "this job has 2")

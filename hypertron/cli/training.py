@@ -147,11 +147,14 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from hypertron.config.validation import check_dlrm_devices
     from hypertron.embed import plan as planner
+    from hypertron.models.hardware import lookup
     from hypertron.recsys import dlrm
     from hypertron.units import describe_bytes
 
     devices, device_memory = _devices(args)
+    check_dlrm_devices(cfg, devices, -(-devices // lookup(args.hardware).per_node))  # as train checks them
     d = cfg.dlrm
     tables, features = dlrm.table_specs(d, d.placement)
     sizes = dlrm.sizes(d)

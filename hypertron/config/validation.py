@@ -238,6 +238,17 @@ def _check_process_blocks(ici: dict[str, int], dcn: dict[str, int]) -> None:
         inside = inside or ici[a] > 1
 
 
+def check_dlrm_devices(cfg: Config, num_devices: int, processes: int) -> None:
+    """What ``task: dlrm`` needs of its devices, checked by ``train`` and by ``plan``: one process,
+    and a batch that splits by samples over the devices."""
+    if processes > 1:
+        raise ConfigError(f"task=dlrm runs in one process for now (its ids are routed on one host); this job has "
+                          f"{processes}")
+    if cfg.train.global_batch % num_devices:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
+                          f"{num_devices} devices, so it must be a multiple of {num_devices}")
+
+
 def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: int, platform: str) -> dict[str, int]:
     """What ``hypertron train`` checks of its devices before compiling and ``hypertron plan`` of the
     devices it plans for (one function, so a plan that fits is a run that starts): cuDNN attention

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hypertron.config import Config, ConfigError
+from hypertron.config.validation import check_dlrm_devices
 from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, device_memory, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
@@ -248,12 +249,7 @@ class Recommender:
                 recsys_data.check_files(d.eval_paths, "dlrm.eval_paths")
 
     def mesh(self, cfg: Config, devices: list) -> Mesh:
-        if jax.process_count() > 1:
-            raise ConfigError(f"task=dlrm runs in one process for now (its ids are routed on one host); this job has "
-                              f"{jax.process_count()}")
-        if cfg.train.global_batch % len(devices):
-            raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
-                              f"{len(devices)} devices, so it must be a multiple of {len(devices)}")
+        check_dlrm_devices(cfg, len(devices), jax.process_count())
         return Mesh(np.array(devices), (AXIS,))
 
     def check_init_from(self, cfg: Config) -> None:
