@@ -74,6 +74,22 @@ def test_bad_input_is_one_line(capsys, monkeypatch, tmp_path):
     assert code == 2 and err.startswith("error: --time='soon'") and err.count("\n") == 1
 
 
+def test_sbatch_reads_a_run_directory_of_spaces_quotes_and_percent_back_intact(local_slurm, tmp_path):
+    """The script's #SBATCH lines (sbatch parses them, not a shell) with a nasty --storage, under a
+    body that prints where it ran: the job runs there and its output lands there."""
+    (tmp_path / "tiny2.yaml").write_text(RECIPE)
+    job = slurm.Job("w", recipes.load(str(tmp_path / "tiny2.yaml")), storage=str(tmp_path / "my runs/it's #1 \"q\" 50%"))
+    directives = [line for line in slurm.script(job).splitlines() if line.startswith("#SBATCH ")]
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "where.sh").write_text("\n".join(["#!/bin/bash", *directives, "pwd"]) + "\n")
+    out = processes.run(["sbatch", "--parsable", str(job.run_dir / "where.sh")], env=local_slurm.env,
+                        capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    log = job.run_dir / f"slurm-{out.stdout.strip().split(';')[0]}.out"
+    _wait(lambda: log.is_file() and log.read_text().strip(), "the job's output", detail=local_slurm.logs)
+    assert log.read_text().strip() == str(job.run_dir)
+
+
 def _wait(predicate, what: str, timeout: float = 240.0, detail=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
