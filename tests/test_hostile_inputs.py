@@ -9,19 +9,18 @@ import json
 
 import httpx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, reference  # tests/
 from support.cli import one_error_line, run_cli  # tests/
 
 from hypertron.config import PRESETS
-from hypertron.models import forward, init_params
+from hypertron.models import init_params
 from hypertron.models.bundle import save_model
 from hypertron.serve.engine import PagedEngine
 from hypertron.serve.orchestrator import ERROR, STEP_FAILED, Orchestrator
 from hypertron.serve.server import create_app
-from hypertron.serve.types import SamplingError, SamplingParams
+from hypertron.serve.types import Row, SamplingError, SamplingParams, StepPlan
 from hypertron.tokenizer import get_tokenizer
 
 # --- point 1: a step cannot fail for one row ---
@@ -69,16 +68,19 @@ def test_generate_refuses_a_top_k_past_int32_in_one_line(tmp_path):
     one_error_line(r, "--top-k", "3000000000")
 
 
-def _poison_dispatch(engine, monkeypatch) -> None:
-    """Make a step holding a row of seed POISON raise in dispatch, before the engine is touched."""
-    dispatch = engine.dispatch
+def _poison_dispatch(engine, monkeypatch) -> list[int]:
+    """Make a step holding a row of seed POISON raise in dispatch, before the engine is touched;
+    returns the list the refused steps' row counts go to."""
+    dispatch, refused = engine.dispatch, []
 
     def poisoned(plan):
         if any(r.sampling.seed == POISON for r in plan.rows):
+            refused.append(len(plan.rows))
             raise OverflowError("Python integer 3000000000 out of bounds for int32")
         return dispatch(plan)
 
     monkeypatch.setattr(engine, "dispatch", poisoned)
+    return refused
 
 
 def _run_with_a_hostile_request(orch: Orchestrator, sampling: SamplingParams):
@@ -114,9 +116,46 @@ def _assert_failed_alone(orch: Orchestrator, hostile) -> None:
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_row_that_fails_its_step_fails_only_its_request_fake_engine(monkeypatch, ahead):
     engine = FakeEngine(max_slots=8, step_delay=0.002)
-    _poison_dispatch(engine, monkeypatch)
+    refused = _poison_dispatch(engine, monkeypatch)
     orch = Orchestrator(engine, TOK, ahead=ahead).start()
     greedy = SamplingParams(max_tokens=12, temperature=0.0, seed=0)
     chunks, hostile = _run_with_a_hostile_request(orch, greedy)
     _assert_failed_alone(orch, hostile)
+    assert refused[0] == 5 and refused[-1] == 1  # it shared a step with the four, then was run alone
     assert [_tokens(c) for c in chunks] == [reference(p, greedy, engine.max_seq_len)[0] for p in PROMPTS]
+
+
+
+@pytest.mark.gpu
+def test_a_row_that_fails_the_real_engines_dispatch_leaves_the_device_as_it_was(monkeypatch):
+    """What the loop's retry counts on, on the tiny model: a row that raises where a value past
+    int32 did (written into the step's arrays) fails the dispatch before the device is touched, so
+    the other rows, run again without it, get the tokens they get alone (a prefill, then a decode
+    fed from the device; the steps are compiled once, shared by the two engines)."""
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=1, embed_dim=32, mlp_dim=64, max_seq_len=32)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: (0.5 * rng.standard_normal(x.shape)).astype(x.dtype),
+                          jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    greedy, prompt = SamplingParams(temperature=0.0, seed=0), PROMPTS[2]
+    good = Row(0, 0, 0, tuple(prompt), (1, 2), greedy)
+    plan = StepPlan.of(0, (), (good, Row(1, 1, 0, (5, 6), (3,), dataclasses.replace(greedy, seed=POISON))))
+
+    def two_tokens(engine, first: StepPlan) -> list[int]:
+        token = int(engine.run(first).tokens[0])
+        decode = StepPlan.of(1, (Row(0, 0, len(prompt), (), (1, 2), greedy),), ())
+        return [token, int(engine.run(decode).tokens[0])]
+
+    alone = two_tokens(PagedEngine(params, cfg, max_slots=2, page_size=8), StepPlan.of(0, (), (good,)))
+    engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
+    row = engine._row
+
+    def poisoned_row(b, i, r, out_idx):
+        if r.sampling.seed == POISON:
+            raise OverflowError("Python integer 3000000000 out of bounds for int32")
+        row(b, i, r, out_idx)
+
+    monkeypatch.setattr(engine, "_row", poisoned_row)
+    for _ in range(2):  # dispatched ahead, the loop's way: nothing is collected in between
+        with pytest.raises(OverflowError):
+            engine.dispatch(plan)
+    assert two_tokens(engine, plan.only((good,))) == alone

@@ -43,7 +43,7 @@ from hypertron.serve.scheduler import (
     Request,
     Scheduler,
 )
-from hypertron.serve.types import Engine, SamplingParams
+from hypertron.serve.types import Engine, SamplingParams, check_token_ids
 
 log = logging.getLogger(__name__)
 # What a request whose step failed is told (500): the server's log has the traceback, keyed on the
@@ -117,7 +117,8 @@ class Orchestrator:
         """
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
-        sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)  # SamplingError
+        check_token_ids(prompt, self.vocab_size, "prompt")  # SamplingError, as the server's own checks
+        sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
         seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs)

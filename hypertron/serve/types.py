@@ -182,7 +182,9 @@ class Engine(Protocol):
 
     def dispatch(self, plan: StepPlan) -> object:
         """Start the step (device work queued, nothing waited for); returns a handle for
-        :meth:`collect`. Steps run in the order they are dispatched."""
+        :meth:`collect`. Steps run in the order they are dispatched. One that raises must leave the
+        device as it was (a row's values are written on the host first), so that its rows can run
+        again without the one that raises (``Orchestrator._isolate``)."""
 
     def collect(self, handle: object) -> StepResult:
         """Wait for a dispatched step and return what it produced."""
