@@ -296,7 +296,7 @@ class _Api:
             raise ApiError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
         except RuntimeError as e:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
