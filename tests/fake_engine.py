@@ -72,6 +72,7 @@ class FakeEngine:
         self.max_slots, self.max_seq_len, self.max_top_logprobs = max_slots, max_seq_len, max_top_logprobs
         self.eos_ids, self.page_size, self.num_pages = frozenset({EOS}), page_size, num_pages
         self.step_delay = step_delay
+        self.vocab_size = VOCAB
         self.tokens: list[list[int] | None] = [None] * max_slots  # what each slot's pages hold
         self.last = [0] * max_slots  # each slot's last sampled token ("on the device")
         self.steps = self.prefills = self.calls = 0

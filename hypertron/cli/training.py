@@ -191,25 +191,24 @@ def _devices(args: argparse.Namespace) -> tuple[int, float]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_for_inference
+    from hypertron.serve.types import SamplingError
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature={args.temperature}: must not be negative")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k={args.top_k}: must not be negative (0 = off)")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p={args.top_p}: must be in (0, 1]")
     model, params, tok = load_for_inference(args.checkpoint, args.quantize)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
     if len(ids) + args.max_new_tokens > model.max_seq_len:
         raise ConfigError(
             f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={model.max_seq_len}"
         )
-    (out,) = generate(
-        params, model, [ids], args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=tok.eos_ids,
-    )
+    try:
+        (out,) = generate(
+            params, model, [ids], args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=tok.eos_ids,
+        )
+    except SamplingError as e:  # SamplingParams.check's message, naming the flag
+        flag = {"max_tokens": "--max-new-tokens", "prompt": "--prompt"}.get(e.field, "--" + e.field.replace("_", "-"))
+        raise ConfigError(str(e).replace(f"'{e.field}'", flag, 1)) from None
     print(args.prompt + tok.decode(out))
     return 0
 

@@ -235,6 +235,7 @@ class PagedEngine:
         self.cfg = cfg
         self.max_slots, self.page_size = max_slots, page_size
         self.max_seq_len, self.max_top_logprobs, self.eos_ids = cfg.max_seq_len, max_top_logprobs, frozenset(eos_ids)
+        self.vocab_size = cfg.vocab_size
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
         total = max_slots * self.pages_per_seq + 1 if num_pages is None else num_pages
         self.num_pages = total - 1

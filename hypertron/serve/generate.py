@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from hypertron.config import ModelConfig
 from hypertron.serve.engine import PagedEngine
 from hypertron.serve.scheduler import Output, Request, Scheduler, run_until_done
-from hypertron.serve.types import SamplingParams
+from hypertron.serve.types import SamplingParams, check_token_ids
 
 
 def generate(
@@ -34,6 +34,8 @@ def generate(
 
     Prompt ``i`` samples with seed ``seed + i`` (greedy when ``temperature == 0``). Returns the
     new tokens of each prompt, each ending at the first of ``eos_ids`` in it (included).
+    Raises :class:`~hypertron.serve.types.SamplingError` (naming the field) for a value the
+    engine cannot hold (:meth:`SamplingParams.check`).
     ``max_num_batched_tokens``: tokens per step (default: every prompt in one step).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -43,6 +45,11 @@ def generate(
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > cfg.max_seq_len:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    samplings = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed + i) for i in range(len(prompts))]
+    for p, s in zip(prompts, samplings):  # the server's checks: SamplingError names the field
+        check_token_ids(p, cfg.vocab_size, "prompt")
+        s.check(vocab_size=cfg.vocab_size, max_top_logprobs=1)
     # Just the pages these sequences can fill (+1 for the null page), not max_seq_len each.
     pages = sum(-(-(len(p) + max_new_tokens + 1) // page_size) for p in prompts) + 1
     engine = PagedEngine(params, cfg, max_slots=len(prompts), page_size=page_size, num_pages=pages,
@@ -51,8 +58,7 @@ def generate(
     scheduler = Scheduler(max_slots=len(prompts), num_pages=engine.num_pages, page_size=page_size,
                           max_seq_len=cfg.max_seq_len, max_num_batched_tokens=budget,
                           max_prefill_rows=len(prompts))
-    seqs = [Request(i, list(p), SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                                top_p=top_p, seed=seed + i)) for i, p in enumerate(prompts)]
+    seqs = [Request(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
     for seq in seqs:
         scheduler.add(seq)
     stops = frozenset(eos_ids)

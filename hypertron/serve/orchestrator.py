@@ -43,9 +43,12 @@ from hypertron.serve.scheduler import (
     Request,
     Scheduler,
 )
-from hypertron.serve.types import Engine, SamplingParams
+from hypertron.serve.types import Engine, SamplingParams, check_token_ids
 
 log = logging.getLogger(__name__)
+# What a request whose step failed is told (500): the server's log has the traceback, keyed on the
+# request's id (Scheduler.fail appends it); an exception's text may hold internals, so it stays there.
+STEP_FAILED = "the request failed in an engine step; the server log has the details"
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Chunk", "Generation", "Orchestrator", "QueueFull"]
 
@@ -83,6 +86,7 @@ class Orchestrator:
         self.engine, self.tokenizer, self.max_queue, self.ahead = engine, tokenizer, max_queue, ahead
         self.ahead_max_tokens = ahead_max_tokens
         self.max_seq_len, self.max_top_logprobs = engine.max_seq_len, engine.max_top_logprobs
+        self.vocab_size = engine.vocab_size
         self.scheduler = Scheduler(
             max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
             max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids, max_top_logprobs=engine.max_top_logprobs,
@@ -109,12 +113,12 @@ class Orchestrator:
 
         ``prompt`` is 1 .. ``max_seq_len - 1`` token ids; ``sampling.seed`` None draws one.
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
-        prompt or logprobs count the engine cannot take, RuntimeError when not running.
+        prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
-        if sampling.logprobs is not None and not 0 <= sampling.logprobs <= self.max_top_logprobs:
-            raise ValueError(f"logprobs={sampling.logprobs}: expected 0 to {self.max_top_logprobs}")
+        check_token_ids(prompt, self.vocab_size, "prompt")  # SamplingError, as the server's own checks
+        sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
         seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs)
@@ -184,7 +188,9 @@ class Orchestrator:
                 if pending is not None:  # step n, collected once step n + 1 is dispatched
                     self._collect(pending)
                     pending = None
-                if current is not None:
+                if current is None and plan is not None:  # its dispatch raised; step n is in first
+                    self._isolate(plan)
+                elif current is not None:
                     if self._ahead(plan):
                         pending = current
                     else:
@@ -210,22 +216,48 @@ class Orchestrator:
         return self.ahead and (self.ahead_max_tokens is None or plan.num_tokens <= self.ahead_max_tokens)
 
     def _dispatch(self, plan):
+        """``(plan, handle)``, or None when the dispatch raised (logged; :meth:`_isolate` then)."""
         try:
             return plan, self.engine.dispatch(plan)
-        except Exception as e:
-            log.exception("step %d failed", plan.step)
-            self.scheduler.fail(plan, f"step failed: {e}")
+        except Exception:
+            log.exception("step %d failed to dispatch (requests %s); running its rows apart", plan.step,
+                          [r.request for r in plan.rows])
             return None
 
     def _collect(self, pending) -> None:
+        """Hand a dispatched step's result to the scheduler. A step that fails here failed on the
+        device, which it may have changed in part (its rows' next tokens, their pages): it is not
+        run again, its requests fail."""
         plan, handle = pending
         try:
             result = self.engine.collect(handle)
-        except Exception as e:
-            log.exception("step %d failed", plan.step)
-            self.scheduler.fail(plan, f"step failed: {e}")
+        except Exception:
+            log.exception("step %d failed (requests %s)", plan.step, [r.request for r in plan.rows])
+            self.scheduler.fail(plan, STEP_FAILED)
             return
         self.scheduler.update(plan, result)
+
+    def _isolate(self, plan) -> None:
+        """``plan``'s dispatch raised before the device saw it (an engine writes a step's arrays on
+        the host first), so its rows can run again as they were: in halves, each dispatched and
+        collected alone, a half that raises split again, down to the single rows that raise alone,
+        whose requests fail (the others get the tokens the whole step would have given them). At
+        most ``2 * rows - 1`` sub-steps, all in this loop turn, after step n - 1 is collected."""
+        parts = [plan.rows]
+        while parts:
+            rows = parts.pop()
+            sub = plan.only(rows)
+            try:
+                handle = self.engine.dispatch(sub)
+            except Exception:
+                if len(rows) == 1:
+                    log.exception("step %d: request %d's row fails the step; it is refused", plan.step,
+                                  rows[0].request)
+                    self.scheduler.fail(sub, STEP_FAILED)
+                else:
+                    parts += [rows[len(rows) // 2:], rows[:len(rows) // 2]]
+                continue
+            self._collect((sub, handle))
 
     def _route(self, outputs: list[Output]) -> None:
         m = self.metrics

@@ -225,9 +225,7 @@ class Scheduler:
             seq = self._live[row.request]
             seq.rows_in_flight += 1
             seq.tokens_in_flight += row.sample
-        plan = StepPlan(next(self._steps), tuple(decodes), tuple(prefills),
-                        logprobs=any(r.sample and r.sampling.logprobs is not None for r in rows),
-                        prompt_logprobs=any(r.prompt_targets is not None for r in prefills))
+        plan = StepPlan.of(next(self._steps), tuple(decodes), tuple(prefills))
         self.records.append(StepRecord(plan.step, tuple(r.request for r in decodes),
                                        tuple((r.request, r.start, r.num_tokens) for r in prefills),
                                        tuple(preempted), plan.num_tokens))
@@ -253,11 +251,12 @@ class Scheduler:
             self._emit(seq, int(result.tokens[i]), lp)
 
     def fail(self, plan: StepPlan, error: str) -> None:
-        """A step failed: end the sequences it ran with ``"error"``."""
+        """A step failed for these rows: end their sequences with ``"error"`` (``error`` is what the
+        client sees, with the request's id appended) and give back their slots and pages."""
         for row in plan.rows:
             seq = self._live.get(row.request)
             if seq is not None:
-                self._finish(seq, ERROR, error)
+                self._finish(seq, ERROR, f"{error} (request {seq.id})")
 
     # -- helpers ------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ from hypertron.serve.api import (
 )
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
-from hypertron.serve.types import SamplingParams, TokenLogprobs
+from hypertron.serve.types import SamplingError, SamplingParams, TokenLogprobs, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,10 @@ class _Api:
         if isinstance(prompt, str):
             ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(prompt)
         else:
-            if any(not 0 <= t < self.tok.vocab_size for t in prompt):
-                raise ApiError(400, f"'prompt' token ids must be in [0, {self.tok.vocab_size})", param="prompt")
+            try:
+                check_token_ids(prompt, self.tok.vocab_size, "prompt")
+            except SamplingError as e:
+                raise ApiError(400, str(e), param="prompt") from None
             ids = list(prompt)
         return self._check_prompt_len(ids, "prompt")
 
@@ -276,13 +278,16 @@ class _Api:
             max_tokens = min(max_default or self.max_tokens_limit, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
             raise ApiError(400, f"'{max_key}' is {max_tokens}; expected 1 to {self.max_tokens_limit}", param=max_key)
-        if logprobs is not None and logprobs > self.orch.max_top_logprobs:
-            raise ApiError(400, f"'{logprobs_key}' is {logprobs}; expected 0 to {self.orch.max_top_logprobs}",
-                           param=logprobs_key)
-        return SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
             logprobs=logprobs, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos))
+        try:
+            sampling.check(vocab_size=self.orch.vocab_size, max_top_logprobs=self.orch.max_top_logprobs)
+        except SamplingError as e:  # the message names the SamplingParams field; param is the API's name
+            param = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
+            raise ApiError(400, str(e).replace(f"'{e.field}'", f"'{param}'", 1), param=param) from None
+        return sampling
 
     def _submit(self, prompt, sampling, stop, want_prompt_logprobs: bool) -> Generation:
         try:
@@ -291,7 +296,7 @@ class _Api:
             raise ApiError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
         except RuntimeError as e:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 

@@ -11,9 +11,32 @@ can be tested against a fake of the other (``tests/fake_engine.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
+
+from hypertron.errors import UserError
+
+INT32_MAX = 2**31 - 1  # what the engine's int32 arrays hold (max_tokens, top_k, token ids, positions)
+SEED_LIMIT = 2**32  # a seed keys the sampler as a uint32: 0 <= seed < SEED_LIMIT
+
+
+class SamplingError(UserError):
+    """A request value the engine cannot hold; ``field`` names it (a :class:`SamplingParams` field,
+    or ``"prompt"``), so the server answers 400 with the API's name for it and the CLI its flag."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    """Raise :class:`SamplingError` naming ``field`` unless every id is in ``[0, vocab_size)``."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SamplingError(field, f"'{field}' has token id {bad}; token ids must be in [0, {vocab_size})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +51,27 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per generated token (None = none)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def check(self, *, vocab_size: int, max_top_logprobs: int) -> None:
+        """Raise :class:`SamplingError` (naming the field) for a value outside what holds it on the
+        device: one row the engine cannot write must be refused before it shares a step with others.
+        The one place sampling values are range-checked (server, ``generate`` and the loop call it)."""
+        def refuse(field: str, value, expected: str):
+            raise SamplingError(field, f"'{field}' is {value!r}; expected {expected}")
+
+        if not 1 <= self.max_tokens <= INT32_MAX:
+            refuse("max_tokens", self.max_tokens, f"1 to {INT32_MAX}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            refuse("temperature", self.temperature, "a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            refuse("top_p", self.top_p, "a number in (0, 1]")
+        if not 0 <= self.top_k <= vocab_size:
+            refuse("top_k", self.top_k, f"0 (off) to the vocabulary's {vocab_size}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            refuse("seed", self.seed, f"0 to {SEED_LIMIT - 1}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
+            refuse("logprobs", self.logprobs, f"0 to {max_top_logprobs}")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +131,20 @@ class StepPlan:
     logprobs: bool = False
     prompt_logprobs: bool = False
 
+    @classmethod
+    def of(cls, step: int, decodes: tuple[Row, ...], prefills: tuple[Row, ...]) -> StepPlan:
+        """The plan of these rows, its ``logprobs`` and ``prompt_logprobs`` set from them."""
+        return cls(step, decodes, prefills,
+                   logprobs=any(r.sample and r.sampling.logprobs is not None for r in decodes + prefills),
+                   prompt_logprobs=any(r.prompt_targets is not None for r in prefills))
+
+    def only(self, rows: tuple[Row, ...]) -> StepPlan:
+        """This step with only ``rows`` (a subset of :attr:`rows`): rows are independent (each its
+        own slot and pages), so the rows kept run as they would have in the whole step."""
+        keep = {id(r) for r in rows}
+        return StepPlan.of(self.step, tuple(r for r in self.decodes if id(r) in keep),
+                           tuple(r for r in self.prefills if id(r) in keep))
+
     @property
     def rows(self) -> tuple[Row, ...]:
         return self.decodes + self.prefills
@@ -117,13 +175,16 @@ class Engine(Protocol):
     max_slots: int  # decode rows at most; slots are numbered 0 .. max_slots - 1
     max_seq_len: int  # prompt + generated tokens of one sequence, at most
     max_top_logprobs: int  # largest N for SamplingParams.logprobs
+    vocab_size: int  # token ids are 0 .. vocab_size - 1
     eos_ids: frozenset[int]  # tokens that end a sequence (unless ignore_eos)
     page_size: int  # tokens per KV page
     num_pages: int  # pages the scheduler may hand out: ids 1 .. num_pages (0 is the null page)
 
     def dispatch(self, plan: StepPlan) -> object:
         """Start the step (device work queued, nothing waited for); returns a handle for
-        :meth:`collect`. Steps run in the order they are dispatched."""
+        :meth:`collect`. Steps run in the order they are dispatched. One that raises must leave the
+        device as it was (a row's values are written on the host first), so that its rows can run
+        again without the one that raises (``Orchestrator._isolate``)."""
 
     def collect(self, handle: object) -> StepResult:
         """Wait for a dispatched step and return what it produced."""
