@@ -1,0 +1,19 @@
+"""Issue 48's hypothesis tests: the CLI's config loader (``key=value`` overrides and YAML recipes),
+the embedding-tables loader and the run-file readers, on hostile input, in process. Whatever the
+input: no traceback; one ``error:`` line and exit 2, or an answer with the unreadable lines counted
+(tests/support/fuzz.py holds the strategies and the checks; a bench reuses them with more examples)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.fuzz import fuzz
+
+# Examples per target: together at most ~15 s on two cores (the issue's budget is 30 s).
+EXAMPLES = {"config": 40, "recipe": 15, "embed": 60, "runfiles": 60}
+
+
+@pytest.mark.parametrize("target", sorted(EXAMPLES))
+def test_hostile_input_is_refused_in_one_line_or_counted(target):
+    counts = fuzz(target, EXAMPLES[target])
+    assert sum(counts.values()) >= EXAMPLES[target] // 2, counts
