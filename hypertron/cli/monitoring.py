@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "0.0.0.0 for every interface)")
     mo.add_argument("--port", type=number_arg(int), default=8090,
                     help="--serve: the port (default %(default)s; 0: any free one)")
-    mo.add_argument("--refresh", type=number_arg(float), default=5.0, metavar="SECONDS",
+    # a float, not number_arg: cmd_monitor's range check, (0, 3600], refuses NaN and inf naming the range
+    mo.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
                     help="--serve: how often the page updates (default %(default)s)")
 
 
