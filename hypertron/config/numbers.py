@@ -4,7 +4,8 @@ A number is accepted only when it is finite and in range for what will hold it: 
 int64 (numpy, JAX and Arrow hold it) unless the caller bounds it tighter, a float is never NaN or
 infinite. The config loader's coercion, the CLI's numeric flags (``hypertron.cli.flags.number_arg``)
 and the YAML files read outside the config (embedding plans, recipes' environment) all call
-:func:`parse_number`, so a refusal reads the same wherever the number was typed.
+:func:`check_number` (or :func:`parse_number`, its error raised), so a refusal reads the same
+wherever the number was typed.
 """
 
 from __future__ import annotations
@@ -35,27 +36,33 @@ def check_number(value: Any, kind: type = float, *, low: float | None = None, hi
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = value
     if number is None:
-        return None, f"expected {noun}, got {value!r}"
+        return None, f"expected {noun}, got {_shown(value)}"
     if isinstance(number, float) and not math.isfinite(number):
         return None, f"{number} is not a finite number"
     if kind is int and isinstance(number, float):
         if not number.is_integer():
-            return None, f"expected {noun}, got {value!r}"
+            return None, f"expected {noun}, got {_shown(value)}"
         number = int(number)
     if kind is float:
         try:
             number = float(number)
         except OverflowError:
-            return None, f"{value!r} is too large"
+            return None, f"{_shown(value)} is too large"
     lo, hi = (low, high) if kind is float else (max(INT64[0], low if low is not None else INT64[0]),
                                                 min(INT64[1], high if high is not None else INT64[1]))
     if lo is not None and number < lo:
-        return None, f"{number:g} is below {lo:g}" if kind is float else f"{number} is below {lo}"
+        return None, f"{number:g} is below {lo:g}" if kind is float else f"{_shown(number)} is below {lo}"
     if above is not None and not number > above:
         return None, f"{number:g} must be above {above:g}"
     if hi is not None and number > hi:
-        return None, f"{number:g} is above {hi:g}" if kind is float else f"{number} is above {hi}"
+        return None, f"{number:g} is above {hi:g}" if kind is float else f"{_shown(number)} is above {hi}"
     return number, ""
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a message quotes it: its repr, cut to 60 characters (a line stays a line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_number(value: Any, name: str, kind: type = float, *, low: float | None = None,
