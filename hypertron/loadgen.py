@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,13 @@ class BenchSettings:
             raise UserError(f"--seed={self.seed}: must not be negative")
         if not self.base_url.startswith(("http://", "https://")):
             raise UserError(f"--base-url={self.base_url}: must start with http:// or https://")
+        try:
+            url = urllib.parse.urlsplit(self.base_url)
+            url.port  # noqa: B018 -- raises ValueError past 65535
+        except ValueError as e:
+            raise UserError(f"--base-url={self.base_url}: not a URL ({e})") from None
+        if not url.hostname:
+            raise UserError(f"--base-url={self.base_url}: names no host")
         if self.output is not None:
             out = Path(self.output)
             if out.is_dir():
@@ -240,6 +248,8 @@ def _parse_prompt_line(line: str, where: str, default_max_tokens: int) -> Prompt
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deep)") from None
     if not isinstance(obj, dict) or "prompt" not in obj:
         raise UserError(f'{where}: expected an object with a "prompt" key')
     prompt = obj["prompt"]

@@ -26,6 +26,9 @@ EVENT_FIELDS: dict[str, type] = {
     "samples": float, "signal": str, "blocking_seconds": float, "status": str,
 }
 COMMON_FIELDS = ("time", "event", "process", "step")
+# The Unix times a run file's ``time`` may hold, and ``monitor --since`` take: 1970 to the end of
+# year 9999 (what a date can show); a line with a time outside is skipped as unreadable.
+TIME_RANGE = (0.0, 253402300799.0)
 
 # Every event name, in the order they usually occur within a job, with the fields it adds to the
 # common ones.

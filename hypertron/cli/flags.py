@@ -10,6 +10,7 @@ import sys
 import typing
 
 from hypertron.config import choices
+from hypertron.config.numbers import INT64, check_number
 
 
 class Parser(argparse.ArgumentParser):
@@ -80,11 +81,29 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options
         elif kind is bool:
             opts.setdefault("action", "store_true")
         elif kind in (int, float):
-            opts.setdefault("type", kind)
+            opts.setdefault("type", number_arg(kind))
         if show_default and default not in (None, ""):
             opts["help"] = (opts.get("help", "") + f" (default {default})").strip()
         opts.setdefault("default", argparse.SUPPRESS if given_only else default)
         parser.add_argument(flag(field.name), *aliases, dest=field.name, **opts)
+
+
+def number_arg(kind: type = float, *, low: float | None = None, high: float | None = None,
+               above: float | None = None) -> typing.Callable[[str], int | float]:
+    """A flag's ``type=``: the text as ``kind`` (``int`` or ``float``), finite and in range (see
+    :func:`hypertron.config.numbers.check_number`), else argparse's one line naming the flag. Text
+    that is no number at all keeps argparse's own words (``invalid int value: 'x'``)."""
+
+    def parse(text: str) -> int | float:
+        number, reason = check_number(text, kind, low=low, high=high, above=above)
+        if number is None:
+            if reason.startswith("expected"):
+                raise ValueError(reason)  # argparse: "invalid int value: 'x'"
+            raise argparse.ArgumentTypeError(reason)
+        return number
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def bytes_arg(text: str) -> int:
@@ -93,13 +112,14 @@ def bytes_arg(text: str) -> int:
              "gb": 1e9, "tb": 1e12}
     number = text.rstrip("bBkKmMgGtTiI ")
     unit = text[len(number):].strip().lower()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
+    value, reason = check_number(number, float, high=INT64[1] / units.get(unit, 1))
+    if unit not in units or reason.startswith("expected"):
         raise argparse.ArgumentTypeError(f"{text!r}: not a size (e.g. 80GB, 16GiB, 1e9)") from None
-    if value <= 0:
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {reason}")
+    if value * units[unit] < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return int(value)
+    return int(value * units[unit])
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str = "") -> None:

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from hypertron.cli.flags import add_command, add_command_group, add_json_flag, add_output_flags
+from hypertron.cli.flags import add_command, add_command_group, add_json_flag, add_output_flags, number_arg
 from hypertron.errors import UserError
 
 
@@ -23,12 +23,12 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         where, "local", cmd_launch, help="N processes on this machine (jax.distributed over 127.0.0.1)",
         description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
         "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.")
-    lo.add_argument("--processes", type=int, metavar="N")
+    lo.add_argument("--processes", type=number_arg(int), metavar="N")
     lo.add_argument("--recipe", metavar="R", help="train this recipe as its processes (nodes x processes per node), "
                     "with its environment; key=value overrides may follow")
     lo.add_argument("--gpus", metavar="N_OR_LIST", help="split these GPUs (a count or 0,1,2,3) over the processes, "
                     "each its own CUDA_VISIBLE_DEVICES slice (default: the launcher's CUDA_VISIBLE_DEVICES)")
-    lo.add_argument("--cpu-devices", type=int, default=None, metavar="K",
+    lo.add_argument("--cpu-devices", type=number_arg(int), default=None, metavar="K",
                     help="run on the CPU with K simulated devices per process")
     lo.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
 
@@ -40,7 +40,8 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
         "the memory model's prediction per device; with a NAME, its XLA flags and environment with their reasons "
         "and its whole plan.")
     rc.add_argument("name", nargs="?", metavar="NAME", help="one recipe, e.g. a3mega-h100/llama3.1-70b")
-    rc.add_argument("--nodes", type=int, default=None, metavar="N", help="on N nodes (default: each recipe's own)")
+    rc.add_argument("--nodes", type=number_arg(int), default=None, metavar="N",
+                    help="on N nodes (default: each recipe's own)")
     add_json_flag(rc)
     rc.add_argument("--config", action="store_true", help="with NAME: also print the resolved config as YAML")
 
@@ -55,7 +56,7 @@ def _add_workload(sub: argparse._SubParsersAction) -> None:
         if action != "list":
             a.add_argument("name", metavar="NAME")
         if action == "logs":
-            a.add_argument("--process", type=int, default=0, metavar="I", help="default %(default)s")
+            a.add_argument("--process", type=number_arg(int), default=0, metavar="I", help="default %(default)s")
             a.add_argument("--storage", metavar="DIR", help="--scheduler slurm: as at create (default runs)")
         _add_namespace(a)
     for a in wla.choices.values():
@@ -81,12 +82,12 @@ def _add_workload_create(wla: argparse._SubParsersAction) -> None:
                     "stay within 57 characters)")
     wc.add_argument("--recipe", required=True, metavar="R",
                     help="a recipe name (a3mega-h100/llama3.1-70b) or YAML file")
-    wc.add_argument("--nodes", type=int, default=None, metavar="N", help="default: the recipe's")
+    wc.add_argument("--nodes", type=number_arg(int), default=None, metavar="N", help="default: the recipe's")
     wc.add_argument("--image", metavar="IMG", help="the container image with hypertron installed "
                     "(default: $HYPERTRON_IMAGE)")
     wc.add_argument("--priority", default="medium", metavar="P",
                     help=f"{', '.join(PRIORITIES)} (default %(default)s)")
-    wc.add_argument("--max-restarts", type=int, default=10, metavar="K",
+    wc.add_argument("--max-restarts", type=number_arg(int), default=10, metavar="K",
                     help="gang restarts before the workload fails; each preemption or eviction uses one "
                     "(default %(default)s)")
     wc.add_argument("--queue", default="hypertron", metavar="Q", help="the Kueue LocalQueue (default %(default)s)")
@@ -112,7 +113,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     cs.add_argument("--machine", default="a3mega-h100", choices=list(MACHINES), help="default %(default)s")
     cs.renamed["--hardware"] = ("cluster setup --hardware is now --machine (a machine from the table: "
                                 f"{', '.join(MACHINES)}; plan's --hardware is the accelerator)")
-    cs.add_argument("--nodes", type=int, required=True, metavar="N", help="the queue's quota, in nodes")
+    cs.add_argument("--nodes", type=number_arg(int), required=True, metavar="N", help="the queue's quota, in nodes")
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
     _add_namespace(cs, "the LocalQueue's")
     add_output_flags(cs, "apply")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from hypertron.cli.flags import add_command, add_dataclass_flags, add_json_flag
+from hypertron.cli.flags import add_command, add_dataclass_flags, add_json_flag, number_arg
 from hypertron.monitor.settings import ReportSettings
 
 
@@ -19,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "docs/monitoring.md defines every figure.")
     mo.add_argument("run_dir", metavar="RUN_DIR")
     add_json_flag(mo, "the report")
-    mo.add_argument("--follow", nargs="?", type=float, const=5.0, default=None, metavar="SECONDS",
+    mo.add_argument("--follow", nargs="?", type=number_arg(float, above=0, high=86400), const=5.0, default=None,
+                    metavar="SECONDS",
                     help="refresh every SECONDS (default 5) until the run's job stops")
     mo.add_argument("--since", metavar="TIME", help="also report the window from TIME (ISO date-time, "
                     "Unix time, or a duration before now such as 2h)")
@@ -30,16 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="serve a live dashboard of the run (one page, updated while it runs)")
     mo.add_argument("--host", default="127.0.0.1", help="--serve: the address to listen on (default %(default)s; "
                     "0.0.0.0 for every interface)")
-    mo.add_argument("--port", type=int, default=8090, help="--serve: the port (default %(default)s; 0: any free one)")
+    mo.add_argument("--port", type=number_arg(int), default=8090,
+                    help="--serve: the port (default %(default)s; 0: any free one)")
+    # a float, not number_arg: cmd_monitor's range check, (0, 3600], refuses NaN and inf naming the range
     mo.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
                     help="--serve: how often the page updates (default %(default)s)")
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    import json
     import time
-
-    from rich.console import Console
 
     from hypertron.monitor import report as mon
 
@@ -68,6 +69,23 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    try:
+        return _report(args, build)
+    except mon.UnreadableFile as e:  # as an alarm: exit 1, the file named on one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _report(args: argparse.Namespace, build) -> int:
+    """``monitor`` on the console: the report once (as text or JSON), or refreshed every ``--follow``
+    seconds until the run's job stops; exit 1 when an alarm is raised."""
+    import json
+    import time
+
+    from rich.console import Console
+
+    from hypertron.monitor import report as mon
+
     if args.follow is None:
         rep = build()
         if args.json:

@@ -67,7 +67,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
         "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).")
     # The key's default is the environment's, read when the flags are made.
-    add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY"))})
+    # --request-rate: inf is a rate (all at once); BenchSettings.check refuses NaN and rates <= 0 by name
+    add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY")),
+                                            "request_rate": dict(type=float)})
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg
+from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg, number_arg
 from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
+from hypertron.config.numbers import INT32
 from hypertron.config.schema import WeightQuantization
 
 
@@ -42,7 +43,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _add_hardware_flags(parser: argparse.ArgumentParser, hardware_help: str) -> None:
     """``--hardware`` (a name in the hardware table) and ``--devices N`` (plan, embed plan)."""
     parser.add_argument("--hardware", default="h100", help=hardware_help)
-    parser.add_argument("--devices", type=int, default=None, metavar="N", help="default: one node's")
+    parser.add_argument("--devices", type=number_arg(int), default=None, metavar="N", help="default: one node's")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -50,11 +51,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--checkpoint", "--model", dest="checkpoint", required=True, metavar="DIR",
                    help="run directory (its latest checkpoint) or Hugging Face model directory")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=number_arg(int), default=64)
+    g.add_argument("--temperature", type=number_arg(float), default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=number_arg(int), default=0, help="0 = off")
+    g.add_argument("--top-p", type=number_arg(float), default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=number_arg(int), default=0)
     g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
                    help="weight precision: int8 = int8 weights with per-channel scales, quantised after loading")
 
@@ -81,7 +82,8 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
                         "the devices)")
     ep.add_argument("--device-memory", type=bytes_arg, default=None, metavar="BYTES",
                     help="memory per device for the tables (e.g. 60GB), in place of the hardware's")
-    ep.add_argument("--batch", type=int, default=None, metavar="N", help="samples per step, in place of the file's")
+    ep.add_argument("--batch", type=number_arg(int, low=1, high=INT32[1]), default=None, metavar="N",
+                    help="samples per step, in place of the file's")
     add_json_flag(ep, "the plan")
 
 

@@ -41,6 +41,7 @@ from hypertron.config.schema import (
     RopeScaling,
     ServeConfig,
 )
+from hypertron.config.numbers import parse_number
 from hypertron.config.validation import choice_error, validate, validate_serve
 from hypertron.errors import ConfigError, UserError, one_line
 
@@ -92,30 +93,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("false", "0", "no"):
             return False
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp in (int, float):
+        return parse_number(value, key, tp)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

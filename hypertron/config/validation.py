@@ -12,10 +12,11 @@ import dataclasses
 import re
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from hypertron.config.schema import Config, DlrmConfig, MeshConfig, ModelConfig, ServeConfig, check_sizes, choices
-from hypertron.errors import ConfigError
+from hypertron.errors import ConfigError, one_line
 
 
 def choice_error(key: str, value: Any, allowed: tuple[str, ...]) -> ConfigError:
@@ -77,6 +78,17 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError("model.moe.shared_experts, load_balance_weight and router_z_weight must not be negative")
 
 
+def _check_run_dir(run_dir: str) -> None:
+    """A run directory that can be made here: neither it nor a folder above it an existing file."""
+    path = Path(run_dir)
+    try:
+        blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    except OSError as e:  # a name too long, a folder that cannot be read
+        raise ConfigError(f"run_dir={run_dir}: {one_line(e)}") from None
+    if blocked is not None:
+        raise ConfigError(f"run_dir={run_dir}: {blocked} is a file, not a directory")
+
+
 def validate_dlrm(d: DlrmConfig) -> None:
     """A DLRM's sizes, each checked where a mistake would otherwise surface as a shape error."""
     check_choices(d, "dlrm.")
@@ -128,6 +140,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.clip_norm, train.weight_decay and train.z_loss must not be negative")
     if not cfg.run_dir.strip():
         raise ConfigError("run_dir: must not be empty")
+    _check_run_dir(cfg.run_dir)
     if t.eval_every < 0 or t.eval_batches <= 0:
         raise ConfigError("train.eval_every must not be negative and train.eval_batches must be positive")
     if not 0 <= cfg.data.eval_fraction < 1:

@@ -177,7 +177,7 @@ def _text_of_line(line: bytes, text_field: str, line_number: int, path: str) -> 
     where = f"line {line_number} of {os.path.basename(path)}"
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise DataError(f"data.paths: {where} is not valid JSON") from None
     if not isinstance(record, dict) or text_field not in record:
         raise DataError(f"data.text_field: {text_field!r} missing in {where}")

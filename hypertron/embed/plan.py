@@ -27,8 +27,10 @@ not measured (``bench/embed.py`` measures lookups).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping, Sequence
 
+from hypertron.config.numbers import INT32, check_number
 from hypertron.embed.spec import PLACEMENTS, EmbedError, FeatureSpec, TableSpec, check_specs
 from hypertron.units import describe_bytes
 
@@ -142,24 +144,26 @@ def load(doc: object, where: str = "the plan's file") -> tuple[list[TableSpec], 
         tables: [{name: items, rows: 40000000, dim: 128, optimizer: rowwise_adagrad, placement: auto}]
         features: [{name: clicked, table: items, combiner: sum, ids_per_sample: 20}]
     """
-    if not isinstance(doc, dict) or not isinstance(doc.get("tables"), list):
+    if not isinstance(doc, dict) or not isinstance(doc.get("tables"), list) \
+            or not isinstance(doc.get("features") or [], list):
         raise EmbedError(f"{where}: needs a mapping with a list of tables (and features, batch)")
     unknown = set(doc) - {"batch", "tables", "features"}
     if unknown:
-        raise EmbedError(f"{where}: unknown key {sorted(unknown)[0]!r} (batch, tables, features)")
+        raise EmbedError(f"{where}: unknown key {sorted(unknown, key=str)[0]!r} (batch, tables, features)")
 
     def build(cls, item: object, extra: tuple[str, ...], kind: str):
         if not isinstance(item, dict):
             raise EmbedError(f"{where}: a {kind} must be a mapping, not {item!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
+        label = f"{where}: {kind} {item.get('name', '?')!r}"
         bad = set(item) - fields - set(extra)
         if bad:
-            raise EmbedError(f"{where}: {kind} {item.get('name', '?')!r}: unknown key {sorted(bad)[0]!r} "
+            raise EmbedError(f"{label}: unknown key {sorted(bad, key=str)[0]!r} "
                              f"({', '.join(sorted(fields | set(extra)))})")
         try:
-            return cls(**{k: v for k, v in item.items() if k in fields})
+            return cls(**{k: _field(cls, k, v, label) for k, v in item.items() if k in fields})
         except TypeError as e:
-            raise EmbedError(f"{where}: {kind} {item.get('name', '?')!r}: {e}") from None
+            raise EmbedError(f"{label}: {e}") from None
 
     tables = [build(TableSpec, dict({"placement": AUTO}, **t) if isinstance(t, dict) else t, (), "table")
               for t in doc["tables"]]
@@ -167,14 +171,49 @@ def load(doc: object, where: str = "the plan's file") -> tuple[list[TableSpec], 
         if t.placement not in (*PLACEMENTS, AUTO):
             raise EmbedError(f"table {t.name!r}: placement={t.placement!r}: must be one of "
                              f"{', '.join((*PLACEMENTS, AUTO))}")
-        if not isinstance(t.rows, int) or not isinstance(t.dim, int):
-            raise EmbedError(f"table {t.name!r}: rows and dim must be whole numbers")
     features = [build(FeatureSpec, f, ("ids_per_sample",), "feature") for f in doc.get("features") or []]
-    per = {f["name"]: float(f.get("ids_per_sample", 1)) for f in doc.get("features") or [] if "name" in f}
+    per = {f.name: _ids_per_sample(item.get("ids_per_sample", 1), f"{where}: feature {f.name!r}")
+           for f, item in zip(features, doc.get("features") or [])}
     batch = doc.get("batch", 1)
-    if not isinstance(batch, int) or batch < 1:
-        raise EmbedError(f"{where}: batch={batch!r}: must be a positive whole number")
+    if _number(batch, int, low=1, high=MAX_COUNT) is None:
+        raise EmbedError(f"{where}: batch={batch!r}: must be a positive whole number (at most {MAX_COUNT})")
     return tables, features, per, batch
+
+
+# The most samples per step, ids per sample, rows or columns a spec may ask for: a count int32 holds.
+MAX_COUNT = INT32[1]
+
+
+def _number(value: object, kind: type, **bounds: float) -> int | float | None:
+    """A YAML number (never a string) of ``kind`` within ``bounds``, or None."""
+    return None if isinstance(value, str) else check_number(value, kind, **bounds)[0]
+
+
+def _ids_per_sample(value: object, label: str) -> float:
+    number = _number(value, float, low=0, high=MAX_COUNT)
+    if number is None:
+        raise EmbedError(f"{label}: ids_per_sample={value!r}: must be a number from 0 to {MAX_COUNT}")
+    return number
+
+
+def _field(cls: type, key: str, value: object, label: str) -> object:
+    """A spec file's ``value`` for the field ``key`` of ``cls``, checked against the field's type:
+    a string, a whole number from 1 to :data:`MAX_COUNT` (rows, dim), or a finite number (or null,
+    where the field may be None)."""
+    hint = typing.get_type_hints(cls)[key]
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if kind is str and not isinstance(value, str):
+        raise EmbedError(f"{label}: {key} must be a string, not {value!r}")
+    if kind is str:
+        return value
+    number = _number(value, kind, **({"low": 1, "high": MAX_COUNT} if kind is int else {}))
+    if number is None and kind is int:
+        raise EmbedError(f"{label}: rows and dim must be whole numbers from 1 to {MAX_COUNT} ({key}={value!r})")
+    if number is None:
+        raise EmbedError(f"{label}: {key}={value!r}: must be a finite number")
+    return number
 
 
 def to_json(p: Plan) -> dict:

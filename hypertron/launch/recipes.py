@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from hypertron.config import Config, ConfigError, dump_yaml, load_config
+from hypertron.config.numbers import check_number
 from hypertron.config.validation import check_mesh
 from hypertron.errors import UserError
 from hypertron.launch.machines import Machine, machine
@@ -118,10 +119,9 @@ class Recipe:
         p = plan(self.cfg, self.machine.device, self.devices, self.devices_per_node)
         fraction = self.env().get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         if fraction and p.device_memory is not None:
-            try:
-                share = float(fraction)
-            except ValueError:
-                raise UserError(f"recipe {self.name}: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a number") from None
+            share, reason = check_number(fraction, float, above=0, high=1)
+            if share is None:
+                raise UserError(f"recipe {self.name}: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r}: {reason}")
             p = replace(p, device_memory=p.device_memory * share)
             p.notes.append(f"device memory: {share:g} of each device's (XLA_PYTHON_CLIENT_MEM_FRACTION)")
         return p

@@ -7,7 +7,10 @@ about 0.6 s per million lines on two cores) into numpy columns, not line by line
 A writer killed mid-line leaves a line without its newline (the event file starts the
 next job on a fresh line), and a file being written may end mid-line. Such lines
 are skipped and counted, never fatal: when pyarrow refuses a file (a torn line, or the
-NaN that ``json.dumps`` writes for a diverged loss), its lines are read one by one.
+NaN that ``json.dumps`` writes for a diverged loss), its lines are read one by one. A line
+the monitor cannot hold is skipped and counted the same way: not a JSON object, nested too deep to
+parse, a column of the wrong type, an integer past int64, a ``time`` outside
+:data:`~hypertron.runfiles.TIME_RANGE`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from hypertron.runfiles import EVENT_FIELDS, sampled_metrics
+from hypertron.config.numbers import INT64
+from hypertron.runfiles import EVENT_FIELDS, TIME_RANGE, sampled_metrics
 
 _ARROW = {float: pa.float64(), int: pa.int64(), str: pa.string()}
 
@@ -55,10 +59,16 @@ class Columns:
     data: dict[str, np.ndarray] = field(default_factory=dict)
     rows: int = 0
     bad_lines: int = 0
+    torn: bool = False  # the file ends mid-line (counted in bad_lines)
     picked: list[dict] = field(default_factory=list)  # the lines holding ``pick``, whole
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.data[name]
+
+    @property
+    def unreadable(self) -> bool:
+        """Whether the file has complete lines and none of them could be read."""
+        return self.rows == 0 and self.bad_lines > int(self.torn)
 
 
 def read_jsonl(path: str | Path, columns: dict[str, pa.DataType], pick: bytes | None = None) -> Columns:
@@ -70,6 +80,7 @@ def read_jsonl(path: str | Path, columns: dict[str, pa.DataType], pick: bytes | 
         cut = raw.rfind(b"\n") + 1
         bad += 1 if raw[cut:].strip() else 0
         raw = raw[:cut]
+    torn = bad == 1
     schema = pa.schema(list(columns.items()))
     table = None
     if raw and not raw.isspace():
@@ -79,7 +90,8 @@ def read_jsonl(path: str | Path, columns: dict[str, pa.DataType], pick: bytes | 
             rows, skipped = _readable_rows(raw, columns)
             bad += skipped
             table = pa.Table.from_pylist(rows, schema=schema)
-    out = _to_numpy(table, columns, bad)
+    out = _in_range(_to_numpy(table, columns, bad))
+    out.torn = torn
     if pick is not None:
         out.picked = _pick(raw, pick)
     return out
@@ -91,9 +103,9 @@ def _pick(raw: bytes, needle: bytes) -> list[dict]:
         lo, hi = raw.rfind(b"\n", 0, at) + 1, raw.find(b"\n", at)
         try:
             row = json.loads(raw[lo:hi])
-            if isinstance(row, dict):
+            if isinstance(row, dict) and all(_holds(t, row.get(k)) for k, t in EVENT_COLUMNS.items()):
                 found.append(row)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
         at = raw.find(needle, hi)
     return found
@@ -111,6 +123,18 @@ def _parse(raw: bytes, schema: pa.Schema) -> pa.Table:
 _CHECKS = {pa.float64(): (int, float), pa.int64(): (int,), pa.string(): (str,)}
 
 
+def _holds(kind: pa.DataType, value: object) -> bool:
+    """Whether a column of ``kind`` holds ``value``: its JSON type, an int within int64, an int a
+    float64 can take."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, _CHECKS[kind]):
+        return False
+    if isinstance(value, int):
+        return INT64[0] <= value <= INT64[1]
+    return True
+
+
 def _readable_rows(raw: bytes, columns: dict[str, pa.DataType]) -> tuple[list[dict], int]:
     """The lines that are JSON objects whose read columns have the right types, parsed (Python's
     reader also takes the NaN and Infinity that ``json.dumps`` writes for a diverged loss), and how
@@ -121,12 +145,10 @@ def _readable_rows(raw: bytes, columns: dict[str, pa.DataType]) -> tuple[list[di
             continue
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested past Python's stack
             bad += 1
             continue
-        ok = isinstance(row, dict) and all(
-            row.get(k) is None or (isinstance(row[k], _CHECKS[t]) and not isinstance(row[k], bool))
-            for k, t in columns.items())
+        ok = isinstance(row, dict) and all(_holds(t, row.get(k)) for k, t in columns.items())
         if ok:
             good.append({k: row.get(k) for k in columns})
         else:
@@ -145,6 +167,20 @@ def _to_numpy(table: pa.Table | None, columns: dict[str, pa.DataType], bad: int)
             out.data[name] = np.full(n, -1, np.int64) if col is None else col.fill_null(-1).to_numpy()
         else:
             out.data[name] = np.full(n, None, object) if col is None else _strings(col)
+    return out
+
+
+def _in_range(out: Columns) -> Columns:
+    """``out`` without the rows whose ``time`` lies outside :data:`TIME_RANGE` (counted as bad)."""
+    if "time" not in out.data:
+        return out
+    t = out.data["time"]
+    with np.errstate(invalid="ignore"):
+        outside = ~np.isnan(t) & ((t < TIME_RANGE[0]) | (t > TIME_RANGE[1]))
+    if outside.any():
+        keep = ~outside
+        out.data = {k: v[keep] for k, v in out.data.items()}
+        out.rows, out.bad_lines = int(keep.sum()), out.bad_lines + int(outside.sum())
     return out
 
 

@@ -13,7 +13,6 @@ about a second per million steps. Goodput is :mod:`hypertron.monitor.goodput`'s;
 
 from __future__ import annotations
 
-import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from hypertron.config.numbers import check_number
 from hypertron.errors import UserError
 from hypertron.units import describe_bytes, describe_duration, describe_seconds
 from hypertron.monitor.goodput import BADPUT, KILLED, PRODUCTIVE, RUNNING, Goodput, Job, compute, classify, split_jobs
@@ -29,13 +29,18 @@ from hypertron.monitor import stragglers
 from hypertron.monitor.settings import DEFAULTS
 from hypertron.monitor.read import (EVENT_COLUMNS, JOB_START, METRICS_COLUMNS, PROGRESS_COLUMNS, Columns,
                                     host_columns, read_jsonl)
-from hypertron.runfiles import METRICS_FILE, event_files, host_metrics_files
+from hypertron.runfiles import METRICS_FILE, TIME_RANGE, event_files, host_metrics_files
 
 SPIKE_MADS, SPIKE_BLOCK = 6.0, 100
 
 
 class MonitorError(UserError):
     """A run directory that cannot be reported on; one line."""
+
+
+class UnreadableFile(MonitorError):
+    """A run file none of whose lines could be read (binary, garbage, every line out of range):
+    ``hypertron monitor`` says so in one line and exits 1, as for an alarm."""
 
 
 @dataclass
@@ -94,7 +99,7 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = DE
         raise MonitorError(f"{run_dir} {what}: not a hypertron training run, or it has not started yet")
     report = Report(run_dir, now, None, [])
     ev = read_jsonl(files[0], EVENT_COLUMNS)
-    _count_bad(report, files[0], ev.bad_lines)
+    _count_bad(report, files[0], ev)
     jobs, orphans = split_jobs(ev)
     if orphans:
         report.notes.append(f"{orphans} events before the first job_start were ignored")
@@ -112,7 +117,7 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = DE
         if index == 0:
             continue
         cols = read_jsonl(path, PROGRESS_COLUMNS, pick=JOB_START)
-        _count_bad(report, path, cols.bad_lines)
+        _count_bad(report, path, cols)
         pjobs, _ = split_jobs(cols)
         per_process[index] = pjobs
         if pjobs:
@@ -128,7 +133,7 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = DE
     hosts = {}
     for index, path in host_metrics_files(run_dir).items():
         hosts[index] = read_jsonl(path, host_columns())
-        _count_bad(report, path, hosts[index].bad_lines)
+        _count_bad(report, path, hosts[index])
     report.analysis = stragglers.analyse(per_process, hosts, window, straggler_threshold, top)
     for s in report.analysis.scores:
         if s.straggler:
@@ -139,9 +144,14 @@ def build(run_dir: str | Path, now: float | None = None, hang_factor: float = DE
     return report
 
 
-def _count_bad(report: Report, path: Path, bad: int) -> None:
-    if bad:
-        report.bad_lines[path.name] = bad
+def _count_bad(report: Report, path: Path, cols: Columns) -> None:
+    """Count ``path``'s skipped lines in the report; :class:`UnreadableFile` when no line was read."""
+    if cols.unreadable:
+        n = cols.bad_lines
+        raise UnreadableFile(f"{path}: no line could be read ({n} line{'s' * (n != 1)} skipped: not JSON objects "
+                             "holding a run's fields)")
+    if cols.bad_lines:
+        report.bad_lines[path.name] = cols.bad_lines
 
 
 def _process(index: int, jobs: list[Job], ideal: float | None, now: float, factor: float, floor: float) -> Process:
@@ -160,7 +170,7 @@ def _loss_alarms(report: Report, path: Path) -> None:
     if not path.is_file():
         return
     m = report.metrics = read_jsonl(path, METRICS_COLUMNS)
-    _count_bad(report, path, m.bad_lines)
+    _count_bad(report, path, m)
     # Step rows carry a loss (NaN when it diverged); eval rows carry eval_loss instead.
     rows = np.flatnonzero((m["step"] >= 0) & np.isnan(m["eval_loss"]))
     loss, steps = m["loss"][rows], m["step"][rows]
@@ -242,6 +252,7 @@ def render(report: Report):
     head = Text(f"{report.run_dir}", style="bold")
     if g is None:
         parts.append(head)
+        parts += _bad_lines(report)
         parts += [Text(n) for n in report.notes]
         return Group(*parts)
     status = g.jobs[-1].status
@@ -303,8 +314,7 @@ def render(report: Report):
         parts += _render_analysis(report.analysis)
     for alarm in report.alarms:
         parts.append(Text("alarm: " + alarm, style="bold red"))
-    for name, n in report.bad_lines.items():
-        parts.append(Text(f"{name}: {n} unreadable line{'s' * (n != 1)} skipped", style="yellow"))
+    parts += _bad_lines(report)
     for note in report.notes:
         parts.append(Text(note, style="dim"))
     return Group(*parts)
@@ -338,6 +348,13 @@ def _render_analysis(a: stragglers.Analysis) -> list[Any]:
     return parts
 
 
+def _bad_lines(report: Report) -> list[Any]:
+    from rich.text import Text
+
+    return [Text(f"{name}: {n} unreadable line{'s' * (n != 1)} skipped", style="yellow")
+            for name, n in report.bad_lines.items()]
+
+
 def metric_names() -> dict[str, str]:
     """What the report and the dashboard call each metric (:func:`stragglers.metrics`), by key."""
     return {k: m.label or k for k, m in stragglers.metrics().items()}
@@ -368,13 +385,13 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 def parse_duration(text: str, what: str) -> float:
     """``90``, ``90s``, ``30m``, ``2h``, ``1d`` as seconds (positive)."""
     t = text.strip().lower()
-    try:
-        value = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
-    except ValueError:
-        raise MonitorError(f"{what}={text!r}: not a duration (use 90s, 30m, 2h or 1d)") from None
-    if not value > 0 or not math.isfinite(value):
-        raise MonitorError(f"{what}={text!r}: must be a positive duration")
-    return value
+    number, unit = (t[:-1], _UNITS[t[-1]]) if t and t[-1] in _UNITS else (t, 1.0)
+    value, reason = check_number(number, float)
+    if value is None and reason.startswith("expected"):
+        raise MonitorError(f"{what}={text!r}: not a duration (use 90s, 30m, 2h or 1d)")
+    if value is None or not 0 < value * unit <= TIME_RANGE[1]:
+        raise MonitorError(f"{what}={text!r}: must be a positive duration, at most {TIME_RANGE[1]:.0f}s")
+    return value * unit
 
 
 def parse_time(text: str, now: float) -> float:
@@ -383,13 +400,14 @@ def parse_time(text: str, now: float) -> float:
     from datetime import datetime
 
     t = text.strip()
-    try:
-        return float(t)
-    except ValueError:
-        pass
+    value, reason = check_number(t, float, low=TIME_RANGE[0], high=TIME_RANGE[1])
+    if value is not None:
+        return value
+    if not reason.startswith("expected"):
+        raise MonitorError(f"--since={text!r}: {reason} (a Unix time is in {TIME_RANGE[0]:.0f}..{TIME_RANGE[1]:.0f})")
     try:
         return datetime.fromisoformat(t).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):
         pass
     try:
         return now - parse_duration(t, "--since")

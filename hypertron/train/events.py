@@ -22,13 +22,16 @@ from hypertron.tracker import Tracker
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The events of one file, oldest first (a torn last line, from a killed writer, is skipped)."""
+    """The events of one file, oldest first (a torn last line, from a killed writer, or any other line
+    that is not a JSON object, is skipped)."""
     events = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_bytes().splitlines():
         try:
-            events.append(json.loads(line))
-        except ValueError:
+            event = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON or not UTF-8; nested past Python's stack
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 
