@@ -19,7 +19,6 @@ from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
 from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
 from hypertron.train.loop import train
-from support import runs  # tests/support
 from support.cli import run_cli  # tests/support
 
 ROOT = Path(__file__).parent.parent
