@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import sys
 from pathlib import Path
 
 import jax
@@ -21,8 +18,8 @@ from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
 from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
-from support import runs  # tests/support
-from support import processes  # tests/support
+from hypertron.train.loop import train
+from support.cli import run_cli  # tests/support
 
 ROOT = Path(__file__).parent.parent
 RECIPE = ROOT / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"
@@ -191,46 +188,24 @@ def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
 
 # --- the loop: resume, Criteo files, bad input ------------------------------------------------------------------
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-           HYPERTRON_FAULT_DATA_DELAY="*:0.25")  # slow steps, so the kill lands between checkpoints
-
-
-def _train(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hypertron.cli", "train", str(RECIPE), "monitor.collect=false", *args]
-
-
 
 
 @pytest.mark.slow
-def test_the_recipe_killed_with_sigkill_resumes_bit_identically(tmp_path):
-    common = ["train.steps=12", "checkpoint.every=6", "train.eval_every=6", "train.eval_batches=2"]
-    straight = processes.start(_train(*common, f"run_dir={tmp_path / 'a'}"), env=ENV, stdout=processes.DEVNULL,
-                                stderr=processes.PIPE, text=True)
+def test_the_recipe_stopped_at_checkpoint_6_resumes_bit_identically(tmp_path):
+    """The recipe (8 tables, row-wise Adagrad, its data stream, held-out AUC) resumed from checkpoint 6
+    gives the uninterrupted run's 12 losses and final AUC, bit for bit. In process: that a process
+    killed with SIGKILL after a checkpoint resumes the same way is ``test_resume.py``'s (the recipe's
+    schedule is constant, so a 6-step run is the first half of the 12-step one)."""
+    common = ["monitor.collect=false", "train.steps=12", "checkpoint.every=6", "train.eval_every=6",
+              "train.eval_batches=2"]
+    straight = train(load_config(RECIPE, [*common, f"run_dir={tmp_path / 'a'}"]))
     run = tmp_path / "b"
-    killed = processes.start(_train(*common, f"run_dir={run}"), env=ENV, stdout=processes.DEVNULL,
-                              stderr=processes.PIPE, text=True)
-    try:
-        import time
-        deadline = time.monotonic() + 240
-        while not (run / "checkpoints" / "6" / MANIFEST).exists():
-            assert killed.poll() is None, killed.stderr.read()
-            assert time.monotonic() < deadline, "timed out waiting for checkpoint 6"
-            time.sleep(0.01)
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
-        assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill"
-        assert straight.wait(timeout=300) == 0, straight.stderr.read()
-    finally:
-        for p in (straight, killed):
-            p.kill()
-    resumed = processes.run(_train(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from step 6" in resumed.stderr and "auc" in resumed.stderr
-    want, got = runs.losses(tmp_path / "a"), runs.losses(run)
-    assert sorted(got) == list(range(1, 13))
-    assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact
-    evals = lambda r: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines() if "eval_auc" in x]
-    assert [e["eval_auc"] for e in evals(run)][-1] == [e["eval_auc"] for e in evals(tmp_path / "a")][-1]
+    first = train(load_config(RECIPE, [*common, f"run_dir={run}", "train.steps=6"]))
+    assert (run / "checkpoints" / "6" / MANIFEST).exists()
+    resumed = train(load_config(RECIPE, [*common, f"run_dir={run}"]))
+    assert resumed.first_step == 6 and len(straight.losses) == 12
+    assert first.losses + resumed.losses == straight.losses  # exact float equality
+    assert resumed.eval_rows[-1]["eval_auc"] == straight.eval_rows[-1]["eval_auc"]
 
 
 def _criteo_line(rng, label: int) -> str:
@@ -248,10 +223,10 @@ def test_criteo_format_files_are_read_as_the_dlrm_reference_reads_them_and_train
     np.testing.assert_allclose(s["dense"][:4], np.log1p([5, 0, 0, 0]).astype(np.float32))
     assert list(s["sparse"][:3]) == [255 % 10, 0, 16 % 12]
     rng = np.random.default_rng(0)
-    train, held = tmp_path / "day_0.tsv", tmp_path / "day_23.tsv"
-    train.write_text("\n".join(_criteo_line(rng, int(rng.random() < 0.3)) for _ in range(300)) + "\n")
+    days, held = tmp_path / "day_0.tsv", tmp_path / "day_23.tsv"
+    days.write_text("\n".join(_criteo_line(rng, int(rng.random() < 0.3)) for _ in range(300)) + "\n")
     held.write_text("\n".join(_criteo_line(rng, i % 2) for i in range(64)))  # no newline at the end
-    cfg = _cfg("dlrm.source=criteo", f"dlrm.paths={train}", f"dlrm.eval_paths={held}", "dlrm.ids_per_sample=" +
+    cfg = _cfg("dlrm.source=criteo", f"dlrm.paths={days}", f"dlrm.eval_paths={held}", "dlrm.ids_per_sample=" +
                ",".join(["1"] * 26), "dlrm.table_rows=" + ",".join(str(r) for r in rows), "train.global_batch=64")
     task, trainer = Recommender(), _trainer(cfg)
     task.check_inputs(cfg)
@@ -291,10 +266,9 @@ def test_bad_dlrm_runs_are_refused_in_one_line_before_anything_is_written(tmp_pa
         (["dlrm.source=criteo", f"dlrm.paths={RECIPE}", "dlrm.ids_per_sample=" + ",".join(["2"] * 26),
           "dlrm.table_rows=" + ",".join(["5"] * 26)], "Criteo lines hold one id per feature"),
     ]:
-        r = processes.run(_train(f"run_dir={run}", "train.eval_every=0", *args),
-                           env=dict(ENV, HYPERTRON_FAULT_DATA_DELAY=""), capture_output=True, text=True, timeout=120)
+        r = run_cli(["train", RECIPE, "monitor.collect=false", f"run_dir={run}", "train.eval_every=0", *args])
         lines = [x for x in r.stderr.splitlines() if x.strip()]
-        assert r.returncode == 2 and message in r.stderr and len(lines) == 1, r.stderr
+        assert r.rc == 2 and message in r.stderr and len(lines) == 1, r.describe()
         assert not (run / "checkpoints").exists()
     with pytest.raises(DataError, match="40 tab-separated fields"):
         recsys_data.parse_criteo(b"1\t2\t3", tuple([5] * 26))
