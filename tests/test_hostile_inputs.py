@@ -145,3 +145,12 @@ def test_schemathesis_finds_no_5xx_and_no_answer_off_the_schema(srv):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     stats = srv.orch.scheduler.stats()
     assert (stats["slots_in_use"], stats["pages_free"], stats["waiting"]) == (0, stats["pages_total"], 0)
+
+
+def test_no_openapi_flag_turns_the_description_off():
+    from hypertron.cli import build_parser
+    from hypertron.cli.serving import serve_config_from_args
+
+    parse = build_parser().parse_args
+    assert serve_config_from_args(parse(["serve", "--checkpoint", "x"])).openapi is True
+    assert serve_config_from_args(parse(["serve", "--checkpoint", "x", "--no-openapi"])).openapi is False

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server over an :class:`~hypertron.serve.orchestrator.Orchestrator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text). Streaming is server-sent events,
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's description). Streaming is server-sent events,
 ``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``. With an API key every
-``/v1`` endpoint wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+``/v1`` endpoint (and ``/openapi.json``) wants ``Authorization: Bearer KEY``; ``/health`` and
+``/metrics`` stay open.
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Choices where OpenAI leaves room: a text prompt gets the tokenizer's BOS in front (token-id
