@@ -1,11 +1,10 @@
 """OpenAI-compatible HTTP server over an :class:`~hypertron.serve.orchestrator.Orchestrator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's description). Streaming is server-sent events,
-``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``. With an API key every
-``/v1`` endpoint (and ``/openapi.json``) wants ``Authorization: Bearer KEY``; ``/health`` and
-``/metrics`` stay open.
-Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's
+description). Streaming is server-sent events, ``data: {json}\\n\\n`` per chunk, ending with
+``data: [DONE]\\n\\n``. With an API key every ``/v1`` endpoint (and ``/openapi.json``) wants
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Choices where OpenAI leaves room: a text prompt gets the tokenizer's BOS in front (token-id
 prompts are taken as they are); EOS and ``stop_token_ids`` tokens are not returned and not
@@ -31,9 +30,9 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ServeConfig
@@ -102,8 +101,7 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
         yield
         await asyncio.to_thread(orchestrator.stop)
 
-    app = FastAPI(title="hypertron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  description=__doc__.split("\n\n")[0])
+    app = FastAPI(title="hypertron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -170,17 +168,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_crash(_request, exc: Exception):
-        return JSONResponse(internal_error("request failed").body(), status_code=500)
+        return JSONResponse(internal_error("request failed", exc=exc).body(), status_code=500)
 
 
-def internal_error(what: str, detail: str | None = None) -> ApiError:
-    """A 500 that names a request id and nothing of what went wrong; the log gets ``what`` (and
-    ``detail``, or the exception being handled) under that id."""
+def internal_error(what: str, detail: str = "", exc: BaseException | None = None) -> ApiError:
+    """A 500 that names a request id and nothing of what went wrong; the log gets ``what``,
+    ``detail`` and ``exc``'s traceback under that id."""
     rid = uuid.uuid4().hex[:16]
-    if detail is None:
-        log.exception("%s (request id %s)", what, rid)
-    else:
-        log.error("%s (request id %s): %s", what, rid, detail)
+    log.error("%s (request id %s) %s", what, rid, detail, exc_info=exc)
     return ApiError(500, f"internal error (request id {rid}); the server log has the details", type="server_error")
 
 
@@ -405,7 +400,7 @@ def _dump_event(event: BaseModel, exclude) -> str:
 
 def _raise_if_failed(chunk) -> None:
     if chunk.finish_reason == ERROR:
-        raise internal_error("generation failed", chunk.error or "")
+        raise internal_error("generation failed", chunk.error or "")  # the step's traceback is logged already
     if chunk.finish_reason == ABORT:
         raise ApiError(503, chunk.error or "the request was aborted", type="server_error")
 
