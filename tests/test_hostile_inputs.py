@@ -59,7 +59,7 @@ def srv():
 
 
 def _post(srv, path: str, body: bytes | dict) -> httpx.Response:
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = {"json": body} if isinstance(body, dict) else {"content": body, "headers": {"content-type": "application/json"}}
     return httpx.post(srv.url + path, timeout=30, **kw)
 
 

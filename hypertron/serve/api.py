@@ -128,7 +128,8 @@ class _Sampling(_Strict):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]})
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"}]})
     stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the completion "
                                                                "(not returned)")
     ignore_eos: bool | None = Field(None, description="extension: go on past the end-of-sequence token")
@@ -412,8 +413,8 @@ def openapi_schema(routes, limits: ApiLimits, *, model_name: str, api_key: bool)
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {}).update(defs["$defs"])
     for path, model in requests.items():
-        schema["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
     completion, chat = (components["schemas"][m.__name__]["properties"] for m in requests.values())
     for props in (completion, chat):
         props["model"] |= {"enum": [model_name], "description": "the model this server serves (GET /v1/models)"}

@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's
 description). Streaming is server-sent events, ``data: {json}\\n\\n`` per chunk, ending with
 ``data: [DONE]\\n\\n``. With an API key every ``/v1`` endpoint (and ``/openapi.json``) wants
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Errors have
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Choices where OpenAI leaves room: a text prompt gets the tokenizer's BOS in front (token-id
 prompts are taken as they are); EOS and ``stop_token_ids`` tokens are not returned and not
