@@ -413,3 +413,4 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None: max_seq_len - 1
     max_tokens_limit: int | None = None  # largest max_tokens; None: max_seq_len
     model_name: str | None = None  # the id in /v1/models; None: the run directory's name
+    openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)

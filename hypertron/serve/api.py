@@ -13,11 +13,18 @@ refused when they would change the output.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+import json
+import math
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic.json_schema import models_json_schema
 
 MAX_STOP_STRINGS = 16
+MAX_JSON_DEPTH = 32  # arrays and objects inside one another; a chat request with content parts needs 4
 
 
 class ApiError(Exception):
@@ -33,15 +40,74 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def schema_error(e: ValidationError) -> ApiError:
-    """The first of pydantic's errors as a 400 naming the top-level field it is in."""
-    err = e.errors(include_url=False)[0]
+def schema_error(errors: list[dict]) -> ApiError:
+    """The first of pydantic's errors (``ValidationError.errors()``, locations from the body's top)
+    as a 400 naming the top-level field it is in."""
+    err = errors[0]
     loc = [str(x) for x in err["loc"]]
     if not loc:  # the body itself
         return ApiError(400, "the body must be a JSON object")
     where = loc[0] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc[1:])
     message = err["msg"] if err["type"] != "missing" else "required"
     return ApiError(400, f"'{where}': {message}", param=loc[0])
+
+
+# A JSON string (its escapes whole) and the brackets that open and close arrays and objects.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as strict JSON: 400 for a body that is not JSON, nests arrays and objects deeper
+    than :data:`MAX_JSON_DEPTH`, or holds ``NaN``, ``Infinity`` or a number past a float's range
+    (which Python's ``json`` would take); 400 naming the field for a string with a lone surrogate
+    (``"\\ud800"``: legal JSON, not text)."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    depth = np.cumsum(np.isin(brackets, _OPEN).astype(np.int64) - np.isin(brackets, _CLOSE))
+    if depth.size and depth.max() > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the body nests arrays and objects {int(depth.max())} deep; "
+                            f"this server takes at most {MAX_JSON_DEPTH}")
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    path = _surrogate_at(body)
+    if path is not None:
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".") or "the body"
+        raise ApiError(400, f"'{where}' holds a lone surrogate (\\ud800 to \\udfff), which is not text",
+                       param=str(path[0]) if path and isinstance(body, dict) else None)
+    return body
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{text[:20]} is past a float's range")
+    return x
+
+
+def _surrogate_at(value: Any) -> list | None:
+    """The path (keys and indices) to a string or key in ``value`` holding a lone surrogate, if any."""
+    if isinstance(value, str):
+        return [] if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return [k.encode("utf-8", "backslashreplace").decode()]
+        inner = _surrogate_at(v)
+        if inner is not None:
+            return [k, *inner]
+    return None
+
+
+def _only(value: int, kind: str = "integer") -> dict:
+    """The schema of an optional number this server takes only one value of (or null)."""
+    return {"anyOf": [{"type": kind, "minimum": value, "maximum": value}, {"type": "null"}]}
 
 
 class _Strict(BaseModel):
@@ -58,18 +124,22 @@ class _Sampling(_Strict):
     model: str
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # extension: 0 or -1 = off
+    top_k: int | None = Field(None, ge=-1, description="extension: sample from the k likeliest tokens; 0 or -1: off")
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    ignore_eos: bool | None = None  # extension
+    stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"}]})
+    stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the completion "
+                                                               "(not returned)")
+    ignore_eos: bool | None = Field(None, description="extension: go on past the end-of-sequence token")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(None, json_schema_extra=_only(1))
+    best_of: int | None = Field(None, json_schema_extra=_only(1))
+    presence_penalty: float | None = Field(None, json_schema_extra=_only(0, "number"))
+    frequency_penalty: float | None = Field(None, json_schema_extra=_only(0, "number"))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
 
     @field_validator("n", "best_of")
     @classmethod
@@ -108,11 +178,16 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    prompt: Any  # a string, token ids, or a list of one of those (checked below)
+    prompt: Annotated[Any, WithJsonSchema({  # checked below
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                  {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                  {"type": "array", "minItems": 1, "maxItems": 1,
+                   "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}],
+        "description": "text (BOS is put in front), token ids, or a list of one of those"})]
     max_tokens: int | None = Field(None, ge=1)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0)
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -163,6 +238,17 @@ class ChatCompletionRequest(_Sampling):
 
 # ---------------------------------------------------------------------------
 # Responses
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = Field(description="the request's top-level field at fault, if one is")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
 
 
 class Usage(BaseModel):
@@ -267,3 +353,95 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "stopped"]
+
+
+# ---------------------------------------------------------------------------
+# The API's description (GET /openapi.json)
+
+_ERRORS = {400: "a field out of range or of the wrong type (named in `param`), or a body that is not strict JSON",
+           401: "no API key or a wrong one", 404: "another model's name", 413: "a body past the size limit",
+           429: "the waiting queue is full (see `Retry-After`)", 500: "an internal error (a request id, no details)",
+           503: "the server is stopping"}
+_SSE = ("with `stream`: server-sent events, `data: {chunk}` per chunk (the same object, a chat's with `delta` "
+        "for `message`), then `data: [DONE]`; an error after the first chunk is a `data: {\"error\": ...}` event")
+HEALTH_RESPONSES = {200: {"model": Health, "description": "the engine loop runs"},
+                    503: {"model": Health, "description": "the engine loop has stopped"}}
+METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                           "description": "Prometheus text exposition"}}
+
+
+def responses(model: type[BaseModel], *, stream: bool = False) -> dict:
+    """A /v1 route's ``responses`` for FastAPI: ``model`` as JSON (and, with ``stream``, the same
+    as server-sent events), and every error in OpenAI's shape."""
+    ok = {"model": model, "description": "the answer"}
+    if stream:
+        event = {"type": "object", "required": ["data"], "description": _SSE,  # one event, as OpenAPI 3.1 has it
+                 "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}
+        ok["content"] = {"text/event-stream": {"schema": event}}
+    codes = _ERRORS if stream else {401: _ERRORS[401], 500: _ERRORS[500]}
+    return {200: ok, **{code: {"model": ErrorResponse, "description": d} for code, d in codes.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiLimits:
+    """What the served engine and the server's settings allow, written into the API's description."""
+
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    max_seq_len: int
+    max_top_logprobs: int
+    vocab_size: int
+    max_body_bytes: int
+
+
+def openapi_schema(routes, limits: ApiLimits, *, model_name: str, api_key: bool) -> dict:
+    """The OpenAPI description of ``routes``: the request models as the /v1 POST bodies, with this
+    server's limits as ``maximum`` and descriptions."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title="hypertron", version="1", routes=routes, description=(
+        f"OpenAI-compatible. Bodies: strict JSON (no NaN or Infinity, no lone surrogates), at most "
+        f"{limits.max_body_bytes} bytes, arrays and objects nested at most {MAX_JSON_DEPTH} deep. A prompt: at most "
+        f"{limits.max_prompt_tokens} tokens; the context (prompt and completion) {limits.max_seq_len}."))
+    requests = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    _, defs = models_json_schema([(m, "validation") for m in requests.values()],
+                                 ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {})
+    components.setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in requests.items():
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+    completion, chat = (components["schemas"][m.__name__]["properties"] for m in requests.values())
+    for props in (completion, chat):
+        props["model"] |= {"enum": [model_name], "description": "the model this server serves (GET /v1/models)"}
+    for prop in (completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
+        _limit(prop, "maximum", limits.max_tokens_limit, f"at most {limits.max_tokens_limit} here (--max-tokens-limit)")
+    for prop in (completion["logprobs"], chat["top_logprobs"]):
+        _limit(prop, "maximum", limits.max_top_logprobs, f"at most {limits.max_top_logprobs} here")
+    for prop in (completion["prompt"], chat["messages"]):
+        prop["description"] = (prop.get("description", "") + f" At most {limits.max_prompt_tokens} tokens "
+                               f"(--max-prompt-tokens); the context is {limits.max_seq_len} tokens.").strip()
+    for branch in completion["prompt"]["anyOf"]:
+        items = branch.get("items", {})
+        for ids in (items, items.get("items", {})):
+            if ids.get("type") == "integer":
+                ids["maximum"] = limits.vocab_size - 1
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+    return schema
+
+
+def _limit(prop: dict, key: str, value: int, description: str) -> None:
+    """Set ``key`` on the integer branch of an optional integer's schema, and its description."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == "integer":
+            branch[key] = value
+    prop["description"] = description

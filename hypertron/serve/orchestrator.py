@@ -92,6 +92,7 @@ class Orchestrator:
             max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids, max_top_logprobs=engine.max_top_logprobs,
             max_num_batched_tokens=max(max_num_batched_tokens, engine.max_slots), max_prefill_rows=max_prefill_rows,
             step_overhead_tokens=step_overhead_tokens)
+        self.kv_pool_tokens = engine.num_pages * engine.page_size  # a prompt must be shorter (see Scheduler._admit)
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
         self._incoming: list[_Submission] = []

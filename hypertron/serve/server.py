@@ -1,10 +1,11 @@
 """OpenAI-compatible HTTP server over an :class:`~hypertron.serve.orchestrator.Orchestrator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text). Streaming is server-sent events,
-``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``. With an API key every
-``/v1`` endpoint wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
-Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's
+description). Streaming is server-sent events, ``data: {json}\\n\\n`` per chunk, ending with
+``data: [DONE]\\n\\n``. With an API key every ``/v1`` endpoint (and ``/openapi.json``) wants
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Errors have
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Choices where OpenAI leaves room: a text prompt gets the tokenizer's BOS in front (token-id
 prompts are taken as they are); EOS and ``stop_token_ids`` tokens are not returned and not
@@ -30,6 +31,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,7 +41,10 @@ from hypertron.errors import UserError
 from pydantic import BaseModel, ValidationError
 
 from hypertron.serve.api import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
     ApiError,
+    ApiLimits,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -57,6 +62,9 @@ from hypertron.serve.api import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    openapi_schema,
+    parse_json,
+    responses,
     schema_error,
 )
 from hypertron.serve.detokenize import detokenizer
@@ -74,12 +82,14 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_key: str | None = None,
                max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
+               openapi: bool = True) -> FastAPI:
     """The FastAPI app. It starts ``orchestrator`` at startup and stops it at shutdown.
 
     ``max_prompt_tokens`` defaults to (and is capped at) the engine's ``max_seq_len - 1``;
     ``max_tokens_limit`` to its ``max_seq_len``. ``chat_template`` is Jinja source (see the
-    module docstring). Raises :class:`UserError` for a template that does not compile.
+    module docstring). ``openapi``: serve the API's description at ``GET /openapi.json`` (behind
+    the API key when there is one). Raises :class:`UserError` for a template that does not compile.
     """
     max_prompt = min(max_prompt_tokens or orchestrator.max_seq_len, orchestrator.max_seq_len - 1)
     max_tokens_limit = max_tokens_limit or orchestrator.max_seq_len
@@ -103,34 +113,71 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
-    v1.add_api_route("/completions", api.completions, methods=["POST"])
-    v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"])
-    v1.add_api_route("/models", api.models, methods=["GET"])
+    v1.add_api_route("/completions", api.completions, methods=["POST"], summary="Complete a prompt",
+                     responses=responses(Completion, stream=True))
+    v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], summary="Answer a chat",
+                     responses=responses(ChatCompletion, stream=True))
+    v1.add_api_route("/models", api.models, methods=["GET"], summary="The model served",
+                     responses=responses(ModelList))
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", summary="Liveness: 200 while the engine loop runs, else 503", responses=HEALTH_RESPONSES)
     async def health():
         ok = orchestrator.running
         return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus text", responses=METRICS_RESPONSES)
     async def metrics():
         return Response(generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if openapi:
+        limits = ApiLimits(max_prompt_tokens=min(max_prompt, orchestrator.kv_pool_tokens - 1),
+                           max_tokens_limit=max_tokens_limit, max_seq_len=orchestrator.max_seq_len,
+                           max_top_logprobs=orchestrator.max_top_logprobs, vocab_size=tokenizer.vocab_size,
+                           max_body_bytes=max_body_bytes)
+
+        def describe() -> dict:
+            if app.openapi_schema is None:
+                app.openapi_schema = openapi_schema(app.routes, limits, model_name=model_name,
+                                                    api_key=api_key is not None)
+            return app.openapi_schema
+
+        app.openapi = describe
+        app.add_api_route("/openapi.json", lambda: JSONResponse(app.openapi()), methods=["GET"],
+                          dependencies=[Depends(authorize)], include_in_schema=False)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; a crash as a 500 with a request id and none of its text
+    (the log has the traceback under the same id)."""
 
     @app.exception_handler(ApiError)
     async def on_api_error(_request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+    async def on_http_error(_request, exc: StarletteHTTPException):  # 404, 405 (with its Allow header)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_request, exc: RequestValidationError):
+        error = schema_error([{**e, "loc": e["loc"][1:]} for e in exc.errors()])  # without "body"
+        return JSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def on_crash(_request, exc: Exception):
-        log.exception("request failed")
-        return JSONResponse(ApiError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+        return JSONResponse(internal_error("request failed", exc=exc).body(), status_code=500)
 
-    return app
+
+def internal_error(what: str, detail: str = "", exc: BaseException | None = None) -> ApiError:
+    """A 500 that names a request id and nothing of what went wrong; the log gets ``what``,
+    ``detail`` and ``exc``'s traceback under that id."""
+    rid = uuid.uuid4().hex[:16]
+    log.error("%s (request id %s) %s", what, rid, detail, exc_info=exc)
+    return ApiError(500, f"internal error (request id {rid}); the server log has the details", type="server_error")
 
 
 class _Api:
@@ -202,6 +249,10 @@ class _Api:
         if len(ids) > self.max_prompt:
             raise ApiError(400, f"'{param}' is {len(ids)} tokens; this server takes at most {self.max_prompt}",
                            param=param, code="context_length_exceeded")
+        if len(ids) >= self.orch.kv_pool_tokens:  # the first sampled token needs a place too
+            raise ApiError(400, f"'{param}' is {len(ids)} tokens; the KV cache's page pool holds "
+                                f"{self.orch.kv_pool_tokens} tokens in all, so a prompt must be shorter",
+                           param=param, code="context_length_exceeded")
         return ids
 
     # -- POST /v1/chat/completions ------------------------------------------------------
@@ -258,14 +309,11 @@ class _Api:
             raw += part
             if len(raw) > self.max_body:
                 raise ApiError(413, f"request body over {self.max_body} bytes", code="request_too_large")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        body = parse_json(bytes(raw))
         try:
             req = model.model_validate(body)
         except ValidationError as e:
-            raise schema_error(e) from None
+            raise schema_error(e.errors(include_url=False)) from None
         if req.model != self.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -357,9 +405,10 @@ def _dump_event(event: BaseModel, exclude) -> str:
 
 
 def _raise_if_failed(chunk) -> None:
-    if chunk.finish_reason in (ERROR, ABORT):
-        raise ApiError(500 if chunk.finish_reason == ERROR else 503, chunk.error or "the request was aborted",
-                       type="server_error")
+    if chunk.finish_reason == ERROR:
+        raise internal_error("generation failed", chunk.error or "")  # the step's traceback is logged already
+    if chunk.finish_reason == ABORT:
+        raise ApiError(503, chunk.error or "the request was aborted", type="server_error")
 
 
 async def _collect(gen: Generation, request: Request) -> list | None:
@@ -474,7 +523,7 @@ def main(serve: ServeConfig) -> int:
                                 **dict(zip(("ahead", "ahead_max_tokens"), resolve_dispatch_ahead(serve.dispatch_ahead))))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
-                     chat_template=tokenizer.chat_template)
+                     chat_template=tokenizer.chat_template, openapi=serve.openapi)
     if serve.host not in ("127.0.0.1", "localhost", "::1") and not serve.api_key:
         log.warning("serving on %s without an api_key: anyone who can reach it can use it", serve.host)
     # A full garbage collection walks every object the process holds, and JAX's caches keep about
