@@ -69,14 +69,14 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"the body nests arrays and objects {int(depth.max())} deep; "
                             f"this server takes at most {MAX_JSON_DEPTH}")
     try:
-        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+        body = json.loads(raw, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    path = _surrogate_at(body)
-    if path is not None:
+    found = _unholdable_at(body)
+    if found is not None:
+        path, why = found
         where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".") or "the body"
-        raise ApiError(400, f"'{where}' holds a lone surrogate (\\ud800 to \\udfff), which is not text",
-                       param=str(path[0]) if path and isinstance(body, dict) else None)
+        raise ApiError(400, f"'{where}' {why}", param=str(path[0]) if path and isinstance(body, dict) else None)
     return body
 
 
@@ -84,24 +84,22 @@ def _not_json(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _finite(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"{text[:20]} is past a float's range")
-    return x
-
-
-def _surrogate_at(value: Any) -> list | None:
-    """The path (keys and indices) to a string or key in ``value`` holding a lone surrogate, if any."""
+def _unholdable_at(value: Any) -> tuple[list, str] | None:
+    """The path (keys and indices) to the first string or key in ``value`` holding a lone
+    surrogate, or number past a float's range (``1e400``, which Python reads as infinity), and why."""
     if isinstance(value, str):
-        return [] if _SURROGATE.search(value) else None
+        if _SURROGATE.search(value):
+            return [], "holds a lone surrogate (\\ud800 to \\udfff), which is not text"
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ([], "is a number past a float's range")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
         if isinstance(k, str) and _SURROGATE.search(k):
-            return [k.encode("utf-8", "backslashreplace").decode()]
-        inner = _surrogate_at(v)
+            return [k.encode("utf-8", "backslashreplace").decode()], "holds a lone surrogate, which is not text"
+        inner = _unholdable_at(v)
         if inner is not None:
-            return [k, *inner]
+            return [k, *inner[0]], inner[1]
     return None
 
 

@@ -32,6 +32,9 @@ class SamplingError(UserError):
         self.field = field
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # what holds a temperature on the device
+
+
 def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
     """Raise :class:`SamplingError` naming ``field`` unless every id is in ``[0, vocab_size)``."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -61,8 +64,8 @@ class SamplingParams:
 
         if not 1 <= self.max_tokens <= INT32_MAX:
             refuse("max_tokens", self.max_tokens, f"1 to {INT32_MAX}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            refuse("temperature", self.temperature, "a finite number >= 0")
+        if not 0 <= self.temperature <= FLOAT32_MAX:  # NaN fails both
+            refuse("temperature", self.temperature, f"a number from 0 to {FLOAT32_MAX:.4g} (a float32)")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             refuse("top_p", self.top_p, "a number in (0, 1]")
         if not 0 <= self.top_k <= vocab_size:
