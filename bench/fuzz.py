@@ -1,6 +1,7 @@
 """Fuzzing at scale: what ``tests/test_hostile_inputs.py`` runs in the suite, with far more examples.
 
     python bench/fuzz.py [--part server|cli|all] [--server-examples 5000] [--engine tiny|fake]
+                         [--cli-examples 2000]
                          [--seed 0] [--hang-s 30]
 
 ``server``: ``hypertron serve``'s app on 127.0.0.1 (uvicorn in a thread, a free port; a few requests
@@ -15,7 +16,13 @@ description says, an answer within ``--hang-s``. Then ``/health`` must answer ok
 and KV page must be free. Prints the counts of requests, 2xx, 4xx, 5xx and hangs, and the first
 failures. Exit status 1 if any check failed.
 
-``cli``: the CLI's and the run-file readers' half (to come); ``all``: both.
+``cli``: the CLI's and the run-file readers' half: the hypothesis strategies of
+``tests/support/fuzz.py`` (config overrides through ``plan``, a shipped recipe with one field made
+hostile, ``embed plan`` files, run files under ``monitor --json``), ``--cli-examples`` in all,
+shared between the targets, random (not the suite's derandomized run). Every input must end in
+one ``error:`` line and a non-zero exit, a counted skip, or an answer: never a traceback. Prints
+each target's outcomes, its slowest example and any failure (hypothesis's shrunk input).
+``all``: both.
 """
 
 from __future__ import annotations
@@ -91,11 +98,34 @@ def fuzz_server_part(examples: int, seed: int, hang_s: float, engine_kind: str) 
     return counts.failed == 0 and health == {"status": "ok"} and idle
 
 
+def fuzz_cli_part(examples: int, hang_s: float) -> bool:
+    from support.fuzz import TARGETS, fuzz
+
+    ok = True
+    per_target = max(1, examples // len(TARGETS))
+    print(f"cli: {per_target * len(TARGETS):,} examples, {per_target:,} for each of {', '.join(TARGETS)}")
+    for target in TARGETS:
+        t0 = time.perf_counter()
+        try:
+            counts, failure = fuzz(target, per_target, derandomize=False), None
+        except Exception as e:  # hypothesis re-raises the shrunk example's failure
+            counts, failure = {}, f"{type(e).__name__}: {e}"
+        took = time.perf_counter() - t0
+        slowest = counts.get("slowest_s", 0.0) if isinstance(counts, dict) else 0.0
+        outcomes = ", ".join(f"{n:,} {k}" for k, n in sorted(counts.items()) if k != "slowest_s")
+        print(f"  {target:9s} {outcomes or 'no outcome'}; {took:.1f} s, slowest example {slowest:.2f} s")
+        if failure or slowest > hang_s:
+            ok = False
+            print("  FAILED " + (failure or f"an example took {slowest:.1f} s").replace("\n", "\n    "))
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("server", "cli", "all"), default="all")
     ap.add_argument("--server-examples", type=int, default=5000)
     ap.add_argument("--engine", choices=("tiny", "fake"), default="tiny")
+    ap.add_argument("--cli-examples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hang-s", type=float, default=30.0)
     args = ap.parse_args()
@@ -106,7 +136,7 @@ def main() -> int:
     if args.part in ("server", "all"):
         ok &= fuzz_server_part(args.server_examples, args.seed, args.hang_s, args.engine)
     if args.part in ("cli", "all"):
-        print("cli: not written yet (issue 48's CLI and run-file readers half)")
+        ok &= fuzz_cli_part(args.cli_examples, args.hang_s)
     return 0 if ok else 1
 
 

@@ -16,4 +16,4 @@ EXAMPLES = {"config": 40, "recipe": 12, "embed": 40, "runfiles": 40}
 @pytest.mark.parametrize("target", sorted(EXAMPLES))
 def test_hostile_input_is_refused_in_one_line_or_counted(target):
     counts = fuzz(target, EXAMPLES[target])
-    assert sum(counts.values()) >= EXAMPLES[target] // 2, counts
+    assert sum(n for outcome, n in counts.items() if outcome != "slowest_s") >= EXAMPLES[target] // 2, counts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -197,8 +198,8 @@ TARGETS: dict[str, tuple[Callable[[], st.SearchStrategy], Callable[[Any, Path], 
 
 def fuzz(target: str, max_examples: int, derandomize: bool = True) -> Counter:
     """Run ``target`` (a key of :data:`TARGETS`) on ``max_examples`` hostile inputs; the outcomes
-    counted (``refused``, ``unreadable``, ``answered``). An input the CLI mishandles fails with
-    hypothesis's shrunk example."""
+    counted (``refused``, ``unreadable``, ``answered``), beside ``slowest_s``, the slowest example's
+    seconds. An input the CLI mishandles fails with hypothesis's shrunk example."""
     strategy, check = TARGETS[target]
     counts: Counter = Counter()
 
@@ -206,8 +207,10 @@ def fuzz(target: str, max_examples: int, derandomize: bool = True) -> Counter:
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(strategy())
     def run(case: Any) -> None:
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as where:
             counts[check(case, Path(where))] += 1
+        counts["slowest_s"] = max(counts["slowest_s"], time.perf_counter() - t0)
 
     run()
     return counts
