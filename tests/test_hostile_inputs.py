@@ -367,9 +367,13 @@ def test_a_run_file_line_it_cannot_hold_is_skipped_and_counted_in_text_and_json(
     assert f"{name}: 1 unreadable line skipped" in text.stdout, text.describe()
 
 
-@pytest.mark.parametrize("name", ["events.jsonl", "metrics.jsonl", "host_metrics_0.jsonl"])
-def test_a_run_file_with_no_readable_line_is_one_line_and_exit_1(tmp_path, name):
-    run = _run_dir(tmp_path, **{name: "\x00\x01\xff garbage\n" + json.dumps({"time": _HUGE}) + "\n"})
+@pytest.mark.parametrize("name, text", [
+    *((name, "\x00\x01\xff garbage\n" + json.dumps({"time": _HUGE}) + "\n")
+      for name in ("events.jsonl", "metrics.jsonl", "host_metrics_0.jsonl")),
+    ("events.jsonl", "null\nnull"),  # pyarrow's JSON reader crashed the process on a line `null`
+])
+def test_a_run_file_with_no_readable_line_is_one_line_and_exit_1(tmp_path, name, text):
+    run = _run_dir(tmp_path, **{name: text})
     for argv in (["monitor", str(run)], ["monitor", "--json", str(run)]):
         r = run_cli(argv)
         assert r.rc == 1 and r.stdout == "" and "Traceback" not in r.stderr, r.describe()
@@ -447,6 +451,8 @@ def test_a_recipe_s_wrong_types_are_one_line(tmp_path):
     one_error_line(run_cli(["plan", str(tmp_path / "r.yaml")]), "model.num_layers: expected an integer, got [1, 2]")
     (tmp_path / "r.yaml").write_text("launch: {nodes: abc}\n")
     one_error_line(run_cli(["recipes", str(tmp_path / "r.yaml")]), "launch.nodes: expected an integer, got 'abc'")
+    (tmp_path / "r.yaml").write_text("launch: {xla_flags: [{}]}\n")  # a TypeError before (bench/fuzz.py)
+    one_error_line(run_cli(["recipes", str(tmp_path / "r.yaml")]), "launch.xla_flags.value: required")
 
 
 @pytest.mark.parametrize("where", ["file", "file/run"])

@@ -118,6 +118,10 @@ def build(cls: type, values: dict[str, Any], prefix: str = "", base: Any = None,
         kwargs[k] = _coerce(v, hints[k], name(k) if name else prefix + k)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{name(missing[0]) if name else prefix + missing[0]}: required{where}")
     return cls(**kwargs)
 
 

@@ -16,6 +16,7 @@ parse, a column of the wrong type, an integer past int64, a ``time`` outside
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def read_jsonl(path: str | Path, columns: dict[str, pa.DataType], pick: bytes | 
     table = None
     if raw and not raw.isspace():
         try:
+            if _NOT_AN_OBJECT.search(raw):  # pyarrow's reader crashes the process on a line `null`
+                raise pa.ArrowInvalid("a line that is not a JSON object")
             table = _parse(raw, schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             rows, skipped = _readable_rows(raw, columns)
@@ -109,6 +112,9 @@ def _pick(raw: bytes, needle: bytes) -> list[dict]:
             pass
         at = raw.find(needle, hi)
     return found
+
+
+_NOT_AN_OBJECT = re.compile(rb"^[ \t\r]*[^{\s]", re.MULTILINE)
 
 
 def _parse(raw: bytes, schema: pa.Schema) -> pa.Table:
