@@ -114,7 +114,7 @@ def build(cls: type, values: dict[str, Any], prefix: str = "", base: Any = None,
         if k not in names:
             if prefix + k in RENAMED_KEYS:
                 raise ConfigError(f"{prefix}{k} is now {RENAMED_KEYS[prefix + k]}{where}")
-            raise ConfigError(f"unknown config key '{prefix}{k}'{where}")
+            raise ConfigError(f"unknown config key {prefix + k!r}{where}")  # repr: a key may hold a newline
         kwargs[k] = _coerce(v, hints[k], name(k) if name else prefix + k)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
@@ -135,7 +135,7 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"config key '{dotted}': '{p}' is not a section")
+            raise ConfigError(f"config key {dotted!r}: {p!r} is not a section")
         node[p] = child
         node = child
     last = parts[-1]
@@ -239,10 +239,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     out = []
     for a in args:
         if "=" not in a:
-            raise ConfigError(f"override '{a}' is not of the form key=value")
+            raise ConfigError(f"override {a!r} is not of the form key=value")
         k, v = a.split("=", 1)
         if not k:
-            raise ConfigError(f"override '{a}' has an empty key")
+            raise ConfigError(f"override {a!r} has an empty key")
         out.append((k.strip(), v))
     return out
 
