@@ -1,4 +1,5 @@
-"""Fuzzing at scale: what ``tests/test_hostile_inputs.py`` runs in the suite, with far more examples.
+"""Fuzzing at scale: what ``tests/test_hostile_inputs.py`` and ``tests/test_fuzz_cli.py`` run in the
+suite, with far more examples.
 
     python bench/fuzz.py [--part server|cli|all] [--server-examples 5000] [--engine tiny|fake]
                          [--cli-examples 2000]
