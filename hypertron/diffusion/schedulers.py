@@ -302,8 +302,10 @@ def make_schedule(config: SchedulerConfig, steps: int, *, image_seq_len: int | N
     ``image_seq_len``: the latent's token count, which sets flow matching's shift when
     ``use_dynamic_shifting``. ``sigmas``: flow matching's own sigmas before the shift (FluxPipeline
     passes ``linspace(1, 1 / steps, steps)``)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise DiffusionError(f"steps={steps!r}: must be an integer of at least 1")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise DiffusionError(f"steps={shown(steps)}: must be an integer of at least 1")
+    steps = int(steps)
+    image_seq_len = None if image_seq_len is None else int(image_seq_len)
     if config.class_name != FLOW and steps > config.num_train_timesteps:
         raise DiffusionError(f"steps={steps}: more than the scheduler's num_train_timesteps "
                              f"({config.num_train_timesteps})")
@@ -492,7 +494,7 @@ def _flow_schedule(cfg: SchedulerConfig, steps: int, image_seq_len: int | None,
         top, bottom = ends if cfg.use_dynamic_shifting else _shifted(ends, cfg.shift)
         sigma = np.linspace(float(top) * total, float(bottom) * total, steps) / total
     if cfg.use_dynamic_shifting:
-        if not isinstance(image_seq_len, int) or image_seq_len < 1:
+        if image_seq_len is None or image_seq_len < 1:
             raise DiffusionError(f"{FLOW}: use_dynamic_shifting needs the image's sequence length, "
                                  f"not {image_seq_len!r}")
         slope = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
