@@ -36,30 +36,30 @@ def check_number(value: Any, kind: type = float, *, low: float | None = None, hi
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = value
     if number is None:
-        return None, f"expected {noun}, got {_shown(value)}"
+        return None, f"expected {noun}, got {shown(value)}"
     if isinstance(number, float) and not math.isfinite(number):
         return None, f"{number} is not a finite number"
     if kind is int and isinstance(number, float):
         if not number.is_integer():
-            return None, f"expected {noun}, got {_shown(value)}"
+            return None, f"expected {noun}, got {shown(value)}"
         number = int(number)
     if kind is float:
         try:
             number = float(number)
         except OverflowError:
-            return None, f"{_shown(value)} is too large"
+            return None, f"{shown(value)} is too large"
     lo, hi = (low, high) if kind is float else (max(INT64[0], low if low is not None else INT64[0]),
                                                 min(INT64[1], high if high is not None else INT64[1]))
     if lo is not None and number < lo:
-        return None, f"{number:g} is below {lo:g}" if kind is float else f"{_shown(number)} is below {lo}"
+        return None, f"{number:g} is below {lo:g}" if kind is float else f"{shown(number)} is below {lo}"
     if above is not None and not number > above:
         return None, f"{number:g} must be above {above:g}"
     if hi is not None and number > hi:
-        return None, f"{number:g} is above {hi:g}" if kind is float else f"{_shown(number)} is above {hi}"
+        return None, f"{number:g} is above {hi:g}" if kind is float else f"{shown(number)} is above {hi}"
     return number, ""
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` as a message quotes it: its repr, cut to 60 characters (a line stays a line)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
