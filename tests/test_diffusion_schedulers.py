@@ -15,7 +15,17 @@ from hypertron.diffusion import schedulers as S
 from hypertron.diffusion.errors import DiffusionError
 
 torch = pytest.importorskip("torch")
-diffusers_schedulers = pytest.importorskip("diffusers.schedulers")
+
+
+class _Diffusers:
+    """diffusers' schedulers, imported at first use: the import costs seconds of CPU (it pulls in
+    torch._dynamo), and every xdist worker collects this module, most never running it."""
+
+    def __getattr__(self, name):
+        return getattr(pytest.importorskip("diffusers.schedulers"), name)
+
+
+diffusers_schedulers = _Diffusers()
 
 SD = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
 # Stable Diffusion 1.5's scheduler_config.json (a PNDM config: DDIM reads its options, ignores the rest)
