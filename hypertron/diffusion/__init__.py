@@ -1,0 +1,1 @@
+"""Diffusion inference: pipelines of diffusers folders in JAX."""
