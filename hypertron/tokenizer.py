@@ -344,7 +344,7 @@ def get_tokenizer(name: str) -> Tokenizer:
         return _BYTE
     kind, path = tokenizer_file(name)
     # The files beside it say its special ids (HF), end-of-turn ids and chat template (both kinds).
-    files = _files_of(kind, path) + [os.path.join(os.path.dirname(path), f)
+    files = tokenizer_files(kind, path) + [os.path.join(os.path.dirname(path), f)
                                      for f in (*_CONFIG_FILES, "generation_config.json")]
     versions = tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f))
     return _load(kind, name, path, versions)
@@ -385,7 +385,7 @@ def tokenizer_identity(name: str) -> dict:
     if name == "byte":
         return {"name": name, "kind": "byte", "path": None, "sha256": None}
     kind, path = tokenizer_file(name)
-    return {"name": name, "kind": kind, "path": path, "sha256": _file_sha256(_files_of(kind, path))}
+    return {"name": name, "kind": kind, "path": path, "sha256": _file_sha256(tokenizer_files(kind, path))}
 
 
 @functools.lru_cache(maxsize=16)
@@ -396,8 +396,9 @@ def _load(kind: str, name: str, path: str, versions: tuple) -> Tokenizer:
     return HFTokenizer(name, path) if kind == "hf" else SentencePieceTokenizer(name, path)
 
 
-def _files_of(kind: str, path: str) -> list[str]:
-    """The files whose bytes make a tokenizer's ids: the one file, or CLIP's vocab.json and merges.txt."""
+def tokenizer_files(kind: str, path: str) -> list[str]:
+    """The files whose bytes make the ids of the tokenizer :func:`tokenizer_file` found (``kind``,
+    ``path``): that file, or CLIP's vocab.json and merges.txt."""
     return [os.path.join(os.path.dirname(path), f) for f in _CLIP_FILES] if kind == "clip" else [path]
 
 

@@ -20,6 +20,7 @@ from hypertron.diffusion.text_encoders import (
     clip_encode, load_text_encoder, prompt_ids, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode,
 )
 from hypertron.errors import ConfigError, DataError
+from hypertron.models.bundle import copy_tokenizer
 from hypertron.tokenizer import get_tokenizer, tokenizer_file
 
 torch = pytest.importorskip("torch")
@@ -32,7 +33,7 @@ PROMPTS = [
     "Hello, World!", "wow!!! really?!", "it's don't we'll they're I'm you've he'd", "1234567890",
     "3.14159 and 2,718", "100% (maybe) [yes] {no}", "e-mail: x@y.z", "tab\there", "new\nline\r\nend",
     "   leading and trailing   ", "many     spaces", "", " ", "naïve café", "Ünïcödé ÀÉÎÕÜ", "straße",
-    "日本語のテキスト", "中文 text mixed", "emoji 🐶🐱🚀", "flags 🇫🇷 and ZWJ 👩‍👩‍👧", "é vs é (NFD)",
+    "日本語のテキスト", "中文 text mixed", "emoji 🐶🐱🚀", "flags 🇫🇷 and ZWJ 👩‍👩‍👧", "é vs e\u0301 (NFD)",
     "ＡＢＣ full width", "Ωmega α β γ", "<|endoftext|> inside", "x <|startoftext|> y", "cat</w> suffix",
     "horse, horse; horse: horse.", "an astronaut" * 3, "photo " * 40, "mars" * 90, "riding-a-horse",
     "under_score", "quote \"double\" 'single'", "back\\slash /slash", "$5 & €7 £9 ¥1", "#hash @at ~tilde",
@@ -123,6 +124,14 @@ def test_t5_ids_are_t5_tokenizer_fasts(folders):
     want = reference(T5_PROMPTS, padding="max_length", max_length=24, truncation=True).input_ids
     got = prompt_ids(get_tokenizer(str(folders / "spiece")), T5_PROMPTS, 24, bos=False)
     np.testing.assert_array_equal(got, np.array(want))
+
+
+def test_clip_tokenizer_copies_whole(folders, tmp_path):
+    """A bundle or HF export copies both of CLIP's files, under their names: the copy gives the same ids."""
+    assert copy_tokenizer(str(folders / "clip_sd2"), tmp_path, names=("tokenizer.json", "tokenizer.model"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merges.txt", "tokenizer_config.json", "vocab.json"]
+    ids = [prompt_ids(get_tokenizer(str(f)), PROMPTS, 77, bos=True) for f in (folders / "clip_sd2", tmp_path)]
+    np.testing.assert_array_equal(*ids)
 
 
 def test_vocab_merges_folder_must_be_clip(folders, tmp_path):
