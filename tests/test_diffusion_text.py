@@ -14,13 +14,16 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from hypertron.diffusion.text_encoders import (
-    clip_encode, load_text_encoder, prompt_ids, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode,
+    clip_encode, declare, load_text_encoder, prompt_ids, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode,
 )
 from hypertron.errors import ConfigError, DataError
 from hypertron.models.bundle import copy_tokenizer
+from hypertron.models.params import logical_axes
+from hypertron.parallel.rules import shardings_for, use_rules
 from hypertron.tokenizer import get_tokenizer, tokenizer_file
 
 torch = pytest.importorskip("torch")
@@ -171,14 +174,22 @@ def test_clip_matches_transformers(folders, name):
 
 
 def test_t5_matches_transformers(folders):
-    """T5 v1.1's last hidden state within 1e-4, over 32 tokens (every bucket kind: exact, log, capped)."""
+    """T5 v1.1's last hidden state within 1e-4, over 32 tokens (every bucket kind: exact, log, capped),
+    and the same sharded over 8 devices."""
     ids = np.random.default_rng(0).integers(0, 250, (2, 32)).astype(np.int32)
     model = transformers.T5EncoderModel.from_pretrained(folders / "t5")
     with torch.no_grad():
         want = model(torch.tensor(ids, dtype=torch.long)).last_hidden_state.numpy()
     cfg, params = load_text_encoder(folders / "t5")
-    got = jax.jit(lambda p, i: t5_encode(p, cfg, i))(params, ids)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    got = np.asarray(jax.jit(lambda p, i: t5_encode(p, cfg, i))(params, ids))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # Placed by the rules on (data=2, fsdp=2, tensor=2), activations pinned: the same numbers.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    placed = jax.device_put(params, shardings_for(logical_axes(declare(cfg)), params, mesh))
+    assert placed["position_bias"].sharding.spec == P(None, "tensor")
+    with use_rules(mesh):
+        sharded = jax.jit(lambda p, i: t5_encode(p, cfg, i))(placed, ids)
+    np.testing.assert_allclose(np.asarray(sharded), got, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -319,6 +320,12 @@ def prompt_ids(tokenizer: Tokenizer, prompts: Sequence[str], length: int, *, bos
 # CLIP
 
 
+def embed(table_vd, ids_bt: jax.Array, dtype: Any) -> jax.Array:
+    """Rows [b, t, d] of the token table, gathered from a replicated copy (as the decoder does: a
+    gather from an fsdp/tensor-sharded table makes the partitioner replicate its output anyway)."""
+    return take_rows(table_vd, ids_bt, dtype, partial(constrain, axes=(None, None)))
+
+
 def layer_norm(x_btd: jax.Array, w_d: jax.Array, b_d: jax.Array, eps: float) -> jax.Array:
     """LayerNorm in float32, returned in ``x``'s dtype."""
     x = x_btd.astype(jnp.float32)
@@ -354,7 +361,7 @@ def clip_encode(params: Params, cfg: ClipTextConfig, ids_bt: jax.Array, *, dtype
     every hidden state, the last one normed, the pooled and (with a projection) projected outputs."""
     einsum = einsum_for(quantization, dtype)
     t = ids_bt.shape[1]
-    x_btd = take_rows(params["token_embed"], ids_bt, dtype) + params["position_embed"][:t].astype(dtype)
+    x_btd = embed(params["token_embed"], ids_bt, dtype) + params["position_embed"][:t].astype(dtype)
     x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
 
     def body(x_btd, p):
@@ -448,7 +455,7 @@ def t5_encode(params: Params, cfg: T5EncoderConfig, ids_bt: jax.Array, *, dtype:
     buckets_ts = relative_buckets(ids_bt.shape[1], cfg.num_buckets, cfg.max_distance)
     bias_tsn = jnp.take(params["position_bias"].astype(dtype), jnp.asarray(buckets_ts), axis=0)
     bias_1nts = jnp.transpose(bias_tsn, (2, 0, 1))[None]
-    x_btd = constrain(take_rows(params["token_embed"], ids_bt, dtype), ("batch", "seq", "act_embed"))
+    x_btd = constrain(embed(params["token_embed"], ids_bt, dtype), ("batch", "seq", "act_embed"))
 
     def body(x_btd, p):
         return t5_layer(x_btd, p, bias_1nts, cfg, einsum), None
