@@ -197,6 +197,7 @@ def test_t5_matches_transformers(folders):
     ("reshape", r"tensor text_model.final_layer_norm.bias of .*clip/model.safetensors: shape \(16,\)"),
     ("extra", r"unexpected tensor extra.weight"),
     ("architecture", r"config.json: architecture 'BertModel' is not a supported text encoder"),
+    ("bin", r"clip: only .bin weights, which need torch to read"),
 ])
 def test_bad_folder_is_one_clear_error(folders, tmp_path, change, match):
     folder = shutil.copytree(folders / "clip_proj", tmp_path / "clip")
@@ -207,9 +208,11 @@ def test_bad_folder_is_one_clear_error(folders, tmp_path, change, match):
         tensors["text_model.final_layer_norm.bias"] = np.zeros(16, np.float32)
     elif change == "extra":
         tensors["extra.weight"] = np.zeros(2, np.float32)
-    else:
+    elif change == "architecture":
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(config | {"architectures": ["BertModel"]}))
     save_file(tensors, folder / "model.safetensors")
+    if change == "bin":
+        (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     with pytest.raises(ConfigError, match=match):
         load_text_encoder(folder)

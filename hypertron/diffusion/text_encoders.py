@@ -289,6 +289,9 @@ def load_text_encoder(folder: str | Path, dtype: Any = np.float32) -> TextEncode
         raise ConfigError(f"{config_file}: not a JSON object")
     cfg = text_config(hf, str(config_file))
     where = str(folder / (SINGLE_FILE if (folder / SINGLE_FILE).is_file() else INDEX_FILE))
+    if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file() and any(folder.glob("*.bin")):
+        raise ConfigError(f"{folder}: only .bin weights, which need torch to read (hypertron runs without it): "
+                          f"save the model as safetensors")
     try:
         with checkpoint_tensors(folder) as tensors:
             if isinstance(cfg, ClipTextConfig) and not any(k.startswith(CLIP_PREFIX) for k in tensors):
