@@ -11,7 +11,11 @@ they get. A tokenizer is named by a string (``data.tokenizer`` in a run):
 * a path to a Hugging Face ``tokenizer.json``, or to a directory holding one
   (a model directory), read with the ``tokenizers`` library;
 * a path to a SentencePiece ``.model`` (or a directory holding only a
-  ``tokenizer.model``, as Llama 2 ships), read with ``sentencepiece``.
+  ``tokenizer.model``, as Llama 2 ships, or a ``spiece.model``, as T5 ships), read with
+  ``sentencepiece``;
+* a directory holding a CLIP ``vocab.json`` + ``merges.txt`` and no ``tokenizer.json`` (how
+  diffusers folders ship CLIP's tokenizer; its ``tokenizer_config.json`` says ``CLIPTokenizer``):
+  the BPE ``CLIPTokenizer`` builds, made here with ``tokenizers`` (:func:`clip_bpe`).
 
 Nothing is ever downloaded: a name that is neither ``"byte"`` nor an existing
 path is an error. ``encode`` never adds the tokenizer's own special tokens;
@@ -54,6 +58,9 @@ _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# A directory's tokenizer file, in order of preference (T5 ships its SentencePiece model as spiece.model).
+_DIRECTORY_FILES = (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece"), ("spiece.model", "sentencepiece"))
+_CLIP_FILES = ("vocab.json", "merges.txt")
 _EXPECTED = "expected 'byte', a tokenizer.json, a directory holding one, or a SentencePiece .model"
 
 
@@ -148,14 +155,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (any model: BPE, Unigram, WordPiece) via ``tokenizers``."""
+    """A Hugging Face ``tokenizer.json`` (any model: BPE, Unigram, WordPiece) via ``tokenizers``, or
+    the ``tokenizers.Tokenizer`` ``built`` from the files at ``path`` (a CLIP ``vocab.json``)."""
 
-    def __init__(self, name: str, path: str):
+    def __init__(self, name: str, path: str, built=None):
         from tokenizers import Tokenizer as _HFTokenizer
 
         self.name, self.path = name, path
         try:
-            self._tokenizer = _HFTokenizer.from_file(path)
+            self._tokenizer = built or _HFTokenizer.from_file(path)
         except Exception as e:  # the library raises a bare Exception for a bad file
             raise DataError(f"data.tokenizer: cannot read {path} ({one_line(e)})") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -280,6 +288,50 @@ class SentencePieceTokenizer:
 _BYTE = ByteTokenizer()
 
 
+# CLIP's pieces: words (a run of letters), single digits, runs of other non-space characters and
+# English contractions; its special tokens stay whole. As in CLIP's own tokenizer.
+_CLIP_SPLIT = (r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|"
+               r"[^\s\p{L}\p{N}]+")
+_CLIP_SPECIALS = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                  "pad_token": "<|endoftext|>"}  # CLIPTokenizer's defaults
+
+
+def clip_bpe(directory: str):
+    """The ``tokenizers.Tokenizer`` that transformers' ``CLIPTokenizer`` builds from ``vocab.json`` +
+    ``merges.txt`` in ``directory``: NFC, whitespace runs to one space and lower case; CLIP's split;
+    byte-level pieces; BPE whose word-final pieces end in ``</w>``. The folder's bos, eos, unk and pad
+    tokens (``tokenizer_config.json``, else ``special_tokens_map.json``, else CLIP's) are special
+    tokens matched whole, as ``CLIPTokenizer`` does (so SD 2.x's pad token ``!`` is always its own id)."""
+    from tokenizers import Regex, Tokenizer as _HFTokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab_path, merges_path = (os.path.join(directory, f) for f in _CLIP_FILES)
+    config = {**_CLIP_SPECIALS, **_special_token_config(directory)}
+    specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()}
+    try:
+        with open(vocab_path, encoding="utf-8") as f:
+            vocab = json.load(f)
+        with open(merges_path, encoding="utf-8") as f:
+            merges = [tuple(line.split()) for line in f.read().splitlines()
+                      if line.strip() and not line.startswith("#version")]
+        bpe = BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="</w>",
+                  fuse_unk=False, unk_token=specials["unk_token"])
+    except Exception as e:  # OSError, ValueError, or the bare Exception tokenizers raises for bad files
+        raise DataError(f"data.tokenizer: cannot build a CLIP tokenizer from {vocab_path} and "
+                        f"{merges_path} ({one_line(e)})") from None
+    tokenizer = _HFTokenizer(bpe)
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteLevel(), decoders.Replace("</w>", " "), decoders.Strip(" ", 0, 1)])
+    tokenizer.add_special_tokens([t for t in dict.fromkeys(specials.values()) if t is not None])
+    return tokenizer
+
+
 def get_tokenizer(name: str) -> Tokenizer:
     """The tokenizer named by ``data.tokenizer``: ``"byte"`` or a path (see the module docstring).
 
@@ -292,23 +344,29 @@ def get_tokenizer(name: str) -> Tokenizer:
         return _BYTE
     kind, path = tokenizer_file(name)
     # The files beside it say its special ids (HF), end-of-turn ids and chat template (both kinds).
-    files = [path] + [os.path.join(os.path.dirname(path), f) for f in (*_CONFIG_FILES, "generation_config.json")]
+    files = tokenizer_files(kind, path) + [os.path.join(os.path.dirname(path), f)
+                                     for f in (*_CONFIG_FILES, "generation_config.json")]
     versions = tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f))
     return _load(kind, name, path, versions)
 
 
 def tokenizer_file(name: str) -> tuple[str, str]:
-    """(kind, absolute path) of the file behind a tokenizer path: kind is "hf" or "sentencepiece"."""
+    """(kind, absolute path) of the file behind a tokenizer path: kind is "hf" (a ``tokenizer.json``),
+    "sentencepiece" (a ``.model``) or "clip" (a CLIP ``vocab.json``, its ``merges.txt`` beside it)."""
     # Not realpath: in a Hugging Face cache, tokenizer.json links to a blob
     # directory, and its tokenizer_config.json is only beside the link.
     path = os.path.abspath(os.path.expanduser(name))
     if not os.path.exists(path):
         raise DataError(f"data.tokenizer: {name} does not exist ({_EXPECTED})")
     if os.path.isdir(path):
-        for file_name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
+        for file_name, kind in _DIRECTORY_FILES:
             if os.path.isfile(os.path.join(path, file_name)):
                 return kind, os.path.join(path, file_name)
-        raise DataError(f"data.tokenizer: {name} is a directory without tokenizer.json or tokenizer.model")
+        if all(os.path.isfile(os.path.join(path, f)) for f in _CLIP_FILES):
+            _check_clip_class(path)
+            return "clip", os.path.join(path, _CLIP_FILES[0])
+        raise DataError(f"data.tokenizer: {name} is a directory without tokenizer.json, tokenizer.model, "
+                        "spiece.model or a CLIP vocab.json + merges.txt")
     if path.endswith(".json"):
         return "hf", path
     if path.endswith(".model"):
@@ -327,25 +385,34 @@ def tokenizer_identity(name: str) -> dict:
     if name == "byte":
         return {"name": name, "kind": "byte", "path": None, "sha256": None}
     kind, path = tokenizer_file(name)
-    return {"name": name, "kind": kind, "path": path, "sha256": _file_sha256(path)}
+    return {"name": name, "kind": kind, "path": path, "sha256": _file_sha256(tokenizer_files(kind, path))}
 
 
 @functools.lru_cache(maxsize=16)
 def _load(kind: str, name: str, path: str, versions: tuple) -> Tokenizer:
     del versions  # only part of the cache key
+    if kind == "clip":
+        return HFTokenizer(name, path, clip_bpe(os.path.dirname(path)))
     return HFTokenizer(name, path) if kind == "hf" else SentencePieceTokenizer(name, path)
 
 
-def _file_sha256(path: str) -> str:
+def tokenizer_files(kind: str, path: str) -> list[str]:
+    """The files whose bytes make the ids of the tokenizer :func:`tokenizer_file` found (``kind``,
+    ``path``): that file, or CLIP's vocab.json and merges.txt."""
+    return [os.path.join(os.path.dirname(path), f) for f in _CLIP_FILES] if kind == "clip" else [path]
+
+
+def _file_sha256(paths: list[str]) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
 def _special_token_config(directory: str) -> dict:
-    """bos/eos/pad token entries of the first tokenizer config file beside a tokenizer.json."""
+    """bos/eos/pad/unk token entries of the first tokenizer config file in ``directory``."""
     for file_name in _CONFIG_FILES:
         path = os.path.join(directory, file_name)
         if os.path.isfile(path):
@@ -355,8 +422,23 @@ def _special_token_config(directory: str) -> dict:
             except (OSError, ValueError) as e:
                 raise DataError(f"data.tokenizer: cannot read {path} ({one_line(e)})") from None
             if isinstance(config, dict):
-                return {k: config[k] for k in ("bos_token", "eos_token", "pad_token") if k in config}
+                return {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if k in config}
     return {}
+
+
+def _check_clip_class(directory: str) -> None:
+    """A ``vocab.json`` + ``merges.txt`` folder is read only as CLIP's BPE (GPT-2's, with the same
+    files, splits and merges otherwise): its ``tokenizer_config.json`` must say so."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class not in ("CLIPTokenizer", "CLIPTokenizerFast"):
+        raise DataError(f"data.tokenizer: {directory} has a vocab.json + merges.txt but no tokenizer.json, and "
+                        f"its tokenizer_config.json does not name CLIPTokenizer (only CLIP's BPE is built from "
+                        f"these files)")
 
 
 def chat_template_beside(path: str | None) -> str | None:

@@ -1,6 +1,7 @@
 """Diffusion inference: Stable Diffusion 1.x/2.x, SDXL and Flux from diffusers folders (issue 39).
 
 :mod:`hypertron.diffusion.schedulers` (the samplers of a ``scheduler_config.json``: the schedule on
-the host, a pure JAX step for ``lax.scan``) and :mod:`hypertron.diffusion.errors` (``DiffusionError``).
-This module imports none of them, so importing one costs only what it needs.
+the host, a pure JAX step for ``lax.scan``), :mod:`hypertron.diffusion.text_encoders` (CLIP and T5
+encoders and their prompt ids) and :mod:`hypertron.diffusion.errors` (``DiffusionError``). This
+module imports none of them, so importing one costs only what it needs.
 """

@@ -35,7 +35,7 @@ from hypertron.config.loading import BUNDLE_VERSION as VERSION
 from hypertron.config.loading import bundle_manifest, bundle_model, to_dict
 from hypertron.models.decoder import declare
 from hypertron.models.params import leaves_with_paths
-from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer, tokenizer_file
+from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer, tokenizer_file, tokenizer_files
 
 WEIGHTS, TOKENIZER_DIR = "model.safetensors", "tokenizer"
 # The files that travel with a tokenizer file: its config (chat template), and generation_config.json,
@@ -54,14 +54,16 @@ def is_bundle(path: str | Path) -> bool:
 def copy_tokenizer(tokenizer: str, target: str | Path, names: tuple[str, str] | None = None) -> bool:
     """Copy a file tokenizer (``data.tokenizer``: a file or a directory holding one) and its
     companion files into the directory ``target``; the tokenizer file under ``names[kind]``
-    (default: its own name). False for the byte tokenizer, which has no file."""
+    (default: its own name; CLIP's vocab.json and merges.txt always under theirs). False for the
+    byte tokenizer, which has no file."""
     if tokenizer == "byte":
         return False
     kind, path = tokenizer_file(tokenizer)
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    name = os.path.basename(path) if names is None else names[kind == "sentencepiece"]
-    shutil.copyfile(path, target / name)
+    for src in tokenizer_files(kind, path):  # CLIP's vocab.json and merges.txt keep their names
+        name = os.path.basename(src) if names is None or kind == "clip" else names[kind == "sentencepiece"]
+        shutil.copyfile(src, target / name)
     for companion in TOKENIZER_COMPANIONS:
         src = Path(path).parent / companion
         if src.is_file():

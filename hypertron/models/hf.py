@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -324,19 +324,25 @@ class _Tensor(NamedTuple):
 
 
 def _tensors(cfg: ModelConfig) -> list[_Tensor]:
-    """Every HF tensor of ``cfg``'s parameters, in checkpoint order: the parameters declared before
-    the layers, then layer by layer, then the rest. A parameter without an HF name refuses export."""
+    """Every HF tensor of ``cfg``'s parameters (:func:`declared_tensors` of its declaration)."""
+    return declared_tensors(declare(cfg), cfg.name)
+
+
+def declared_tensors(specs: Params, name: str) -> list[_Tensor]:
+    """Every HF tensor of the parameters declared in ``specs`` (of the model ``name``), in checkpoint
+    order: the parameters declared before the layers, then layer by layer, then the rest. A
+    parameter without an HF name refuses export."""
     before, layers, after = [], [], []
     past_layers = False
-    for path, spec in leaves_with_paths(declare(cfg)):
+    for path, spec in leaves_with_paths(specs):
         if spec.hf is None:
-            raise HFError(f"parameter {'/'.join(path)} of {cfg.name} has no Hugging Face name")
+            raise HFError(f"parameter {'/'.join(path)} of {name} has no Hugging Face name")
         split = [a for a in spec.axes if a in _SPLIT_AXES and "{" + _SPLIT_AXES[a] + "}" in spec.hf]
         if tuple(spec.axes[:len(split)]) != tuple(split):
             raise ValueError(f"{'/'.join(path)}: the axes {split} stored one tensor per index must lead")
         for index in itertools.product(*(range(n) for n in spec.shape[:len(split)])):
-            name = spec.hf.format(**{_SPLIT_AXES[a]: i for a, i in zip(split, index)})
-            tensor = _Tensor(path, index, name, spec)
+            tensor_name = spec.hf.format(**{_SPLIT_AXES[a]: i for a, i in zip(split, index)})
+            tensor = _Tensor(path, index, tensor_name, spec)
             (layers if split[:1] == ["layers"] else after if past_layers else before).append(tensor)
         past_layers |= path[0] == "layers"
     layers.sort(key=lambda t: t.index[0])  # stable: a layer's tensors in declaration order
@@ -351,10 +357,10 @@ def _np_dtype(dtype: Any) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
 
 
-def _check_shape(name: str, w: np.ndarray, rule: str, ours: tuple[int, ...]) -> None:
+def _check_shape(name: str, w: np.ndarray, rule: str, ours: tuple[int, ...], where: str) -> None:
     want = _hf_shape(rule, ours)
     if tuple(w.shape) != want:
-        raise HFError(f"tensor {name}: shape {tuple(w.shape)}, config expects {want}")
+        raise HFError(f"tensor {name} of {where}: shape {tuple(w.shape)}, config expects {want}")
 
 
 def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: Any = None) -> Params:
@@ -366,22 +372,36 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
     so a lazy mapping never holds more than the output plus one tensor.
     Missing, misshapen or unexpected tensors raise :class:`HFError`.
     """
-    names = set(tensors.keys())
-    table = _tensors(cfg)
-    expected = {t.name for t in table}
     # Tied checkpoints sometimes store lm_head anyway; accept it if it really is the embedding.
-    allowed = expected | ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    unexpected = sorted(n for n in names - allowed if not n.endswith(_IGNORED_SUFFIXES))
+    extra = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    params = params_from_hf(declare(cfg), tensors, dtype, cfg.name, ignored=extra)
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        lm = np.asarray(tensors["lm_head.weight"])
+        if lm.shape != params["embed"].shape or not np.array_equal(lm.astype(params["embed"].dtype), params["embed"]):
+            raise HFError("tensor lm_head.weight differs from the embedding, but the config ties them")
+    return params
+
+
+def params_from_hf(specs: Params, tensors: Mapping[str, np.ndarray], dtype: Any, where: str, *,
+                   ignored: Iterable[str] = ()) -> Params:
+    """The parameters declared in ``specs`` from the HF-named ``tensors``, each by its declared
+    ``hf`` name and layout (what :func:`from_hf_tensors` does for the decoder). ``dtype`` None keeps
+    each tensor's dtype; tensor names in ``ignored`` may be present and are not read. A missing,
+    misshapen or unexpected tensor is an :class:`HFError` naming it and ``where`` (the model or file)."""
+    names = set(tensors.keys())
+    table = declared_tensors(specs, where)
+    expected = {t.name for t in table}
+    unexpected = sorted(n for n in names - expected - set(ignored) if not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
-        raise HFError(f"unexpected tensor {unexpected[0]} ({len(unexpected)} in all) for {cfg.name}")
+        raise HFError(f"unexpected tensor {unexpected[0]} ({len(unexpected)} in all) for {where}")
     missing = sorted(expected - names)
     if missing:
-        raise HFError(f"missing tensor {missing[0]} ({len(missing)} in all) for {cfg.name}")
+        raise HFError(f"missing tensor {missing[0]} ({len(missing)} in all) for {where}")
 
     params: Params = {}
     for t in table:
         w = np.asarray(tensors[t.name])
-        _check_shape(t.name, w, t.spec.hf_layout, t.shape)
+        _check_shape(t.name, w, t.spec.hf_layout, t.shape, where)
         w = _ours_from_hf(t.spec.hf_layout, w, t.shape)
         w = w if dtype is None else w.astype(_np_dtype(dtype))
         *parents, key = t.path
@@ -394,10 +414,6 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: 
         if key not in node:
             node[key] = np.empty(t.spec.shape, w.dtype)
         node[key][t.index] = w
-    if cfg.tie_embeddings and "lm_head.weight" in names:
-        lm = np.asarray(tensors["lm_head.weight"])
-        if lm.shape != params["embed"].shape or not np.array_equal(lm.astype(params["embed"].dtype), params["embed"]):
-            raise HFError("tensor lm_head.weight differs from the embedding, but the config ties them")
     return params
 
 
@@ -470,6 +486,15 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def checkpoint_tensors(path: Path) -> Iterator[Mapping[str, np.ndarray]]:
+    """The tensors of the safetensors checkpoint in the directory ``path`` (``model.safetensors``, or
+    an index and its shards), as a lazy name -> numpy mapping open while the context is."""
+    files = _checkpoint_files(path)
+    with contextlib.ExitStack() as stack:
+        yield _SafetensorsFiles(files, stack)
+
+
 def load_hf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint directory: ``config.json`` and ``model.safetensors``
     (or ``model.safetensors.index.json`` and its shards).
@@ -482,9 +507,7 @@ def load_hf(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, Params]:
     hf = read_json(config_file, HFError, f"{config_file}: not found",
                    lambda reason: f"{config_file}: invalid JSON ({reason})")
     cfg = config_from_hf(hf, name=path.resolve().name)
-    files = _checkpoint_files(path)
-    with contextlib.ExitStack() as stack:
-        tensors = _SafetensorsFiles(files, stack)
+    with checkpoint_tensors(path) as tensors:
         params = from_hf_tensors(cfg, tensors, np.float32 if dtype is None else dtype)
     return cfg, params
 
