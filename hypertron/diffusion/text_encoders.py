@@ -280,10 +280,10 @@ def load_text_encoder(folder: str | Path, dtype: Any = np.float32) -> TextEncode
     """A text encoder from a transformers folder (``config.json`` and safetensors, single or
     sharded): its config and its parameters as numpy arrays in ``dtype``. A missing config, an
     unsupported architecture or value, or a missing, extra or misshapen tensor is a
-    :class:`ConfigError` naming the file and the key or tensor."""
+    :class:`DiffusionError` naming the file and the key or tensor."""
     folder = Path(folder)
     config_file = folder / "config.json"
-    hf = read_json(config_file, ConfigError, f"{config_file}: not found",
+    hf = read_json(config_file, DiffusionError, f"{config_file}: not found",
                    lambda reason: f"{config_file}: invalid JSON ({reason})")
     if not isinstance(hf, dict):
         raise DiffusionError(f"{config_file}: not a JSON object")
