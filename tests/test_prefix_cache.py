@@ -9,18 +9,13 @@ from __future__ import annotations
 import random
 
 from fake_engine import FakeEngine, reference  # tests/
+from serving import scheduler_for  # tests/
 
 from hypertron.serve.prefix_cache import PagePool, page_key
 from hypertron.serve.scheduler import LENGTH, Request, Scheduler, run_until_done
 from hypertron.serve.types import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, seed=0)
-
-
-def _scheduler(engine: FakeEngine, **kw) -> Scheduler:
-    return Scheduler(max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
-                     max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids,
-                     max_top_logprobs=engine.max_top_logprobs, **kw)
 
 
 def _serve(sched: Scheduler, engine: FakeEngine, requests: list[Request], ahead: bool = True) -> None:
@@ -34,7 +29,7 @@ def _serve(sched: Scheduler, engine: FakeEngine, requests: list[Request], ahead:
 
 def test_a_key_depends_on_every_earlier_token_and_the_salt_and_is_the_same_in_every_process():
     assert page_key(None, [1, 2, 3, 4]).hex()[:16] == "eaccf80d077b1bed"  # SHA-256, not Python's salted hash
-    sched = _scheduler(FakeEngine(page_size=4))
+    sched = scheduler_for(FakeEngine(page_size=4))
     prompt = list(range(10, 30))
 
     def keys(tokens, salt=None):
@@ -82,7 +77,7 @@ def test_reference_counts_and_lru_order_by_hand():
 
 def test_the_last_prompt_tokens_page_is_never_shared_and_a_salt_or_caching_off_shares_nothing():
     engine = FakeEngine(page_size=4)
-    sched = _scheduler(engine)
+    sched = scheduler_for(engine)
     prompt = list(range(40, 52))  # 12 tokens: 3 full pages
     runs = [Request(i, prompt[:n], GREEDY, cache_salt=salt)
             for i, (n, salt) in enumerate([(12, None), (12, None), (12, "x"), (12, "x"), (9, None), (8, None)])]
@@ -94,7 +89,7 @@ def test_the_last_prompt_tokens_page_is_never_shared_and_a_salt_or_caching_off_s
     assert [starts[i] for i in range(6)] == [0, 8, 0, 8, 8, 4]
     stats = sched.stats()
     assert (stats["prefix_queries"], stats["prefix_hits"]) == (12 * 4 + 9 + 8, 28)
-    off = _scheduler(engine, enable_prefix_caching=False)
+    off = scheduler_for(engine, enable_prefix_caching=False)
     _serve(off, engine, [Request(10 + i, prompt, GREEDY) for i in range(2)])
     assert off.stats()["pages_cached"] == 0 and all(s == 0 for r in off.records for _, s, _ in r.prefills)
 
@@ -102,7 +97,7 @@ def test_the_last_prompt_tokens_page_is_never_shared_and_a_salt_or_caching_off_s
 def test_generated_pages_are_keyed_and_a_preempted_sequence_finds_its_pages():
     # 10 pages of 4: two sequences of 8 + 20 tokens cannot both finish; the later one is pre-empted.
     engine = FakeEngine(max_slots=2, page_size=4, num_pages=10)
-    sched = _scheduler(engine)
+    sched = scheduler_for(engine)
     sampling = SamplingParams(max_tokens=20, seed=3, ignore_eos=True)
     seqs = [Request(i, list(range(60 + i, 68 + i)), sampling) for i in range(2)]
     for seq in seqs:
@@ -117,7 +112,7 @@ def test_generated_pages_are_keyed_and_a_preempted_sequence_finds_its_pages():
     assert sched.pool.refs == [0] * 11
     # A prompt that continues a finished sequence's generated tokens shares them too.
     engine = FakeEngine(page_size=4)
-    sched = _scheduler(engine)
+    sched = scheduler_for(engine)
     first = Request(0, list(range(60, 68)), SamplingParams(max_tokens=12, seed=3, ignore_eos=True))
     again = Request(1, first.prompt + reference(first.prompt, first.sampling, 256)[0][:9], GREEDY)
     _serve(sched, engine, [first, again])
@@ -126,7 +121,7 @@ def test_generated_pages_are_keyed_and_a_preempted_sequence_finds_its_pages():
 
 def test_page_pressure_evicts_before_it_fails_a_request_that_fits_an_empty_pool():
     engine = FakeEngine(max_slots=2, page_size=4, num_pages=8)
-    sched = _scheduler(engine)
+    sched = scheduler_for(engine)
     _serve(sched, engine, [Request(0, list(range(70, 90)), GREEDY)])  # 5 pages cached
     assert sched.stats()["pages_cached"] >= 5 and sched.stats()["pages_free"] == 8
     big = Request(1, list(range(100, 127)), SamplingParams(max_tokens=5, seed=1, ignore_eos=True))
@@ -139,7 +134,7 @@ def test_a_fuzz_of_2000_requests_over_shared_prefixes_gets_every_reference_and_f
     about three sequences' pages, so that eviction and pre-emption are frequent."""
     rng = random.Random(0)
     engine = FakeEngine(max_slots=6, max_seq_len=64, page_size=4, num_pages=30)
-    sched = _scheduler(engine, max_num_batched_tokens=24, max_prefill_rows=3)
+    sched = scheduler_for(engine, max_num_batched_tokens=24, max_prefill_rows=3)
     prefixes = [[rng.randrange(3, 259) for _ in range(rng.randrange(4, 24))] for _ in range(8)]
     todo = []
     for i in range(2000):
