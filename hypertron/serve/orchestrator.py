@@ -3,7 +3,8 @@
 One background thread owns the engine and the scheduler (neither is thread-safe) and runs a
 plain loop:
 
-1. take new requests and cancellations (client gone, stop string seen) from the asyncio side;
+1. take new requests, cancellations (client gone, stop string seen) and prefix-cache resets
+   (``POST /reset_prefix_cache``) from the asyncio side;
 2. :meth:`Scheduler.schedule` the next step (decode rows and prefill chunks within the token
    budget: :mod:`hypertron.serve.scheduler`) and :meth:`Engine.dispatch` it;
 3. only then :meth:`Engine.collect` the *previous* step and hand its outputs to the scheduler, so
@@ -226,8 +227,9 @@ class Orchestrator:
                     self._requests[req.seq.id] = req
                     sched.add(req.seq)
                 self._incoming = []
+                resets, self._resets = self._resets, []
             sched.finish_all(ABORT, "the server stopped")
-            for future in self._resets:
+            for future in resets:
                 future.set_exception(RuntimeError("the orchestrator stopped"))
             self._route(sched.take_outputs())
             self._flush()
