@@ -310,7 +310,7 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Request, n: int) -> list[int]:
         """The cached pages ``seq`` can share of its first ``n`` tokens: full pages, ending before
-        the last token (it is prefilled and samples). None with prompt log-probabilities to compute."""
+        the last token (it is prefilled and samples); none when its prompt's log-probabilities are wanted."""
         if not self._looks_up(seq):
             return []
         return self.pool.cached_prefix(self._key(seq, i) for i in range((n - 1) // self.page_size))
