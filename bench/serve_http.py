@@ -31,8 +31,8 @@ One model, written once in Hugging Face format into a temporary directory, nothi
 Prompts: text cut from the standard library's sources at seeded random offsets, each
 ``--input-len`` tokens of the tokenizer (cut at a token boundary; re-encoding may differ by a
 token or so), plus BOS. Every run (the warm-up and each concurrency) gets its own prompts, so no
-prompt is sent twice to a server (transformers' continuous batching may share KV blocks between
-prompts with a common prefix; hypertron has no prefix cache); the two servers get the same runs.
+prompt is sent twice to a server (both may share KV pages between prompts with a common prefix);
+the two servers get the same runs. ``--workload``: prefix caching on and off (bench/serve_http_prefix.py).
 
 Per server, in turn: start it on 127.0.0.1 on a free port (its own process group, stopped with
 SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send the warm-up
@@ -106,6 +106,7 @@ from hypertron.launch.local import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import MAX_SEQ_LEN, build_model, write_prompts  # bench/serve_model.py, this directory
+from serve_http_prefix import add_workload_args, run_workloads  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import (  # bench/serve_http_servers.py, this directory
     Server, bench, compile_counts, counts_since, greedy_text, missing_serve_deps, script,
 )
@@ -264,6 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(e.g. \"--max-prefill-rows 1\"); the interference servers get them too")
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it (default: a temp dir)")
     p.add_argument("--output", default=None, help="write the results as JSON")
+    add_workload_args(p)
     args = p.parse_args(argv)
     if min(args.concurrency + [args.num_requests, args.max_tokens, args.input_len, args.repeats]) <= 0:
         p.error("--concurrency, --num-requests, --max-tokens, --input-len and --repeats must be positive")
@@ -565,6 +567,8 @@ def write_output(path: str, s: Setup, m: Measured, versions: dict, elapsed: floa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload:
+        return run_workloads(args, prepare)
     missing, accelerate = peer_deps(args)
     if missing:
         return 2

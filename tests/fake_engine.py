@@ -1,9 +1,11 @@
 """A deterministic stand-in for the serving engine (no JAX), for the orchestrator and server tests.
 
 It implements :class:`hypertron.serve.types.Engine` over the byte tokenizer's ids, strictly:
-it refuses calls from a second thread, a row without the pages for what it writes, a page in
-two rows of a step, a row that does not continue what its slot holds, and rows past
-``max_seq_len``.
+it refuses calls from a second thread, a row without the pages for what it writes, a page one row
+of a step writes in another row of it, a row whose pages do not hold its prefix (a position before
+its start never written, or, for a sequence the slot holds, not what the slot wrote or read
+there), and rows past ``max_seq_len``. Each page records the tokens written into it, and a row's
+prefix is read back from its pages, so a page shared by prefix caching is what its tokens come from.
 
 Its tokens encode the request: the next token is a lowercase letter chosen by a CRC of
 (seed, every token before it), so a sequence's continuation depends on its whole prompt and
@@ -73,7 +75,9 @@ class FakeEngine:
         self.eos_ids, self.page_size, self.num_pages = frozenset({EOS}), page_size, num_pages
         self.step_delay = step_delay
         self.vocab_size = VOCAB
-        self.tokens: list[list[int] | None] = [None] * max_slots  # what each slot's pages hold
+        self.tokens: list[list[int] | None] = [None] * max_slots  # what each slot's sequence holds
+        self.owner: list[int | None] = [None] * max_slots  # the request each slot last ran
+        self.pages: dict[int, list[int | None]] = {}  # the token written at each position of a page
         self.last = [0] * max_slots  # each slot's last sampled token ("on the device")
         self.steps = self.prefills = self.calls = 0
         self._thread: int | None = None
@@ -95,20 +99,17 @@ class FakeEngine:
             result.top_logprobs = np.zeros((n, k), np.float32)
         if plan.prompt_logprobs:
             result.prompt = [None] * len(plan.prefills)
-        pages = [p for row in plan.rows for p in row.pages]
-        assert len(pages) == len(set(pages)), f"step {plan.step}: a page in two rows"
-        assert all(0 < p <= self.num_pages for p in pages), f"step {plan.step}: a page outside the pool"
+        self._check_pages(plan)
         assert len({row.slot for row in plan.rows}) == n, f"step {plan.step}: a slot in two rows"
         for i, row in enumerate(plan.rows):
             assert row.end <= self.max_seq_len, f"slot {row.slot}: past max_seq_len"
             assert -(-row.end // self.page_size) <= len(row.pages), f"slot {row.slot}: no page for {row.end - 1}"
-            if row.tokens and row.start == 0:
-                self.tokens[row.slot] = []
-                self.prefills += 1
-            seq = self.tokens[row.slot]
-            assert seq is not None and row.start == len(seq), f"slot {row.slot}: writes {row.start}, holds {seq}"
+            seq = self._prefix(row)
             assert row.sampling.seed is not None
             seq.extend(row.tokens or [self.last[row.slot]])
+            for pos in range(row.start, row.end):
+                self.pages.setdefault(row.pages[pos // self.page_size], [None] * self.page_size)[
+                    pos % self.page_size] = seq[pos]
             if row.prompt_targets is not None:
                 lps = [token_logprobs(seq[row.start + j], t, k) for j, t in enumerate(row.prompt_targets)]
                 result.prompt[i - len(plan.decodes)] = (np.array([lp.logprob for lp in lps]),
@@ -123,6 +124,34 @@ class FakeEngine:
                 result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = lp.logprob, lp.top_ids, lp.top_logprobs
         self.steps += 1
         return result
+
+    def _check_pages(self, plan: StepPlan) -> None:
+        """Every page in the pool; a page a row writes in no other row of the step."""
+        ps, seen = self.page_size, {}
+        for row in plan.rows:
+            assert all(0 < p <= self.num_pages for p in row.pages), f"step {plan.step}: a page outside the pool"
+            for p in row.pages[:-(-row.end // ps)]:
+                seen.setdefault(p, set()).add(row.request)
+        for row in plan.rows:
+            for p in row.pages[row.start // ps:-(-row.end // ps)]:
+                assert seen[p] == {row.request}, f"step {plan.step}: page {p} written by {row.request}, read by {seen[p]}"
+
+    def _prefix(self, row) -> list[int]:
+        """The tokens before ``row``'s start, read from its pages (the slot's sequence from now on)."""
+        ps = self.page_size
+        prefix = [self.pages.get(row.pages[pos // ps], [None] * ps)[pos % ps] for pos in range(row.start)]
+        assert None not in prefix, f"slot {row.slot}: its pages do not hold positions before {row.start}"
+        held = self.tokens[row.slot]
+        if self.owner[row.slot] == row.request and held is not None:  # the slot's sequence goes on (or is recomputed)
+            assert prefix == held[:row.start] and row.start <= len(held), \
+                f"slot {row.slot}: its pages do not hold what it wrote before {row.start}"
+            assert row.tokens or row.start == len(held), f"slot {row.slot}: decodes at {row.start}, holds {len(held)}"
+        elif not row.tokens:
+            raise AssertionError(f"slot {row.slot}: a decode row of request {row.request}, which it does not hold")
+        if row.tokens and (row.start == 0 or self.owner[row.slot] != row.request or row.start != len(held)):
+            self.prefills += 1  # a sequence's prefill begins (after what its pages share)
+        self.owner[row.slot], self.tokens[row.slot] = row.request, prefix
+        return prefix
 
     def collect(self, result: StepResult) -> StepResult:
         self._check()

@@ -1,10 +1,10 @@
-"""Driving the real serving engine in tests: a scheduler + engine pair, run to the end."""
+"""Driving a serving engine in tests: a scheduler + engine pair, run to the end (importing this
+imports no JAX: the fake engine's tests use it too)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from hypertron.serve.engine import PagedEngine
 from hypertron.serve.scheduler import Request, Scheduler, run_until_done
 from hypertron.serve.types import Row, SamplingParams, StepPlan
 
@@ -31,6 +31,8 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
     chunk after that cached prefix, so that every key and value it attends to is read back from
     the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id)."""
+    from hypertron.serve.engine import PagedEngine
+
     engine = PagedEngine(params, cfg, max_slots=1, page_size=page_size, kv_cache_dtype=kv_dtype,
                          max_top_logprobs=cfg.vocab_size)
     pages = tuple(range(1, -(-len(tokens) // page_size) + 1))

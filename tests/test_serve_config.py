@@ -48,6 +48,9 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
     assert _config(["--config", path, "--max-slots", "7", "--checkpoint", "runs/y"]) == \
         dataclasses.replace(from_file, max_slots=7, checkpoint="runs/y")
     assert _config(["--checkpoint", "runs/x"]) == ServeConfig(checkpoint="runs/x")  # the schema's defaults
+    assert _config(["--checkpoint", "runs/x", "--no-enable-prefix-caching"]) == \
+        _config(["--config", _yaml(tmp_path, "checkpoint: runs/x\nenable_prefix_caching: false\n")]) == \
+        ServeConfig(checkpoint="runs/x", enable_prefix_caching=False)
     # dispatch_ahead=auto: every step one ahead on an accelerator, only small ones on a CPU.
     from hypertron.serve.server import CPU_AHEAD_MAX_TOKENS, resolve_dispatch_ahead
     on_cpu = jax.default_backend() == "cpu"
@@ -128,13 +131,16 @@ def test_serve_from_a_config_file_answers_as_from_flags(tmp_path, run_dir, monke
 @pytest.mark.parametrize("groups", ["auto", "max"])
 def test_serve_measures_a_steps_cost_at_start_unless_prefill_groups_is_max(groups, run_dir, monkeypatch, capsys):
     """``--prefill-groups auto`` (the default) measures a step's cost before serving, says so in one
-    line, and hands the scheduler the fixed cost in tokens' worth; ``max`` measures nothing."""
+    line, and hands the scheduler the fixed cost in tokens' worth; ``max`` measures nothing. Prefix
+    caching reaches the scheduler on by default, off with ``--no-enable-prefix-caching``."""
     import hypertron.serve.orchestrator as orchestrator
 
     made, real = [], orchestrator.Orchestrator
     monkeypatch.setattr(orchestrator, "Orchestrator", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
-    _serve(["--checkpoint", run_dir, "--prefill-groups", groups], monkeypatch)
+    caching = [] if groups == "auto" else ["--no-enable-prefix-caching"]
+    _serve(["--checkpoint", run_dir, "--prefill-groups", groups, *caching], monkeypatch)
     overhead, err = made[0].scheduler.step_overhead_tokens, capsys.readouterr().err
+    assert made[0].scheduler.pool.enabled == (not caching)
     if groups == "max":
         assert overhead is None and "a step costs" not in err
     else:

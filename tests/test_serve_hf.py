@@ -138,8 +138,11 @@ def test_256_concurrent_streams_through_the_real_engine_each_get_exactly_their_t
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
             return await asyncio.gather(*(_stream(http, b) for b in bodies))
 
+    cached = []
     for body, (status, text, reason, usage) in zip(bodies, asyncio.run(run())):
         assert (status, text, reason, usage["completion_tokens"]) == (200, want[tuple(body["prompt"])], "length", 6)
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert set(cached) == {0, 8}  # copies of the 9-token prompts admitted after the first share its page of 8
     server.wait_idle()
 
 

@@ -34,9 +34,10 @@ MODEL = "fake-model"
 class Server(ThreadedServer):
     """An orchestrator + app over ``engine``, served by uvicorn in a thread."""
 
-    def __init__(self, engine: FakeEngine, *, max_queue: int = 512, **app_kwargs):
+    def __init__(self, engine: FakeEngine, *, max_queue: int = 512, enable_prefix_caching: bool = True,
+                 **app_kwargs):
         self.engine = engine
-        self.orch = Orchestrator(engine, TOK, max_queue=max_queue)
+        self.orch = Orchestrator(engine, TOK, max_queue=max_queue, enable_prefix_caching=enable_prefix_caching)
         super().__init__(create_app(self.orch, TOK, MODEL, **app_kwargs), lifespan="on", log_level="warning",
                          graceful_s=2)
 
@@ -197,7 +198,8 @@ def test_logprobs_and_echo(server):
         want = {shown(t): LOGPROBS[prev, t] for t in TOP[prev, :3]} | {shown(tok): LOGPROBS[prev, tok]}
         assert len(want) == 4 or tok in TOP[prev, :3]
         assert lp["top_logprobs"][i] == pytest.approx(want, abs=1e-6)
-    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # echo: prompt logprobs, no sharing
 
     # streamed, the same numbers arrive chunk by chunk
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as resp:
@@ -267,6 +269,9 @@ BAD = [  # (endpoint, body or raw bytes, status, param)
     ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "cache_salt": "s" * 257}, 400, "cache_salt"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("completions", {"model": MODEL, "prompt": "x" * (80 << 10)}, 413, None),
 ]
@@ -299,10 +304,48 @@ def test_api_key_guards_v1_only():
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
         assert httpx.get(s.url + "/metrics").status_code == 200
+        assert httpx.post(s.url + "/reset_prefix_cache").status_code == 401
+        assert httpx.post(s.url + "/reset_prefix_cache", headers={"Authorization": "Bearer sekrit"}).json() == \
+            {"pages_dropped": 0}
         with pytest.raises(openai.AuthenticationError):
             client(s, api_key="nope").completions.create(model=MODEL, prompt="a", max_tokens=2)
         r = client(s, api_key="sekrit").completions.create(model=MODEL, prompt="a", max_tokens=2, seed=0)
         assert r.choices[0].text == expected("a", 2)[0]
+
+
+def test_a_shared_prompt_reports_its_cached_pages_and_a_salt_or_caching_off_none(server):
+    """The fake engine's pages are 4 tokens: a 22-token prompt run again finds its first 5 pages
+    (20 tokens; the sixth holds its last token, which is prefilled); another cache_salt finds
+    nothing; the counters move; /reset_prefix_cache drops what no request holds."""
+    prompt = list(range(40, 62))
+    server.wait_idle()
+    with httpx.Client(base_url=server.url) as http:
+        http.post("/reset_prefix_cache")
+        before = server.metrics()
+
+        def cached(stream=False, **kw) -> int:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "seed": 1, **kw}
+            if not stream:
+                r = http.post("/v1/completions", json=body).json()
+                assert r["choices"][0]["text"] == expected(prompt, 3, seed=1)[0]
+                return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                return sse_events(resp.iter_lines())[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert [cached(), cached(), cached(stream=True), cached(cache_salt="a"), cached(cache_salt="a")] == \
+            [0, 20, 20, 0, 20]
+        m = server.wait_idle()
+        queries, hits = (m[f"hypertron_prefix_cache_{k}_total"] - before[f"hypertron_prefix_cache_{k}_total"]
+                         for k in ("queries", "hits"))
+        assert (queries, hits) == (5 * 22, 60) and m["hypertron_kv_pages_cached"] >= 10
+        assert http.post("/reset_prefix_cache").json()["pages_dropped"] == m["hypertron_kv_pages_cached"]
+        assert server.wait_idle()["hypertron_kv_pages_cached"] == 0 and cached() == 0
+    with Server(FakeEngine(), enable_prefix_caching=False) as off, httpx.Client(base_url=off.url) as http:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "seed": 1}
+        usage = [http.post("/v1/completions", json=body).json()["usage"] for _ in range(2)]
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == [0, 0]
+        assert off.metrics()["hypertron_kv_pages_cached"] == 0
 
 
 def test_client_that_disconnects_frees_its_slot(server):

@@ -63,7 +63,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options
                         given_only: bool = False, show_default: bool = False) -> None:
     """One flag per field of the dataclass ``settings``, in field order: ``--field-name``, its
     default the field's, its ``choices`` a ``Literal`` type's, its type ``int`` or ``float`` (``X | None``
-    as ``X``), a ``bool`` a switch. Help, metavar, ``aliases`` and any other ``add_argument`` option
+    as ``X``), a ``bool`` a switch (``--x``; one whose default is True also ``--no-x``). Help, metavar, ``aliases`` and any other ``add_argument`` option
     come from the field's ``metadata`` (:func:`hypertron.config.flag_field` puts them there),
     overridden by ``options[field name]``.
 
@@ -79,7 +79,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options
         if typing.get_origin(tp) is typing.Literal:
             opts.setdefault("choices", choices(tp))
         elif kind is bool:
-            opts.setdefault("action", "store_true")
+            opts.setdefault("action", argparse.BooleanOptionalAction if default is True else "store_true")
         elif kind in (int, float):
             opts.setdefault("type", number_arg(kind))
         if show_default and default not in (None, ""):

@@ -41,8 +41,10 @@ _SERVE_FLAGS: dict[str, dict] = {
     "max_prompt_tokens": dict(metavar="N", help="default: max_seq_len - 1"),
     "max_tokens_limit": dict(metavar="N", help="largest max_tokens (default: max_seq_len)"),
     "model_name": dict(metavar="NAME", help="the id in /v1/models (default: the run directory's name)"),
-    "openapi": dict(action=argparse.BooleanOptionalAction,
-                    help="serve the API's description at GET /openapi.json, behind --api-key when one is set"),
+    "openapi": dict(help="serve the API's description at GET /openapi.json, behind --api-key when one is set"),
+    "enable_prefix_caching": dict(help="keep the KV pages of full pages of prompts (and of generated tokens) "
+                                       "cached, and share them between requests with the same prefix (and "
+                                       "cache_salt)"),
 }
 
 

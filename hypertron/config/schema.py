@@ -414,3 +414,4 @@ class ServeConfig:
     max_tokens_limit: int | None = None  # largest max_tokens; None: max_seq_len
     model_name: str | None = None  # the id in /v1/models; None: the run directory's name
     openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)
+    enable_prefix_caching: bool = True  # share the KV pages of prompts' common prefixes between requests

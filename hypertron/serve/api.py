@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from pydantic.json_schema import models_json_schema
 
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT = 256  # characters
 MAX_JSON_DEPTH = 32  # arrays and objects inside one another; a chat request with content parts needs 4
 
 
@@ -131,6 +132,8 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the completion "
                                                                "(not returned)")
     ignore_eos: bool | None = Field(None, description="extension: go on past the end-of-sequence token")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
+        "extension (vLLM's): the request shares cached prompt pages only with requests of the same salt"))
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, json_schema_extra=_only(1))
@@ -249,14 +252,20 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose keys and values the prefix cache held")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionLogprobs(BaseModel):

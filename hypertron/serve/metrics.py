@@ -26,6 +26,12 @@ class ServeMetrics:
         self.queue_depth = Gauge(p + "queue_depth", "requests waiting for a slot", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "free KV-cache pages", registry=r)
         self.pages_total = Gauge(p + "kv_pages_total", "KV-cache pages", registry=r)
+        self.pages_cached = Gauge(p + "kv_pages_cached", "KV-cache pages holding a cached prefix (shared or "
+                                  "free; free ones count in kv_pages_free)", registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "prefix cache lookups, in tokens: the tokens "
+                                      "of each sequence admitted", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "prefix cache hits, in tokens: those found cached",
+                                   registry=r)
         self.compiles = Counter(p + "step_compiles", "engine step shapes compiled (sync: a step waited for it; "
                                 "background) and steps run padded to a larger compiled shape (padded)", ["mode"],
                                 registry=r)

@@ -3,7 +3,8 @@
 One background thread owns the engine and the scheduler (neither is thread-safe) and runs a
 plain loop:
 
-1. take new requests and cancellations (client gone, stop string seen) from the asyncio side;
+1. take new requests, cancellations (client gone, stop string seen) and prefix-cache resets
+   (``POST /reset_prefix_cache``) from the asyncio side;
 2. :meth:`Scheduler.schedule` the next step (decode rows and prefill chunks within the token
    budget: :mod:`hypertron.serve.scheduler`) and :meth:`Engine.dispatch` it;
 3. only then :meth:`Engine.collect` the *previous* step and hand its outputs to the scheduler, so
@@ -21,6 +22,7 @@ strings. The thread sleeps on a condition variable when there is nothing to do.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -72,8 +74,8 @@ class Orchestrator:
     ``submit`` (from a running asyncio loop) returns a :class:`Generation`; ``start`` / ``stop``
     run and end the thread (``stop`` aborts what is left). ``max_queue`` bounds the requests
     waiting for a slot: past it :meth:`submit` raises :class:`QueueFull`. The scheduler's
-    settings (``max_num_batched_tokens``, ``max_prefill_rows``, ``step_overhead_tokens``) are
-    passed on. ``ahead``: dispatch step n + 1 before collecting step n; with
+    settings (``max_num_batched_tokens``, ``max_prefill_rows``, ``step_overhead_tokens``,
+    ``enable_prefix_caching``) are passed on. ``ahead``: dispatch step n + 1 before collecting step n; with
     ``ahead_max_tokens``, only for steps of at most that many tokens (a larger one is collected
     at once).
     """
@@ -82,7 +84,7 @@ class Orchestrator:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, ahead: bool = True,
                  ahead_max_tokens: int | None = None, step_overhead_tokens: float | None = None,
-                 registry: CollectorRegistry | None = None):
+                 enable_prefix_caching: bool = True, registry: CollectorRegistry | None = None):
         self.engine, self.tokenizer, self.max_queue, self.ahead = engine, tokenizer, max_queue, ahead
         self.ahead_max_tokens = ahead_max_tokens
         self.max_seq_len, self.max_top_logprobs = engine.max_seq_len, engine.max_top_logprobs
@@ -91,28 +93,30 @@ class Orchestrator:
             max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
             max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids, max_top_logprobs=engine.max_top_logprobs,
             max_num_batched_tokens=max(max_num_batched_tokens, engine.max_slots), max_prefill_rows=max_prefill_rows,
-            step_overhead_tokens=step_overhead_tokens)
+            step_overhead_tokens=step_overhead_tokens, enable_prefix_caching=enable_prefix_caching)
         self.kv_pool_tokens = engine.num_pages * engine.page_size  # a prompt must be shorter (see Scheduler._admit)
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
         self._incoming: list[_Submission] = []
         self._cancelled: list[_Submission] = []
+        self._resets: list[concurrent.futures.Future] = []
         self._waiting = 0  # requests not admitted yet (incoming + the scheduler's queue), for max_queue
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._requests: dict[int, _Submission] = {}  # owned by the loop thread
         self._outbox: list[tuple[_Submission, Output]] = []
-        self._preemptions = 0
+        self._counted = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self._compiles: dict[str, int] = {}
 
     # -- the asyncio side ---------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, stop: Sequence[str] = (),
-               want_prompt_logprobs: bool = False) -> Generation:
+               want_prompt_logprobs: bool = False, cache_salt: str | None = None) -> Generation:
         """Queue a request; call from the event loop that will consume it.
 
-        ``prompt`` is 1 .. ``max_seq_len - 1`` token ids; ``sampling.seed`` None draws one.
+        ``prompt`` is 1 .. ``max_seq_len - 1`` token ids; ``sampling.seed`` None draws one;
+        ``cache_salt``: it shares cached pages only with requests of the same salt.
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
@@ -122,7 +126,7 @@ class Orchestrator:
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
-        seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs)
+        seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs, cache_salt)
         req = _Submission(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if not self.running:
@@ -134,6 +138,17 @@ class Orchestrator:
             self.metrics.queue_depth.set(self._waiting)
             self._cv.notify()
         return Generation(seq, req.queue, self.tokenizer, self.metrics, lambda: self._cancel(req), stop)
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Drop the cached pages no sequence holds, on the loop thread before its next step: a
+        future of how many. RuntimeError when not running."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self.running:
+                raise RuntimeError("the orchestrator is not running")
+            self._resets.append(future)
+            self._cv.notify()
+        return future
 
     def _cancel(self, req: _Submission) -> None:
         with self._cv:
@@ -170,13 +185,17 @@ class Orchestrator:
         try:
             while True:
                 with self._cv:
-                    while not (self._stopping or self._incoming or self._cancelled or sched.has_work or pending):
+                    while not (self._stopping or self._incoming or self._cancelled or self._resets or sched.has_work
+                               or pending):
                         self._update_gauges()
                         self._cv.wait()
                     if self._stopping:
                         break
                     incoming, self._incoming = self._incoming, []
                     cancelled, self._cancelled = self._cancelled, []
+                    resets, self._resets = self._resets, []
+                for future in resets:
+                    future.set_result(sched.reset_prefix_cache())
                 for req in incoming:
                     self._requests[req.seq.id] = req
                     sched.add(req.seq)
@@ -208,7 +227,10 @@ class Orchestrator:
                     self._requests[req.seq.id] = req
                     sched.add(req.seq)
                 self._incoming = []
+                resets, self._resets = self._resets, []
             sched.finish_all(ABORT, "the server stopped")
+            for future in resets:
+                future.set_exception(RuntimeError("the orchestrator stopped"))
             self._route(sched.take_outputs())
             self._flush()
 
@@ -294,9 +316,13 @@ class Orchestrator:
         m.slots_total.set(stats["slots_total"])
         m.pages_free.set(stats["pages_free"])
         m.pages_total.set(stats["pages_total"])
+        m.pages_cached.set(stats["pages_cached"])
         m.queue_depth.set(self._waiting)
-        m.preemptions.inc(self.scheduler.preemptions - self._preemptions)
-        self._preemptions = self.scheduler.preemptions
+        counts = {"preemptions": self.scheduler.preemptions, "prefix_queries": stats["prefix_queries"],
+                  "prefix_hits": stats["prefix_hits"]}
+        for name, n in counts.items():  # the scheduler's counts, since it started
+            getattr(m, name).inc(n - self._counted[name])
+            self._counted[name] = n
         for mode, n in getattr(self.engine, "compiles", {}).items():  # the engine's counts, since it started
             m.compiles.labels(mode).inc(n - self._compiles.get(mode, 0))
             self._compiles[mode] = n

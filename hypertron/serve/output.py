@@ -43,7 +43,8 @@ class Generation:
     Runs on the asyncio side: takes the scheduler's :class:`~hypertron.serve.scheduler.Output`
     records from ``queue``, detokenises, applies stop strings, records latency metrics.
     ``prompt_logprobs`` is set before the first chunk when they were asked for;
-    ``completion_tokens`` counts the tokens returned so far. :meth:`cancel` (e.g. when the
+    ``completion_tokens`` counts the tokens returned so far; ``cached_tokens`` the prompt tokens
+    the prefix cache held at its admission (0 before it). :meth:`cancel` (e.g. when the
     client goes away) frees the request's slot before the engine's next step.
     """
 
@@ -58,11 +59,16 @@ class Generation:
         self._t_submit = time.monotonic()
         self._t_first: float | None = None
         self._t_last = self._t_submit
+        self._seq = seq
         self.prompt_tokens = list(seq.prompt)
         self.sampling = seq.sampling
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._seq.cached_tokens or 0  # set on the loop thread before its first output
 
     def __aiter__(self) -> Generation:
         return self

@@ -29,6 +29,14 @@ page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
    a step of a few hundred tokens costs about what one token does). The group is that optimum
    over the prompts that could start now, measured by the server (:func:`group_size`).
 
+Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
+PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
+(its prompt, and what it generated before a pre-emption) that ends before its last token, so that
+at least one token is prefilled and samples; the rest is prefilled as a chunk after them. Shared
+pages are never written (a sequence writes only past them). A full page of a sequence, prompt or
+generated, gets its key once the host knows its tokens and the step writing it is dispatched
+(steps run in order, so a later step that shares it reads it written; never the same step).
+
 :meth:`Scheduler.update` takes a step's result: each sequence's token (dropped if the
 sequence ended meanwhile: with the engine running one step ahead, a sequence that hits EOS
 in step n was already scheduled in step n + 1), its log-probabilities, the stops (EOS unless
@@ -49,6 +57,7 @@ import itertools
 import math
 from collections.abc import Callable
 
+from hypertron.serve.prefix_cache import PagePool, page_key
 from hypertron.serve.types import Engine, Row, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
@@ -65,7 +74,10 @@ class Request:
     prompt: list[int]
     sampling: SamplingParams
     want_prompt_logprobs: bool = False
+    cache_salt: str | None = None  # only requests of the same salt share cached pages
     generated: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int | None = None  # prompt tokens found cached at its first admission
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' keys, computed so far
     status: str = WAITING
     finish_reason: str | None = None
     # Set at each admission:
@@ -73,6 +85,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     fill: list[int] = dataclasses.field(default_factory=list)  # what is prefilled: prompt + generated then
     computed: int = 0  # positions written or scheduled to be
+    keyed: int = 0  # its first pages that are keyed (or were looked at for a key)
     admitted: int = 0  # admission order, for choosing whom to pre-empt
     prompt_logprobs: list[TokenLogprobs] | None = None
     # Steps dispatched and not collected yet: rows, and those of them that sample a token.
@@ -118,7 +131,7 @@ class Scheduler:
                  eos_ids: frozenset[int] = frozenset(), max_top_logprobs: int = 20,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, step_overhead_tokens: float | None = None,
-                 keep_records: int = 10_000):
+                 enable_prefix_caching: bool = True, keep_records: int = 10_000):
         if max_num_batched_tokens < max_slots:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_slots={max_slots}: "
                              "every running sequence needs its decode token in each step")
@@ -134,7 +147,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # by id, in admission order
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
         self._live: dict[int, Request] = {}
-        self._free_pages = list(range(num_pages, 0, -1))  # pop() hands out 1, 2, ...
+        self.pool = PagePool(num_pages, enabled=enable_prefix_caching)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._hold = False  # after a pre-emption, until a sequence ends
         self._steps = itertools.count()
@@ -173,8 +186,16 @@ class Scheduler:
         return bool(self._live)
 
     def stats(self) -> dict[str, int]:
+        """Gauges (``pages_free`` counts cached free pages; ``pages_cached``: pages holding a key)
+        and the prefix cache's counters (tokens looked up at admissions, and found)."""
         return {"slots_in_use": len(self.running), "slots_total": self.max_slots,
-                "pages_free": len(self._free_pages), "pages_total": self.num_pages, "waiting": len(self.waiting)}
+                "pages_free": self.pool.num_free, "pages_total": self.num_pages, "waiting": len(self.waiting),
+                "pages_cached": self.pool.num_cached, "prefix_queries": self.pool.queries,
+                "prefix_hits": self.pool.hits}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached pages no sequence holds; returns how many."""
+        return self.pool.reset()
 
     # -- one step -----------------------------------------------------------------------
 
@@ -209,7 +230,7 @@ class Scheduler:
         if not preempted and not (self._hold and self.running):
             rows = min(self.max_prefill_rows, self._group(len(decodes), prefills))
             while budget and self._free_slots and len(prefills) < rows and self.waiting:
-                if prefills and self._fill_length(self.waiting[0]) > budget:
+                if prefills and self._prefill_length(self.waiting[0]) > budget:
                     break  # it would be split: it starts the next step whole (or as that step's first chunk)
                 admitted = self._admit(self.waiting[0], busy=bool(self.running))
                 if admitted is None:
@@ -225,6 +246,7 @@ class Scheduler:
             seq = self._live[row.request]
             seq.rows_in_flight += 1
             seq.tokens_in_flight += row.sample
+            self._key_pages(seq)  # after every admission: a page is never shared in the step writing it
         plan = StepPlan.of(next(self._steps), tuple(decodes), tuple(prefills))
         self.records.append(StepRecord(plan.step, tuple(r.request for r in decodes),
                                        tuple((r.request, r.start, r.num_tokens) for r in prefills),
@@ -249,11 +271,15 @@ class Scheduler:
                 lp = TokenLogprobs(float(result.logprobs[i]), tuple(int(t) for t in result.top_ids[i][:n]),
                                    tuple(float(v) for v in result.top_logprobs[i][:n]))
             self._emit(seq, int(result.tokens[i]), lp)
+            if seq.status == RUNNING:
+                self._key_pages(seq)
 
     def fail(self, plan: StepPlan, error: str) -> None:
         """A step failed for these rows: end their sequences with ``"error"`` (``error`` is what the
         client sees, with the request's id appended) and give back their slots and pages."""
         for row in plan.rows:
+            for page in row.pages[row.start // self.page_size:self._pages_for(row.end)]:
+                self.pool.forget(page)  # what the row writes may not be there
             seq = self._live.get(row.request)
             if seq is not None:
                 self._finish(seq, ERROR, f"{error} (request {seq.id})")
@@ -269,17 +295,48 @@ class Scheduler:
         if cap <= 0:
             return self.max_prefill_rows  # nothing can start: the admission loop stops by itself
         lengths = [len(r.tokens) for r in prefills]
-        lengths += [self._fill_length(s) for s in itertools.islice(self.waiting, cap)]
+        lengths += [self._prefill_length(s) for s in itertools.islice(self.waiting, cap)]
         return group_size(len(lengths), sum(lengths) / len(lengths), self.step_overhead_tokens + decodes)
 
     def _goes_on(self, seq: Request) -> bool:
         """Whether another token may be sampled: not at max_tokens or max_seq_len yet."""
         return seq.outputs < seq.sampling.max_tokens and len(seq.prompt) + seq.outputs < self.max_seq_len
 
-    @staticmethod
-    def _fill_length(seq: Request) -> int:
-        """The tokens ``seq`` prefills when admitted: its prompt and what it generated before a pre-emption."""
-        return len(seq.prompt) + len(seq.generated)
+    def _prefill_length(self, seq: Request) -> int:
+        """The tokens ``seq`` would prefill if admitted now: its prompt and what it generated before
+        a pre-emption, less what it would find cached."""
+        n = len(seq.prompt) + len(seq.generated)
+        return n - len(self._cached_prefix(seq, n)) * self.page_size
+
+    def _cached_prefix(self, seq: Request, n: int) -> list[int]:
+        """The cached pages ``seq`` can share of its first ``n`` tokens: full pages, ending before
+        the last token (it is prefilled and samples); none when its prompt's log-probabilities are wanted."""
+        if not self._looks_up(seq):
+            return []
+        return self.pool.cached_prefix(self._key(seq, i) for i in range((n - 1) // self.page_size))
+
+    def _looks_up(self, seq: Request) -> bool:
+        """Whether ``seq`` may share cached pages: not when its prompt's log-probabilities are
+        computed (every prompt position's logits are)."""
+        return self.pool.enabled and not (seq.want_prompt_logprobs and not seq.generated)
+
+    def _key(self, seq: Request, i: int) -> bytes:
+        """The key of ``seq``'s page ``i`` (its tokens known): computed once, from page 0 on."""
+        ps, n = self.page_size, len(seq.prompt)
+        while len(seq.keys) <= i:
+            a, b = len(seq.keys) * ps, (len(seq.keys) + 1) * ps
+            tokens = seq.prompt[a:b] + seq.generated[max(a - n, 0):max(b - n, 0)]
+            seq.keys.append(page_key(seq.keys[-1] if seq.keys else None, tokens, seq.cache_salt))
+        return seq.keys[i]
+
+    def _key_pages(self, seq: Request) -> None:
+        """Key ``seq``'s full pages whose tokens are known and whose writes are dispatched."""
+        if not self.pool.enabled:
+            return
+        full = min(seq.computed, len(seq.prompt) + len(seq.generated), len(seq.pages) * self.page_size)
+        for i in range(seq.keyed, full // self.page_size):
+            self.pool.register(seq.pages[i], self._key(seq, i))
+        seq.keyed = max(seq.keyed, full // self.page_size)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -288,9 +345,10 @@ class Scheduler:
         """Take the page ``position`` is written into, if ``seq`` has none yet; False if none is free."""
         if position // self.page_size < len(seq.pages):
             return True
-        if not self._free_pages:
+        page = self.pool.take()
+        if page is None:
             return False
-        seq.pages.append(self._free_pages.pop())
+        seq.pages.append(page)
         return True
 
     def _admit(self, seq: Request, busy: bool) -> bool | None:
@@ -299,13 +357,21 @@ class Scheduler:
         if seq.rows_in_flight:  # pre-empted while a step of it ran: take its token first
             return False
         fill = seq.prompt + seq.generated
-        if len(self._free_pages) < self._pages_for(len(fill) + 1):
+        shared = self._cached_prefix(seq, len(fill))
+        free = self.pool.num_free - sum(self.pool.refs[p] == 0 for p in shared)  # cached free pages count
+        if free < self._pages_for(len(fill) + 1) - len(shared):
             if busy:
                 return False  # running sequences will end and give pages back
             self._finish(seq, LENGTH)  # it does not fit even into an empty cache
             return None
-        seq.fill, seq.computed, seq.status = fill, 0, RUNNING
-        seq.pages = [self._free_pages.pop() for _ in range(self._pages_for(len(fill)))]
+        self.pool.share(shared)
+        cached = len(shared) * self.page_size
+        if self._looks_up(seq):
+            self.pool.queries, self.pool.hits = self.pool.queries + len(fill), self.pool.hits + cached
+        if seq.cached_tokens is None:
+            seq.cached_tokens = cached
+        seq.fill, seq.computed, seq.keyed, seq.status = fill, cached, len(shared), RUNNING
+        seq.pages = shared + [self.pool.take() for _ in range(self._pages_for(len(fill)) - len(shared))]
         seq.slot, seq.admitted = self._free_slots.pop(), next(self._order)
         seq.prompt_logprobs = [] if seq.want_prompt_logprobs and not seq.generated else None
         self.running[seq.id] = seq
@@ -348,9 +414,9 @@ class Scheduler:
     def _release(self, seq: Request) -> None:
         """Give back ``seq``'s slot and pages (the engine may still be running a step that writes
         them; steps run in order, so the next owner's writes come after)."""
-        self._free_pages.extend(reversed(seq.pages))
+        self.pool.release(seq.pages)
         self._free_slots.append(seq.slot)
-        seq.pages, seq.slot = [], None
+        seq.pages, seq.slot, seq.keyed = [], None, 0
         del self.running[seq.id]
 
     def _preempt(self, seq: Request) -> None:

@@ -2,8 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's
-description). Streaming is server-sent events, ``data: {json}\\n\\n`` per chunk, ending with
-``data: [DONE]\\n\\n``. With an API key every ``/v1`` endpoint (and ``/openapi.json``) wants
+description), ``POST /reset_prefix_cache`` (drops the cached KV pages no request holds). Streaming is server-sent events, ``data: {json}\\n\\n`` per chunk, ending with
+``data: [DONE]\\n\\n``. With an API key every ``/v1`` endpoint (and ``/openapi.json``, ``/reset_prefix_cache``) wants
 ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Errors have
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -13,7 +13,8 @@ counted in ``usage.completion_tokens``, which counts the tokens returned; legacy
 ``logprobs.top_logprobs`` also hold the chosen token (as OpenAI's do); chat prompts are
 rendered with the tokenizer's ``chat_template`` (from ``tokenizer_config.json``) or else
 :data:`DEFAULT_CHAT_TEMPLATE`, which puts ``<|role|>`` lines before each message and BOS first.
-Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's); ``usage`` has
+``prompt_tokens_details.cached_tokens`` (the prompt tokens the prefix cache held).
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
     async def metrics():
         return Response(generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache", dependencies=[Depends(authorize)], include_in_schema=False)  # operators'
+    async def reset_prefix_cache():
+        try:
+            dropped = await asyncio.wrap_future(orchestrator.reset_prefix_cache())
+        except RuntimeError as e:
+            raise ApiError(503, str(e), type="server_error", code="unavailable") from None
+        return {"pages_dropped": dropped}
+
     if openapi:
         limits = ApiLimits(max_prompt_tokens=min(max_prompt, orchestrator.kv_pool_tokens - 1),
                            max_tokens_limit=max_tokens_limit, max_seq_len=orchestrator.max_seq_len,
@@ -200,7 +209,7 @@ class _Api:
         prompt = self._completion_prompt(req.prompt)
         echo, n_logprobs = bool(req.echo), req.logprobs
         sampling = self._sampling(req, req.max_tokens, 16, n_logprobs, "logprobs")
-        gen = self._submit(prompt, sampling, req.stop or [], want_prompt_logprobs=echo and n_logprobs is not None)
+        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=echo and n_logprobs is not None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_text, echo_offsets = _pieces(self.tok, prompt) if echo else ("", [])
 
@@ -230,7 +239,7 @@ class _Api:
         ids, lps, offsets = (_cat(chunks, f) for f in ("token_ids", "logprobs", "offsets"))
         text = "".join(c.text for c in chunks)
         return completion(text, ids, lps, offsets, chunks[-1].finish_reason, True,
-                          Usage.of(len(prompt), gen.completion_tokens)).model_dump()
+                          Usage.of(len(prompt), gen.completion_tokens, gen.cached_tokens)).model_dump()
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -268,7 +277,7 @@ class _Api:
                            is not None else (req.max_tokens, "max_tokens"))
         sampling = self._sampling(req, max_tokens, None, (top_n or 0) if want_logprobs else None, "top_logprobs",
                                   max_key=key)
-        gen = self._submit(prompt, sampling, req.stop or [], want_prompt_logprobs=False)
+        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(ids, lps) -> ChoiceLogprobs | None:
@@ -294,7 +303,7 @@ class _Api:
         choice = ChatChoice(message=ChatMessageOut(content="".join(c.text for c in chunks)),
                             logprobs=logprobs(ids, lps), finish_reason=chunks[-1].finish_reason)
         return ChatCompletion(id=rid, created=created, model=self.model_name, choices=[choice],
-                              usage=Usage.of(len(prompt), gen.completion_tokens)).model_dump()
+                              usage=Usage.of(len(prompt), gen.completion_tokens, gen.cached_tokens)).model_dump()
 
     # -- shared -------------------------------------------------------------------------
 
@@ -337,9 +346,10 @@ class _Api:
             raise ApiError(400, str(e).replace(f"'{e.field}'", f"'{param}'", 1), param=param) from None
         return sampling
 
-    def _submit(self, prompt, sampling, stop, want_prompt_logprobs: bool) -> Generation:
+    def _submit(self, prompt, sampling, req, want_prompt_logprobs: bool) -> Generation:
         try:
-            return self.orch.submit(prompt, sampling, stop=stop, want_prompt_logprobs=want_prompt_logprobs)
+            return self.orch.submit(prompt, sampling, stop=req.stop or [], want_prompt_logprobs=want_prompt_logprobs,
+                                    cache_salt=req.cache_salt)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
@@ -358,7 +368,7 @@ class _Api:
                 async for event in events:
                     yield f"data: {_dump_event(event, exclude)}\n\n"
                 if include_usage:
-                    head.usage = Usage.of(n_prompt, gen.completion_tokens)
+                    head.usage = Usage.of(n_prompt, gen.completion_tokens, gen.cached_tokens)
                     yield f"data: {head.model_dump_json()}\n\n"
             except ApiError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
@@ -520,6 +530,7 @@ def main(serve: ServeConfig) -> int:
     orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue,
                                 max_num_batched_tokens=serve.max_num_batched_tokens,
                                 max_prefill_rows=serve.max_prefill_rows, step_overhead_tokens=overhead,
+                                enable_prefix_caching=serve.enable_prefix_caching,
                                 **dict(zip(("ahead", "ahead_max_tokens"), resolve_dispatch_ahead(serve.dispatch_ahead))))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,

@@ -1,0 +1,163 @@
+"""Prefix caching over HTTP: ``bench/serve_http.py --workload shared-prefix distinct --prefix-caching on off``.
+
+One model and one build (``bench/serve_http.py``'s), and one ``hypertron serve`` per setting
+(``--enable-prefix-caching`` / ``--no-enable-prefix-caching``), both started at once and loaded in
+turn (on, off, on, off, ...), so that the machine's drift falls on both alike. Workloads:
+
+- ``shared-prefix``: every prompt is one shared text of ``--prefix-len`` tokens (1,024) followed by
+  a text of its own of ``--suffix-len`` tokens (64), BOS first;
+- ``distinct``: prompts of ``--input-len`` tokens, none shared (``bench/serve_http.py``'s).
+
+Per workload and concurrency C: a warm-up run of 2 N requests on each server (not reported: it
+compiles the load's step shapes and, with caching, fills the cache as a server in its steady
+state has it), then ``--repeats`` runs (``--repeats + 2`` for ``distinct``, whose difference is
+small) of N = max(``--num-requests``, 2 C) requests each, new prompts each run (the same on both
+servers). Each figure is the median over the runs. The hit rate is the caching server's
+``hypertron_prefix_cache_hits_total`` over ``hypertron_prefix_cache_queries_total`` (tokens)
+during the measured runs. Prints per workload and concurrency::
+
+    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B
+
+(R = Y / X), and with ``--output`` writes every run's report as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from hypertron.launch.local import free_ports
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_model import write_prompts  # bench/serve_model.py, this directory
+from serve_http_servers import Server, bench  # bench/serve_http_servers.py, this directory
+
+WORKLOADS = ("shared-prefix", "distinct")
+
+
+def add_workload_args(p) -> None:
+    """``bench/serve_http.py``'s flags of this mode."""
+    p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=None,
+                   help="prefix caching's workloads instead of the servers' comparison (bench/serve_http_prefix.py)")
+    p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
+    p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: each prompt's own tokens")
+
+
+def prefix_counters(base_url: str) -> tuple[float, float]:
+    """``(queries, hits)`` of the prefix cache, in tokens, from ``/metrics``."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    read = lambda name: float(re.search(rf"^hypertron_prefix_cache_{name}_total (\S+)$", text, re.M).group(1))  # noqa: E731
+    return read("queries"), read("hits")
+
+
+def runs_of(args) -> dict[str, list[tuple[str, int]]]:
+    """Per workload and concurrency (``"WORKLOAD cC"``): its runs' names and request counts, the
+    warm-up first."""
+    out = {}
+    for workload in args.workload:
+        repeats = args.repeats + (2 if workload == "distinct" else 0)
+        for c in args.concurrency:
+            n = max(args.num_requests, 2 * c)
+            out[f"{workload} c{c}"] = [(f"{workload}-c{c}-w", 2 * n)] + [(f"{workload}-c{c}-r{i}", n)
+                                                                        for i in range(repeats)]
+    return out
+
+
+def write_workload_prompts(hf_dir: str, work: str, args, runs: dict) -> dict[str, str]:
+    """Every run's prompts file: shared-prefix runs are the one prefix + a suffix of their own."""
+    counts = {name: (n, args.suffix_len if name.startswith("shared") else args.input_len)
+              for each in runs.values() for name, n in each}
+    paths = write_prompts(hf_dir, work, {"prefix": (1, args.prefix_len), **counts}, args.input_len, seed=1)
+    with open(paths.pop("prefix"), encoding="utf-8") as f:
+        prefix = json.loads(f.readline())["prompt"]
+    for name, path in paths.items():
+        if name.startswith("shared"):
+            with open(path, encoding="utf-8") as f:
+                lines = [json.dumps({"prompt": prefix + json.loads(line)["prompt"]}) for line in f if line.strip()]
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    return paths
+
+
+def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tuple[str, int]], c: int,
+            args) -> dict:
+    """One workload at concurrency ``c`` on every server, loaded in turn; the medians."""
+    name_w, n_w = runs[0]
+    for setting, (url, log) in servers.items():
+        bench(url, "bench", paths[name_w], c, n_w, args.max_tokens, f"{log.name}.{name_w}.json", log)
+    before = {s: prefix_counters(url) for s, (url, _) in servers.items()}
+    reports = {s: [] for s in servers}
+    for name, n in runs[1:]:
+        for setting, (url, log) in servers.items():
+            reports[setting].append(bench(url, "bench", paths[name], c, n, args.max_tokens,
+                                          f"{log.name}.{name}.json", log))
+    out = {}
+    for setting, (url, _) in servers.items():
+        q, h = (a - b for a, b in zip(prefix_counters(url), before[setting]))
+        out[setting] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[setting]])),
+                        "out_tok_s": float(np.median([r["output_throughput"] for r in reports[setting]])),
+                        "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[setting]),
+                        "runs": reports[setting]}
+    return out
+
+
+def line(key: str, result: dict) -> str:
+    workload, c = key.split()
+    on, off = result.get("on", {}), result.get("off", {})
+    get = lambda r, k, spec: format(r[k], spec) if k in r else "-"  # noqa: E731
+    ratio = format(off["ttft_mean_ms"] / on["ttft_mean_ms"], ".2f") if on and off else "-"
+    return (f"prefix-caching {workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
+            f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
+            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')}")
+
+
+def run_workloads(args, prepare) -> int:
+    """``--workload``: one server per ``--prefix-caching`` setting over the model and environment of
+    ``prepare(args)`` (``bench/serve_http.py``'s), each workload and concurrency; one line each."""
+    args.no_interference, args.servers = True, ["hypertron"]
+    setup = prepare(args)
+    runs = runs_of(args)
+    paths = write_workload_prompts(setup.hf_dir, setup.work, args, runs)
+    max_c = max(args.concurrency)
+    longest = max(args.prefix_len + args.suffix_len, args.input_len) + 1 + args.max_tokens + 16
+    pages = max_c * -(-longest // 16)
+    results, commands = {}, {}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for setting in args.prefix_caching:
+            port = free_ports()
+            flag = "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching"
+            argv = setup.hypertron_argv(port, max_c, pages + 1, max(args.max_num_batched_tokens, max_c)) + [flag]
+            commands[setting] = " ".join([os.path.basename(argv[0]), *argv[1:]])
+            srv = stack.enter_context(Server(f"hypertron-{setting}", argv, port,
+                                             os.path.join(setup.work, f"prefix-{setting}.log"), setup.env))
+            servers[setting] = srv
+        for setting, srv in servers.items():
+            print(f"hypertron prefix caching {setting}: ready in {srv.wait_ready(args.ready_timeout):.1f} s",
+                  file=sys.stderr)
+        logs = {s: stack.enter_context(open(os.path.join(setup.work, f"prefix-{s}-bench.log"), "w"))
+                for s in servers}
+        targets = {s: (srv.base_url, logs[s]) for s, srv in servers.items()}
+        for key, each in runs.items():
+            t0 = time.perf_counter()
+            results[key] = measure(targets, paths, each, int(key.split()[1][1:]), args)
+            print(f"  ... {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    for key, result in results.items():
+        print(line(key, result))
+    for setting, command in commands.items():
+        print(f"{setting}: {command}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"results": results, "commands": commands, "args": vars(args)}, f, indent=1)
+    if args.keep is None:
+        shutil.rmtree(setup.work, ignore_errors=True)
+    return 1 if any(r["failed"] for result in results.values() for r in result.values()) else 0
