@@ -281,12 +281,16 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 def _ours_from_hf(rule: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if rule == "same":
         return w
+    if rule == "conv":
+        return w.transpose(2, 3, 1, 0)  # OIHW -> HWIO
     return w.T.reshape(shape)  # linear: [in, out]; heads_in: [D, n, h]; heads_out: [n, h, D]
 
 
 def _hf_from_ours(rule: str, w: np.ndarray) -> np.ndarray:
     if rule == "same":
         return w
+    if rule == "conv":
+        return w.transpose(3, 2, 0, 1)  # HWIO -> OIHW
     if rule == "heads_in":
         w = w.reshape(w.shape[0], -1)  # [D, n*h]
     elif rule == "heads_out":
@@ -299,6 +303,8 @@ def _hf_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
     if rule == "linear":
         return shape[::-1]
+    if rule == "conv":
+        return (shape[3], shape[2], shape[0], shape[1])
     if rule == "heads_in":
         return (math.prod(shape[1:]), shape[0])
     return (shape[-1], math.prod(shape[:-1]))
