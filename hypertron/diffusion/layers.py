@@ -8,20 +8,14 @@ them. Activations are ``x_bhwc``; norms compute in float32.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from safetensors import safe_open
 
-from hypertron.diffusion.errors import DiffusionError
-from hypertron.models.hf import _hf_shape, _ours_from_hf  # the layout rules (one place)
-from hypertron.models.params import ParamSpec, leaves_with_paths, matmul
+from hypertron.models.params import ParamSpec, matmul
 
 Params = dict[str, Any]
 
@@ -118,37 +112,3 @@ def upsample(x_bhwc: jax.Array, p: Params) -> jax.Array:
     """diffusers' ``Upsample2D``: nearest 2x, then a 3x3 conv."""
     x = jnp.repeat(jnp.repeat(x_bhwc, 2, axis=1), 2, axis=2)
     return conv2d(x, p)
-
-
-# ---------------------------------------------------------------------------
-# Weights
-
-
-def params_from_safetensors(specs: Params, file: Path, dtype: Any = np.float32) -> Params:
-    """The parameters declared in ``specs`` from the diffusers safetensors ``file``, each by its
-    ``hf`` name and layout. A missing, extra or misshapen tensor is a :class:`DiffusionError` naming
-    the file and the tensor."""
-    table = {spec.hf: (path, spec) for path, spec in leaves_with_paths(specs)}
-    if not file.is_file():
-        raise DiffusionError(f"{file}: not found (only safetensors weights load: no torch at run time)")
-    params: Params = {}
-    with contextlib.ExitStack() as stack:
-        try:
-            handle = stack.enter_context(safe_open(str(file), framework="np"))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise DiffusionError(f"{file}: not a safetensors file ({e})") from None
-        names = set(handle.keys())
-        for what, bad in (("unexpected", names - table.keys()), ("missing", table.keys() - names)):
-            if bad:
-                raise DiffusionError(f"{file}: {what} tensor {sorted(bad)[0]} ({len(bad)} in all)")
-        for name, (path, spec) in table.items():
-            w = handle.get_tensor(name)
-            want = _hf_shape(spec.hf_layout, spec.shape)
-            if tuple(w.shape) != want:
-                raise DiffusionError(f"{file}: tensor {name} has shape {tuple(w.shape)}, the config "
-                                     f"expects {want}")
-            node = params
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = np.ascontiguousarray(_ours_from_hf(spec.hf_layout, w, spec.shape).astype(dtype))
-    return params

@@ -475,12 +475,12 @@ class _SafetensorsFiles(Mapping):
         return len(self._where)
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-    single, index = path / SINGLE_FILE, path / INDEX_FILE
+def _checkpoint_files(path: Path, file: str = SINGLE_FILE) -> list[Path]:
+    single, index = path / file, path / f"{file}.index.json"  # INDEX_FILE for model.safetensors
     if single.is_file():
         return [single]
     if not index.is_file():
-        raise HFError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
+        raise HFError(f"{path}: no {single.name} or {index.name} (only safetensors checkpoints load)")
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -488,15 +488,16 @@ def _checkpoint_files(path: Path) -> list[Path]:
     files = [path / f for f in dict.fromkeys(weight_map.values())]
     for f in files:
         if not f.is_file():
-            raise HFError(f"{f}: shard named in {INDEX_FILE} is missing")
+            raise HFError(f"{f}: shard named in {index.name} is missing")
     return files
 
 
 @contextlib.contextmanager
-def checkpoint_tensors(path: Path) -> Iterator[Mapping[str, np.ndarray]]:
-    """The tensors of the safetensors checkpoint in the directory ``path`` (``model.safetensors``, or
-    an index and its shards), as a lazy name -> numpy mapping open while the context is."""
-    files = _checkpoint_files(path)
+def checkpoint_tensors(path: Path, file: str = SINGLE_FILE) -> Iterator[Mapping[str, np.ndarray]]:
+    """The tensors of the safetensors checkpoint in the directory ``path`` (``file``, or its
+    ``.index.json`` and the shards it names; diffusers' ``diffusion_pytorch_model.safetensors``), as a
+    lazy name -> numpy mapping open while the context is."""
+    files = _checkpoint_files(path, file)
     with contextlib.ExitStack() as stack:
         yield _SafetensorsFiles(files, stack)
 
