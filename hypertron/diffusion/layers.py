@@ -94,10 +94,12 @@ def attention(x_bhwc: jax.Array, p: Params, groups: int, eps: float, einsum) -> 
     with jax.named_scope("attention"):
         b, hh, ww, c = x_bhwc.shape
         h_bsc = group_norm(x_bhwc, p["norm"], groups, eps).reshape(b, hh * ww, c)
-        bias = lambda name, w: p[name].reshape(w.shape[1:]).astype(h_bsc.dtype)  # noqa: E731  [n, h]
-        q_bsnh = einsum("bsc,cnh->bsnh", h_bsc, p["wq"]) + bias("bq", p["wq"])
-        k_bsnh = einsum("bsc,cnh->bsnh", h_bsc, p["wk"]) + bias("bk", p["wk"])
-        v_bsnh = einsum("bsc,cnh->bsnh", h_bsc, p["wv"]) + bias("bv", p["wv"])
+        nh = p["wq"].shape[1:]
+
+        def proj(w: str, bias: str) -> jax.Array:
+            return einsum("bsc,cnh->bsnh", h_bsc, p[w]) + p[bias].reshape(nh).astype(h_bsc.dtype)
+
+        q_bsnh, k_bsnh, v_bsnh = proj("wq", "bq"), proj("wk", "bk"), proj("wv", "bv")
         o_bsnh = jax.nn.dot_product_attention(q_bsnh, k_bsnh, v_bsnh)
         o_bsc = einsum("bsnh,nhc->bsc", o_bsnh, p["wo"]) + p["bo"].astype(h_bsc.dtype)
         return x_bhwc + o_bsc.reshape(b, hh, ww, c)
