@@ -281,12 +281,16 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 def _ours_from_hf(rule: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if rule == "same":
         return w
+    if rule == "conv":
+        return w.transpose(2, 3, 1, 0)  # OIHW -> HWIO
     return w.T.reshape(shape)  # linear: [in, out]; heads_in: [D, n, h]; heads_out: [n, h, D]
 
 
 def _hf_from_ours(rule: str, w: np.ndarray) -> np.ndarray:
     if rule == "same":
         return w
+    if rule == "conv":
+        return w.transpose(3, 2, 0, 1)  # HWIO -> OIHW
     if rule == "heads_in":
         w = w.reshape(w.shape[0], -1)  # [D, n*h]
     elif rule == "heads_out":
@@ -299,6 +303,8 @@ def _hf_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
     if rule == "linear":
         return shape[::-1]
+    if rule == "conv":
+        return (shape[3], shape[2], shape[0], shape[1])
     if rule == "heads_in":
         return (math.prod(shape[1:]), shape[0])
     return (shape[-1], math.prod(shape[:-1]))
@@ -469,12 +475,12 @@ class _SafetensorsFiles(Mapping):
         return len(self._where)
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-    single, index = path / SINGLE_FILE, path / INDEX_FILE
+def _checkpoint_files(path: Path, file: str = SINGLE_FILE) -> list[Path]:
+    single, index = path / file, path / f"{file}.index.json"  # INDEX_FILE for model.safetensors
     if single.is_file():
         return [single]
     if not index.is_file():
-        raise HFError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
+        raise HFError(f"{path}: no {single.name} or {index.name} (only safetensors checkpoints load)")
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -482,15 +488,16 @@ def _checkpoint_files(path: Path) -> list[Path]:
     files = [path / f for f in dict.fromkeys(weight_map.values())]
     for f in files:
         if not f.is_file():
-            raise HFError(f"{f}: shard named in {INDEX_FILE} is missing")
+            raise HFError(f"{f}: shard named in {index.name} is missing")
     return files
 
 
 @contextlib.contextmanager
-def checkpoint_tensors(path: Path) -> Iterator[Mapping[str, np.ndarray]]:
-    """The tensors of the safetensors checkpoint in the directory ``path`` (``model.safetensors``, or
-    an index and its shards), as a lazy name -> numpy mapping open while the context is."""
-    files = _checkpoint_files(path)
+def checkpoint_tensors(path: Path, file: str = SINGLE_FILE) -> Iterator[Mapping[str, np.ndarray]]:
+    """The tensors of the safetensors checkpoint in the directory ``path`` (``file``, or its
+    ``.index.json`` and the shards it names; diffusers' ``diffusion_pytorch_model.safetensors``), as a
+    lazy name -> numpy mapping open while the context is."""
+    files = _checkpoint_files(path, file)
     with contextlib.ExitStack() as stack:
         yield _SafetensorsFiles(files, stack)
 

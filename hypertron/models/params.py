@@ -33,7 +33,8 @@ from hypertron.quant import fp8, int8
 #   linear:    HF Linear weight [out, in]   <->  ours [in, out]
 #   heads_in:  HF [heads*head_dim, D]       <->  ours [D, heads, head_dim] (q, k, v)
 #   heads_out: HF [D, heads*head_dim]       <->  ours [heads, head_dim, D] (o)
-HFLayout = Literal["same", "linear", "heads_in", "heads_out"]
+#   conv:      torch Conv2d weight [out, in, kh, kw] (OIHW)  <->  ours [kh, kw, in, out] (HWIO)
+HFLayout = Literal["same", "linear", "heads_in", "heads_out", "conv"]
 
 
 @dataclass(frozen=True)

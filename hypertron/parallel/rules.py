@@ -41,6 +41,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "layers": None,
     "norm": None,
     "cache_seq": None,
+    "conv_in": None,  # a conv kernel's input channels (HWIO); its output channels as embed
+    "conv_out": "fsdp",
 }
 
 
