@@ -247,6 +247,7 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
         assert host == "tiny-workers-0-0.tiny"
         env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
         env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
+        env = processes.fast_compile(env)  # and compiled fast, as the suite's other multi-process jobs
         procs.append(processes.start(
             [sys.executable, "-m", "hypertron.cli", "train", str(recipe), f"run_dir={run}", "train.steps=100000",
              "train.log_every=1", "monitor.collect=false"],

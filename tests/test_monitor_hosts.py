@@ -229,7 +229,7 @@ def slowed_run(tmp_path_factory):
                                 stdout=processes.DEVNULL, stderr=open(root / "prometheus.log", "w"))
     else:
         why = "Debian's prometheus is not installed (make test installs it when run as root)"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env = processes.fast_compile({k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"})
     env["HYPERTRON_FAULT_DATA_DELAY"] = f"{SLOW_PROCESS}:{DELAY}"
     job = processes.start(
         [sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", str(PROCESSES), "--cpu-devices", "1",

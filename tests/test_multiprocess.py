@@ -33,7 +33,7 @@ TINY = [*TWO_LAYERS, "train.log_every=1", "data.source=stdlib",
 
 
 def _launch(*overrides: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = processes.fast_compile({k: v for k, v in os.environ.items() if not k.startswith("JAX_")})
     return processes.run([sys.executable, "-m", "hypertron.cli", "launch", "local", "--processes", "2",
                            "--cpu-devices", "4", "--", "train", *overrides],
                           env=env, capture_output=True, text=True, timeout=400)

@@ -35,7 +35,8 @@ launch:
   machine: cpu
   nodes: 1
   processes_per_node: 2
-  xla_flags: [{value: --xla_force_host_platform_device_count=4, reason: four devices per process}]
+  xla_flags: [{value: --xla_force_host_platform_device_count=4, reason: four devices per process},
+              {value: """ + processes.FAST_COMPILE + """, reason: compiled fast}]
   env: [{value: JAX_PLATFORMS=cpu, reason: the CPU}]
 """
 
