@@ -23,7 +23,8 @@ Backends (``backend=``):
     kernel). Queries are gathered into blocks before and scattered back after, so programs never
     write the same rows.
 ``"auto"``
-    ``AUTO_BACKEND[jax.default_backend()]`` of :mod:`hypertron.kernels.ragged_attention`.
+    ``AUTO_BACKEND[jax.default_backend()]``: the reference everywhere until the kernel has run on
+    a GPU.
 
 Verified (CPU, JAX 0.10.2, ``tests/test_ragged_attention.py``): the reference against dense
 attention in numpy on a mix of decode rows, new prompts, chunks after cached tokens, an empty row
@@ -44,7 +45,6 @@ from jax.experimental import pallas as pl
 
 from hypertron.kernels.backends import TRITON, whole
 from hypertron.kernels.ragged_attention import (
-    AUTO_BACKEND,
     DEFAULT_BLOCK_TOKENS,
     MIN_GROUP_ROWS,
     CallConfig,
@@ -60,6 +60,10 @@ from hypertron.kernels.ragged_attention import (
 # miss the cache).
 DEFAULT_BLOCK_Q = 64
 REFERENCE_CHUNK_TOKENS = 256
+# The reference everywhere until the kernel has run on a GPU (it is checked in interpret mode and
+# for its Triton lowering only); the decode kernel's table is its own.
+AUTO_BACKEND = {"cpu": "reference", "gpu": "reference", "cuda": "reference", "rocm": "reference",
+                "tpu": "reference"}
 # The Pallas kernel's block when block_q is not given: this many rows of q (queries x the GQA
 # group's heads, padded to a power of two). Untuned.
 PALLAS_BLOCK_ROWS = 64
