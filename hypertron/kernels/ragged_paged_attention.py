@@ -74,8 +74,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
                            sm_scale: float | None = None, window: int | jax.Array | None = None,
                            backend: str = "auto", block_q: int | None = None,
-                           pages_per_block: int | None = None,
-                           interpret: bool | None = None) -> jax.Array:
+                           pages_per_block: int | None = None, interpret: bool | None = None,
+                           decode_only: bool = False) -> jax.Array:
     """Causal attention of the last queries of many rows over each row's pages of the KV cache.
 
     Row ``r``'s queries are ``q[query_start[r]:query_start[r + 1]]``, the last
@@ -96,6 +96,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       backend: one of :data:`BACKENDS`.
       block_q: queries per block (static, a power of two); default :data:`DEFAULT_BLOCK_Q`
         (reference), :data:`PALLAS_BLOCK_ROWS` rows of q (pallas).
+      decode_only: the caller's promise that no row has more than one query (static): the
+        reference then builds no loop over blocks (a decode step compiles faster).
 
     Returns:
       ``[tokens, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
@@ -118,12 +120,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         group = pl.next_power_of_2(q.shape[1] // k_pages.shape[0])
         block_q = DEFAULT_BLOCK_Q if backend == "reference" else max(1, PALLAS_BLOCK_ROWS // group)
     return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
-                      window, cfg, block_q)
+                      window, cfg, block_q, decode_only)
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, *,
                                      k_scales=None, v_scales=None, sm_scale=None, window=None,
-                                     block_q: int = DEFAULT_BLOCK_Q) -> jax.Array:
+                                     block_q: int = DEFAULT_BLOCK_Q,
+                                     decode_only: bool = False) -> jax.Array:
     """:func:`ragged_paged_attention` in plain JAX (arguments as there, ``block_q`` static).
 
     Every row's last query (a decode row's only one) attends in one batch over the rows; the
@@ -155,6 +158,10 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
     pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
     out_last = attend(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, table)
+    out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
+    if decode_only:
+        out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
+        return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
 
     # The others: blocks of one row's queries.
     rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=True)
@@ -172,7 +179,6 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
         return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, got, old), first, 0)
 
     out = lax.fori_loop(0, total, block, out)[:n]
-    out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
     out = out.at[last_r].set(out_last, mode="drop")
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
 
@@ -231,13 +237,14 @@ def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last
     return row_t, query_start[row_t] + j_t * block_q, count_t, ends_r[-1]
 
 
-@functools.partial(jax.jit, static_argnums=(9, 10))
+@functools.partial(jax.jit, static_argnums=(9, 10, 11))
 def _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales, window,
-               cfg: CallConfig, block_q: int):
+               cfg: CallConfig, block_q: int, decode_only: bool):
     if cfg.backend == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
-            v_scales=v_scales, sm_scale=cfg.sm_scale, window=window, block_q=block_q)
+            v_scales=v_scales, sm_scale=cfg.sm_scale, window=window, block_q=block_q,
+            decode_only=decode_only)
     return _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales,
                          v_scales, window, cfg, block_q)
 

@@ -52,7 +52,8 @@ class PagedCache:
     token; ``token_valid [N]`` False for padding (written to the null page, never read). A token
     at position ``p`` attends to its own sequence's positions ``<= p`` (and inside the sliding
     window), every row of the step in one call of
-    :func:`~hypertron.kernels.ragged_attention.ragged_paged_attention`.
+    :func:`~hypertron.kernels.ragged_paged_attention.ragged_paged_attention` (``decode_only``:
+    every row has one token at most, and that call compiles only its decode part).
     """
 
     pages: dict
@@ -61,6 +62,7 @@ class PagedCache:
     query_start: jax.Array
     token_rows: jax.Array
     token_valid: jax.Array
+    decode_only: bool = dataclasses.field(default=False, metadata={"static": True})  # one token a row
 
     def attend(self, layer, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
         table = layer_page_table(self.page_table, layer, pages_per_layer(self.pages, cfg.num_layers))
@@ -68,5 +70,6 @@ class PagedCache:
                              table[self.token_rows], self.token_valid[:, None])
         attn = ragged_paged_attention(q_btnh[0], pages["k_pages"], pages["v_pages"], self.lengths, table,
                                       self.query_start, k_scales=pages.get("k_scales"),
-                                      v_scales=pages.get("v_scales"), window=cfg.sliding_window)
+                                      v_scales=pages.get("v_scales"), window=cfg.sliding_window,
+                                      decode_only=self.decode_only)
         return attn[None], dataclasses.replace(self, pages=pages)

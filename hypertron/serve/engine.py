@@ -127,7 +127,8 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
     counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
-    paged = PagedCache(cache, b["table"], b["lengths"], query_start, token_rows, token_valid)
+    paged = PagedCache(cache, b["table"], b["lengths"], query_start, token_rows, token_valid,
+                       decode_only=n_pre == 0)
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
