@@ -1,57 +1,71 @@
-"""The attention of a prefill chunk after a cached prefix (``hypertron.models.kv_cache.chunk_attention``).
+"""One layer's ragged paged attention (``hypertron.kernels.ragged_paged_attention``)
+by rows: the same queries as one row or as several.
 
-    python bench/chunk_attention.py [--tokens 512] [--context 512 1024 2048] [--repeats 20]
+    python bench/chunk_attention.py [--tokens 512] [--cached 1024] [--rows 1 8 16] [--repeats 10]
+        [--backend reference]
 
-One layer's chunk attention at the serving bench's model shape (8 query heads, 4 KV heads, head
-dim 32, float32; 16-token pages): ``--tokens`` queries of one sequence at the end of ``--context``
-cached tokens, over that sequence's pages, jitted, median of ``--repeats`` synced calls after a
-warm-up. It calls the function by its module path only, so the same command times an older tree
-(``PYTHONPATH=OLD_TREE python bench/chunk_attention.py``).
+At the serving bench's model shape (8 query heads, 4 KV heads, head dim 32, float32; 16-token
+pages): ``--tokens`` queries split evenly over ``--rows`` rows, each row a chunk after ``--cached``
+cached tokens of its own (its pages distinct), the page table as wide as the engine makes it (a
+power of two of the longest row's pages). Jitted; the cases take turns (so a busy machine slows
+each alike), the fastest of ``--repeats`` synced calls after a warm-up; one line per case.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config import PRESETS
-from hypertron.models import kv_cache
+from hypertron.kernels.ragged_attention import BACKENDS
+from hypertron.kernels.ragged_paged_attention import ragged_paged_attention
+from hypertron.padding import next_pow2
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 4, 32, 16
+
+
+def make_case(tokens: int, cached: int, rows: int, backend: str):
+    """A jitted call and its arguments: ``tokens // rows`` queries per row after ``cached``."""
+    rng = np.random.default_rng(0)
+    per_row = tokens // rows
+    pages_per_row = -(-(cached + per_row) // PAGE)
+    width = next_pow2(pages_per_row)
+    shape = (KV_HEADS, rows * pages_per_row + 1, PAGE, HEAD_DIM)
+    k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in "kv")
+    table = np.zeros((rows, width), np.int32)  # past a row's pages: the null page 0
+    table[:, :pages_per_row] = 1 + np.arange(rows * pages_per_row).reshape(rows, pages_per_row)
+    q = jnp.asarray(rng.normal(size=(rows * per_row, HEADS, HEAD_DIM)), jnp.float32)
+    kv_lens = jnp.full(rows, cached + per_row, jnp.int32)
+    query_start = jnp.asarray(np.arange(rows + 1) * per_row, jnp.int32)
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, backend=backend))
+    args = (q, k, v, kv_lens, jnp.asarray(table), query_start)
+    fn(*args).block_until_ready()
+    return fn, args
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--context", type=int, nargs="+", default=[512, 1024, 2048])
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--cached", type=int, default=1024)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
     args = p.parse_args()
-    cfg = dataclasses.replace(PRESETS["tiny"], num_heads=8, num_kv_heads=4, head_dim=32, dtype="float32")
-    page, n = 16, args.tokens
-    rng = np.random.default_rng(0)
-    print(f"{'context':>8} {'ms':>8}   (jax {jax.__version__}, {jax.devices()[0].platform}, "
-          f"{n} queries, {cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})")
-    for ctx in args.context:
-        width = -(-ctx // page)
-        shape = (cfg.num_kv_heads, width + 1, page, cfg.head_dim)
-        pages = {"k_pages": jnp.asarray(rng.normal(size=shape), jnp.float32),
-                 "v_pages": jnp.asarray(rng.normal(size=shape), jnp.float32)}
-        table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
-        q = jnp.asarray(rng.normal(size=(n, cfg.num_heads, cfg.head_dim)), jnp.float32)
-        positions = jnp.arange(ctx - n, ctx, dtype=jnp.int32)
-        fn = jax.jit(lambda q, pages, table, pos: kv_cache.chunk_attention(
-            q, pages, table, jnp.array([ctx], jnp.int32), jnp.zeros(n, jnp.int32), pos, cfg))
-        fn(q, pages, table, positions).block_until_ready()
-        times = []
-        for _ in range(args.repeats):
+    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, backend {args.backend}, "
+          f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, pages of {PAGE}, fastest of {args.repeats}")
+    cases = {rows: make_case(args.tokens, args.cached, rows, args.backend) for rows in args.rows}
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(args.repeats):
+        for rows, (fn, call_args) in cases.items():
             t = time.perf_counter()
-            fn(q, pages, table, positions).block_until_ready()
-            times.append(time.perf_counter() - t)
-        print(f"{ctx:>8} {statistics.median(times) * 1e3:>8.2f}")
+            fn(*call_args).block_until_ready()
+            best[rows] = min(best[rows], time.perf_counter() - t)
+    for rows, seconds in best.items():
+        print(f"rows {rows} x {args.tokens // rows} queries after {args.cached} cached: "
+              f"{seconds * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -71,29 +71,28 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     engine = PagedEngine(params, CFG, max_slots=16, page_size=4)  # 16 columns per sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
-    assert engine.shape(plan) == Shape(4, 0, 0, 4, cold=True)  # 3 live rows of 16 slots; 12 tokens: 3 pages
+    assert engine.shape(plan) == Shape(4, 0, 0, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
     batch, _ = engine._batch(plan, engine.shape(plan))
     assert batch["table"].shape == (4, 4) and batch["dec_slot"].shape == (4,)
-    # A cold prefill: 8 rows (they cost nothing), at least 16 tokens.
+    # A new prompt: prefill rows to a power of two, at least 16 tokens.
     chunk = Row(7, 7, 0, tuple(range(3, 14)), tuple(range(20, 23)), GREEDY)  # 11 prompt tokens
     plan = StepPlan(1, rows[:1], (chunk,))
-    assert engine.shape(plan) == Shape(1, 8, 16, 4, cold=True)
+    assert engine.shape(plan) == Shape(1, 1, 16, 4)
     batch, _ = engine._batch(plan, engine.shape(plan))
-    assert (batch["pre_tokens"].shape, batch["table"].shape) == ((16,), (9, 4))
-    # A chunk after a cached prefix: its rows count (each query scores every row's pages).
+    assert (batch["pre_tokens"].shape, batch["table"].shape) == ((16,), (2, 4))
+    # A chunk after a cached prefix is no other variant: its columns follow its length.
     later = Row(7, 7, 11, tuple(range(40, 61)), tuple(range(20, 28)), GREEDY)  # 21 tokens, to position 32
-    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 22, 8, cold=False)  # 21 tokens: eighths
-    # Which compiled shape may run a plan, padded: larger in every size, and not cold for a warm chunk.
-    assert Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8)) and Shape(4, 8, 32, 8).holds(Shape(1, 8, 16, 4, cold=True))
-    assert not Shape(4, 8, 32, 8, cold=True).holds(Shape(4, 1, 24, 8))
+    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 22, 8)  # 21 tokens: eighths
+    # Which compiled shape may run a plan, padded: larger in every size.
+    assert Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8)) and Shape(4, 8, 32, 8).holds(Shape(1, 8, 16, 4))
     assert not Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8, logprobs=True))
     assert engine.cost(Shape(4, 2, 32, 8)) > engine.cost(Shape(4, 1, 24, 8))
     # The cost by hand (tiny, 2 layers, pages of 4): 852,736 FLOPs a token through the weights
     # (a layer's q, k, v, o 98,304 and MLP 294,912; the unembedding 66,304) and 1,024 a query-key
-    # pair (2 layers x 4 heads x 32 dims x 2 matmuls x 2 FLOPs); a warm chunk's queries score every
-    # prefill row's pages, a cold one's the chunk itself.
-    assert engine.cost(Shape(4, 2, 32, 8)) == 36 * 852_736 + 1_024 * (4 * 32 + 32 * 2 * 32)
-    assert engine.cost(Shape(1, 8, 16, 4, cold=True)) == 17 * 852_736 + 1_024 * (1 * 16 + 16 * 16)
+    # pair (2 layers x 4 heads x 32 dims x 2 matmuls x 2 FLOPs); each query scores its row's pages
+    # (the columns' keys), and each row's last query once more.
+    assert engine.cost(Shape(4, 2, 32, 8)) == 36 * 852_736 + 1_024 * (4 + 2 + 32) * 32
+    assert engine.cost(Shape(1, 1, 16, 4)) == 17 * 852_736 + 1_024 * (1 + 1 + 16) * 16
 
 
 @pytest.mark.slow
@@ -145,7 +144,7 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     cost = engine.measure_step_cost(24)
     assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
     assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
-        Shape(0, 8, 24, 8, cold=True), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
+        Shape(0, 1, 24, 8), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
     assert engine.step_overhead_flops == pytest.approx(
         min(cost.overhead_tokens, engine_module.MAX_OVERHEAD_TOKENS) * dense_flops_per_token(CFG))
     got, _, _ = run(engine, prompts, [GREEDY, GREEDY], step_overhead_tokens=cost.overhead_tokens)

@@ -3,8 +3,8 @@
 A paged step's attention (decode tokens and chunks of prompts after cached prefixes, flat in
 one row) equals attention without any cache, for random page tables, GQA and a sliding window,
 with float and int8 pages, and so does the contiguous reference (``tests/support/contiguous_cache.py``);
-cold prompts' prefill in the engine goes through the attention function training uses, packed,
-and allocates no contiguous cache.
+the engine attends every row of a step (decode rows and whole prompts) in one call of the ragged
+paged attention per layer.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def _pages_with_nan(cfg, num_pages, page_size, dtype):
     return {k: jnp.full_like(v, jnp.nan) for k, v in pages.items()}
 
 
-def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths, num_decode=0, cold=False):
-    cache = PagedCache(pages, table, jnp.asarray(lengths, jnp.int32), jnp.asarray(rows_n, jnp.int32),
-                       jnp.ones(len(tokens_n), bool), num_decode=num_decode, cold=cold)
+def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths):
+    query_start = np.searchsorted(rows_n, np.arange(len(lengths) + 1))  # rows_n sorted: each row's first
+    cache = PagedCache(pages, table, jnp.asarray(lengths, jnp.int32), jnp.asarray(query_start, jnp.int32),
+                       jnp.asarray(rows_n, jnp.int32), jnp.ones(len(tokens_n), bool))
     return forward(params, jnp.asarray([tokens_n], jnp.int32), cfg, positions=jnp.asarray([positions_n], jnp.int32),
                    cache=cache)
 
@@ -44,7 +45,7 @@ def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths, num
 @pytest.mark.slow
 @pytest.mark.parametrize("window,kv_dtype,tol", [(None, "float32", 1e-5), (6, "float32", 1e-5), (None, "int8", 5e-2)])
 def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(window, kv_dtype, tol):
-    """Three sequences' prefixes prefilled in one packed cold step; then one step in which the
+    """Three sequences' prefixes prefilled in one step; then one step in which the
     first decodes a token and the other two each take a chunk after their cached prefix (flat, in
     one row): the logits equal the model's without any cache, with random page tables over a pool
     whose every unwritten entry is NaN."""
@@ -60,12 +61,12 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
 
     rows = np.repeat(np.arange(b), prefix)
     cache = _step(params, cfg, pages, tokens[:, :prefix].reshape(-1), np.tile(np.arange(prefix), b), rows, table,
-                  [prefix] * b, cold=True).cache
+                  [prefix] * b).cache
     flat = [tokens[0, prefix]] + list(tokens[1:, prefix:].reshape(-1))
     positions = [prefix] + list(np.tile(np.arange(prefix, prefix + chunk), b - 1))
     rows = [0] + list(np.repeat(np.arange(1, b), chunk))
-    logits = _step(params, cfg, cache.pages, flat, positions, rows, table, [prefix + 1] + [prefix + chunk] * (b - 1),
-                   num_decode=1).logits
+    logits = _step(params, cfg, cache.pages, flat, positions, rows, table,
+                   [prefix + 1] + [prefix + chunk] * (b - 1)).logits
 
     full = forward(params, jnp.asarray(tokens), cfg).logits
     want = jnp.concatenate([full[0, prefix:prefix + 1], full[1:, prefix:].reshape(-1, cfg.vocab_size)])
@@ -82,7 +83,7 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
 
 
 @pytest.mark.slow
-def test_a_cold_prefill_uses_the_training_attention(monkeypatch):
+def test_the_engine_attends_every_row_of_a_step_in_one_call_per_layer(monkeypatch):
     import hypertron.models.kv_cache as kv_cache
     from serving import run  # tests/
 
@@ -90,23 +91,23 @@ def test_a_cold_prefill_uses_the_training_attention(monkeypatch):
     from hypertron.serve.types import SamplingParams
 
     calls = []
-    training_attention = kv_cache.self_attention
+    ragged = kv_cache.ragged_paged_attention
 
     def spy(*args, **kwargs):
-        calls.append((args[0].shape, args[4].shape))  # queries, segment ids
-        return training_attention(*args, **kwargs)
+        calls.append((args[0].shape, args[5].shape))  # queries, query_start
+        return ragged(*args, **kwargs)
 
-    monkeypatch.setattr(kv_cache, "self_attention", spy)
+    monkeypatch.setattr(kv_cache, "ragged_paged_attention", spy)
     cfg = dataclasses.replace(BASE, num_layers=1, max_seq_len=48)  # a shape no other test compiles
     params = init_params(cfg, jax.random.key(2))
     engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
     prompts = [[5, 9, 33, 17, 2, 40, 41], [7, 8, 9, 10]]
     seqs, _, _ = run(engine, prompts, [SamplingParams(temperature=0.0, seed=0, max_tokens=4)] * 2)
-    # Both prompts in one step, packed (11 tokens padded to 16, the least), with a segment id per token.
-    assert calls == [((1, 16, cfg.num_heads, cfg.head_dim), (1, 16))]
+    # Both prompts in one step (11 tokens padded to 16, the least, 2 rows), then decode steps of 2
+    # rows: one call in each compiled step (decode steps compile for 1 and 2 pages).
+    assert calls == [((16, cfg.num_heads, cfg.head_dim), (3,))] + [((2, cfg.num_heads, cfg.head_dim), (3,))] * 2
+    assert len(engine.compiled_shapes) == 3
     # What it wrote into the pages is what decoding reads: the next steps equal the full forward.
     for prompt, seq in zip(prompts, seqs):
         full = forward(params, jnp.asarray([prompt + seq.generated]), cfg).logits[0]
         assert seq.generated == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
-
-

@@ -1,5 +1,6 @@
-"""Ragged paged decode attention: the kernel against the reference, the reference against dense
-attention in numpy, int8 quantisation of the cache, and the kernel's Triton lowering.
+"""Ragged paged attention, decode (one query a sequence) and ragged (any number a row): each kernel
+against its reference, each reference against dense attention in numpy, int8 quantisation of the
+cache, and the kernels' Triton lowering.
 
 The Pallas kernel runs in interpret mode (the default on CPU). Every case is built from dense
 per-sequence K/V ``[batch, kv_heads, capacity, head_dim]`` scattered into pages through a
@@ -24,6 +25,7 @@ from hypertron.kernels.ragged_attention import (
     ragged_decode_attention,
     ragged_decode_attention_reference,
 )
+from hypertron.kernels.ragged_paged_attention import ragged_paged_attention
 
 # The GPU campaign's T1 runs these compiled for the GPU; the oracles multiply in exact float32
 # (numpy, and the reference at highest precision), so the kernels are asked to as well (conftest.float32_matmuls).
@@ -203,3 +205,116 @@ def test_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
     kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
                if f"custom_call @{triton}" in line]
     assert kernels == ["ragged_decode_attention"]
+
+
+# ---------------------------------------------------------------------------
+# ragged_paged_attention: any number of queries per row
+
+# (kv_len, queries) per row: decode rows, a new prompt, chunks after cached tokens, an empty row,
+# a prompt of one page exactly, a chunk crossing pages; 3 padding tokens after the last row.
+MIX = [(37, 1), (21, 21), (58, 9), (0, 0), (80, 1), (16, 16), (70, 35), (5, 1)]
+PAD_TOKENS = 3
+
+
+def _paged_case(seed, kv_heads, page_dtype, mix, window=None, heads=H, head_dim=D):
+    """Inputs of one ragged call and the dense float32 ``(q, k, v)`` (``[rows, kv, CAP, d]``) they
+    came from. Positions no query may read (past ``kv_len``, before the first query's window)
+    hold NaN (int8: NaN scales), and page-table slots outside a row's pages name a page of NaN."""
+    rng = np.random.default_rng(seed)
+    lens = np.array([m[0] for m in mix], np.int32)
+    nq = np.array([m[1] for m in mix], np.int32)
+    starts = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    rows = len(mix)
+    q = rng.standard_normal((starts[-1] + PAD_TOKENS, heads, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((rows, kv_heads, CAP, head_dim)).astype(np.float32) for _ in "kv")
+    lo = np.maximum(lens - nq - (CAP if window is None else window) + 1, 0)
+    valid = (np.arange(CAP) >= lo[:, None]) & (np.arange(CAP) < lens[:, None])
+    home = rng.permutation(rows * P).reshape(rows, P)
+    poison = rows * P
+
+    def paged(x, fill):
+        x = x.reshape(rows, kv_heads, P, S, *x.shape[3:]).swapaxes(0, 1)
+        pages = np.full((kv_heads, poison + 1, *x.shape[3:]), fill, x.dtype)
+        pages[:, home.ravel()] = x.reshape(kv_heads, rows * P, *x.shape[3:])
+        return pages
+
+    args = {"q": jnp.asarray(q), "kv_lens": jnp.asarray(lens), "query_start": jnp.asarray(starts)}
+    mask = valid[:, None, :, None]
+    if page_dtype == "int8":
+        dense = []
+        for name, x in [("k", k), ("v", v)]:
+            values, scales = (np.asarray(a, np.float32) for a in quantize_kv(jnp.asarray(x)))
+            dense.append(np.where(mask, values * scales[..., None], np.nan))
+            args[f"{name}_pages"] = jnp.asarray(paged(values, 0), jnp.int8)
+            args[f"{name}_scales"] = jnp.asarray(paged(np.where(valid[:, None], scales, np.nan), np.nan),
+                                                 jnp.bfloat16)
+        k, v = dense
+    else:
+        k, v = (np.where(mask, x, np.nan) for x in (k, v))
+        args["k_pages"], args["v_pages"] = (jnp.asarray(paged(x, np.nan)) for x in (k, v))
+    slot = np.arange(P)
+    outside = (slot < (lo // S)[:, None]) | (slot > ((lens - 1) // S)[:, None]) | (lens == 0)[:, None]
+    args["page_table"] = jnp.asarray(np.where(outside, poison, home), jnp.int32)
+    return args, (q, k, v)
+
+
+def _dense_ragged(q, k, v, mix, window=None):
+    """The definition, query by query and head by head over contiguous K/V, in float64."""
+    out = np.zeros(q.shape)
+    group, start = q.shape[1] // k.shape[1], 0
+    for r, (n, count) in enumerate(mix):
+        for i in range(count):
+            pos = n - count + i
+            lo = max(pos - (CAP if window is None else window) + 1, 0)
+            for h in range(q.shape[1]):
+                kk, vv = k[r, h // group, lo:pos + 1].astype(np.float64), v[r, h // group, lo:pos + 1]
+                s = kk @ q[start + i, h] * q.shape[2] ** -0.5
+                p = np.exp(s - s.max())
+                out[start + i, h] = p @ vv / p.sum()
+        start += count
+    return out
+
+
+# (kv heads (GQA 4 / kv heads), page dtype, queries per block, the kernel's pages per block: None
+# its default, 0 the kernel not run): each a compile of its own, the window data.
+PAGED_CASES = [(4, "float32", 8, 1), (2, "int8", 8, None), (1, "float32", 64, 0)]
+
+
+@pytest.mark.parametrize("kv_heads,page_dtype,block_q,ppb", PAGED_CASES)
+def test_paged_attention_is_dense_attention(kv_heads, page_dtype, block_q, ppb):
+    """Decode rows, new prompts, chunks after cached tokens, an empty row and padding tokens in
+    one call, with and without a window: the reference equals dense attention in numpy (one row's
+    queries in blocks smaller than the row and larger), and the Pallas kernel (interpret mode)
+    the reference."""
+    for window in (None, WINDOW):
+        args, (q, k, v) = _paged_case(kv_heads, kv_heads, page_dtype, MIX, window)
+        want = ragged_paged_attention(**args, window=window, backend="reference", block_q=block_q)
+        _assert_close(want, _dense_ragged(q, k, v, MIX, window), 1e-5)
+        if ppb != 0:
+            got = ragged_paged_attention(**args, window=window, backend="pallas", block_q=block_q,
+                                         pages_per_block=ppb)
+            _assert_close(got, want, 1e-5)
+            assert not np.asarray(got)[-PAD_TOKENS:].any()  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("q_dtype,page_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "int8")])
+def test_paged_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
+    """As the decode kernel's: Triton IR for a CUDA target without a GPU (GQA 4, a window, 32
+    queries a block over 2 rows; head_dim 128 and page_size 16)."""
+    export = pytest.importorskip("jax.export", reason="jax.export is needed to lower for CUDA")
+    qd, pd = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    specs = [((40, 8, 128), qd), ((2, 10, 16, 128), pd), ((2, 10, 16, 128), pd), ((2,), jnp.int32),
+             ((2, 5), jnp.int32), ((3,), jnp.int32)] + [((2, 10, 16), jnp.bfloat16)] * (2 * (page_dtype == "int8"))
+
+    def step(q, k, v, kv_lens, table, query_start, *scales):
+        kw = dict(zip(["k_scales", "v_scales"], scales))
+        return ragged_paged_attention(q, k, v, kv_lens, table, query_start, **kw, window=40,
+                                      backend="pallas", block_q=32, interpret=False)
+
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(jax.jit(step), platforms=("cuda",),
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
+    module = exported(*[jax.ShapeDtypeStruct(s, d) for s, d in specs]).mlir_module()
+    kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
+               if f"custom_call @{triton}" in line]
+    assert kernels == ["ragged_paged_attention"]

@@ -2,6 +2,8 @@
 
 * :mod:`hypertron.kernels.gmm`: grouped matmul for dropless MoE (``gmm``, ``tgmm``).
 * :mod:`hypertron.kernels.ragged_attention`: paged decode attention, float or int8 KV pages.
+* :mod:`hypertron.kernels.ragged_paged_attention`: the same over any number of queries a row
+  (decode rows, prompts, chunks after cached tokens), every row of a serving step in one call.
 * :mod:`hypertron.kernels.torch`: ``gmm`` for torch tensors (torch imported lazily).
 
 Import the functions from their modules (``from hypertron.kernels.gmm import gmm``):

@@ -1,4 +1,6 @@
 """Ragged paged decode attention: one new query token per sequence over a paged KV cache.
+(Any number of queries a row, as a serving step has: :mod:`hypertron.kernels.ragged_paged_attention`,
+which shares this module's layout, checks and backends.)
 
 Cache layout (fixed; the serving engine writes it)::
 
@@ -83,8 +85,9 @@ AUTO_BACKEND = {"cpu": "reference", "gpu": "pallas", "cuda": "pallas",
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static (hashable) settings of one call."""
+class CallConfig:
+    """Static (hashable) settings of one call (of this module's attention or
+    :mod:`hypertron.kernels.ragged_paged_attention`'s)."""
 
     backend: str
     sm_scale: float
@@ -124,18 +127,10 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       ``[batch, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
     """
     _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
-    if isinstance(window, (int, np.integer)) and window < 1:
-        raise ValueError(f"window must be >= 1 (or None), got {window}")
-    ppb = pages_per_block
-    if ppb is not None and (ppb < 1 or ppb & (ppb - 1)):
-        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
-    if backend not in BACKENDS:
-        raise ValueError(f"ragged attention backend must be one of {BACKENDS}, got {backend!r}")
-    backend = auto_backend(AUTO_BACKEND, "reference") if backend == "auto" else backend
-    interpret = interpret_default(interpret)
+    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND)
     head_dim = q.shape[-1]
     sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
-    cfg = _Config(backend, sm_scale, pages_per_block, interpret)
+    cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
     capacity = page_indices.shape[1] * k_pages.shape[2]
     window = jnp.asarray(capacity if window is None else window, jnp.int32)
     return _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales,
@@ -269,7 +264,7 @@ def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *res
 
 
 def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
-                      cfg: _Config):
+                      cfg: CallConfig):
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     for name, n in [("page_size", page_size), ("head_dim", head_dim)]:
@@ -306,7 +301,7 @@ def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_sc
 
 @functools.partial(jax.jit, static_argnums=8)
 def _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
-                   cfg: _Config):
+                   cfg: CallConfig):
     capacity = page_indices.shape[1] * k_pages.shape[2]
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
     page_indices = page_indices.astype(jnp.int32)
@@ -318,20 +313,17 @@ def _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scale
                              window, cfg)
 
 
-def _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales) -> None:
+def check_pages(q, k_pages, v_pages, k_scales, v_scales) -> None:
     if (q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape
             or v_pages.dtype != k_pages.dtype):
-        raise ValueError("ragged attention wants q [batch, heads, head_dim] and k_pages, v_pages "
+        raise ValueError("ragged attention wants q [tokens, heads, head_dim] and k_pages, v_pages "
                          "[kv_heads, pages, page_size, head_dim] of one shape and dtype, got "
                          f"{q.shape}, {k_pages.shape} {k_pages.dtype}, "
                          f"{v_pages.shape} {v_pages.dtype}")
-    (batch, num_heads, head_dim), num_kv_heads = q.shape, k_pages.shape[0]
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_pages.shape[0]
     if k_pages.shape[3] != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages {k_pages.shape}: head_dim must agree and "
                          "num_heads be a multiple of num_kv_heads")
-    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
-        raise ValueError(f"lengths must be [{batch}] and page_indices [{batch}, pages_per_seq], "
-                         f"got {lengths.shape} and {page_indices.shape}")
     quantized = k_pages.dtype == jnp.int8
     if (k_scales is not None, v_scales is not None) != (quantized, quantized):
         raise ValueError("k_scales and v_scales are given exactly when the pages are int8, got "
@@ -340,3 +332,26 @@ def _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales
     if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
         raise ValueError(f"k_scales and v_scales must be {k_pages.shape[:3]}, got "
                          f"{k_scales.shape} and {v_scales.shape}")
+
+
+def _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales) -> None:
+    check_pages(q, k_pages, v_pages, k_scales, v_scales)
+    batch = q.shape[0]
+    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
+        raise ValueError(f"lengths must be [{batch}] and page_indices [{batch}, pages_per_seq], "
+                         f"got {lengths.shape} and {page_indices.shape}")
+
+
+def check_call(backend: str, window, pages_per_block: int | None, interpret: bool | None,
+               table: dict[str, str]) -> tuple[str, bool]:
+    """The checks both attention functions make of their settings; the backend and interpret
+    mode they resolve to."""
+    if isinstance(window, (int, np.integer)) and window < 1:
+        raise ValueError(f"window must be >= 1 (or None), got {window}")
+    ppb = pages_per_block
+    if ppb is not None and (ppb < 1 or ppb & (ppb - 1)):
+        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+    if backend not in BACKENDS:
+        raise ValueError(f"ragged attention backend must be one of {BACKENDS}, got {backend!r}")
+    backend = auto_backend(table, "reference") if backend == "auto" else backend
+    return backend, interpret_default(interpret)

@@ -1,6 +1,6 @@
 """Attention over one sequence of queries: the training path and the reference.
 
-:func:`self_attention` is what training (and a cold prompt's prefill) runs: cuDNN flash
+:func:`self_attention` is what training runs: cuDNN flash
 attention on NVIDIA GPUs through ``jax.nn.dot_product_attention``, XLA's otherwise, or the
 explicit-mask :func:`plain_attention`. :func:`attention_mask` is the one definition of who
 may attend to whom (causal, same document, inside the sliding window). The caches of

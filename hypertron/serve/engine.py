@@ -3,7 +3,8 @@
 A step (:func:`step`) takes the tokens of many sequences in one flat row: first one decode token
 per running sequence, then the prefill chunks (a whole short prompt, several of them, or a
 chunk of a long one), and runs the model once over all of them, so the weights are read once
-per step whatever its mix (:class:`hypertron.models.PagedCache` says how each part attends).
+per step whatever its mix; every row attends in one call of the ragged paged attention
+(:class:`hypertron.models.PagedCache`).
 Each token's keys and values go straight into its sequence's pages. Logits are computed only
 where a token is sampled (the decode rows and the last chunk of a prompt), unless prompt
 log-probabilities were asked for; each row samples with its own temperature, top-k, top-p and
@@ -20,8 +21,7 @@ donated to each step and threaded through.
 
 Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
 (powers of two up to 8, then under 25 % padding; prefill tokens at least 16), so a step decodes
-about the live sequences, not ``max_slots``; prefill rows to a power of two (at least 8 for a cold
-prefill, whose cost does not depend on them); the page table's columns to a power of two (the pages
+about the live sequences, not ``max_slots``; prefill rows to a power of two; the page table's columns to a power of two (the pages
 of the step's longest sequence, so its attention cost follows the real lengths, not
 ``max_seq_len``; the GPU kernel reads only each sequence's own pages, so the padding costs it
 nothing).
@@ -84,9 +84,7 @@ COMPILE_AFTER_PADDED = 8
 # A step's fixed cost, once measured, counts in PagedEngine.cost up to this many tokens' worth (on an
 # accelerator a step of a few hundred tokens may cost about what one of one token does).
 MAX_OVERHEAD_TOKENS = 1e6
-# A cold prefill's cost does not depend on its rows (its tokens attend as one packed batch), so its
-# rows are padded to at least this many: one shape for 1 to 8 prompts. Prefill tokens: at least 16.
-MIN_COLD_PREFILL_ROWS = 8
+# Prefill tokens: at least this many.
 MIN_PREFILL_TOKENS = 16
 # Prefill tokens are bucketed by eighths (under 12.5 % padding; decode rows and pages by
 # quarters): prefill is where a step's compute goes, and a 129-token prompt padded to 160 costs a
@@ -102,8 +100,8 @@ SHARED_EXECUTABLES = 512
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "cold", "want_logprobs", "prompt_logprobs"))
-def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int, cold: bool,
+                   static_argnames=("cfg", "top_n", "num_decode", "want_logprobs", "prompt_logprobs"))
+def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int,
          want_logprobs: bool, prompt_logprobs: bool):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
@@ -124,7 +122,13 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
     token_rows = jnp.concatenate([jnp.arange(nd, dtype=jnp.int32), nd + b["pre_row"]])
     token_valid = jnp.concatenate([b["lengths"][:nd] > 0, b["pre_valid"]])
     segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
-    paged = PagedCache(cache, b["table"], b["lengths"], token_rows, token_valid, num_decode=nd, cold=cold)
+    # Each row's tokens start where the previous row's end: a decode row has one (padding rows too,
+    # over no keys), a prefill row its valid tokens.
+    counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
+        b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
+    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
+    paged = PagedCache(cache, b["table"], b["lengths"], query_start, token_rows, token_valid,
+                       decode_only=n_pre == 0)
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
@@ -154,16 +158,15 @@ class Shape:
     prefill_rows: int
     prefill_tokens: int
     width: int
-    cold: bool = False  # every prefill row starts its sequence (attends as training does)
     logprobs: bool = False
     prompt_logprobs: bool = False
 
     def holds(self, other: Shape) -> bool:
         """Whether a plan of shape ``other`` can run padded to this one: every size at least
-        ``other``'s, and no variant it lacks (a cold step cannot run a chunk after a prefix)."""
+        ``other``'s, and no variant it lacks."""
         return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
                 and self.prefill_tokens >= other.prefill_tokens and self.width >= other.width
-                and (other.cold or not self.cold) and self.logprobs >= other.logprobs
+                and self.logprobs >= other.logprobs
                 and self.prompt_logprobs >= other.prompt_logprobs)
 
 
@@ -264,25 +267,22 @@ class PagedEngine:
     def shape(self, plan: StepPlan) -> Shape:
         """The bucketed shape of ``plan`` (what it runs as once that is compiled)."""
         dec, pre = plan.decodes, plan.prefills
-        cold = all(r.start == 0 for r in pre)
-        rows = next_pow2(len(pre)) if pre else 0
         return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
-                     prefill_rows=max(rows, MIN_COLD_PREFILL_ROWS) if pre and cold else rows,
+                     prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=max(bucket(sum(len(r.tokens) for r in pre), PREFILL_BUCKET_PARTS),
                                         MIN_PREFILL_TOKENS) if pre else 0,
                      width=min(next_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
-                     cold=cold, logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+                     logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
 
     def cost(self, shape: Shape) -> float:
         """A step's FLOPs as the model counts them: every token through the weights, and each
-        query against the keys it scores (a cold prefill: its packed chunk; a chunk after a
-        prefix: every prefill row's pages; a decode row: its row's pages); plus, once
+        query against its row's pages (and each row's last query again: the reference attends
+        them as a batch over every row's pages); plus, once
         :meth:`measure_step_cost` has measured it, the step's fixed cost in FLOPs' worth. Without
         that, a decode of 1 row padded to 2 looks twice as costly, where a step's fixed cost makes
         it barely more (on this project's CPU: 2 to 3 ms a step against 0.07 ms a token)."""
         keys = shape.width * self.page_size
-        pairs = shape.num_decode * keys + (shape.prefill_tokens ** 2 if shape.cold else
-                                           shape.prefill_tokens * shape.prefill_rows * keys)
+        pairs = (shape.num_decode + shape.prefill_rows + shape.prefill_tokens) * keys
         return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * dense_flops_per_token(self.cfg)
                 + attention_flops(self.cfg, pairs))
 
@@ -299,8 +299,8 @@ class PagedEngine:
             self._compiler = None
 
     def measure_step_cost(self, tokens: int, repeats: int = 30) -> StepCost:
-        """What a step costs here, measured: a step of one decode row and a cold prefill of
-        ``tokens`` tokens (both compiled now if they are not), run in turn ``repeats`` times on
+        """What a step costs here, measured: a step of one decode row and a prefill of
+        ``tokens`` tokens in one row (both compiled now if they are not), run in turn ``repeats`` times on
         padding alone (its writes go to the null page, as a padded step's do), the fastest run
         of each kept: one step's time here varies by 2x and more from run to run, and the fastest
         of 5 gave fixed costs of 1.6 to 12.6 ms over server starts on this project's CPU. Call it
@@ -309,8 +309,7 @@ class PagedEngine:
         tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
         width = min(next_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
         shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
-                  Shape(num_decode=0, prefill_rows=MIN_COLD_PREFILL_ROWS, prefill_tokens=tokens, width=width,
-                        cold=True))
+                  Shape(num_decode=0, prefill_rows=1, prefill_tokens=tokens, width=width))
         runs = []
         for shape in shapes:
             with self._lock:
@@ -367,7 +366,7 @@ class PagedEngine:
             start = time.perf_counter()
             params, cache, last_tokens = self._specs
             fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg,
-                            top_n=self.max_top_logprobs, num_decode=shape.num_decode, cold=shape.cold,
+                            top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start

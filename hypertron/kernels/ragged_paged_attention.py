@@ -1,0 +1,351 @@
+"""Ragged paged attention: any number of queries per row (decode rows, whole prompts, chunks
+after cached tokens) over the paged KV cache, every row of a serving step in one call.
+
+The cache layout, int8 pages and their scales, the window and the backends are those of
+:mod:`hypertron.kernels.ragged_attention` (whose decode attention is the one-query case). Row ``r``
+holds ``kv_lens[r]`` tokens; its queries ``q[query_start[r]:query_start[r + 1]]`` are the last
+``n_r`` of them, in order, so query ``i`` is at position ``kv_lens[r] - n_r + i`` and attends to
+the row's positions ``p`` with ``causal_window_mask(position, p, window)``.
+
+Backends (``backend=``):
+
+``"reference"``
+    Plain JAX, the CPU path: every row's last query in one batch over the rows, the rest in
+    blocks of one row's queries, a loop over just the blocks there are; each reads only its row's
+    pages, a chunk at a time, from the first its window reaches to the one holding its last
+    query, with an online softmax (:func:`ragged_paged_attention_reference`).
+``"pallas"``
+    A Pallas kernel for the Triton lowering: one program per ``(block of one row's queries, kv
+    head)`` (:func:`query_tiles`; a grid of ``ceil(tokens / block_q) + rows`` blocks, the unused
+    ones empty), the block's queries x the GQA group's heads as the rows of each dot, an online
+    softmax over blocks of the row's pages from the one the first query's window starts in to the
+    one holding the last query (dynamic bounds; slots outside clamped and masked as in the decode
+    kernel). Queries are gathered into blocks before and scattered back after, so programs never
+    write the same rows.
+``"auto"``
+    ``AUTO_BACKEND[jax.default_backend()]``: the reference everywhere until the kernel has run on
+    a GPU.
+
+Verified (CPU, JAX 0.10.2, ``tests/test_ragged_attention.py``): the reference against dense
+attention in numpy on a mix of decode rows, new prompts, chunks after cached tokens, an empty row
+and padding tokens (GQA 1, 2, 4; a window; float32 and int8 pages; every position no query may
+read NaN, page-table slots outside a row's pages pointing at a page of NaN); the kernel in
+interpret mode against the reference on the same mix; and that the kernel lowers to Triton IR for
+a CUDA target. Not run on a GPU yet: its speed there, and ``PALLAS_BLOCK_ROWS``, are unmeasured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from hypertron.kernels.backends import TRITON, whole
+from hypertron.kernels.ragged_attention import (
+    DEFAULT_BLOCK_TOKENS,
+    MIN_GROUP_ROWS,
+    CallConfig,
+    causal_window_mask,
+    check_call,
+    check_pages,
+    gather_pages,
+)
+
+# ragged_paged_attention's reference, when block_q is not given: queries per block, and keys per
+# step of its loop over a block's pages. Measured on this project's CPU (bench/chunk_attention.py,
+# 512 queries after 1,024 tokens): 64 and 256 were fastest of 32-128 and 256-2,048 (larger steps
+# miss the cache).
+DEFAULT_BLOCK_Q = 64
+REFERENCE_CHUNK_TOKENS = 256
+# The reference everywhere until the kernel has run on a GPU (it is checked in interpret mode and
+# for its Triton lowering only); the decode kernel's table is its own.
+AUTO_BACKEND = {"cpu": "reference", "gpu": "reference", "cuda": "reference", "rocm": "reference",
+                "tpu": "reference"}
+# The Pallas kernel's block when block_q is not given: this many rows of q (queries x the GQA
+# group's heads, padded to a power of two). Untuned.
+PALLAS_BLOCK_ROWS = 64
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           kv_lens: jax.Array, page_table: jax.Array, query_start: jax.Array, *,
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                           sm_scale: float | None = None, window: int | jax.Array | None = None,
+                           backend: str = "auto", block_q: int | None = None,
+                           pages_per_block: int | None = None, interpret: bool | None = None,
+                           decode_only: bool = False) -> jax.Array:
+    """Causal attention of the last queries of many rows over each row's pages of the KV cache.
+
+    Row ``r``'s queries are ``q[query_start[r]:query_start[r + 1]]``, the last
+    ``n_r = query_start[r + 1] - query_start[r]`` of its ``kv_lens[r]`` tokens (positions
+    ``kv_lens[r] - n_r`` to ``kv_lens[r] - 1``, already in the cache): a decode row has one, a new
+    prompt all of its tokens, a chunk after cached tokens the chunk's. Each query attends to its
+    row's positions up to its own (inside ``window``: :func:`causal_window_mask`), reading keys
+    through ``page_table[r]`` as :func:`ragged_decode_attention` does.
+
+    Args:
+      q: ``[tokens, num_heads, head_dim]``, the rows' queries back to back; tokens from
+        ``query_start[-1]`` on are padding (output zeros).
+      k_pages, v_pages, k_scales, v_scales, sm_scale, window, pages_per_block, interpret: as
+        :func:`ragged_decode_attention`.
+      kv_lens: int ``[rows]``, tokens of each row once its queries are in (0: output zeros).
+      page_table: int ``[rows, pages_per_seq]``.
+      query_start: int ``[rows + 1]``, non-decreasing, from 0.
+      backend: one of :data:`BACKENDS`.
+      block_q: queries per block (static, a power of two); default :data:`DEFAULT_BLOCK_Q`
+        (reference), :data:`PALLAS_BLOCK_ROWS` rows of q (pallas).
+      decode_only: the caller's promise that no row has more than one query (static): the
+        reference then builds no loop over blocks (a decode step compiles faster).
+
+    Returns:
+      ``[tokens, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
+    """
+    check_pages(q, k_pages, v_pages, k_scales, v_scales)
+    rows = kv_lens.shape[0]
+    if kv_lens.ndim != 1 or page_table.shape[:1] != (rows,) or page_table.ndim != 2 \
+            or query_start.shape != (rows + 1,):
+        raise ValueError(f"kv_lens must be [rows], page_table [rows, pages_per_seq] and query_start "
+                         f"[rows + 1], got {kv_lens.shape}, {page_table.shape} and "
+                         f"{query_start.shape}")
+    if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND)
+    sm_scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
+    capacity = page_table.shape[1] * k_pages.shape[2]
+    window = jnp.asarray(capacity if window is None else window, jnp.int32)
+    if block_q is None:
+        group = pl.next_power_of_2(q.shape[1] // k_pages.shape[0])
+        block_q = DEFAULT_BLOCK_Q if backend == "reference" else max(1, PALLAS_BLOCK_ROWS // group)
+    return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
+                      window, cfg, block_q, decode_only)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, *,
+                                     k_scales=None, v_scales=None, sm_scale=None, window=None,
+                                     block_q: int = DEFAULT_BLOCK_Q,
+                                     decode_only: bool = False) -> jax.Array:
+    """:func:`ragged_paged_attention` in plain JAX (arguments as there, ``block_q`` static).
+
+    Every row's last query (a decode row's only one) attends in one batch over the rows; the
+    others in blocks of up to ``block_q`` queries of one row (:func:`query_tiles`), a loop over
+    just the blocks there are (a dynamic trip count). Each reads its row's pages,
+    :data:`REFERENCE_CHUNK_TOKENS` at a time, from the first its first query's window reaches to
+    the one holding its last query, with an online softmax in float32: the cost follows the
+    queries and their context, not rows x queries nor the page table's width.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group, capacity = num_heads // num_kv_heads, page_table.shape[1] * page_size
+    ppc = max(1, REFERENCE_CHUNK_TOKENS // page_size)  # pages per chunk
+    attend = functools.partial(
+        _attend_pages, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
+        sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
+        window=capacity if window is None else window, ppc=ppc)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
+    query_start = query_start.astype(jnp.int32)
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % ppc)))
+    n_r = query_start[1:] - query_start[:-1]
+    q_pad = jnp.pad(q.astype(jnp.float32).reshape(n, num_kv_heads, group, head_dim),
+                    ((0, block_q), (0, 0), (0, 0), (0, 0)))
+
+    def rows_m(x_qkgd):  # [q, k, g, d] -> [k, q * g, d]: row m is query m // g
+        return x_qkgd.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+
+    # Every row's last query (index n for an empty row: zeros, dropped).
+    last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
+    pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
+    out_last = attend(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, table)
+    out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
+    if decode_only:
+        out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
+        return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
+
+    # The others: blocks of one row's queries.
+    rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=True)
+    out = jnp.zeros((n + block_q, num_kv_heads, group, head_dim), jnp.float32)
+
+    def block(t, out):
+        r, first, count = rows_t[t], first_t[t], count_t[t]
+        pos_q = kv_lens[r] - (query_start[r + 1] - first) + jnp.arange(block_q, dtype=jnp.int32)
+        pos_q = jnp.where(jnp.arange(block_q) < count, pos_q, -1)  # -1: not this block's
+        got_kmd = attend(rows_m(lax.dynamic_slice_in_dim(q_pad, first, block_q))[None],
+                         jnp.repeat(pos_q, group)[None], table[r][None])[0]
+        got = got_kmd.reshape(num_kv_heads, block_q, group, head_dim).transpose(1, 0, 2, 3)
+        keep = (jnp.arange(block_q) < count)[:, None, None, None]
+        old = lax.dynamic_slice_in_dim(out, first, block_q)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, got, old), first, 0)
+
+    out = lax.fori_loop(0, total, block, out)[:n]
+    out = out.at[last_r].set(out_last, mode="drop")
+    return out.reshape(n, num_heads, head_dim).astype(q.dtype)
+
+
+def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_scales, sm_scale,
+                  window, ppc):
+    """Queries ``[rows, kv_heads, m, d]`` at positions ``pos_rm`` (-1: none; ``[:, 0]`` the
+    earliest) each over its row's pages ``table_rp``: an online softmax over chunks of ``ppc``
+    pages, from the first chunk a first query's window starts in to the last holding a query.
+    Returns ``[rows, kv_heads, m, d]`` float32 (zeros for a query with no key)."""
+    chunk_tokens = ppc * k_pages.shape[2]
+    live = pos_rm[:, 0] >= 0
+    lo = jnp.min(jnp.where(live, jnp.maximum(pos_rm[:, 0] - window + 1, 0), 2 ** 30)) // chunk_tokens
+    hi = jnp.max(pos_rm) // chunk_tokens + 1  # 0 when no query is real
+
+    def step(c, carry):
+        m_rkm, l_rkm, acc_rkmd = carry
+        pages_rp = lax.dynamic_slice_in_dim(table_rp, c * ppc, ppc, axis=1)
+        k_rktd, v_rktd = (gather_pages(x, s, pages_rp) for x, s in
+                          ((k_pages, k_scales), (v_pages, v_scales)))
+        pos_t = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        valid_rmt = (causal_window_mask(pos_rm[:, :, None], pos_t[None, None, :], window)
+                     & (pos_rm >= 0)[:, :, None])
+        # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
+        v_rktd = jnp.where(jnp.any(valid_rmt, axis=1)[:, None, :, None], v_rktd, 0.0)
+        hi_prec = lax.Precision.HIGHEST
+        s_rkmt = jnp.einsum("rkmd,rktd->rkmt", q_rkmd, k_rktd, precision=hi_prec) * sm_scale
+        s_rkmt = jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf)
+        m_new = jnp.maximum(m_rkm, jnp.max(s_rkmt, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with no key yet
+        alpha = jnp.exp(m_rkm - m_safe)
+        p_rkmt = jnp.exp(s_rkmt - m_safe[..., None])
+        pv = jnp.einsum("rkmt,rktd->rkmd", p_rkmt, v_rktd, precision=hi_prec)
+        return m_new, alpha * l_rkm + jnp.sum(p_rkmt, axis=-1), alpha[..., None] * acc_rkmd + pv
+
+    init = (jnp.full(q_rkmd.shape[:3], -jnp.inf), jnp.zeros(q_rkmd.shape[:3]),
+            jnp.zeros(q_rkmd.shape))
+    _, l_rkm, acc_rkmd = lax.fori_loop(lo, hi, step, init)
+    return acc_rkmd / jnp.where(l_rkm > 0, l_rkm, 1.0)[..., None]
+
+
+def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last: bool = False):
+    """Blocks of up to ``block_q`` queries of one row each: ``(row, first, count) [T]`` and how
+    many there are (the rest have count 0), with ``T = ceil(num_tokens / block_q) + rows`` (a
+    bound: each row's last block may be short). ``skip_last``: leave each row's last query out."""
+    rows = query_start.shape[0] - 1
+    n_r = query_start[1:] - query_start[:-1]
+    if skip_last:
+        n_r = jnp.maximum(n_r - 1, 0)
+    blocks_r = -(-n_r // block_q)
+    ends_r = jnp.cumsum(blocks_r)
+    t = jnp.arange(-(-num_tokens // block_q) + rows, dtype=jnp.int32)
+    row_t = jnp.minimum(jnp.searchsorted(ends_r, t, side="right", method="compare_all"), rows - 1).astype(jnp.int32)
+    j_t = t - ends_r[row_t] + blocks_r[row_t]
+    count_t = jnp.where(t < ends_r[-1], jnp.clip(n_r[row_t] - j_t * block_q, 0, block_q), 0)
+    return row_t, query_start[row_t] + j_t * block_q, count_t, ends_r[-1]
+
+
+@functools.partial(jax.jit, static_argnums=(9, 10, 11))
+def _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales, window,
+               cfg: CallConfig, block_q: int, decode_only: bool):
+    if cfg.backend == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
+            v_scales=v_scales, sm_scale=cfg.sm_scale, window=window, block_q=block_q,
+            decode_only=decode_only)
+    return _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales,
+                         v_scales, window, cfg, block_q)
+
+
+def _paged_kernel(row_ref, pos0_ref, count_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *rest,
+                  page_size: int, pages_per_block: int, sm_scale: float, quantized: bool,
+                  group_rows: int):
+    """One ``(tile t, kv head h)``: a block of one row's queries (``group_rows`` rows of ``q`` per
+    query), online softmax over blocks of the row's pages from the first query's window to the
+    last query."""
+    ks_ref, vs_ref, out_ref = rest if quantized else (None, None, rest[0])
+    t, h = pl.program_id(0), pl.program_id(1)
+    r, pos0, count, window = row_ref[t], pos0_ref[t], count_ref[t], window_ref[0]
+    block_tokens = pages_per_block * page_size
+    q = q_ref[...]  # [M, d]
+    rows_m, head_dim = q.shape
+    qi = lax.div(jnp.arange(rows_m, dtype=jnp.int32), group_rows)  # the query of each row
+    pos_q, q_valid = pos0 + qi, qi < count
+    last = pos0 + count - 1
+    start = jnp.maximum(pos0 - window + 1, 0)
+    first_page = lax.div(start, page_size)
+    last_page = lax.div(jnp.maximum(last, 0), page_size)
+    first_block = lax.div(first_page, pages_per_block)
+    end_block = jnp.where(count > 0, lax.div(last_page, pages_per_block) + 1, first_block)
+
+    def block(i, carry):
+        m, l, acc = carry  # [M], [M], [M, d] float32
+        slots = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        pages = table_ref[r, jnp.clip(slots, first_page, last_page)]  # [ppb]
+        pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        k = k_ref[h, pages].reshape(block_tokens, head_dim).astype(q.dtype)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if quantized:
+            s = s * ks_ref[h, pages].reshape(1, block_tokens).astype(jnp.float32)
+        valid = (q_valid[:, None] & (pos[None, :] <= pos_q[:, None])
+                 & (pos_q[:, None] - pos[None, :] < window))
+        s = jnp.where(valid, s * sm_scale, -jnp.inf)  # [M, T]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a query with no key yet
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        key_valid = (pos >= start) & (pos <= last)  # written: finite; others may be NaN
+        v = v_ref[h, pages].reshape(block_tokens, head_dim)
+        if quantized:
+            v_scale = vs_ref[h, pages].reshape(block_tokens).astype(jnp.float32)
+            p = p * jnp.where(key_valid, v_scale, 0.0)[None, :]
+        else:
+            v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+        pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return m_new, l, alpha[:, None] * acc + pv
+
+    init = (jnp.full((rows_m,), -jnp.inf, jnp.float32), jnp.zeros((rows_m,), jnp.float32),
+            jnp.zeros((rows_m, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(first_block, end_block, block, init)
+    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+def _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
+                  window, cfg: CallConfig, block_q: int):
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    for name, x in [("page_size", page_size), ("head_dim", head_dim)]:
+        if x & (x - 1):
+            raise ValueError(f"the pallas backend wants {name} a power of two, got {x}")
+    group = num_heads // num_kv_heads
+    # A tile's rows: block_q queries x gp heads, at least MIN_GROUP_ROWS (Triton's dot).
+    gp = max(pl.next_power_of_2(group), -(-MIN_GROUP_ROWS // block_q))
+    ppb = cfg.pages_per_block or max(1, DEFAULT_BLOCK_TOKENS // page_size)
+    quantized = k_scales is not None
+    compute = q.dtype if quantized else jnp.promote_types(q.dtype, k_pages.dtype)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, page_table.shape[1] * page_size)
+    query_start = query_start.astype(jnp.int32)
+    row_t, first_t, count_t, _ = query_tiles(query_start, n, block_q)
+    pos0_t = kv_lens[row_t] - (query_start[row_t + 1] - first_t)
+    idx_tq = first_t[:, None] + jnp.arange(block_q, dtype=jnp.int32)
+    idx_tq = jnp.where(jnp.arange(block_q) < count_t[:, None], idx_tq, n)  # n: none (dropped)
+    q_nkgd = q.astype(compute).reshape(n, num_kv_heads, group, head_dim)
+    q_nkgd = jnp.pad(q_nkgd, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # zero rows: sliced off
+    q_tqkgd = q_nkgd.at[idx_tq].get(mode="fill", fill_value=0)
+    tiles, rows_m = idx_tq.shape[0], block_q * gp
+    q_tkmd = q_tqkgd.transpose(0, 2, 1, 3, 4).reshape(tiles, num_kv_heads, rows_m, head_dim)
+    operands = [row_t, pos0_t, count_t, window.reshape(1), page_table.astype(jnp.int32), q_tkmd,
+                k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+    tile_spec = pl.BlockSpec((None, None, rows_m, head_dim), lambda t, h: (t, h, 0, 0))
+    in_specs = [whole(x) for x in operands]
+    in_specs[5] = tile_spec
+    kernel = functools.partial(_paged_kernel, page_size=page_size, pages_per_block=ppb,
+                               sm_scale=cfg.sm_scale, quantized=quantized, group_rows=gp)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tiles, num_kv_heads, rows_m, head_dim), q.dtype),
+        grid=(tiles, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=tile_spec,
+        interpret=cfg.interpret,
+        compiler_params=TRITON,
+        name="ragged_paged_attention",
+    )(*operands)
+    out_tqkgd = out.reshape(tiles, num_kv_heads, block_q, gp, head_dim).transpose(0, 2, 1, 3, 4)
+    out_nkgd = jnp.zeros((n, num_kv_heads, group, head_dim), q.dtype)
+    out_nkgd = out_nkgd.at[idx_tq].set(out_tqkgd[..., :group, :], mode="drop")
+    return out_nkgd.reshape(n, num_heads, head_dim)
