@@ -297,6 +297,19 @@ def test_paged_attention_is_dense_attention(kv_heads, page_dtype, block_q, ppb):
             assert not np.asarray(got)[-PAD_TOKENS:].any()  # padding tokens: zeros
 
 
+def test_a_decode_only_step_takes_the_decode_kernel_where_it_is_auto(monkeypatch):
+    """Where the decode kernel's table picks Pallas (a GPU; here the CPU, patched, in interpret
+    mode), a decode-only call with ``backend="auto"`` runs it: the reference's numbers, a row with
+    no query and padding tokens zeros."""
+    mix = [(37, 1), (0, 0), (80, 1), (5, 1)]
+    args, _ = _paged_case(3, 2, "int8", mix, WINDOW)
+    want = ragged_paged_attention(**args, window=WINDOW, backend="reference", decode_only=True)
+    monkeypatch.setitem(ra.AUTO_BACKEND, jax.default_backend(), "pallas")
+    got = ragged_paged_attention(**args, window=WINDOW, decode_only=True)
+    _assert_close(got, want, 1e-5)
+    assert not np.asarray(got)[-PAD_TOKENS:].any()
+
+
 @pytest.mark.parametrize("q_dtype,page_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "int8")])
 def test_paged_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
     """As the decode kernel's: Triton IR for a CUDA target without a GPU (GQA 4, a window, 32

@@ -111,8 +111,8 @@ def test_new_prompts_share_a_step_as_the_step_cost_says(overhead, groups):
 
 def test_a_prompt_is_split_only_when_it_starts_a_steps_prefill():
     """A prompt that does not fit whole in what is left of the budget waits for the next step, so a
-    step's prompts all start at position 0 (the engine's cold prefill) unless one is too long for a
-    whole step; that one is prefilled in chunks, each the first prefill of its step."""
+    step's prompts all start at position 0 (or after their cached prefix) unless one is too long
+    for a whole step; that one is prefilled in chunks, each the first prefill of its step."""
     engine = FakeEngine(max_slots=4, page_size=4, num_pages=64)
     prompts = [TOK.encode("abcde"), TOK.encode("fghij"), TOK.encode("x" * 20), TOK.encode("kl")]
     seqs, outs, sched = _run(engine, prompts, [SamplingParams(max_tokens=5, seed=i) for i in range(4)],

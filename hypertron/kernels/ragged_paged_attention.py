@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from hypertron.kernels.backends import TRITON, whole
+from hypertron.kernels.ragged_attention import AUTO_BACKEND as DECODE_AUTO_BACKEND
 from hypertron.kernels.ragged_attention import (
     DEFAULT_BLOCK_TOKENS,
     MIN_GROUP_ROWS,
@@ -52,6 +53,7 @@ from hypertron.kernels.ragged_attention import (
     check_call,
     check_pages,
     gather_pages,
+    ragged_decode_attention,
 )
 
 # ragged_paged_attention's reference, when block_q is not given: queries per block, and keys per
@@ -97,7 +99,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_q: queries per block (static, a power of two); default :data:`DEFAULT_BLOCK_Q`
         (reference), :data:`PALLAS_BLOCK_ROWS` rows of q (pallas).
       decode_only: the caller's promise that no row has more than one query (static): the
-        reference then builds no loop over blocks (a decode step compiles faster).
+        reference then builds no loop over blocks (a decode step compiles faster), and with
+        ``backend="auto"`` where the decode kernel's own table picks Pallas (a GPU), the rows go
+        to :func:`ragged_decode_attention`'s kernel (measured on an H100), not this one's
+        reference.
 
     Returns:
       ``[tokens, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
@@ -111,6 +116,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          f"{query_start.shape}")
     if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
+    if decode_only and backend == "auto" and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
+        return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
+                            v_scales=v_scales, sm_scale=sm_scale, window=window,
+                            pages_per_block=pages_per_block, interpret=interpret)
     backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND)
     sm_scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
     cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
@@ -121,6 +130,17 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         block_q = DEFAULT_BLOCK_Q if backend == "reference" else max(1, PALLAS_BLOCK_ROWS // group)
     return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
                       window, cfg, block_q, decode_only)
+
+
+def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
+    """A decode-only call through the decode kernel: each row's one query (a row without one
+    reads as length 0: zeros), scattered back to its token; padding tokens stay zeros."""
+    n = q.shape[0]
+    has = query_start[1:] > query_start[:-1]
+    last = jnp.where(has, query_start[1:] - 1, n)
+    out = ragged_decode_attention(q[jnp.minimum(last, n - 1)], k_pages, v_pages,
+                                  jnp.where(has, kv_lens, 0), page_table, backend="auto", **kw)
+    return jnp.zeros_like(q).at[last].set(out, mode="drop")
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, *,

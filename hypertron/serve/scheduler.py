@@ -16,9 +16,8 @@ page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
    (``max_prefill_rows``) and pages for the whole prompt (and its first decode write) are
    there; several short prompts share one step. A prompt is split only when it starts a step's
    prefill: one that does not fit whole in what is left of the budget waits for the next step.
-   So prompts are prefilled whole whenever they fit the budget, and a step whose prompts all
-   start at position 0 attends as training does (the engine's cold prefill, about twice as fast
-   on a CPU as attending to cached pages).
+   So prompts are prefilled whole whenever they fit the budget: fewer, longer rows, which the
+   engine's ragged paged attention takes in full blocks of one row's queries.
 
    How many new prompts share a step (``step_overhead_tokens``; None: as many as fit). Where a
    step's time grows with its tokens (a CPU: prefill is compute-bound), prompts that share a
