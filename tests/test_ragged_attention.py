@@ -181,6 +181,17 @@ def test_bad_arguments_are_refused():
         ragged_decode_attention(**{**args, "page_indices": args["page_indices"][:-1]})
 
 
+def _triton_kernels(export, step, specs) -> list[str]:
+    """The Triton kernels ``step`` lowers to for a CUDA target, by name, without a GPU."""
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(jax.jit(step), platforms=("cuda",),
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
+    module = exported(*[jax.ShapeDtypeStruct(s, d) for s, d in specs]).mlir_module()
+    kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
+               if f"custom_call @{triton}" in line]
+    return kernels
+
+
 @pytest.mark.parametrize("q_dtype,page_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
                                                 ("bfloat16", "int8")])
 def test_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
@@ -198,13 +209,7 @@ def test_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
         return ragged_decode_attention(q, k, v, lengths, table, **kw, window=40, backend="pallas",
                                        pages_per_block=4, interpret=False)
 
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(jax.jit(step), platforms=("cuda",),
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
-    module = exported(*[jax.ShapeDtypeStruct(s, d) for s, d in specs]).mlir_module()
-    kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
-               if f"custom_call @{triton}" in line]
-    assert kernels == ["ragged_decode_attention"]
+    assert _triton_kernels(export, step, specs) == ["ragged_decode_attention"]
 
 
 # ---------------------------------------------------------------------------
@@ -324,10 +329,4 @@ def test_paged_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
         return ragged_paged_attention(q, k, v, kv_lens, table, query_start, **kw, window=40,
                                       backend="pallas", block_q=32, interpret=False)
 
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(jax.jit(step), platforms=("cuda",),
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
-    module = exported(*[jax.ShapeDtypeStruct(s, d) for s, d in specs]).mlir_module()
-    kernels = [line.split('name = "')[1].split('"')[0] for line in module.splitlines()
-               if f"custom_call @{triton}" in line]
-    assert kernels == ["ragged_paged_attention"]
+    assert _triton_kernels(export, step, specs) == ["ragged_paged_attention"]

@@ -214,6 +214,37 @@ def gather_pages(pages, scales, page_indices) -> jax.Array:
 # Pallas kernel
 
 
+def online_softmax_block(carry, q, h, pages, mask, key_valid, k_ref, v_ref, ks_ref, vs_ref, *,
+                         sm_scale: float):
+    """One block of pages in a Pallas kernel's online softmax (this module's decode kernel and
+    :mod:`~hypertron.kernels.ragged_paged_attention`'s): the scores of ``q [M, d]`` against KV
+    head ``h``'s ``pages``, ``mask [M, T]`` (or broadcast to it) the pairs that attend,
+    ``key_valid [T]`` the keys written (others may be NaN, as may their int8 scales: both
+    masked), ``ks_ref``/``vs_ref`` None for float pages. ``carry`` (running max, sum, output:
+    ``[M]``, ``[M]``, ``[M, d]`` float32) in, the next out; a query with no key yet stays 0."""
+    m, l, acc = carry
+    block_tokens, head_dim = key_valid.shape[0], q.shape[1]
+    k = k_ref[h, pages].reshape(block_tokens, head_dim).astype(q.dtype)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if ks_ref is not None:  # K's scale is per column of the scores
+        s = s * ks_ref[h, pages].reshape(1, block_tokens).astype(jnp.float32)
+    s = jnp.where(mask, s * sm_scale, -jnp.inf)  # [M, T]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    v = v_ref[h, pages].reshape(block_tokens, head_dim)
+    if vs_ref is not None:  # V's scale is per row of V: fold it into p (masked: it may be NaN)
+        v_scale = vs_ref[h, pages].reshape(block_tokens).astype(jnp.float32)
+        p = p * jnp.where(key_valid, v_scale, 0.0)[None, :]
+    else:
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+    pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return m_new, l, alpha[:, None] * acc + pv
+
+
 def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *rest,
                    page_size: int, pages_per_block: int, sm_scale: float, quantized: bool):
     """One ``(sequence b, kv head h)``: online softmax over blocks of b's pages."""
@@ -229,32 +260,14 @@ def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *res
     q = q_ref[...]  # [Gp, d], already in the compute dtype
     gp, head_dim = q.shape
 
-    def block(i, carry):
-        m, l, acc = carry  # [Gp], [Gp], [Gp, d] float32
+    def block(i, carry):  # carry: [Gp], [Gp], [Gp, d] float32
         slots = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
         # Clamped: slots before the window or past the last page re-read a page in range.
         pages = table_ref[b, jnp.clip(slots, first_page, last_page)]  # [ppb]
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos >= start) & (pos < length)  # [T]
-        k = k_ref[h, pages].reshape(block_tokens, head_dim).astype(q.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if quantized:  # K's scale is per column of the scores
-            s = s * ks_ref[h, pages].reshape(1, block_tokens).astype(jnp.float32)
-        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)  # [Gp, T]
-        # Every visited block holds a valid position, so m_new is finite from the first block.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        v = v_ref[h, pages].reshape(block_tokens, head_dim)
-        if quantized:  # V's scale is per row of V: fold it into p (masked: it may be NaN)
-            v_scale = vs_ref[h, pages].reshape(block_tokens).astype(jnp.float32)
-            p = p * jnp.where(valid, v_scale, 0.0)[None, :]
-        else:
-            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-        return m_new, l, alpha[:, None] * acc + pv
+        return online_softmax_block(carry, q, h, pages, valid[None, :], valid, k_ref, v_ref, ks_ref,
+                                    vs_ref, sm_scale=sm_scale)
 
     init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32),
             jnp.zeros((gp, head_dim), jnp.float32))

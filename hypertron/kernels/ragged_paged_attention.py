@@ -53,6 +53,7 @@ from hypertron.kernels.ragged_attention import (
     check_call,
     check_pages,
     gather_pages,
+    online_softmax_block,
     ragged_decode_attention,
 )
 
@@ -290,33 +291,15 @@ def _paged_kernel(row_ref, pos0_ref, count_ref, window_ref, table_ref, q_ref, k_
     first_block = lax.div(first_page, pages_per_block)
     end_block = jnp.where(count > 0, lax.div(last_page, pages_per_block) + 1, first_block)
 
-    def block(i, carry):
-        m, l, acc = carry  # [M], [M], [M, d] float32
+    def block(i, carry):  # carry: [M], [M], [M, d] float32
         slots = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
         pages = table_ref[r, jnp.clip(slots, first_page, last_page)]  # [ppb]
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        k = k_ref[h, pages].reshape(block_tokens, head_dim).astype(q.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if quantized:
-            s = s * ks_ref[h, pages].reshape(1, block_tokens).astype(jnp.float32)
         valid = (q_valid[:, None] & (pos[None, :] <= pos_q[:, None])
                  & (pos_q[:, None] - pos[None, :] < window))
-        s = jnp.where(valid, s * sm_scale, -jnp.inf)  # [M, T]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a query with no key yet
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
         key_valid = (pos >= start) & (pos <= last)  # written: finite; others may be NaN
-        v = v_ref[h, pages].reshape(block_tokens, head_dim)
-        if quantized:
-            v_scale = vs_ref[h, pages].reshape(block_tokens).astype(jnp.float32)
-            p = p * jnp.where(key_valid, v_scale, 0.0)[None, :]
-        else:
-            v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
-        pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-        return m_new, l, alpha[:, None] * acc + pv
+        return online_softmax_block(carry, q, h, pages, valid, key_valid, k_ref, v_ref, ks_ref, vs_ref,
+                                    sm_scale=sm_scale)
 
     init = (jnp.full((rows_m,), -jnp.inf, jnp.float32), jnp.zeros((rows_m,), jnp.float32),
             jnp.zeros((rows_m, head_dim), jnp.float32))
