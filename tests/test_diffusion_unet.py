@@ -19,6 +19,7 @@ from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.weights import WEIGHTS_FILE
 
 torch = pytest.importorskip("torch")
+torch.set_num_threads(1)  # tiny models: its thread pool spins for 10x the CPU of one thread (~6 s here)
 
 TINY = {"block_out_channels": [16, 32], "norm_num_groups": 4, "sample_size": 8, "layers_per_block": 1}
 CONFIGS = {
@@ -104,6 +105,37 @@ def test_every_unet_weight_has_a_sharding_by_the_rules(folders):
     assert block["attn2"]["wk"].spec == P("fsdp", "tensor", None)  # [context, heads, head_dim]
     assert block["ff"]["w_in"].spec == P("fsdp", None, "tensor")  # [c, value|gate, 4c]
     assert shard["up"]["0"]["resnet1"]["time_w"].spec == P(None, "fsdp")
+
+
+# The published UNets' shapes (their config.json values that differ from diffusers' defaults).
+PUBLISHED = {
+    "sd-1.5": {"cross_attention_dim": 768},
+    "sd-2.1": {"cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True,
+               "upcast_attention": True},
+    "sdxl-1.0": {"block_out_channels": [320, 640, 1280], "cross_attention_dim": 2048,
+                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                 "attention_head_dim": [5, 10, 20], "use_linear_projection": True,
+                 "transformer_layers_per_block": [1, 2, 10], "addition_embed_type": "text_time",
+                 "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816},
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_declaration_is_the_published_unets_state_dict(name):
+    """Every tensor name and shape of the full-size model (built on torch's meta device: no memory,
+    under a second), so a block layout the tiny UNets do not reach (two resnets a block, ten-deep
+    transformers) is still checked."""
+    import diffusers
+
+    from hypertron.models import hf
+    from hypertron.models.params import leaves_with_paths
+
+    with torch.device("meta"):
+        model = diffusers.UNet2DConditionModel(**PUBLISHED[name])
+    cfg = U.unet_config(json.loads(json.dumps(dict(model.config))), name)
+    ours = {s.hf: hf._hf_shape(s.hf_layout, s.shape) for _, s in leaves_with_paths(U.declare_unet(cfg))}
+    assert ours == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def test_a_missing_tensor_and_an_unsupported_block_are_one_line(folders, tmp_path):

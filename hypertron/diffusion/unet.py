@@ -83,9 +83,9 @@ _FIXED = {"act_fn": "silu", "center_input_sample": False, "only_cross_attention"
           "time_embedding_dim": None, "time_embedding_act_fn": None, "timestep_post_act": None,
           "time_cond_proj_dim": None, "resnet_time_scale_shift": "default", "resnet_skip_time_act": False,
           "resnet_out_scale_factor": 1.0, "mid_block_scale_factor": 1, "attention_type": "default",
-          "class_embeddings_concat": False, "mid_block_only_cross_attention": None,
-          "cross_attention_norm": None, "num_attention_heads": None,
+          "class_embeddings_concat": False, "cross_attention_norm": None, "num_attention_heads": None,
           "reverse_transformer_layers_per_block": None}
+_NOT_TRUE = ("mid_block_only_cross_attention",)  # null (follow only_cross_attention) or false
 
 
 def _positive_int(v: Any) -> bool:
@@ -122,8 +122,11 @@ def _check_fixed(hf: dict, where: str) -> None:
         raise DiffusionError(f"{where}: _class_name={shown(hf['_class_name'])} is not supported "
                              "(supported: UNet2DConditionModel)")
     for key, value in _FIXED.items():
-        if hf.get(key, value) != value and not (key == "mid_block_only_cross_attention" and hf[key] is False):
+        if hf.get(key, value) != value:
             raise DiffusionError(f"{where}: {key}={shown(hf[key])} is not supported (supported: {shown(value)})")
+    for key in _NOT_TRUE:
+        if hf.get(key) not in (None, False):
+            raise DiffusionError(f"{where}: {key}={shown(hf[key])} is not supported (supported: null, false)")
     mid = hf.get("mid_block_type", MID_BLOCKS[0])
     if mid not in MID_BLOCKS:
         raise DiffusionError(f"{where}: mid_block_type={shown(mid)} is not supported (supported: {MID_BLOCKS[0]})")
