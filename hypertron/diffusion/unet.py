@@ -339,7 +339,8 @@ def _embedding(params: Params, cfg: UNetConfig, timesteps_b: jax.Array, added: d
     return emb_be
 
 
-def _layers(x, block: Params, cfg: UNetConfig, emb_be, context_bsd, einsum, skips=None, pushed=None):
+def _layers(x: jax.Array, block: Params, cfg: UNetConfig, emb_be: jax.Array, context_bsd: jax.Array, einsum,
+            skips: list | None = None, pushed: list | None = None) -> jax.Array:
     """A block's resnets (and transformers): each first concatenates a skip from ``skips`` (up
     blocks); each output is appended to ``pushed`` (down blocks)."""
     g, eps = cfg.norm_num_groups, cfg.norm_eps
