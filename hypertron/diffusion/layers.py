@@ -37,11 +37,14 @@ def declare_norm(c: int, hf: str) -> Params:
             "bias": ParamSpec((c,), ("norm",), "zeros", hf=f"{hf}.bias")}
 
 
-def declare_resnet(cin: int, cout: int, hf: str) -> Params:
-    """diffusers' ``ResnetBlock2D`` without a time embedding (the VAE's); a 1x1 shortcut conv where
-    the channel count changes."""
+def declare_resnet(cin: int, cout: int, hf: str, temb: int = 0) -> Params:
+    """diffusers' ``ResnetBlock2D``: with a ``temb``-wide time embedding projection (the UNet's) or
+    without (``temb=0``, the VAE's); a 1x1 shortcut conv where the channel count changes."""
     p = {"norm1": declare_norm(cin, f"{hf}.norm1"), "conv1": declare_conv(cin, cout, 3, f"{hf}.conv1"),
          "norm2": declare_norm(cout, f"{hf}.norm2"), "conv2": declare_conv(cout, cout, 3, f"{hf}.conv2")}
+    if temb:
+        p["time_w"] = matmul((temb, cout), (None, "conv_out"), temb, "be,ec->bc", hf=f"{hf}.time_emb_proj.weight")
+        p["time_b"] = ParamSpec((cout,), ("conv_out",), "zeros", hf=f"{hf}.time_emb_proj.bias")
     if cin != cout:
         p["shortcut"] = declare_conv(cin, cout, 1, f"{hf}.conv_shortcut")
     return p
@@ -82,9 +85,15 @@ def conv2d(x_bhwc: jax.Array, p: Params, *, stride: int = 1, padding: Any = "SAM
     return y + p["b"].astype(y.dtype)
 
 
-def resnet(x_bhwc: jax.Array, p: Params, groups: int, eps: float) -> jax.Array:
+def resnet(x_bhwc: jax.Array, p: Params, groups: int, eps: float, temb_be: jax.Array | None = None,
+           einsum=None) -> jax.Array:
+    """The block on ``x_bhwc``; with a time embedding ``temb_be`` (blocks declared with ``temb``) its
+    projection ``silu(temb) @ w`` is added per channel after the first conv."""
     with jax.named_scope("resnet"):
         h = conv2d(jax.nn.silu(group_norm(x_bhwc, p["norm1"], groups, eps)), p["conv1"])
+        if "time_w" in p:
+            t_bc = einsum("be,ec->bc", jax.nn.silu(temb_be), p["time_w"]) + p["time_b"].astype(h.dtype)
+            h = h + t_bc[:, None, None, :].astype(h.dtype)
         h = conv2d(jax.nn.silu(group_norm(h, p["norm2"], groups, eps)), p["conv2"])
         return (conv2d(x_bhwc, p["shortcut"]) if "shortcut" in p else x_bhwc) + h
 
@@ -105,9 +114,11 @@ def attention(x_bhwc: jax.Array, p: Params, groups: int, eps: float, einsum) -> 
         return x_bhwc + o_bsc.reshape(b, hh, ww, c)
 
 
-def downsample(x_bhwc: jax.Array, p: Params) -> jax.Array:
-    """diffusers' ``Downsample2D(padding=0)``: pad one row and column at the end, 3x3 stride 2."""
-    return conv2d(x_bhwc, p, stride=2, padding=((0, 1), (0, 1)))
+def downsample(x_bhwc: jax.Array, p: Params, padding: int = 0) -> jax.Array:
+    """diffusers' ``Downsample2D``, a 3x3 conv of stride 2: ``padding=0`` (the VAE's) pads one row
+    and column at the end, ``padding=1`` (the UNet's) one on each side."""
+    pad = ((0, 1), (0, 1)) if padding == 0 else ((padding, padding), (padding, padding))
+    return conv2d(x_bhwc, p, stride=2, padding=pad)
 
 
 def upsample(x_bhwc: jax.Array, p: Params) -> jax.Array:
