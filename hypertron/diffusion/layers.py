@@ -125,3 +125,20 @@ def upsample(x_bhwc: jax.Array, p: Params) -> jax.Array:
     """diffusers' ``Upsample2D``: nearest 2x, then a 3x3 conv."""
     x = jnp.repeat(jnp.repeat(x_bhwc, 2, axis=1), 2, axis=2)
     return conv2d(x, p)
+
+
+# ---------------------------------------------------------------------------
+# Embeddings
+
+
+def timestep_embedding(t_b: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float,
+                       max_period: float = 10000.0) -> jax.Array:
+    """diffusers' sinusoidal ``Timesteps`` projection [b, dim] (float32) of (fractional) timesteps [b]
+    (the UNet's and Flux's): frequencies ``exp(-ln(max_period) * i / (dim/2 - freq_shift))``,
+    ``[sin, cos]`` of ``t * freq``, or ``[cos, sin]`` with ``flip_sin_to_cos``; an odd ``dim`` gets
+    a zero column at the end."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift))
+    angles_bf = t_b.astype(jnp.float32)[:, None] * freqs[None, :]
+    parts = [jnp.cos(angles_bf), jnp.sin(angles_bf)] if flip_sin_to_cos else [jnp.sin(angles_bf), jnp.cos(angles_bf)]
+    return jnp.pad(jnp.concatenate(parts, axis=-1), ((0, 0), (0, dim % 2)))

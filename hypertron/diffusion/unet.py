@@ -301,21 +301,6 @@ def load_unet(folder: str | Path, dtype: Any = np.float32) -> tuple[UNetConfig, 
 # Forward
 
 
-def timestep_embedding(t_b: jax.Array, dim: int, flip_sin_to_cos: bool, freq_shift: float) -> jax.Array:
-    """diffusers' sinusoidal ``get_timestep_embedding``, ``[b, dim]`` float32: frequencies
-    ``exp(-ln(10000) i / (dim/2 - freq_shift))``, ``[sin, cos]`` (``[cos, sin]`` flipped), a zero
-    column where ``dim`` is odd."""
-    half = dim // 2
-    freqs = jnp.exp(-np.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift))
-    angles_bf = t_b.astype(jnp.float32)[:, None] * freqs[None, :]
-    parts = [jnp.sin(angles_bf), jnp.cos(angles_bf)]
-    if flip_sin_to_cos:
-        parts.reverse()
-    if dim % 2:
-        parts.append(jnp.zeros_like(angles_bf[:, :1]))
-    return jnp.concatenate(parts, axis=-1)
-
-
 def _time_mlp(x_be: jax.Array, p: Params, einsum) -> jax.Array:
     h = einsum("be,ef->bf", x_be, p["linear_1"]["w"]) + p["linear_1"]["b"].astype(x_be.dtype)
     return einsum("be,ef->bf", jax.nn.silu(h), p["linear_2"]["w"]) + p["linear_2"]["b"].astype(x_be.dtype)
@@ -325,15 +310,16 @@ def _embedding(params: Params, cfg: UNetConfig, timesteps_b: jax.Array, added: d
                einsum) -> jax.Array:
     """The time embedding every resnet takes, ``[b, 4 * block_out_channels[0]]``; with ``text_time``
     plus the embedding of ``[text_embeds, sinusoids of each time id]``."""
-    t = timestep_embedding(timesteps_b, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+    t = L.timestep_embedding(timesteps_b, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos,
+                             freq_shift=cfg.freq_shift)
     emb_be = _time_mlp(t.astype(dtype), params["time_embedding"], einsum)
     if cfg.addition_embed_type == "text_time":
         if not added or "text_embeds" not in added or "time_ids" not in added:
             raise ValueError('addition_embed_type="text_time" needs added={"text_embeds", "time_ids"}')
         ids_bk = jnp.asarray(added["time_ids"])
         b = ids_bk.shape[0]
-        ids_emb = timestep_embedding(ids_bk.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
-                                     cfg.freq_shift).reshape(b, -1)
+        ids_emb = L.timestep_embedding(ids_bk.reshape(-1), cfg.addition_time_embed_dim,
+                                       flip_sin_to_cos=cfg.flip_sin_to_cos, freq_shift=cfg.freq_shift).reshape(b, -1)
         extra = jnp.concatenate([jnp.asarray(added["text_embeds"]).astype(jnp.float32), ids_emb], axis=-1)
         emb_be = emb_be + _time_mlp(extra.astype(dtype), params["add_embedding"], einsum)
     return emb_be
