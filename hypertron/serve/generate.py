@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hypertron.config import ModelConfig
+from hypertron.config import EngineConfig, ModelConfig, SchedulerConfig
 from hypertron.serve.engine import PagedEngine
 from hypertron.serve.scheduler import Output, Request, Scheduler, run_until_done
 from hypertron.serve.types import SamplingParams, check_token_ids
@@ -27,7 +27,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_ids: Iterable[int] = (),
-    page_size: int = 16,
+    page_size: int = EngineConfig.page_size,
     max_num_batched_tokens: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
@@ -52,12 +52,10 @@ def generate(
         s.check(vocab_size=cfg.vocab_size, max_top_logprobs=1)
     # Just the pages these sequences can fill (+1 for the null page), not max_seq_len each.
     pages = sum(-(-(len(p) + max_new_tokens + 1) // page_size) for p in prompts) + 1
-    engine = PagedEngine(params, cfg, max_slots=len(prompts), page_size=page_size, num_pages=pages,
-                         max_top_logprobs=1)
+    engine = PagedEngine(params, cfg, EngineConfig(max_slots=len(prompts), page_size=page_size, num_pages=pages,
+                                                   max_top_logprobs=1, compile="lazy"))
     budget = max_num_batched_tokens or max(sum(len(p) for p in prompts), len(prompts))
-    scheduler = Scheduler(max_slots=len(prompts), num_pages=engine.num_pages, page_size=page_size,
-                          max_seq_len=cfg.max_seq_len, max_num_batched_tokens=budget,
-                          max_prefill_rows=len(prompts))
+    scheduler = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=budget, max_prefill_rows=len(prompts)))
     seqs = [Request(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
     for seq in seqs:
         scheduler.add(seq)
