@@ -292,7 +292,7 @@ def test_engine_settings_are_checked(params):
         PagedEngine(params, CFG, EngineConfig(page_size=6, compile="lazy"))
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=2, page_size=8, num_pages=9, compile="lazy"))
     sched = Scheduler(engine, SchedulerConfig())
-    with pytest.raises(ValueError, match=f"prompt of {CFG.max_seq_len} tokens: expected 1 to {CFG.max_seq_len - 1}"):
+    with pytest.raises(ValueError, match=f"'prompt' is {CFG.max_seq_len} tokens; expected 1 to {CFG.max_seq_len - 1}"):
         sched.add(Request(0, [3] * CFG.max_seq_len, GREEDY))
 
 

@@ -252,3 +252,6 @@ def test_a_bad_sampling_value_is_one_message_as_a_400_and_as_an_error_line(run_d
         r = run_cli(["generate", "--model", run_dir, "--prompt", "hi", "--max-new-tokens", "2",
                      cli.flag(field), str(value)])
         assert one_error_line(r) == "error: " + e.value.named(cli.flag(field))
+    # a prompt + --max-new-tokens past the context: generate's one check, one line
+    r = run_cli(["generate", "--model", run_dir, "--prompt", "hi", "--max-new-tokens", "64"])
+    one_error_line(r, "--prompt", "max_seq_len=64")

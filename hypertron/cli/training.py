@@ -199,10 +199,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
     model, params, tok = load_for_inference(args.checkpoint, args.quantize)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
-    if len(ids) + args.max_new_tokens > model.max_seq_len:
-        raise ConfigError(
-            f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={model.max_seq_len}"
-        )
     try:
         (out,) = generate(
             params, model, [ids], args.max_new_tokens, temperature=args.temperature,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from hypertron.config import EngineConfig, ModelConfig, SchedulerConfig
 from hypertron.serve.engine import PagedEngine
 from hypertron.serve.scheduler import Output, Request, Scheduler, run_until_done
-from hypertron.serve.types import SamplingParams, check_token_ids
+from hypertron.serve.types import SamplingError, SamplingParams, check_token_ids
 
 
 def generate(
@@ -35,16 +35,17 @@ def generate(
     Prompt ``i`` samples with seed ``seed + i`` (greedy when ``temperature == 0``). Returns the
     new tokens of each prompt, each ending at the first of ``eos_ids`` in it (included).
     Raises :class:`~hypertron.serve.types.SamplingError` (naming the field) for a value the
-    engine cannot hold (:meth:`SamplingParams.check`).
+    engine cannot hold (:class:`SamplingParams`), or a prompt + ``max_new_tokens`` over ``max_seq_len``.
     ``max_num_batched_tokens``: tokens per step (default: every prompt in one step).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > cfg.max_seq_len:
-        raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise SamplingError("prompt", f"'prompt' ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                      f"model's max_seq_len={cfg.max_seq_len}")
     samplings = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed + i) for i in range(len(prompts))]
     for p, s in zip(prompts, samplings):  # the server's checks: SamplingError names the field

@@ -120,8 +120,7 @@ class Orchestrator:
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
-        if not 0 < len(prompt) < self.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
+        self.scheduler.check_prompt(prompt)
         check_token_ids(prompt, self.vocab_size, "prompt")  # SamplingError, as the server's own checks
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:

@@ -59,7 +59,7 @@ from collections.abc import Callable
 from hypertron.config import SchedulerConfig
 from hypertron.config.schema import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
-from hypertron.serve.types import Engine, Row, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from hypertron.serve.types import Engine, Row, SamplingError, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -153,10 +153,16 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------
 
+    def check_prompt(self, prompt) -> None:
+        """The one prompt-length rule of the serving loop: :class:`SamplingError` naming ``prompt``
+        unless it is 1 .. ``max_seq_len - 1`` tokens (its first sampled token needs a place).
+        Reads settings only, so the orchestrator calls it from the submitting thread."""
+        if not 0 < len(prompt) < self.max_seq_len:
+            raise SamplingError("prompt", f"'prompt' is {len(prompt)} tokens; expected 1 to {self.max_seq_len - 1}")
+
     def add(self, seq: Request) -> None:
-        """Queue a sequence (its prompt 1 .. max_seq_len - 1 tokens, its seed set)."""
-        if not 0 < len(seq.prompt) < self.max_seq_len:
-            raise ValueError(f"prompt of {len(seq.prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
+        """Queue a sequence (its prompt as :meth:`check_prompt` takes, its seed set)."""
+        self.check_prompt(seq.prompt)
         if seq.sampling.seed is None:
             raise ValueError("the sampling seed must be set before scheduling")
         self._live[seq.id] = seq
