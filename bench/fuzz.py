@@ -54,7 +54,8 @@ def tiny_engine():
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64,
                               vocab_size=get_tokenizer("byte").vocab_size)
-    return PagedEngine(init_params(cfg, jax.random.key(0)), cfg, EngineConfig(max_slots=4, page_size=4, num_pages=13, max_top_logprobs=5, compile="background"))
+    config = EngineConfig(max_slots=4, page_size=4, num_pages=13, max_top_logprobs=5, compile="background")
+    return PagedEngine(init_params(cfg, jax.random.key(0)), cfg, config)
 
 
 def fuzz_server_part(examples: int, seed: int, hang_s: float, engine_kind: str) -> bool:

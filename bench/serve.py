@@ -79,7 +79,9 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     batch, context = prompts.shape
     new = batch + warmup + steps + 2  # the first slots decode while the later prompts prefill
     pages_per_slot = -(-(context + new) // page_size)
-    engine = PagedEngine(params, cfg, EngineConfig(max_slots=batch, page_size=page_size, num_pages=batch * pages_per_slot + 1, kv_cache_dtype=kv_dtype, max_top_logprobs=top_logprobs or 1, compile="lazy"), scan_layers=scan_layers)
+    config = EngineConfig(max_slots=batch, page_size=page_size, num_pages=batch * pages_per_slot + 1,
+                          kv_cache_dtype=kv_dtype, max_top_logprobs=top_logprobs or 1, compile="lazy")
+    engine = PagedEngine(params, cfg, config, scan_layers=scan_layers)
     sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=context + batch, max_prefill_rows=1))
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
     seqs = [Request(i, p.tolist(), greedy) for i, p in enumerate(prompts)]

@@ -55,7 +55,8 @@ def test_one_step_ahead_drops_the_token_after_eos_and_frees_everything(params):
     eos = full[0][2]
     want = [(g[:g.index(eos)], STOP) if eos in g else (g, LENGTH) for g in full]
     for ahead in (False, True):
-        engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy"), eos_ids=frozenset({eos}))
+        engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy"),
+                             eos_ids=frozenset({eos}))
         seqs, outs, sched = run(engine, prompts, [GREEDY, GREEDY], ahead=ahead)
         assert [(s.generated, outs[s.id][-1].finish_reason) for s in seqs] == want
         assert sched.stats().items() >= {"slots_in_use": 0, "slots_total": 4, "pages_free": 19, "pages_total": 19,
@@ -68,7 +69,7 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
     assert [bucket(n, 8) for n in (9, 17, 129, 387)] == [9, 18, 144, 416]
     assert all(bucket(n, 8) < 1.125 * n for n in range(9, 2000))
-    engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="lazy"))  # 16 columns per sequence
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="lazy"))  # 16 columns a sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
     assert engine.shape(plan) == Shape(4, 0, 0, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
@@ -105,11 +106,11 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
     sampling = [dataclasses.replace(GREEDY, logprobs=2), dataclasses.replace(GREEDY, logprobs=0),
                 SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, logprobs=1)]
     kw = dict(max_num_batched_tokens=8, max_prefill_rows=2)
-    want, want_outs, _ = run(PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, max_top_logprobs=2, compile="lazy")), prompts,
-                             sampling, **kw)
+    lazy = EngineConfig(max_slots=4, page_size=4, max_top_logprobs=2, compile="lazy")
+    want, want_outs, _ = run(PagedEngine(params, CFG, lazy), prompts, sampling, **kw)
     big = Shape(num_decode=4, prefill_rows=8, prefill_tokens=16, width=8, logprobs=True)
     for compiler in (False, True):
-        engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, max_top_logprobs=2, compile="background"))
+        engine = PagedEngine(params, CFG, dataclasses.replace(lazy, compile="background"))
         engine._compile(big)
         with monkeypatch.context() as m:
             m.setattr(engine_module, "MAX_PADDED_COST", float("inf"))  # any holder will do, however costly
@@ -139,7 +140,8 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     """``hypertron serve`` measures a step's cost before it serves (its prefill grouping follows
     it): the two steps run on padding alone, so what the engine then serves is unchanged."""
     prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
-    want, _, _ = run(PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="lazy")), prompts, [GREEDY, GREEDY])
+    want, _, _ = run(PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="lazy")), prompts,
+                     [GREEDY, GREEDY])
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
     cost = engine.measure_step_cost(24)
     assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
@@ -217,7 +219,8 @@ def test_bytes_per_cached_token_int8_vs_bf16():
     # What the engine really allocates, for a model with head_dim 64.
     cfg = dataclasses.replace(CFG, num_heads=2, num_kv_heads=2, head_dim=64)
     params = init_params(cfg, jax.random.key(0))
-    nbytes = {d: sum(x.nbytes for x in PagedEngine(params, cfg, EngineConfig(max_slots=1, page_size=8, kv_cache_dtype=d, compile="lazy")).cache.values())
+    nbytes = {d: sum(x.nbytes for x in PagedEngine(
+        params, cfg, EngineConfig(max_slots=1, page_size=8, kv_cache_dtype=d, compile="lazy")).cache.values())
               for d in ("int8", "bfloat16")}
     assert nbytes["int8"] / nbytes["bfloat16"] <= 0.53
 
@@ -264,7 +267,8 @@ def test_prefix_caching_gives_the_tokens_and_logprobs_of_no_caching(params, pres
     rng = np.random.default_rng(0)
     base, other, long = (rng.integers(3, cfg.vocab_size, n).tolist() for n in (13, 6, 13))
     prompts = [base, base, base[:8] + other, base[:12], long, base]
-    engine = PagedEngine(weights, cfg, EngineConfig(max_slots=2, page_size=4, num_pages=7, max_top_logprobs=5, compile="lazy"))
+    engine = PagedEngine(weights, cfg, EngineConfig(max_slots=2, page_size=4, num_pages=7, max_top_logprobs=5,
+                                                    compile="lazy"))
     runs = {}
     for caching in (True, False):
         sched = scheduler_for(engine, enable_prefix_caching=caching)

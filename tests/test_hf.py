@@ -221,7 +221,8 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     new = 7
     runs = {}
     for ahead in (False, True):
-        engine = PagedEngine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20, max_top_logprobs=3, compile="lazy"))
+        engine = PagedEngine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
+                                                                 max_top_logprobs=3, compile="lazy"))
         sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=6, max_prefill_rows=2))
         seqs = [Request(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
                 for i, p in enumerate(prompts)]

@@ -151,7 +151,8 @@ def test_a_row_that_fails_the_real_engines_dispatch_leaves_the_device_as_it_was(
         decode = StepPlan.of(1, (Row(0, 0, len(prompt), (), (1, 2), greedy),), ())
         return [token, int(engine.run(decode).tokens[0])]
 
-    alone = two_tokens(PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy")), StepPlan.of(0, (), (good,)))
+    alone = two_tokens(PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy")),
+                       StepPlan.of(0, (), (good,)))
     engine = PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy"))
     row = engine._row
 

@@ -33,7 +33,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
     "max_top_logprobs": dict(metavar="N", help="the most log-probabilities a request may ask for per token "
-                                               "(logprobs, top_logprobs); each step that returns them computes this many"),
+                                               "(logprobs, top_logprobs); a step that returns them computes "
+                                               "this many"),
     "quantize": dict(help="weight precision"),
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
                          f"padded to a compiled shape at most {MAX_PADDED_COST:g} times as costly (if any); lazy: "

@@ -27,9 +27,9 @@ of the step's longest sequence, so its attention cost follows the real lengths, 
 nothing).
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
-dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
+dozens, so a server does not wait for most of them (``compile="background"``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
-padding rows and tokens are masked out), if that costs at most 4 times as much
+padding rows and tokens are masked out), if that costs at most ``MAX_PADDED_COST`` (4) times as much
 (:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
 compiled shape, the step waits for its own.
@@ -217,9 +217,9 @@ class PagedEngine:
 
     ``config`` (:class:`~hypertron.config.EngineConfig`, checked when made) is held whole as
     :attr:`config`. Its ``num_pages`` is the pool, page 0 included (it is the null page, never
-    handed out); None: enough for every slot at ``max_seq_len``. With ``compile="background"``, a plan whose shape is not
-    compiled yet runs padded to a compiled one that holds it at little more cost, if any, while its
-    own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
+    handed out); None: enough for every slot at ``max_seq_len``. With ``compile="background"``, a
+    plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
+    more cost, if any, while its own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
     larger compiled shape (``padded``); :attr:`compile_seconds` is the time they took (a step
     another engine of this process had compiled counts nothing). The layers run unrolled from per-layer weights
@@ -332,7 +332,7 @@ class PagedEngine:
 
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
         """The compiled step a plan of shape ``exact`` runs as: its own; with
-        ``background_compile``, else the cheapest compiled one that holds it and costs at most
+        ``compile="background"``, else the cheapest compiled one that holds it and costs at most
         :data:`MAX_PADDED_COST` times as much (its own is queued); else its own, compiled now."""
         with self._lock:
             fn = self._compiled.get(exact)

@@ -136,7 +136,8 @@ class Scheduler:
             raise ValueError(f"step_overhead_tokens={step_overhead_tokens}: expected at least 0, or None")
         self.config = config
         self.max_slots, self.num_pages, self.page_size = engine.max_slots, engine.num_pages, engine.page_size
-        self.max_seq_len, self.eos_ids, self.max_top_logprobs = engine.max_seq_len, engine.eos_ids, engine.max_top_logprobs
+        self.max_seq_len, self.eos_ids = engine.max_seq_len, engine.eos_ids
+        self.max_top_logprobs = engine.max_top_logprobs
         self.max_num_batched_tokens, self.max_prefill_rows = config.max_num_batched_tokens, config.max_prefill_rows
         self.step_overhead_tokens = step_overhead_tokens
         self.waiting: collections.deque[Request] = collections.deque()
