@@ -48,13 +48,14 @@ def tiny_engine():
 
     from hypertron.config import PRESETS
     from hypertron.models import init_params
+    from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine
     from hypertron.tokenizer import get_tokenizer
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64,
                               vocab_size=get_tokenizer("byte").vocab_size)
-    return PagedEngine(init_params(cfg, jax.random.key(0)), cfg, max_slots=4, page_size=4, num_pages=13,
-                       max_top_logprobs=5, background_compile=True)
+    config = EngineConfig(max_slots=4, page_size=4, num_pages=13, max_top_logprobs=5, compile="background")
+    return PagedEngine(init_params(cfg, jax.random.key(0)), cfg, config)
 
 
 def fuzz_server_part(examples: int, seed: int, hang_s: float, engine_kind: str) -> bool:
@@ -64,13 +65,14 @@ def fuzz_server_part(examples: int, seed: int, hang_s: float, engine_kind: str) 
     from http_harness import ThreadedServer
     from support.api_fuzz import fuzz_server
 
+    from hypertron.config import SchedulerConfig
     from hypertron.serve.orchestrator import Orchestrator
     from hypertron.serve.server import create_app
     from hypertron.tokenizer import get_tokenizer
 
     tok = get_tokenizer("byte")
     engine = tiny_engine() if engine_kind == "tiny" else FakeEngine(max_slots=4, max_seq_len=64, num_pages=12)
-    orch = Orchestrator(engine, tok, max_queue=64)
+    orch = Orchestrator(engine, tok, SchedulerConfig(max_queue=64))
     app = create_app(orch, tok, "fuzz-model", max_tokens_limit=32, max_body_bytes=64 << 10)
     t0 = time.perf_counter()
     with ThreadedServer(app, lifespan="on", log_level="critical", graceful_s=5) as server:

@@ -71,6 +71,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     (``prefill_s``: the time to prefill every slot, compiles included; ``compile_s``: the compiles'
     own, ``compiles`` of them)."""
     from hypertron.models.kv_pages import bytes_per_token
+    from hypertron.config import EngineConfig, SchedulerConfig
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.scheduler import Request, Scheduler
     from hypertron.serve.types import SamplingParams
@@ -78,11 +79,10 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     batch, context = prompts.shape
     new = batch + warmup + steps + 2  # the first slots decode while the later prompts prefill
     pages_per_slot = -(-(context + new) // page_size)
-    engine = PagedEngine(params, cfg, max_slots=batch, page_size=page_size,
-                         num_pages=batch * pages_per_slot + 1, kv_cache_dtype=kv_dtype,
-                         max_top_logprobs=top_logprobs or 1, scan_layers=scan_layers)
-    sched = Scheduler(max_slots=batch, num_pages=engine.num_pages, page_size=page_size, max_seq_len=cfg.max_seq_len,
-                      max_num_batched_tokens=context + batch, max_prefill_rows=1)
+    config = EngineConfig(max_slots=batch, page_size=page_size, num_pages=batch * pages_per_slot + 1,
+                          kv_cache_dtype=kv_dtype, max_top_logprobs=top_logprobs or 1, compile="lazy")
+    engine = PagedEngine(params, cfg, config, scan_layers=scan_layers)
+    sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=context + batch, max_prefill_rows=1))
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
     seqs = [Request(i, p.tolist(), greedy) for i, p in enumerate(prompts)]
     for seq in seqs:

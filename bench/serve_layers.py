@@ -25,6 +25,7 @@ def measure(width: int, layers: int, rounds: int, repeats: int) -> list[dict]:
 
     from hypertron.config import PRESETS
     from hypertron.models import count_params, init_params, resolve_dtype
+    from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine, clear_shared_executables
 
     cfg = dataclasses.replace(PRESETS["llama-1b"], embed_dim=width, num_heads=8, num_kv_heads=4,
@@ -38,7 +39,7 @@ def measure(width: int, layers: int, rounds: int, repeats: int) -> list[dict]:
         for scan, row in rows.items():
             if r == 0:
                 clear_shared_executables()
-            engine = PagedEngine(params, cfg, max_slots=4, num_pages=64, scan_layers=scan)
+            engine = PagedEngine(params, cfg, EngineConfig(max_slots=4, num_pages=64, compile="lazy"), scan_layers=scan)
             cost = engine.measure_step_cost(64, repeats=repeats)
             if r == 0:
                 row["compile_s"] = engine.compile_seconds

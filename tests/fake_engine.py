@@ -71,6 +71,7 @@ class FakeEngine:
 
     def __init__(self, *, max_slots: int = 4, max_seq_len: int = 256, page_size: int = 4, num_pages: int = 256,
                  max_top_logprobs: int = 5, step_delay: float = 0.0):
+        self.accelerator = True  # dispatch_ahead=auto: every step ahead, as on an accelerator
         self.max_slots, self.max_seq_len, self.max_top_logprobs = max_slots, max_seq_len, max_top_logprobs
         self.eos_ids, self.page_size, self.num_pages = frozenset({EOS}), page_size, num_pages
         self.step_delay = step_delay

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from hypertron.config import SchedulerConfig
 from hypertron.serve.scheduler import Request, Scheduler, run_until_done
 from hypertron.serve.types import Row, SamplingParams, StepPlan
 
 
-def scheduler_for(engine, **kw) -> Scheduler:
-    return Scheduler(max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
-                     max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids,
-                     max_top_logprobs=engine.max_top_logprobs, **kw)
+def scheduler_for(engine, *, step_overhead_tokens=None, **kw) -> Scheduler:
+    """A scheduler over ``engine`` with a :class:`SchedulerConfig` of ``kw``."""
+    return Scheduler(engine, SchedulerConfig(**kw), step_overhead_tokens=step_overhead_tokens)
 
 
 def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
@@ -31,10 +31,11 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
     chunk after that cached prefix, so that every key and value it attends to is read back from
     the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id)."""
+    from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine
 
-    engine = PagedEngine(params, cfg, max_slots=1, page_size=page_size, kv_cache_dtype=kv_dtype,
-                         max_top_logprobs=cfg.vocab_size)
+    engine = PagedEngine(params, cfg, EngineConfig(max_slots=1, page_size=page_size, kv_cache_dtype=kv_dtype,
+                                                   max_top_logprobs=cfg.vocab_size, compile="lazy"))
     pages = tuple(range(1, -(-len(tokens) // page_size) + 1))
     greedy = SamplingParams(temperature=0.0, seed=0)
     engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from serving import run, scheduler_for, teacher_forced_logprobs  # tests/
 
-from hypertron.config import PRESETS, ConfigError, load_config
+from hypertron.config import PRESETS, ConfigError, EngineConfig, SchedulerConfig, load_config
 from hypertron.models import forward, init_params
 from hypertron.models.flops import dense_flops_per_token
 from hypertron.models.kv_pages import bytes_per_token
@@ -48,14 +48,15 @@ def test_one_step_ahead_drops_the_token_after_eos_and_frees_everything(params):
     ahead stops before it (the step already dispatched after it is dropped) exactly as the run
     collecting each step does, and every slot and page comes back."""
     prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
-    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, num_pages=20)
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy"))
     seqs, _, _ = run(engine, prompts, [GREEDY, GREEDY])
     full = [s.generated for s in seqs]
     assert all(_is_greedy(params, CFG, p, g) and len(g) == 8 for p, g in zip(prompts, full))
     eos = full[0][2]
     want = [(g[:g.index(eos)], STOP) if eos in g else (g, LENGTH) for g in full]
     for ahead in (False, True):
-        engine = PagedEngine(params, CFG, max_slots=4, page_size=4, num_pages=20, eos_ids=frozenset({eos}))
+        engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy"),
+                             eos_ids=frozenset({eos}))
         seqs, outs, sched = run(engine, prompts, [GREEDY, GREEDY], ahead=ahead)
         assert [(s.generated, outs[s.id][-1].finish_reason) for s in seqs] == want
         assert sched.stats().items() >= {"slots_in_use": 0, "slots_total": 4, "pages_free": 19, "pages_total": 19,
@@ -68,7 +69,7 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
     assert [bucket(n, 8) for n in (9, 17, 129, 387)] == [9, 18, 144, 416]
     assert all(bucket(n, 8) < 1.125 * n for n in range(9, 2000))
-    engine = PagedEngine(params, CFG, max_slots=16, page_size=4)  # 16 columns per sequence
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="lazy"))  # 16 columns a sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
     assert engine.shape(plan) == Shape(4, 0, 0, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
@@ -105,11 +106,11 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
     sampling = [dataclasses.replace(GREEDY, logprobs=2), dataclasses.replace(GREEDY, logprobs=0),
                 SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, logprobs=1)]
     kw = dict(max_num_batched_tokens=8, max_prefill_rows=2)
-    want, want_outs, _ = run(PagedEngine(params, CFG, max_slots=4, page_size=4, max_top_logprobs=2), prompts,
-                             sampling, **kw)
+    lazy = EngineConfig(max_slots=4, page_size=4, max_top_logprobs=2, compile="lazy")
+    want, want_outs, _ = run(PagedEngine(params, CFG, lazy), prompts, sampling, **kw)
     big = Shape(num_decode=4, prefill_rows=8, prefill_tokens=16, width=8, logprobs=True)
     for compiler in (False, True):
-        engine = PagedEngine(params, CFG, max_slots=4, page_size=4, max_top_logprobs=2, background_compile=True)
+        engine = PagedEngine(params, CFG, dataclasses.replace(lazy, compile="background"))
         engine._compile(big)
         with monkeypatch.context() as m:
             m.setattr(engine_module, "MAX_PADDED_COST", float("inf"))  # any holder will do, however costly
@@ -139,8 +140,9 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     """``hypertron serve`` measures a step's cost before it serves (its prefill grouping follows
     it): the two steps run on padding alone, so what the engine then serves is unchanged."""
     prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
-    want, _, _ = run(PagedEngine(params, CFG, max_slots=4, page_size=4), prompts, [GREEDY, GREEDY])
-    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
+    want, _, _ = run(PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="lazy")), prompts,
+                     [GREEDY, GREEDY])
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
     cost = engine.measure_step_cost(24)
     assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
     assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
@@ -158,7 +160,7 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
     much, so after COMPILE_AFTER_PADDED such steps its own shape is queued for a compile; with a
     step's fixed cost of 40 tokens' worth (about this project's CPU's) it costs 40 + 2 against 40
     + 1 tokens' worth plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
-    engine = PagedEngine(params, CFG, max_slots=4, page_size=4, background_compile=True)
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
     engine.step_overhead_flops = overhead_tokens * dense_flops_per_token(CFG)
     one, two = Shape(1, 0, 0, 1), Shape(2, 0, 0, 1)
     engine._compile(two)
@@ -171,7 +173,7 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
 
 
 def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
-    engine = PagedEngine(params, CFG, max_slots=2, page_size=8, max_top_logprobs=4)
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=2, page_size=8, max_top_logprobs=4, compile="lazy"))
     row = Row(0, 0, 0, (5, 6, 7), (1,), GREEDY)
     plain = engine.run(StepPlan(0, (), (row,)))
     assert plain.logprobs is None and plain.top_ids is None
@@ -186,7 +188,7 @@ def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
 def test_the_same_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(params):
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=6)
     other = SamplingParams(temperature=0.7, seed=1, max_tokens=6)
-    engine = lambda: PagedEngine(params, CFG, max_slots=3, page_size=8)  # noqa: E731
+    engine = lambda: PagedEngine(params, CFG, EngineConfig(max_slots=3, page_size=8, compile="lazy"))  # noqa: E731
     (alone,), _, _ = run(engine(), [[40, 41, 42]], [sampled])
     (_, together), _, _ = run(engine(), [[50, 51, 52, 53, 54], [40, 41, 42]], [other, sampled],
                               max_num_batched_tokens=4)
@@ -217,8 +219,8 @@ def test_bytes_per_cached_token_int8_vs_bf16():
     # What the engine really allocates, for a model with head_dim 64.
     cfg = dataclasses.replace(CFG, num_heads=2, num_kv_heads=2, head_dim=64)
     params = init_params(cfg, jax.random.key(0))
-    nbytes = {d: sum(x.nbytes for x in PagedEngine(params, cfg, max_slots=1, page_size=8,
-                                                   kv_cache_dtype=d).cache.values())
+    nbytes = {d: sum(x.nbytes for x in PagedEngine(
+        params, cfg, EngineConfig(max_slots=1, page_size=8, kv_cache_dtype=d, compile="lazy")).cache.values())
               for d in ("int8", "bfloat16")}
     assert nbytes["int8"] / nbytes["bfloat16"] <= 0.53
 
@@ -265,7 +267,8 @@ def test_prefix_caching_gives_the_tokens_and_logprobs_of_no_caching(params, pres
     rng = np.random.default_rng(0)
     base, other, long = (rng.integers(3, cfg.vocab_size, n).tolist() for n in (13, 6, 13))
     prompts = [base, base, base[:8] + other, base[:12], long, base]
-    engine = PagedEngine(weights, cfg, max_slots=2, page_size=4, num_pages=7, max_top_logprobs=5)
+    engine = PagedEngine(weights, cfg, EngineConfig(max_slots=2, page_size=4, num_pages=7, max_top_logprobs=5,
+                                                    compile="lazy"))
     runs = {}
     for caching in (True, False):
         sched = scheduler_for(engine, enable_prefix_caching=caching)
@@ -288,14 +291,13 @@ def test_engine_settings_are_checked(params):
     from hypertron.serve.scheduler import Request, Scheduler
 
     with pytest.raises(ConfigError, match="kv_cache_dtype=fp8"):
-        PagedEngine(params, CFG, kv_cache_dtype="fp8")
+        PagedEngine(params, CFG, EngineConfig(kv_cache_dtype="fp8", compile="lazy"))
     with pytest.raises(ConfigError, match="page_size=6"):
-        PagedEngine(params, CFG, page_size=6)
-    sched = Scheduler(max_slots=2, num_pages=8, page_size=8, max_seq_len=64)
-    with pytest.raises(ValueError, match="prompt of 64 tokens: expected 1 to 63"):
-        sched.add(Request(0, list(range(3, 67)), GREEDY))
-    with pytest.raises(ValueError, match="max_num_batched_tokens=4 is below max_slots=8"):
-        Scheduler(max_slots=8, num_pages=8, page_size=8, max_seq_len=64, max_num_batched_tokens=4)
+        PagedEngine(params, CFG, EngineConfig(page_size=6, compile="lazy"))
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=2, page_size=8, num_pages=9, compile="lazy"))
+    sched = Scheduler(engine, SchedulerConfig())
+    with pytest.raises(ValueError, match=f"'prompt' is {CFG.max_seq_len} tokens; expected 1 to {CFG.max_seq_len - 1}"):
+        sched.add(Request(0, [3] * CFG.max_seq_len, GREEDY))
 
 
 @pytest.mark.slow
@@ -315,7 +317,7 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     cfg = Config(run_dir=str(tmp_path / "run"), model=model, train=TrainConfig(seq_len=32))
     master = init_params(model, jax.random.key(3))
     save_params(tmp_path / "run", cfg, master)
-    engine, _, _ = load_engine(tmp_path / "run", max_slots=1, page_size=8)
+    engine, _, _ = load_engine(tmp_path / "run", EngineConfig(max_slots=1, page_size=8, compile="lazy"))
 
     def at(tree, path):  # the engine holds each layer's weights apart (unstack_layers)
         if path[0] == "layers":

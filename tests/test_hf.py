@@ -212,6 +212,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     others decode (mixed steps). Each continuation equals transformers' greedy ``generate``, and
     each token's log-probability and top-3 equal the log-softmax of transformers' logits at its
     position. Dispatching one step ahead gives exactly what collecting each step at once gives."""
+    from hypertron.config import EngineConfig, SchedulerConfig
     from hypertron.serve.engine import PagedEngine
     from hypertron.serve.scheduler import Request, Scheduler, run_until_done
     from hypertron.serve.types import SamplingParams
@@ -220,9 +221,9 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     new = 7
     runs = {}
     for ahead in (False, True):
-        engine = PagedEngine(case.params, case.cfg, max_slots=4, page_size=4, num_pages=20, max_top_logprobs=3)
-        sched = Scheduler(max_slots=4, num_pages=engine.num_pages, page_size=4, max_seq_len=case.cfg.max_seq_len,
-                          max_num_batched_tokens=6, max_prefill_rows=2)
+        engine = PagedEngine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
+                                                                 max_top_logprobs=3, compile="lazy"))
+        sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=6, max_prefill_rows=2))
         seqs = [Request(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
                 for i, p in enumerate(prompts)]
         for seq in seqs:

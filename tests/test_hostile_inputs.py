@@ -18,7 +18,7 @@ from fake_engine import FakeEngine, reference  # tests/
 from http_harness import ThreadedServer  # tests/
 from support.cli import one_error_line, run_cli
 
-from hypertron.config import PRESETS
+from hypertron.config import PRESETS, EngineConfig, SchedulerConfig
 from hypertron.models import init_params
 from hypertron.models.bundle import save_model
 from hypertron.serve.api import MAX_JSON_DEPTH
@@ -123,7 +123,7 @@ def _assert_failed_alone(orch: Orchestrator, hostile) -> None:
 def test_a_row_that_fails_its_step_fails_only_its_request_fake_engine(monkeypatch, ahead):
     engine = FakeEngine(max_slots=8, step_delay=0.002)
     refused = _poison_dispatch(engine, monkeypatch)
-    orch = Orchestrator(engine, TOK, ahead=ahead).start()
+    orch = Orchestrator(engine, TOK, SchedulerConfig(dispatch_ahead="on" if ahead else "off")).start()
     greedy = SamplingParams(max_tokens=12, temperature=0.0, seed=0)
     chunks, hostile = _run_with_a_hostile_request(orch, greedy)
     _assert_failed_alone(orch, hostile)
@@ -151,8 +151,9 @@ def test_a_row_that_fails_the_real_engines_dispatch_leaves_the_device_as_it_was(
         decode = StepPlan.of(1, (Row(0, 0, len(prompt), (), (1, 2), greedy),), ())
         return [token, int(engine.run(decode).tokens[0])]
 
-    alone = two_tokens(PagedEngine(params, cfg, max_slots=2, page_size=8), StepPlan.of(0, (), (good,)))
-    engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
+    alone = two_tokens(PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy")),
+                       StepPlan.of(0, (), (good,)))
+    engine = PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy"))
     row = engine._row
 
     def poisoned_row(b, i, r, out_idx):
@@ -202,7 +203,7 @@ class _Engine(FakeEngine):
 @pytest.fixture(scope="module")
 def srv():
     engine = _Engine(max_slots=4, max_seq_len=256, page_size=4, num_pages=SRV_POOL // 4)
-    orch = Orchestrator(engine, _Tok(), max_queue=64)
+    orch = Orchestrator(engine, _Tok(), SchedulerConfig(max_queue=64))
     app = create_app(orch, _Tok(), SRV_MODEL, max_tokens_limit=64, max_body_bytes=64 << 10)
     with ThreadedServer(app, lifespan="on", graceful_s=2) as s:
         s.orch = orch

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support.contiguous_cache import ContiguousCache, init_cache  # tests/support
 
-from hypertron.config import PRESETS
+from hypertron.config import PRESETS, EngineConfig
 from hypertron.models import PagedCache, forward, init_params
 from hypertron.models.kv_pages import init_pages
 
@@ -100,7 +100,7 @@ def test_the_engine_attends_every_row_of_a_step_in_one_call_per_layer(monkeypatc
     monkeypatch.setattr(kv_cache, "ragged_paged_attention", spy)
     cfg = dataclasses.replace(BASE, num_layers=1, max_seq_len=48)  # a shape no other test compiles
     params = init_params(cfg, jax.random.key(2))
-    engine = PagedEngine(params, cfg, max_slots=2, page_size=8)
+    engine = PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy"))
     prompts = [[5, 9, 33, 17, 2, 40, 41], [7, 8, 9, 10]]
     seqs, _, _ = run(engine, prompts, [SamplingParams(temperature=0.0, seed=0, max_tokens=4)] * 2)
     # Both prompts in one step (11 tokens padded to 16, the least, 2 rows), then decode steps of 2

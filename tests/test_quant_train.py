@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypertron.config import ConfigError, load_config
+from hypertron.config import ConfigError, EngineConfig, load_config
 from hypertron.parallel.mesh import make_mesh
 from hypertron.quant import fp8, int8
 from hypertron.quant.einsum import einsum_for
@@ -263,5 +263,5 @@ def test_resume_with_fp8_delayed_scaling_gives_the_uninterrupted_losses(tmp_path
     assert longer.first_step == 6 and np.isfinite(longer.losses).all()
     assert "fp8 amax histories do not fit this config" in capsys.readouterr().err
     # Serving the fp8-trained run computes in the compute dtype (serving quantises with --quantize).
-    engine, _, _ = load_engine(tmp_path / "a", max_slots=1)
+    engine, _, _ = load_engine(tmp_path / "a", EngineConfig(max_slots=1, compile="lazy"))
     assert engine.cfg.quantization == "none"

@@ -13,15 +13,14 @@ from fake_engine import TOP, FakeEngine, reference, token_logprobs  # tests/
 from hypertron.serve.scheduler import LENGTH, STOP, Request, Scheduler, group_size, run_until_done
 from hypertron.serve.types import SamplingParams
 from hypertron.tokenizer import get_tokenizer
+from serving import scheduler_for  # tests/
 from support import processes  # tests/support
 
 TOK = get_tokenizer("byte")
 
 
 def _setup(engine: FakeEngine, prompts, samplings, **kw):
-    sched = Scheduler(max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
-                      max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids,
-                      max_top_logprobs=engine.max_top_logprobs, **kw)
+    sched = scheduler_for(engine, **kw)
     seqs = [Request(i, list(p), s) for i, (p, s) in enumerate(zip(prompts, samplings))]
     return sched, seqs
 

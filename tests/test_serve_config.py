@@ -16,7 +16,7 @@ import pytest
 from http_harness import ThreadedServer  # tests/
 
 from hypertron import cli
-from hypertron.config import PRESETS, Config, ServeConfig, TrainConfig
+from hypertron.config import PRESETS, Config, EngineConfig, SchedulerConfig, ServeConfig, TrainConfig
 from hypertron.errors import ConfigError
 
 SETTINGS = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "quantize": "int8",
@@ -25,7 +25,9 @@ SETTINGS = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "
 
 
 def _flags(settings: dict) -> list[str]:
-    return [arg for key, value in settings.items() for arg in (cli.flag(key), str(value))]
+    return [arg for key, value in settings.items()
+            for arg in ([(cli.flag(key) if value else "--no-" + cli.flag(key)[2:])] if isinstance(value, bool)
+                        else [cli.flag(key), str(value)])]
 
 
 def _config(argv: list[str]) -> ServeConfig:
@@ -52,10 +54,11 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
         _config(["--config", _yaml(tmp_path, "checkpoint: runs/x\nenable_prefix_caching: false\n")]) == \
         ServeConfig(checkpoint="runs/x", enable_prefix_caching=False)
     # dispatch_ahead=auto: every step one ahead on an accelerator, only small ones on a CPU.
-    from hypertron.serve.server import CPU_AHEAD_MAX_TOKENS, resolve_dispatch_ahead
-    on_cpu = jax.default_backend() == "cpu"
-    assert resolve_dispatch_ahead("auto") == (True, CPU_AHEAD_MAX_TOKENS if on_cpu else None)
-    assert resolve_dispatch_ahead("on") == (True, None) and resolve_dispatch_ahead("off") == (False, None)
+    from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS
+    from hypertron.serve.orchestrator import resolve_dispatch_ahead
+    assert resolve_dispatch_ahead("auto", accelerator=False) == (True, CPU_AHEAD_MAX_TOKENS)
+    assert resolve_dispatch_ahead("auto", accelerator=True) == (True, None)
+    assert resolve_dispatch_ahead("on", False) == (True, None) and resolve_dispatch_ahead("off", True) == (False, None)
 
 
 @pytest.mark.parametrize("text, argv, message", [
@@ -160,10 +163,95 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
     app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2"], monkeypatch)
     with ThreadedServer(app, lifespan="on") as s:
-        for settings in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3}):
+        for settings in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3},
+                         {"temperature": 0.9, "top_k": -1, "seed": 3}):  # -1: off, as 0
             (out,) = generate(params, model, [ids], 10, eos_ids=tok.eos_ids, **settings)
             body = {"model": "run", "prompt": "def f", "max_tokens": 10, **settings}
             answer = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
             detok = detokenizer(tok, ids)
             text = "".join(detok.add(t) for t in out if t not in tok.eos_ids) + detok.flush()
             assert answer == text, (settings, out)
+
+
+# Every engine and scheduler setting off its default (prefill_groups=max: no step is measured at start).
+OFF_DEFAULT = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "max_top_logprobs": 7,
+               "compile": "lazy", "max_num_batched_tokens": 100, "max_prefill_rows": 3, "prefill_groups": "max",
+               "max_queue": 9, "dispatch_ahead": "off", "enable_prefix_caching": False}
+
+
+def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_whole(run_dir):
+    from hypertron.serve.server import build
+
+    parts = {c: {f.name: OFF_DEFAULT[f.name] for f in dataclasses.fields(c)} for c in (EngineConfig, SchedulerConfig)}
+    assert set(OFF_DEFAULT) == {k for p in parts.values() for k in p}  # a new setting joins this test
+    assert all(OFF_DEFAULT[f.name] != f.default for c in parts for f in dataclasses.fields(c))
+    serve = _config(["--checkpoint", run_dir, *_flags(OFF_DEFAULT)])
+    assert serve == ServeConfig(checkpoint=run_dir, **OFF_DEFAULT)
+    _, orch = build(serve)
+    engine, sched = orch.engine, orch.scheduler
+    assert engine.config == serve.engine == EngineConfig(**parts[EngineConfig])
+    assert orch.config == sched.config == serve.scheduler == SchedulerConfig(**parts[SchedulerConfig])
+    # ... and each does what its settings say
+    assert (engine.max_slots, engine.page_size, engine.num_pages, str(engine.kv_dtype), engine.max_top_logprobs,
+            engine.background_compile) == (3, 8, 39, "int8", 7, False)
+    assert (sched.max_slots, sched.num_pages, sched.max_num_batched_tokens, sched.max_prefill_rows, sched.pool.enabled,
+            sched.step_overhead_tokens, orch.max_queue, orch.ahead) == (3, 39, 100, 3, False, None, 9, False)
+
+
+def test_a_budget_below_max_slots_is_one_message_from_a_flag_a_file_or_a_constructor(tmp_path, capsys):
+    from fake_engine import FakeEngine  # tests/
+
+    from hypertron.serve.orchestrator import Orchestrator
+    from hypertron.serve.scheduler import Scheduler
+    from hypertron.tokenizer import get_tokenizer
+
+    rule = "{b}=4: must be at least {s}=8 (each decoding sequence takes a token of every step)"
+    path = _yaml(tmp_path, "checkpoint: runs/x\nmax_slots: 8\nmax_num_batched_tokens: 4\n")
+    for argv, names in ((["--checkpoint", "runs/x", "--max-slots", "8", "--max-num-batched-tokens", "4"],
+                         ("--max-num-batched-tokens", "--max-slots")),
+                        (["--config", path], (f"{path}: max_num_batched_tokens", f"{path}: max_slots"))):
+        assert cli.main(["serve", *argv]) == 2
+        assert capsys.readouterr().err == "error: " + rule.format(b=names[0], s=names[1]) + "\n"
+    tight = SchedulerConfig(max_num_batched_tokens=4)  # fine alone: the engine's slots are not known yet
+    for make in (lambda e: Scheduler(e, tight), lambda e: Orchestrator(e, get_tokenizer("byte"), tight)):
+        with pytest.raises(ConfigError) as e:  # refused, not clamped
+            make(FakeEngine(max_slots=8))
+        assert str(e.value) == rule.format(b="max_num_batched_tokens", s="max_slots")
+
+
+def test_a_bad_sampling_value_is_one_message_as_a_400_and_as_an_error_line(run_dir):
+    """``top_k=-2``, ``top_p=0``, ``temperature=-1``: SamplingParams refuses each when made, and its
+    message is the API's 400 (``param`` naming the field) and ``hypertron generate``'s one line
+    (naming the flag); ``top_k=-1`` is off, as 0."""
+    import asyncio
+    import json
+
+    from fake_engine import FakeEngine  # tests/
+    from support.cli import one_error_line, run_cli
+
+    from hypertron.serve.orchestrator import Orchestrator
+    from hypertron.serve.server import create_app
+    from hypertron.serve.types import SamplingError, SamplingParams
+    from hypertron.tokenizer import get_tokenizer
+
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    tok = get_tokenizer("byte")
+    app = create_app(Orchestrator(FakeEngine(), tok), tok, "m")  # not started: a 400 comes before any queue
+
+    async def post(body: dict):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", content=json.dumps({"model": "m", "prompt": "hi", **body}))
+            return r.status_code, r.json()["error"]
+
+    for field, value in (("top_k", -2), ("top_p", 0.0), ("temperature", -1.0)):
+        with pytest.raises(SamplingError) as e:
+            SamplingParams(**{field: value})
+        assert e.value.field == field
+        status, error = asyncio.run(post({field: value}))
+        assert (status, error["param"], error["message"]) == (400, field, str(e.value))
+        r = run_cli(["generate", "--model", run_dir, "--prompt", "hi", "--max-new-tokens", "2",
+                     cli.flag(field), str(value)])
+        assert one_error_line(r) == "error: " + e.value.named(cli.flag(field))
+    # a prompt + --max-new-tokens past the context: generate's one check, one line
+    r = run_cli(["generate", "--model", run_dir, "--prompt", "hi", "--max-new-tokens", "64"])
+    one_error_line(r, "--prompt", "max_seq_len=64")

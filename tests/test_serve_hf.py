@@ -21,6 +21,7 @@ from http_harness import ThreadedServer  # tests/
 from test_server import MODEL, TOK, Server  # tests/
 
 from hypertron.models.hf import load_hf
+from hypertron.config import EngineConfig
 from hypertron.serve.engine import PagedEngine
 
 torch.set_num_threads(1)
@@ -49,8 +50,8 @@ def server(hf):
     _, cfg, params = hf
     # No eos_ids: the byte tokenizer's eos (2) is just another id to this random model. Background
     # compiles, as `hypertron serve` runs: steps run padded to compiled shapes while theirs compile.
-    engine = PagedEngine(params, cfg, max_slots=4, page_size=8, num_pages=40, max_top_logprobs=5,
-                         background_compile=True)
+    engine = PagedEngine(params, cfg, EngineConfig(max_slots=4, page_size=8, num_pages=40, max_top_logprobs=5,
+                                                   compile="background"))
     with Server(engine) as s:
         yield s
 

@@ -17,6 +17,7 @@ from fake_engine import LOGPROBS, TOP, FakeEngine, reference  # tests/
 from http_harness import ThreadedServer  # tests/
 from prometheus_client.parser import text_string_to_metric_families
 
+from hypertron.config import SchedulerConfig
 from hypertron.tokenizer import chat_template_beside, get_tokenizer
 from hypertron.errors import UserError
 from hypertron.serve.detokenize import IncrementalDetokenizer
@@ -37,7 +38,8 @@ class Server(ThreadedServer):
     def __init__(self, engine: FakeEngine, *, max_queue: int = 512, enable_prefix_caching: bool = True,
                  **app_kwargs):
         self.engine = engine
-        self.orch = Orchestrator(engine, TOK, max_queue=max_queue, enable_prefix_caching=enable_prefix_caching)
+        self.orch = Orchestrator(engine, TOK, SchedulerConfig(max_queue=max_queue,
+                                                              enable_prefix_caching=enable_prefix_caching))
         super().__init__(create_app(self.orch, TOK, MODEL, **app_kwargs), lifespan="on", log_level="warning",
                          graceful_s=2)
 
@@ -372,7 +374,7 @@ def test_client_that_disconnects_frees_its_slot(server):
 
 def test_orchestrator_ends_a_lone_sequence_past_the_pool_and_drops_cancelled_ones():
     engine = FakeEngine(max_slots=1, max_seq_len=64, page_size=4, num_pages=4)  # 16 tokens of KV in all
-    orch = Orchestrator(engine, TOK, max_queue=4).start()
+    orch = Orchestrator(engine, TOK, SchedulerConfig(max_queue=4)).start()
     prompt = TOK.encode("ten tokens")
 
     async def run():

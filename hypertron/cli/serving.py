@@ -10,6 +10,7 @@ import os
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
+from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, MAX_PADDED_COST
 from hypertron.loadgen import BenchSettings
 
 
@@ -31,12 +32,15 @@ _SERVE_FLAGS: dict[str, dict] = {
     "page_size": dict(metavar="N", help="tokens per KV page"),
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
+    "max_top_logprobs": dict(metavar="N", help="the most log-probabilities a request may ask for per token "
+                                               "(logprobs, top_logprobs); a step that returns them computes "
+                                               "this many"),
     "quantize": dict(help="weight precision"),
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
-                         "padded to a compiled shape at most twice as costly (if any); lazy: a step waits for "
-                         "its shape's compile"),
+                         f"padded to a compiled shape at most {MAX_PADDED_COST:g} times as costly (if any); lazy: "
+                         "a step waits for its shape's compile"),
     "dispatch_ahead": dict(help="dispatch each step before the last one's tokens reach the host; auto: on "
-                                "an accelerator, and for steps of at most 8 tokens on a CPU"),
+                                f"an accelerator, and for steps of at most {CPU_AHEAD_MAX_TOKENS} tokens on a CPU"),
     "max_queue": dict(metavar="N", help="requests waiting for a slot before new ones get 429"),
     "max_prompt_tokens": dict(metavar="N", help="default: max_seq_len - 1"),
     "max_tokens_limit": dict(metavar="N", help="largest max_tokens (default: max_seq_len)"),

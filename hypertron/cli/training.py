@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg, number_arg
+from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg, flag, number_arg
 from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
 from hypertron.config.numbers import INT32
 from hypertron.config.schema import WeightQuantization
@@ -53,7 +53,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=number_arg(int), default=64)
     g.add_argument("--temperature", type=number_arg(float), default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=number_arg(int), default=0, help="0 = off")
+    g.add_argument("--top-k", type=number_arg(int), default=0, help="0 or -1 = off")
     g.add_argument("--top-p", type=number_arg(float), default=1.0, help="1.0 = off")
     g.add_argument("--seed", type=number_arg(int), default=0)
     g.add_argument("--quantize", choices=choices(WeightQuantization), default="none",
@@ -199,18 +199,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}: must be positive")
     model, params, tok = load_for_inference(args.checkpoint, args.quantize)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
-    if len(ids) + args.max_new_tokens > model.max_seq_len:
-        raise ConfigError(
-            f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds model.max_seq_len={model.max_seq_len}"
-        )
     try:
         (out,) = generate(
             params, model, [ids], args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=tok.eos_ids,
         )
-    except SamplingError as e:  # SamplingParams.check's message, naming the flag
-        flag = {"max_tokens": "--max-new-tokens", "prompt": "--prompt"}.get(e.field, "--" + e.field.replace("_", "-"))
-        raise ConfigError(str(e).replace(f"'{e.field}'", flag, 1)) from None
+    except SamplingError as e:  # SamplingParams' message (the server's 400), naming the flag
+        raise ConfigError(e.named({"max_tokens": "--max-new-tokens"}.get(e.field, flag(e.field)))) from None
     print(args.prompt + tok.decode(out))
     return 0
 

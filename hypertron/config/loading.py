@@ -40,9 +40,10 @@ from hypertron.config.schema import (
     MoEConfig,
     RopeScaling,
     ServeConfig,
+    choice_error,
 )
 from hypertron.config.numbers import parse_number
-from hypertron.config.validation import choice_error, validate, validate_serve
+from hypertron.config.validation import validate, validate_serve
 from hypertron.errors import ConfigError, UserError, one_line
 
 

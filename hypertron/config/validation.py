@@ -10,31 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
 
-from hypertron.config.schema import Config, DlrmConfig, MeshConfig, ModelConfig, ServeConfig, check_sizes, choices
+from hypertron.config.schema import (
+    Config,
+    DlrmConfig,
+    MeshConfig,
+    ModelConfig,
+    ServeConfig,
+    check_budget,
+    check_choices,
+    check_engine_settings,
+    check_scheduler_settings,
+    check_sizes,
+)
 from hypertron.errors import ConfigError, one_line
-
-
-def choice_error(key: str, value: Any, allowed: tuple[str, ...]) -> ConfigError:
-    """The one error of a value outside a choice type: ``key=value: must be one of a, b``."""
-    return ConfigError(f"{key}={value}: must be one of {', '.join(allowed)}")
-
-
-def check_choices(obj: Any, prefix: str = "", name: Callable[[str], str] | None = None) -> None:
-    """Every ``Literal`` field of the dataclass ``obj`` (and of its nested dataclasses) holds an
-    allowed value. Configs built in Python skip the loader; this catches them too."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, tp = getattr(obj, f.name), hints[f.name]
-        key = name(f.name) if name else prefix + f.name
-        if typing.get_origin(tp) is Literal and value not in choices(tp):
-            raise choice_error(key, value, choices(tp))
-        if dataclasses.is_dataclass(value):
-            check_choices(value, key + ".")
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -271,33 +262,17 @@ def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: 
     return check_mesh(cfg, num_devices, processes, local_devices)
 
 
-def check_engine_settings(*, max_slots: int, page_size: int, num_pages: int | None, kv_cache_dtype: str,
-                          name: Callable[[str], str] = lambda key: key) -> None:
-    """The paged engine's own settings (shared by :func:`validate_serve` and the engine's constructor).
-    ``name`` turns a key into what the user wrote (``--max-slots`` for a flag)."""
-    allowed = choices(typing.get_type_hints(ServeConfig)["kv_cache_dtype"])
-    if kv_cache_dtype not in allowed:
-        raise choice_error(name("kv_cache_dtype"), kv_cache_dtype, allowed)
-    for key, value in (("max_slots", max_slots), ("page_size", page_size), ("num_pages", num_pages)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name(key)}={value}: must be positive")
-    if page_size & (page_size - 1):
-        raise ConfigError(f"{name('page_size')}={page_size}: must be a power of two")
-    if num_pages is not None and num_pages < 2:
-        raise ConfigError(f"{name('num_pages')}={num_pages}: needs at least 2 (page 0 is reserved)")
-
-
 def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
     """Checks of a :class:`ServeConfig` that need no model; ``name`` as in :func:`check_engine_settings`."""
     check_choices(cfg, name=name)
     if not cfg.checkpoint.strip():
         raise ConfigError(f"{name('checkpoint')}: required (the run directory or Hugging Face model directory to serve)")
-    check_engine_settings(max_slots=cfg.max_slots, page_size=cfg.page_size, num_pages=cfg.num_pages,
-                          kv_cache_dtype=cfg.kv_cache_dtype, name=name)
-    if cfg.max_num_batched_tokens < cfg.max_slots:
-        raise ConfigError(f"{name('max_num_batched_tokens')}={cfg.max_num_batched_tokens}: must be at least "
-                          f"{name('max_slots')}={cfg.max_slots} (each decoding sequence takes a token of every step)")
-    for key in ("max_queue", "max_prompt_tokens", "max_tokens_limit", "max_prefill_rows"):
+    # The engine's and the scheduler's own checks, naming keys as the user wrote them, before
+    # deriving those configs (which run the same checks, naming plain keys).
+    check_engine_settings(cfg, name)
+    check_scheduler_settings(cfg, name)
+    check_budget(cfg.max_num_batched_tokens, cfg.max_slots, name)
+    for key in ("max_prompt_tokens", "max_tokens_limit"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")

@@ -1,8 +1,9 @@
 """The OpenAI-compatible API's requests and responses, as pydantic models.
 
 Requests are validated strictly (a JSON string is not a number, a number not a boolean) against
-what the schema says by itself: types, ``max_tokens >= 1``, ``temperature >= 0``, ``0 < top_p <=
-1``, ``n == 1``, stop strings. :func:`schema_error` turns pydantic's first error into an
+what the schema says by itself: types, ``max_tokens >= 1``, ``n == 1``, stop strings (the
+sampling values' ranges are :class:`~hypertron.serve.types.SamplingParams`' own, checked when the
+server makes one, with the same error shape). :func:`schema_error` turns pydantic's first error into an
 OpenAI-shaped 400 naming the field (``param``). What depends on the model being served (a prompt
 longer than it takes, ids past its vocabulary, ``max_tokens`` over the limit, more
 log-probabilities than it computes, another model's name) is checked by the server against the
@@ -121,9 +122,10 @@ class _Sampling(_Strict):
     """The fields both endpoints share."""
 
     model: str
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="extension: sample from the k likeliest tokens; 0 or -1: off")
+    # Their ranges are SamplingParams' (hypertron.serve.types), whose message is the 400's.
+    temperature: float | None = Field(None, description="at least 0 (0: greedy)")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, description="extension: sample from the k likeliest tokens; 0 or -1: off")
     seed: int | None = None
     stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1},

@@ -27,9 +27,9 @@ of the step's longest sequence, so its attention cost follows the real lengths, 
 nothing).
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
-dozens, so a server does not wait for most of them (``background_compile``): a plan whose own shape
+dozens, so a server does not wait for most of them (``compile="background"``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
-padding rows and tokens are masked out), if that costs at most 4 times as much
+padding rows and tokens are masked out), if that costs at most ``MAX_PADDED_COST`` (4) times as much
 (:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
 compiled shape, the step waits for its own.
@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config import ModelConfig
-from hypertron.config.validation import check_engine_settings
+from hypertron.config import EngineConfig, ModelConfig
+from hypertron.config.schema import MAX_PADDED_COST
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
@@ -72,11 +72,10 @@ from hypertron.serve.types import StepPlan, StepResult
 log = logging.getLogger(__name__)
 
 # With background compiles, a plan whose shape is not compiled yet runs padded to a compiled shape
-# only if that costs at most MAX_PADDED_COST times its own (PagedEngine.cost), else it waits for its
-# own; its own is compiled in the background only if the padded one costs over CLOSE_ENOUGH_COST
-# times as much (as much padding as a bucket allows): on a CPU a compile takes a core for a second,
-# and the shapes a load meets keep coming, so near enough is left alone.
-MAX_PADDED_COST = 4.0
+# only if that costs at most MAX_PADDED_COST (hypertron.config.schema) times its own (PagedEngine.cost),
+# else it waits for its own; its own is compiled in the background only if the padded one costs over
+# CLOSE_ENOUGH_COST times as much (as much padding as a bucket allows): on a CPU a compile takes a core
+# for a second, and the shapes a load meets keep coming, so near enough is left alone.
 CLOSE_ENOUGH_COST = 1.25
 # ... and only once it has run padded this many times: a shape a load meets rarely is not worth
 # a core for a second.
@@ -216,10 +215,11 @@ class PagedEngine:
     """Runs :class:`~hypertron.serve.types.StepPlan` s over a page pool; implements
     :class:`hypertron.serve.types.Engine`.
 
-    ``num_pages``: the pool, page 0 included (it is the null page, never handed out); default
-    enough for every slot at ``max_seq_len``. ``background_compile``: a plan whose shape is not
-    compiled yet runs padded to a compiled one that holds it at little more cost, if any, while its
-    own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
+    ``config`` (:class:`~hypertron.config.EngineConfig`, checked when made) is held whole as
+    :attr:`config`. Its ``num_pages`` is the pool, page 0 included (it is the null page, never
+    handed out); None: enough for every slot at ``max_seq_len``. With ``compile="background"``, a
+    plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
+    more cost, if any, while its own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
     larger compiled shape (``padded``); :attr:`compile_seconds` is the time they took (a step
     another engine of this process had compiled counts nothing). The layers run unrolled from per-layer weights
@@ -228,21 +228,20 @@ class PagedEngine:
     option of that name does; training scans them).
     """
 
-    def __init__(self, params, cfg: ModelConfig, *, max_slots: int = 8, page_size: int = 16,
-                 num_pages: int | None = None, kv_cache_dtype: str = "auto", max_top_logprobs: int = 20,
-                 eos_ids: frozenset[int] = frozenset(), background_compile: bool = False,
+    def __init__(self, params, cfg: ModelConfig, config: EngineConfig, *, eos_ids: frozenset[int] = frozenset(),
                  scan_layers: bool = False):
-        check_engine_settings(max_slots=max_slots, page_size=page_size, num_pages=num_pages,
-                              kv_cache_dtype=kv_cache_dtype)
         self.params = params if scan_layers else unstack_layers(params)
-        self.cfg = cfg
-        self.max_slots, self.page_size = max_slots, page_size
-        self.max_seq_len, self.max_top_logprobs, self.eos_ids = cfg.max_seq_len, max_top_logprobs, frozenset(eos_ids)
+        self.cfg, self.config = cfg, config
+        max_slots, page_size, max_top_logprobs = config.max_slots, config.page_size, config.max_top_logprobs
+        self.max_slots, self.page_size, self.max_top_logprobs = max_slots, page_size, max_top_logprobs
+        self.max_seq_len, self.eos_ids = cfg.max_seq_len, frozenset(eos_ids)
+        self.accelerator = jax.default_backend() != "cpu"
         self.vocab_size = cfg.vocab_size
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
-        total = max_slots * self.pages_per_seq + 1 if num_pages is None else num_pages
+        total = max_slots * self.pages_per_seq + 1 if config.num_pages is None else config.num_pages
         self.num_pages = total - 1
-        self.kv_dtype = resolve_dtype(cfg.dtype) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
+        kv = config.kv_cache_dtype
+        self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)
         self.cache = init_pages(cfg, total, page_size, self.kv_dtype)
         self.last_tokens = jnp.zeros(max_slots + 1, jnp.int32)
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
@@ -250,7 +249,7 @@ class PagedEngine:
         self._specs = jax.tree.map(_spec, (self.params, self.cache, self.last_tokens))
         leaves, treedef = jax.tree.flatten(self._specs)
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
-        self.background_compile = background_compile
+        self.background_compile = config.compile == "background"
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
         self.compile_seconds = 0.0
         self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
@@ -333,7 +332,7 @@ class PagedEngine:
 
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
         """The compiled step a plan of shape ``exact`` runs as: its own; with
-        ``background_compile``, else the cheapest compiled one that holds it and costs at most
+        ``compile="background"``, else the cheapest compiled one that holds it and costs at most
         :data:`MAX_PADDED_COST` times as much (its own is queued); else its own, compiled now."""
         with self._lock:
             fn = self._compiled.get(exact)
@@ -476,13 +475,10 @@ class PagedEngine:
         b["seed"][i], b["sample_pos"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF), row.end
 
 
-def load_engine(checkpoint: str | Path, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
-                kv_cache_dtype: str = "auto", quantize: str = "none", background_compile: bool = False):
+def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none"):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
     engine's ``eos_ids`` are the tokenizer's."""
     from hypertron.serve.model import load_for_inference, served_name
 
     model, params, tok = load_for_inference(checkpoint, quantize)
-    engine = PagedEngine(params, model, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
-                         kv_cache_dtype=kv_cache_dtype, eos_ids=tok.eos_ids, background_compile=background_compile)
-    return engine, tok, served_name(checkpoint)
+    return PagedEngine(params, model, config, eos_ids=tok.eos_ids), tok, served_name(checkpoint)

@@ -34,10 +34,10 @@ from prometheus_client import CollectorRegistry
 
 from hypertron.serve.metrics import ServeMetrics
 from hypertron.serve.output import Chunk, Generation
+from hypertron.config import SchedulerConfig
+from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS
 from hypertron.serve.scheduler import (
     ABORT,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_PREFILL_ROWS,
     ERROR,
     LENGTH,
     STOP,
@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 STEP_FAILED = "the request failed in an engine step; the server log has the details"
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Chunk", "Generation", "Orchestrator", "QueueFull"]
+
+
+def resolve_dispatch_ahead(setting: str, accelerator: bool) -> tuple[bool, int | None]:
+    """``dispatch_ahead`` as ``(ahead, ahead_max_tokens)``: ``auto`` is on for an engine on an
+    accelerator, and on a CPU for steps of at most :data:`~hypertron.config.schema.CPU_AHEAD_MAX_TOKENS` tokens."""
+    if setting != "auto":
+        return setting == "on", None
+    return True, (None if accelerator else CPU_AHEAD_MAX_TOKENS)
 
 
 class QueueFull(Exception):
@@ -72,28 +80,20 @@ class Orchestrator:
     """Continuous batching over ``engine`` on one background thread (see the module docstring).
 
     ``submit`` (from a running asyncio loop) returns a :class:`Generation`; ``start`` / ``stop``
-    run and end the thread (``stop`` aborts what is left). ``max_queue`` bounds the requests
-    waiting for a slot: past it :meth:`submit` raises :class:`QueueFull`. The scheduler's
-    settings (``max_num_batched_tokens``, ``max_prefill_rows``, ``step_overhead_tokens``,
-    ``enable_prefix_caching``) are passed on. ``ahead``: dispatch step n + 1 before collecting step n; with
-    ``ahead_max_tokens``, only for steps of at most that many tokens (a larger one is collected
-    at once).
+    run and end the thread (``stop`` aborts what is left). ``config``
+    (:class:`~hypertron.config.SchedulerConfig`) is held whole and handed to the scheduler; its
+    ``max_queue`` bounds the requests waiting for a slot (past it :meth:`submit` raises
+    :class:`QueueFull`), its ``dispatch_ahead`` is :func:`resolve_dispatch_ahead` for this engine.
+    ``step_overhead_tokens``: the scheduler's (a step's fixed cost, as measured).
     """
 
-    def __init__(self, engine: Engine, tokenizer, *, max_queue: int = 256,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, ahead: bool = True,
-                 ahead_max_tokens: int | None = None, step_overhead_tokens: float | None = None,
-                 enable_prefix_caching: bool = True, registry: CollectorRegistry | None = None):
-        self.engine, self.tokenizer, self.max_queue, self.ahead = engine, tokenizer, max_queue, ahead
-        self.ahead_max_tokens = ahead_max_tokens
+    def __init__(self, engine: Engine, tokenizer, config: SchedulerConfig = SchedulerConfig(), *,
+                 step_overhead_tokens: float | None = None, registry: CollectorRegistry | None = None):
+        self.engine, self.tokenizer, self.config, self.max_queue = engine, tokenizer, config, config.max_queue
+        self.ahead, self.ahead_max_tokens = resolve_dispatch_ahead(config.dispatch_ahead, engine.accelerator)
         self.max_seq_len, self.max_top_logprobs = engine.max_seq_len, engine.max_top_logprobs
         self.vocab_size = engine.vocab_size
-        self.scheduler = Scheduler(
-            max_slots=engine.max_slots, num_pages=engine.num_pages, page_size=engine.page_size,
-            max_seq_len=engine.max_seq_len, eos_ids=engine.eos_ids, max_top_logprobs=engine.max_top_logprobs,
-            max_num_batched_tokens=max(max_num_batched_tokens, engine.max_slots), max_prefill_rows=max_prefill_rows,
-            step_overhead_tokens=step_overhead_tokens, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(engine, config, step_overhead_tokens=step_overhead_tokens)
         self.kv_pool_tokens = engine.num_pages * engine.page_size  # a prompt must be shorter (see Scheduler._admit)
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
@@ -120,8 +120,7 @@ class Orchestrator:
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
-        if not 0 < len(prompt) < self.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
+        self.scheduler.check_prompt(prompt)
         check_token_ids(prompt, self.vocab_size, "prompt")  # SamplingError, as the server's own checks
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:

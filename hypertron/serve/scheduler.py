@@ -56,13 +56,13 @@ import itertools
 import math
 from collections.abc import Callable
 
+from hypertron.config import SchedulerConfig
+from hypertron.config.schema import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
-from hypertron.serve.types import Engine, Row, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from hypertron.serve.types import Engine, Row, SamplingError, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-DEFAULT_MAX_PREFILL_ROWS = 8
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,28 +126,26 @@ class Scheduler:
     """Requests, slots and pages; one :class:`~hypertron.serve.types.StepPlan` per step (see the
     module docstring). Not thread-safe: one thread calls it."""
 
-    def __init__(self, *, max_slots: int, num_pages: int, page_size: int, max_seq_len: int,
-                 eos_ids: frozenset[int] = frozenset(), max_top_logprobs: int = 20,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS, step_overhead_tokens: float | None = None,
-                 enable_prefix_caching: bool = True, keep_records: int = 10_000):
-        if max_num_batched_tokens < max_slots:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below max_slots={max_slots}: "
-                             "every running sequence needs its decode token in each step")
-        if max_prefill_rows < 1:
-            raise ValueError(f"max_prefill_rows={max_prefill_rows}: expected at least 1")
-        self.max_slots, self.num_pages, self.page_size, self.max_seq_len = max_slots, num_pages, page_size, max_seq_len
-        self.eos_ids, self.max_top_logprobs = frozenset(eos_ids), max_top_logprobs
+    def __init__(self, engine: Engine, config: SchedulerConfig, *, step_overhead_tokens: float | None = None,
+                 keep_records: int = 10_000):
+        """Plans steps for ``engine`` (its slots, pages and limits) with ``config`` (held whole as
+        :attr:`config`). ``step_overhead_tokens``: a step's fixed cost
+        in tokens' worth, as the server measured it (None: new prompts share a step as they fit)."""
+        check_budget(config.max_num_batched_tokens, engine.max_slots)
         if step_overhead_tokens is not None and not step_overhead_tokens >= 0:
             raise ValueError(f"step_overhead_tokens={step_overhead_tokens}: expected at least 0, or None")
-        self.max_num_batched_tokens, self.max_prefill_rows = max_num_batched_tokens, max_prefill_rows
+        self.config = config
+        self.max_slots, self.num_pages, self.page_size = engine.max_slots, engine.num_pages, engine.page_size
+        self.max_seq_len, self.eos_ids = engine.max_seq_len, engine.eos_ids
+        self.max_top_logprobs = engine.max_top_logprobs
+        self.max_num_batched_tokens, self.max_prefill_rows = config.max_num_batched_tokens, config.max_prefill_rows
         self.step_overhead_tokens = step_overhead_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # by id, in admission order
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep_records)
         self._live: dict[int, Request] = {}
-        self.pool = PagePool(num_pages, enabled=enable_prefix_caching)
-        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.pool = PagePool(self.num_pages, enabled=config.enable_prefix_caching)
+        self._free_slots = list(range(self.max_slots - 1, -1, -1))
         self._hold = False  # after a pre-emption, until a sequence ends
         self._steps = itertools.count()
         self._order = itertools.count(1)
@@ -156,10 +154,16 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------
 
+    def check_prompt(self, prompt) -> None:
+        """The one prompt-length rule of the serving loop: :class:`SamplingError` naming ``prompt``
+        unless it is 1 .. ``max_seq_len - 1`` tokens (its first sampled token needs a place).
+        Reads settings only, so the orchestrator calls it from the submitting thread."""
+        if not 0 < len(prompt) < self.max_seq_len:
+            raise SamplingError("prompt", f"'prompt' is {len(prompt)} tokens; expected 1 to {self.max_seq_len - 1}")
+
     def add(self, seq: Request) -> None:
-        """Queue a sequence (its prompt 1 .. max_seq_len - 1 tokens, its seed set)."""
-        if not 0 < len(seq.prompt) < self.max_seq_len:
-            raise ValueError(f"prompt of {len(seq.prompt)} tokens: expected 1 to {self.max_seq_len - 1}")
+        """Queue a sequence (its prompt as :meth:`check_prompt` takes, its seed set)."""
+        self.check_prompt(seq.prompt)
         if seq.sampling.seed is None:
             raise ValueError("the sampling seed must be set before scheduling")
         self._live[seq.id] = seq

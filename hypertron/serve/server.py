@@ -335,15 +335,15 @@ class _Api:
             max_tokens = min(max_default or self.max_tokens_limit, self.max_tokens_limit)
         if max_tokens > self.max_tokens_limit:
             raise ApiError(400, f"'{max_key}' is {max_tokens}; expected 1 to {self.max_tokens_limit}", param=max_key)
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-            logprobs=logprobs, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos))
-        try:
+        given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p}
+        try:  # SamplingParams checks its values (its message is this 400's); then against the model
+            sampling = SamplingParams(
+                max_tokens=max_tokens, seed=req.seed, logprobs=logprobs, stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=bool(req.ignore_eos), **{k: v for k, v in given.items() if v is not None})
             sampling.check(vocab_size=self.orch.vocab_size, max_top_logprobs=self.orch.max_top_logprobs)
         except SamplingError as e:  # the message names the SamplingParams field; param is the API's name
             param = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
-            raise ApiError(400, str(e).replace(f"'{e.field}'", f"'{param}'", 1), param=param) from None
+            raise ApiError(400, e.named(f"'{param}'"), param=param) from None
         return sampling
 
     def _submit(self, prompt, sampling, req, want_prompt_logprobs: bool) -> Generation:
@@ -489,12 +489,6 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
-# dispatch_ahead=auto on a CPU: only steps of at most this many tokens run while the next is
-# dispatched. A small step leaves a core to the host; a larger one takes both of a small machine's,
-# and streaming the last step's tokens then waits for it (docs/benchmarks.md: on 2 cores, one step
-# ahead helped at 1 and 4 streams and cost a third of the throughput at 16).
-CPU_AHEAD_MAX_TOKENS = 8
-
 # The engine loop's thread and the event loop's share the GIL: a thread that wants it back (the
 # loop, after each step's wait on the device) waits up to Python's switch interval (5 ms by default)
 # while the other runs Python. 0.5 ms: in a 16-stream trace on 2 cores a step's dispatch call took
@@ -502,24 +496,13 @@ CPU_AHEAD_MAX_TOKENS = 8
 SWITCH_INTERVAL_S = 0.0005
 
 
-def resolve_dispatch_ahead(setting: str) -> tuple[bool, int | None]:
-    """``dispatch_ahead`` as the orchestrator's ``(ahead, ahead_max_tokens)``: ``auto`` is on where
-    JAX runs on an accelerator, and on a CPU for steps of at most :data:`CPU_AHEAD_MAX_TOKENS` tokens."""
-    if setting != "auto":
-        return setting == "on", None
-    import jax
-
-    return True, (CPU_AHEAD_MAX_TOKENS if jax.default_backend() == "cpu" else None)
-
-
-def main(serve: ServeConfig) -> int:
-    """``hypertron serve``: load the engine of ``serve.checkpoint`` and serve it until interrupted."""
+def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
+    """The app and its orchestrator (not started) for ``serve``: the engine of ``serve.checkpoint``
+    with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
     from hypertron.serve.engine import load_engine
-    from hypertron.serve.orchestrator import Orchestrator
+    from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
 
-    engine, tokenizer, model_name = load_engine(
-        serve.checkpoint, max_slots=serve.max_slots, page_size=serve.page_size, num_pages=serve.num_pages,
-        kv_cache_dtype=serve.kv_cache_dtype, quantize=serve.quantize, background_compile=serve.compile == "background")
+    engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize)
     overhead = None
     if serve.prefill_groups == "auto":
         cost = engine.measure_step_cost(serve.max_num_batched_tokens)
@@ -527,14 +510,17 @@ def main(serve: ServeConfig) -> int:
         print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
               f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
               "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
-    orchestrator = Orchestrator(engine, tokenizer, max_queue=serve.max_queue,
-                                max_num_batched_tokens=serve.max_num_batched_tokens,
-                                max_prefill_rows=serve.max_prefill_rows, step_overhead_tokens=overhead,
-                                enable_prefix_caching=serve.enable_prefix_caching,
-                                **dict(zip(("ahead", "ahead_max_tokens"), resolve_dispatch_ahead(serve.dispatch_ahead))))
+    orchestrator = Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
                      chat_template=tokenizer.chat_template, openapi=serve.openapi)
+    return app, orchestrator
+
+
+def main(serve: ServeConfig) -> int:
+    """``hypertron serve``: load the engine of ``serve.checkpoint`` and serve it until interrupted."""
+    app, orchestrator = build(serve)
+    engine = orchestrator.engine
     if serve.host not in ("127.0.0.1", "localhost", "::1") and not serve.api_key:
         log.warning("serving on %s without an api_key: anyone who can reach it can use it", serve.host)
     # A full garbage collection walks every object the process holds, and JAX's caches keep about

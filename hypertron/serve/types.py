@@ -31,6 +31,11 @@ class SamplingError(UserError):
         super().__init__(message)
         self.field = field
 
+    def named(self, name: str) -> str:
+        """The message with the field called ``name`` (the API's key, the CLI's flag): one message
+        whatever the surface."""
+        return str(self).replace(f"'{self.field}'", name, 1)
+
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # what holds a temperature on the device
 
@@ -44,37 +49,54 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling, applied on the device. ``temperature == 0`` is greedy."""
+    """Per-request sampling, applied on the device. ``temperature == 0`` is greedy.
+
+    It checks its own values when made (:class:`SamplingError` naming the field: the server's 400
+    and ``hypertron generate``'s ``error:`` line are that message); ``top_k`` -1 is off, as 0, and
+    is held as 0. What depends on the model (the vocabulary, ``max_top_logprobs``) is checked by
+    :meth:`check`."""
 
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None  # None: a seed drawn by the server; the same seed gives the same tokens
     logprobs: int | None = None  # top-N log-probabilities per generated token (None = none)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
-    def check(self, *, vocab_size: int, max_top_logprobs: int) -> None:
-        """Raise :class:`SamplingError` (naming the field) for a value outside what holds it on the
-        device: one row the engine cannot write must be refused before it shares a step with others.
-        The one place sampling values are range-checked (server, ``generate`` and the loop call it)."""
-        def refuse(field: str, value, expected: str):
-            raise SamplingError(field, f"'{field}' is {value!r}; expected {expected}")
-
+    def __post_init__(self):
         if not 1 <= self.max_tokens <= INT32_MAX:
-            refuse("max_tokens", self.max_tokens, f"1 to {INT32_MAX}")
+            _refuse("max_tokens", self.max_tokens, f"1 to {INT32_MAX}")
         if not 0 <= self.temperature <= FLOAT32_MAX:  # NaN fails both
-            refuse("temperature", self.temperature, f"a number from 0 to {FLOAT32_MAX:.4g} (a float32)")
+            _refuse("temperature", self.temperature, f"a number from 0 to {FLOAT32_MAX:.4g} (a float32)")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            refuse("top_p", self.top_p, "a number in (0, 1]")
-        if not 0 <= self.top_k <= vocab_size:
-            refuse("top_k", self.top_k, f"0 (off) to the vocabulary's {vocab_size}")
+            _refuse("top_p", self.top_p, "a number in (0, 1]")
+        if not -1 <= self.top_k <= INT32_MAX:
+            _refuse("top_k", self.top_k, TOP_K_RANGE)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            refuse("seed", self.seed, f"0 to {SEED_LIMIT - 1}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
-            refuse("logprobs", self.logprobs, f"0 to {max_top_logprobs}")
+            _refuse("seed", self.seed, f"0 to {SEED_LIMIT - 1}")
+        if self.logprobs is not None and self.logprobs < 0:
+            _refuse("logprobs", self.logprobs, "at least 0")
+
+    def check(self, *, vocab_size: int, max_top_logprobs: int) -> None:
+        """Raise :class:`SamplingError` (naming the field) for a value the model in hand cannot
+        take: one row the engine cannot write must be refused before it shares a step with others
+        (server, ``generate`` and the loop call it)."""
+        if self.top_k > vocab_size:
+            _refuse("top_k", self.top_k, f"at most the vocabulary's {vocab_size} (0 or -1: off)")
+        if self.logprobs is not None and self.logprobs > max_top_logprobs:
+            _refuse("logprobs", self.logprobs, f"0 to {max_top_logprobs}")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+TOP_K_RANGE = "0 or -1 (off), or a positive k"
+
+
+def _refuse(field: str, value, expected: str):
+    raise SamplingError(field, f"'{field}' is {value!r}; expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +197,7 @@ class StepResult:
 class Engine(Protocol):
     """What the scheduler and the serving loop need from an engine. Called from one thread."""
 
+    accelerator: bool  # it runs on an accelerator (dispatch_ahead=auto dispatches every step ahead)
     max_slots: int  # decode rows at most; slots are numbered 0 .. max_slots - 1
     max_seq_len: int  # prompt + generated tokens of one sequence, at most
     max_top_logprobs: int  # largest N for SamplingParams.logprobs
