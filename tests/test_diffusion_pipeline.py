@@ -172,3 +172,216 @@ def test_flux_packing_is_diffusers():
     np.testing.assert_array_equal(V.to_nchw(np.asarray(sampling.flux_unpack(jnp.asarray(x), 8, 6))), want)
     ids = FluxPipeline._prepare_latent_image_ids(1, 4, 3, "cpu", torch.float32).numpy()
     np.testing.assert_array_equal(sampling.flux_image_ids(8, 6), ids)
+
+
+# ---------------------------------------------------------------------------
+# A tiny StableDiffusionPipeline folder, written by diffusers
+
+
+def _write_clip_vocab(folder) -> tuple[str, str]:
+    """A CLIP BPE as the hub ships it (bytes, bytes + ``</w>``, merges of WORDS, the specials)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    chars = [chr(b if b in printable else next(extra)) for b in range(256)]
+    vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars])}
+    merges = []
+    for word in WORDS:
+        parts = [*word[:-1], word[-1] + "</w>"]
+        while len(parts) > 1:
+            merges.append(f"{parts[0]} {parts[1]}")
+            vocab.setdefault(parts[0] + parts[1], len(vocab))
+            parts = [parts[0] + parts[1], *parts[2:]]
+    vocab |= {BOS: len(vocab), EOS: len(vocab) + 1}
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(dict.fromkeys(merges)) + "\n")
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory):
+    """``(folder, diffusers pipeline)``: a random tiny SD 1.x pipeline (16x16 images, 8x8 latents),
+    DDIM as SD 1.x configures it, saved with ``save_pretrained``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    diffusers = pytest.importorskip("diffusers")
+    root = tmp_path_factory.mktemp("diffusion_pipeline")
+    tokenizer = transformers.CLIPTokenizer(*_write_clip_vocab(root / "vocab"), pad_token=EOS, model_max_length=77)
+    torch.manual_seed(0)
+    n = len(tokenizer)
+    encoder = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=n, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, bos_token_id=n - 2, eos_token_id=n - 1))
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8)
+    scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                        clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=encoder, tokenizer=tokenizer, unet=unet,
+                                             scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+    pipe.save_pretrained(root / "sd")
+    # The reference is the folder read back: a scheduler built in memory marks the options it was not
+    # given, and from_config gives another class its own defaults for those (timestep_spacing)
+    return root / "sd", diffusers.StableDiffusionPipeline.from_pretrained(root / "sd")
+
+
+def _diffusers_unet_module(pipe) -> types.ModuleType:
+    """A stand-in for ``hypertron.diffusion.unet`` that runs diffusers' own UNet on the host (through
+    ``pure_callback``): the program around it is then held to diffusers' pipeline term by term."""
+    import torch
+
+    def host(x_bhwc, t_b, context_bsd):
+        with torch.no_grad():
+            out = pipe.unet(torch.from_numpy(np.array(x_bhwc)).permute(0, 3, 1, 2), torch.from_numpy(np.array(t_b)),
+                            encoder_hidden_states=torch.from_numpy(np.array(context_bsd))).sample
+        return out.permute(0, 2, 3, 1).numpy()
+
+    def apply(params, cfg, x_bhwc, timesteps_b, context_bsd, added=None):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x_bhwc.shape, jnp.float32), x_bhwc, timesteps_b,
+                                 context_bsd)
+
+    module = types.ModuleType("diffusers_unet")
+    module.load_unet = lambda folder: (None, {})
+    module.apply = apply
+    return module
+
+
+@pytest.fixture
+def stand_in_unet(sd, monkeypatch):
+    """The folder's UNet is diffusers' own, run on the host (hypertron's may not be there yet)."""
+    monkeypatch.setitem(sys.modules, "diffusers_unet", _diffusers_unet_module(sd[1]))
+    monkeypatch.setitem(P.DENOISERS, "UNet2DConditionModel", ("diffusers_unet", "load_unet"))
+
+
+PROMPT, NEGATIVE = "a photo of a red cat", "blue dog"
+
+
+def _diffusers_latents(pipe, latents, scheduler=None, steps=10):
+    import torch
+
+    if scheduler is not None:
+        pipe.scheduler = getattr(__import__("diffusers"), scheduler).from_config(pipe.scheduler.config)
+    with torch.no_grad():
+        n = len(latents)
+        return pipe([PROMPT] * n, negative_prompt=[NEGATIVE] * n, latents=torch.from_numpy(latents), num_inference_steps=steps,
+                    guidance_scale=7.5, output_type="latent").images.numpy()
+
+
+@pytest.mark.parametrize("scheduler", [None, "EulerDiscreteScheduler"])
+def test_diffuse_latents_are_diffusers(sd, stand_in_unet, tmp_path, scheduler):
+    """``hypertron diffuse --latents`` (CFG 7.5, a negative prompt, 10 steps; the folder's DDIM and,
+    by ``--scheduler``, Euler with its init_noise_sigma and input scaling) saves the final latents of
+    diffusers' pipeline from the same initial latents (1e-3), its UNet being diffusers' own here."""
+    folder, pipe = sd
+    initial = np.random.default_rng(0).normal(size=(2, 4, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "initial.npy", initial)
+    argv = ["diffuse", "--model", folder, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "10",
+            "--guidance", "7.5", "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
+            "--out", tmp_path / "img.png"] + (["--scheduler", scheduler] if scheduler else [])
+    r = run_cli(argv)
+    assert r.rc == 0, r.describe()
+    want = _diffusers_latents(pipe, initial, scheduler)
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), want, atol=1e-3, rtol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final.npy", "img-0.png", "img-1.png", "initial.npy"]
+
+
+def test_diffuse_writes_pngs_and_a_seed_gives_the_same_bytes(sd, stand_in_unet, tmp_path):
+    """``--batch 2`` writes STEM-0.png and STEM-1.png of the requested size; image 0 of seed 3 alone
+    is the same PNG, byte for byte; the timings are printed."""
+    from PIL import Image
+
+    common = ["diffuse", "--model", sd[0], "--prompt", PROMPT, "--steps", "3", "--seed", "3"]
+    r = run_cli(common + ["--batch", "2", "--out", "a.png"], cwd=tmp_path)
+    assert r.rc == 0, r.describe()
+    for word in ("load:", "encode:", "compile:", "s/step", "decode:"):
+        assert word in r.stdout, r.describe()
+    r = run_cli(common + ["--out", "b.png"], cwd=tmp_path)
+    assert r.rc == 0, r.describe()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-0.png", "a-1.png", "b.png"]
+    assert (tmp_path / "b.png").read_bytes() == (tmp_path / "a-0.png").read_bytes()
+    assert (tmp_path / "a-1.png").read_bytes() != (tmp_path / "a-0.png").read_bytes()
+    with Image.open(tmp_path / "a-1.png") as image:
+        assert image.size == (16, 16) and image.mode == "RGB"
+
+
+def _folder_like(sd_folder, root, *, index=None, drop=(), replace=None):
+    """A pipeline folder whose components link to ``sd_folder``'s, but ``drop`` ones and ``replace``
+    ({component: {file: text}}), with ``index`` merged into its model_index.json."""
+    root.mkdir()
+    model_index = json.loads((sd_folder / P.MODEL_INDEX).read_text()) | (index or {})
+    (root / P.MODEL_INDEX).write_text(json.dumps(model_index))
+    for part in sd_folder.iterdir():
+        if part.is_dir() and part.name not in drop and part.name not in (replace or {}):
+            (root / part.name).symlink_to(part)
+    for name, files in (replace or {}).items():
+        (root / name).mkdir()
+        for file, text in files.items():
+            (root / name / file).write_text(text)
+    return root
+
+
+def _flux_folder(root):
+    """A FluxPipeline folder's configs (no weights: its size checks come before any is read)."""
+    index = {"_class_name": "FluxPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "vae": ["diffusers", "AutoencoderKL"], "transformer": ["diffusers", "FluxTransformer2DModel"],
+             **{n: ["transformers", "X"] for n in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}}
+    root.mkdir()
+    (root / P.MODEL_INDEX).write_text(json.dumps(index))
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        (root / name).mkdir()
+    configs = {"scheduler/scheduler_config.json": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                                                   "use_dynamic_shifting": True},
+               "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": [8, 16], "norm_num_groups": 8,
+                                   "down_block_types": ["DownEncoderBlock2D"] * 2,
+                                   "up_block_types": ["UpDecoderBlock2D"] * 2, "latent_channels": 4},
+               "transformer/config.json": {"_class_name": "FluxTransformer2DModel", "guidance_embeds": True}}
+    for path, config in configs.items():
+        (root / path).parent.mkdir(exist_ok=True)
+        (root / path).write_text(json.dumps(config))
+    return root
+
+
+BAD_INPUT = {
+    "no model_index.json": (lambda sd, tmp: ["--model", tmp], ["model_index.json", "not found"]),
+    "unsupported class": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", index={
+        "_class_name": "StableDiffusion3Pipeline"})], ["StableDiffusion3Pipeline", "supported: StableDiffusionPipeline"]),
+    "missing component": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", drop=("vae",))],
+                          ["vae", "component folder not found"]),
+    "bin-only weights": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", replace={"vae": {
+        "config.json": (sd / "vae" / "config.json").read_text(), "diffusion_pytorch_model.bin": ""}})], [".bin"]),
+    "unknown scheduler": (lambda sd, tmp: ["--model", sd, "--scheduler", "PNDMScheduler"],
+                          ["PNDMScheduler", "not supported"]),
+    "size": (lambda sd, tmp: ["--model", sd, "--height", "17"], ["height=17", "multiples of 2"]),
+    "flux size": (lambda sd, tmp: ["--model", _flux_folder(tmp / "f"), "--width", "18"], ["width=18", "multiples of 4"]),
+    "flux negative prompt": (lambda sd, tmp: ["--model", _flux_folder(tmp / "f"), "--negative-prompt", "x"],
+                             ["negative prompt"]),
+    "steps": (lambda sd, tmp: ["--model", sd, "--steps", "0"], ["--steps"]),
+    "latents shape": (lambda sd, tmp: ["--model", sd, "--latents", _npy(tmp / "l.npy", (1, 4, 4, 4))],
+                      ["l.npy", "[batch, 4, 8, 8]"]),
+    "dtype": (lambda sd, tmp: ["--model", sd, "--dtype", "float16"], ["float16", "supported: float32, bfloat16"]),
+    "existing out": (lambda sd, tmp: ["--model", sd, "--batch", "2", "--out", tmp / "out.png",
+                                      _npy(tmp / "out-1.png", (1,)) and "--seed", "1"], ["out-1.png", "exists"]),
+}
+
+
+def _npy(path, shape):
+    with open(path, "wb") as f:  # a file object: np.save adds no .npy to the name
+        np.save(f, np.zeros(shape, np.float32))
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_diffuse_refuses_bad_input(sd, tmp_path, case):
+    """One ``error:`` line naming the problem, exit 2, nothing compiled and nothing written."""
+    make, needles = BAD_INPUT[case]
+    (tmp_path / "in").mkdir()
+    extra = make(sd[0], tmp_path / "in")
+    before = sorted((tmp_path / "in").rglob("*"))
+    argv = ["diffuse", "--prompt", "a cat", "--out", tmp_path / "work" / "out.png", *extra]
+    one_error_line(run_cli(argv, cwd=tmp_path / "work"), *needles)
+    assert sorted((tmp_path / "in").rglob("*")) == before
+    assert not any((tmp_path / "work").iterdir())  # nor the default --out
