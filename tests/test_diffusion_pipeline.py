@@ -26,7 +26,6 @@ from hypertron.diffusion import pipeline as P
 from hypertron.diffusion import sampling
 from hypertron.diffusion import schedulers as S
 from hypertron.diffusion import vae as V
-from hypertron.diffusion.errors import DiffusionError
 from hypertron.models.params import is_spec
 from support.cli import one_error_line, run_cli  # tests/support
 
@@ -372,7 +371,8 @@ def _flux_folder(root):
 BAD_INPUT = {
     "no model_index.json": (lambda sd, tmp: ["--model", tmp], ["model_index.json", "not found"]),
     "unsupported class": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", index={
-        "_class_name": "StableDiffusion3Pipeline"})], ["StableDiffusion3Pipeline", "supported: StableDiffusionPipeline"]),
+        "_class_name": "StableDiffusion3Pipeline"})], 
+        ["StableDiffusion3Pipeline", "supported: StableDiffusionPipeline"]),
     "missing component": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", drop=("vae",))],
                           ["vae", "component folder not found"]),
     "bin-only weights": (lambda sd, tmp: ["--model", _folder_like(sd, tmp / "m", replace={"vae": {
@@ -380,7 +380,8 @@ BAD_INPUT = {
     "unknown scheduler": (lambda sd, tmp: ["--model", sd, "--scheduler", "PNDMScheduler"],
                           ["PNDMScheduler", "not supported"]),
     "size": (lambda sd, tmp: ["--model", sd, "--height", "17"], ["height=17", "multiples of 2"]),
-    "flux size": (lambda sd, tmp: ["--model", _flux_folder(tmp / "f"), "--width", "18"], ["width=18", "multiples of 4"]),
+    "flux size": (lambda sd, tmp: ["--model", _flux_folder(tmp / "f"), "--width", "18"],
+                  ["width=18", "multiples of 4"]),
     "flux negative prompt": (lambda sd, tmp: ["--model", _flux_folder(tmp / "f"), "--negative-prompt", "x"],
                              ["negative prompt"]),
     "steps": (lambda sd, tmp: ["--model", sd, "--steps", "0"], ["--steps"]),

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--latents", default=None, metavar="FILE.npy",
                    help="initial latents in diffusers' layout ([b, c, h, w]; Flux: packed [b, tokens, c]), "
                         "before init_noise_sigma")
-    d.add_argument("--save-latents", default=None, metavar="FILE.npy", help="write the final latents (diffusers' layout)")
+    d.add_argument("--save-latents", default=None, metavar="FILE.npy",
+                   help="write the final latents (diffusers' layout)")
     d.add_argument("--scheduler", default=None, metavar="CLASS",
                    help="a scheduler class to run with the folder's scheduler options (e.g. EulerDiscreteScheduler)")
     d.add_argument("--dtype", default="float32", help="float32 or bfloat16: the denoiser's and VAE's weights")

@@ -265,5 +265,5 @@ def sample(pipe: Pipeline, schedule: S.Schedule, cond: dict[str, jax.Array], lat
     b = latents.shape[0]
     guidance_b = jnp.broadcast_to(jnp.asarray(guidance, jnp.float32), (b,))
     rescale_b = jnp.broadcast_to(jnp.asarray(guidance_rescale, jnp.float32), (b,))
-    return program(pipe, latent_hw(pipe.spec, height, width)).fn(weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys_b,
-                                       guidance_b, rescale_b)
+    fn = program(pipe, latent_hw(pipe.spec, height, width)).fn
+    return fn(weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys_b, guidance_b, rescale_b)
