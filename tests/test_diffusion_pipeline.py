@@ -410,3 +410,60 @@ def test_diffuse_refuses_bad_input(sd, tmp_path, case):
     one_error_line(run_cli(argv, cwd=tmp_path / "work"), *needles)
     assert sorted((tmp_path / "in").rglob("*")) == before
     assert not any((tmp_path / "work").iterdir())  # nor the default --out
+
+
+def test_flux_program_is_flux_pipelines(tmp_path):
+    """The program's Flux path (dynamic shift ``mu`` from the token count, sigmas, timesteps / 1000,
+    embedded guidance) gives FluxPipeline's final latents from the same prompt embeddings and latents
+    (1e-3), and its pixels (unpacked, unscaled, unshifted, decoded) FluxPipeline's within one level on
+    99%; the transformer is diffusers' own, through ``pure_callback``."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=24, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
+                                  use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.5, shift_factor=0.1)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=4,
+                                                          max_image_seq_len=64, base_shift=0.5, max_shift=1.15)
+    vae.save_pretrained(tmp_path / "vae")
+    reference = diffusers.FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
+                                       tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+
+    def host(x, t, context, pooled, guidance, img_ids, txt_ids):
+        with torch.no_grad():
+            return transformer(hidden_states=torch.from_numpy(np.array(x)), timestep=torch.from_numpy(np.array(t)),
+                               guidance=torch.from_numpy(np.array(guidance)), pooled_projections=torch.from_numpy(
+                                   np.array(pooled)), encoder_hidden_states=torch.from_numpy(np.array(context)),
+                               txt_ids=torch.from_numpy(np.array(txt_ids)),
+                               img_ids=torch.from_numpy(np.array(img_ids))).sample.numpy()
+
+    def apply(params, cfg, x_btc, t_b, context, pooled, guidance_b, img_ids, txt_ids):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x_btc.shape, jnp.float32), x_btc, t_b, context, pooled,
+                                 guidance_b, img_ids, txt_ids)
+
+    vae_cfg, vae_params = V.load_vae(tmp_path / "vae")
+    spec = P.PipelineSpec(folder=tmp_path, class_name=P.FLUX, kind=P.KINDS[P.FLUX],
+                          scheduler=S.parse_config(dict(scheduler.config), class_name=S.FLOW), vae=vae_cfg,
+                          denoiser_config={"guidance_embeds": True}, options={})
+    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=None, denoiser_params={},
+                      vae_params=vae_params, dtype=jnp.float32, denoise=apply)
+    rng = np.random.default_rng(0)
+    cond = {"context": rng.normal(size=(2, 6, 32)).astype(np.float32),
+            "pooled": rng.normal(size=(2, 24)).astype(np.float32)}
+    latents = rng.normal(size=(2, *spec.latent_shape(16, 16))).astype(np.float32)  # [2, 16 tokens, 16]
+    ours, images = sampling.sample(pipe, sampling.schedule_for(spec, 4, 16, 16), cond, latents,
+                                   sampling.image_keys(0, 2), height=16, width=16, guidance=3.5)
+    with torch.no_grad():
+        want = reference(prompt_embeds=torch.from_numpy(cond["context"]), height=16, width=16,
+                         pooled_prompt_embeds=torch.from_numpy(cond["pooled"]), latents=torch.from_numpy(latents),
+                         num_inference_steps=4, guidance_scale=3.5, output_type="latent").images.numpy()
+    np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)
+    with torch.no_grad():  # FluxPipeline's decode: unpack, unscale, unshift
+        z = reference._unpack_latents(torch.from_numpy(want), 16, 16, reference.vae_scale_factor)
+        pixels = vae.decode(z / vae.config.scaling_factor + vae.config.shift_factor).sample
+    want_images = np.stack([np.asarray(i) for i in reference.image_processor.postprocess(pixels, output_type="pil")])
+    off = np.abs(np.asarray(images, np.int16) - want_images.astype(np.int16))
+    assert images.shape == (2, 16, 16, 3) and np.mean(off <= 1) >= 0.99, off.max()
