@@ -467,3 +467,52 @@ def test_flux_program_is_flux_pipelines(tmp_path):
     want_images = np.stack([np.asarray(i) for i in reference.image_processor.postprocess(pixels, output_type="pil")])
     off = np.abs(np.asarray(images, np.int16) - want_images.astype(np.int16))
     assert images.shape == (2, 16, 16, 3) and np.mean(off <= 1) >= 0.99, off.max()
+
+
+def test_sdxl_program_is_sdxl_pipelines(sd, tmp_path):
+    """The program's SDXL path (the pooled embeddings and the (size, crop, size) time ids of both CFG
+    rows, beside the prompt embeddings) gives StableDiffusionXLPipeline's final latents (1e-3), the
+    UNet (``addition_embed_type="text_time"``) being diffusers' own through ``pure_callback``."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 24)
+    folder, sd_pipe = sd
+    reference = diffusers.StableDiffusionXLPipeline(
+        vae=sd_pipe.vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, unet=unet,
+        scheduler=diffusers.EulerDiscreteScheduler.from_config(sd_pipe.scheduler.config), add_watermarker=False)
+
+    def host(x, t, context, text_embeds, time_ids):
+        with torch.no_grad():
+            added = {"text_embeds": torch.from_numpy(np.array(text_embeds)),
+                     "time_ids": torch.from_numpy(np.array(time_ids))}
+            return unet(torch.from_numpy(np.array(x)).permute(0, 3, 1, 2), torch.from_numpy(np.array(t)),
+                        encoder_hidden_states=torch.from_numpy(np.array(context)),
+                        added_cond_kwargs=added).sample.permute(0, 2, 3, 1).numpy()
+
+    def apply(params, cfg, x_bhwc, t_b, context, added):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x_bhwc.shape, jnp.float32), x_bhwc, t_b, context,
+                                 added["text_embeds"], added["time_ids"])
+
+    base = P.read_pipeline(folder, "EulerDiscreteScheduler")
+    spec = P.PipelineSpec(folder=folder, class_name=P.SDXL, kind=P.KINDS[P.SDXL], scheduler=base.scheduler,
+                          vae=base.vae, denoiser_config={}, options={})
+    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=None, denoiser_params={},
+                      vae_params=V.load_vae(folder / "vae")[1], dtype=jnp.float32, denoise=apply)
+    rng = np.random.default_rng(0)
+    cond = {k: rng.normal(size=(2, 5, 32) if "context" in k else (2, 24)).astype(np.float32)
+            for k in ("context", "negative_context", "pooled", "negative_pooled")}
+    latents = rng.normal(size=(2, 4, 8, 8)).astype(np.float32)
+    ours, _ = sampling.sample(pipe, sampling.schedule_for(spec, 4, 16, 16), cond, latents, sampling.image_keys(0, 2),
+                              height=16, width=16, guidance=5.0)
+    t = {k: torch.from_numpy(v) for k, v in cond.items()}
+    with torch.no_grad():
+        want = reference(prompt_embeds=t["context"], negative_prompt_embeds=t["negative_context"],
+                         pooled_prompt_embeds=t["pooled"], negative_pooled_prompt_embeds=t["negative_pooled"],
+                         latents=torch.from_numpy(latents), height=16, width=16, num_inference_steps=4,
+                         guidance_scale=5.0, output_type="latent").images.numpy()
+    np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)
