@@ -46,14 +46,6 @@ def toy_denoiser(params, cfg, x_bhwc, timesteps_b, context_bsd, added=None):
     return jnp.tanh(x_bhwc * params["w"] + shift_b[:, None, None, None])
 
 
-def _toy_module() -> types.ModuleType:
-    """A stand-in for ``hypertron.diffusion.unet``: ``load_unet`` and ``apply``."""
-    module = types.ModuleType("toy_unet")
-    module.load_unet = lambda folder: (None, {"w": np.full((4,), 0.5, np.float32)})
-    module.apply = toy_denoiser
-    return module
-
-
 def _toy_pipeline(tmp_path) -> P.Pipeline:
     spec = P.PipelineSpec(folder=tmp_path, class_name=P.SD, kind=P.KINDS[P.SD],
                           scheduler=S.parse_config({"_class_name": "DDIMScheduler"}), vae=TINY_VAE,
