@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from hypertron.cli import launching, monitoring, serving, training
+from hypertron.cli import diffusing, launching, monitoring, serving, training
 from hypertron.cli.flags import Parser
 from hypertron.errors import UserError
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The root parser and every command's, each added by its module's ``register``."""
     p = Parser(prog="hypertron", description="Train and serve LLMs, and train recommenders, in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (training, launching, monitoring, serving):
+    for module in (training, launching, monitoring, serving, diffusing):
         module.register(sub)
     return p
 

@@ -1,0 +1,50 @@
+"""``hypertron diffuse``: text to PNGs with a diffusers pipeline folder (SD 1.x/2.x, SDXL, Flux).
+The work is :func:`hypertron.diffusion.generate.diffuse`'s; this module holds the flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from hypertron.cli.flags import add_command, number_arg
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``diffuse`` to ``sub``."""
+    d = add_command(
+        sub, "diffuse", cmd_diffuse, help="generate images from a diffusers pipeline folder",
+        description="Generate images from text with a diffusers folder (model_index.json: "
+        "StableDiffusionPipeline, StableDiffusionXLPipeline, FluxPipeline), the whole sampling loop and the "
+        "VAE decode as one compiled program. Writes PNGs; never overwrites a file. Defaults (steps, guidance, "
+        "size) are the diffusers pipeline's.")
+    d.add_argument("--model", required=True, metavar="DIR", help="diffusers pipeline folder")
+    d.add_argument("--prompt", required=True)
+    d.add_argument("--out", required=True, metavar="FILE.png",
+                   help="the image; with --batch N: STEM-0.png .. STEM-{N-1}.png")
+    d.add_argument("--negative-prompt", default=None, help="CFG's unconditional prompt (UNet pipelines)")
+    d.add_argument("--steps", type=number_arg(int, low=1), default=None, metavar="N")
+    d.add_argument("--guidance", type=number_arg(float, low=0), default=None, metavar="G",
+                   help="CFG scale (above 1: CFG on), or Flux-dev's embedded guidance")
+    d.add_argument("--height", type=number_arg(int, low=1), default=None, metavar="PIXELS")
+    d.add_argument("--width", type=number_arg(int, low=1), default=None, metavar="PIXELS")
+    d.add_argument("--batch", type=number_arg(int, low=1), default=None, metavar="N", help="images (default 1)")
+    d.add_argument("--seed", type=number_arg(int, low=0, high=2**32 - 1), default=0,
+                   help="image i draws from fold_in(key(seed), i)")
+    d.add_argument("--latents", default=None, metavar="FILE.npy",
+                   help="initial latents in diffusers' layout ([b, c, h, w]; Flux: packed [b, tokens, c]), "
+                        "before init_noise_sigma")
+    d.add_argument("--save-latents", default=None, metavar="FILE.npy",
+                   help="write the final latents (diffusers' layout)")
+    d.add_argument("--scheduler", default=None, metavar="CLASS",
+                   help="a scheduler class to run with the folder's scheduler options (e.g. EulerDiscreteScheduler)")
+    d.add_argument("--dtype", default="float32", help="float32 or bfloat16: the denoiser's and VAE's weights")
+    d.add_argument("--max-sequence-length", type=number_arg(int, low=1), default=512, metavar="N",
+                   help="Flux: T5 tokens per prompt")
+
+
+def cmd_diffuse(args: argparse.Namespace) -> int:
+    from hypertron.diffusion.generate import DiffuseRequest, diffuse
+
+    names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",
+             "latents", "save_latents", "scheduler", "dtype", "max_sequence_length")
+    diffuse(DiffuseRequest(**{name: getattr(args, name) for name in names}))
+    return 0

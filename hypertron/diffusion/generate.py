@@ -1,0 +1,170 @@
+"""``hypertron diffuse``'s work: a request checked before anything is loaded, then load, encode,
+compile, sample and decode (one program), and PNGs written without overwriting anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypertron.config.numbers import shown
+from hypertron.diffusion import sampling
+from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.pipeline import PipelineSpec, load_pipeline, read_pipeline
+from hypertron.diffusion.sampling import schedule_for
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiffuseRequest:
+    """One ``hypertron diffuse`` run. None: the pipeline's default (diffusers')."""
+
+    model: str
+    prompt: str
+    out: str
+    negative_prompt: str | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    height: int | None = None
+    width: int | None = None
+    batch: int | None = None
+    seed: int = 0
+    latents: str | None = None  # a .npy of initial latents, diffusers' layout
+    save_latents: str | None = None
+    scheduler: str | None = None
+    dtype: str = "float32"  # one of DTYPES
+    max_sequence_length: int = 512
+
+
+def output_paths(out: str | Path, count: int) -> list[Path]:
+    """The PNGs of ``count`` images: ``out`` itself for one, ``STEM-0.png`` .. ``STEM-{count-1}.png``
+    beside it for more."""
+    out = Path(out)
+    if count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}-{i}{out.suffix or '.png'}") for i in range(count)]
+
+
+def _refuse_existing(paths: list[Path]) -> None:
+    for path in paths:
+        if path.exists():
+            raise DiffusionError(f"{path} exists: hypertron diffuse never overwrites a file")
+        if not path.parent.is_dir():
+            raise DiffusionError(f"{path}: no directory {path.parent}")
+
+
+def _initial_latents(req: DiffuseRequest, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The ``--latents`` file's array [b, *shape] (float32), checked; None without one."""
+    if req.latents is None:
+        return None
+    try:
+        latents = np.load(req.latents, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DiffusionError(f"{req.latents}: not a readable .npy file ({e})") from None
+    if latents.ndim != len(shape) + 1 or tuple(latents.shape[1:]) != shape or latents.shape[0] < 1:
+        raise DiffusionError(f"{req.latents}: latents of shape {list(latents.shape)}, expected "
+                             f"[batch, {', '.join(map(str, shape))}] for this model and size")
+    if req.batch is not None and latents.shape[0] != req.batch:
+        raise DiffusionError(f"{req.latents}: holds {latents.shape[0]} latents, but the batch is {req.batch}")
+    if not np.issubdtype(latents.dtype, np.floating) or not np.isfinite(latents).all():
+        raise DiffusionError(f"{req.latents}: latents must be finite floating-point numbers")
+    return latents.astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    spec: PipelineSpec
+    steps: int
+    guidance: float
+    height: int
+    width: int
+    latents: np.ndarray | None
+    paths: list[Path]
+
+
+def check_request(req: DiffuseRequest) -> _Plan:
+    """Everything about ``req`` that can be checked before a weight is read or a program compiled."""
+    if req.dtype not in DTYPES:
+        raise DiffusionError(f"dtype={shown(req.dtype)} is not supported (supported: {', '.join(DTYPES)})")
+    spec = read_pipeline(req.model, req.scheduler)
+    steps = spec.kind.steps if req.steps is None else req.steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise DiffusionError(f"steps={shown(steps)}: must be at least 1")
+    if req.batch is not None and req.batch < 1:
+        raise DiffusionError(f"batch={shown(req.batch)}: must be at least 1")
+    if spec.is_flux and req.negative_prompt is not None:
+        raise DiffusionError(f"{spec.class_name} takes no negative prompt (it has no classifier-free guidance)")
+    height = spec.default_size() if req.height is None else req.height
+    width = spec.default_size() if req.width is None else req.width
+    shape = spec.latent_shape(height, width)
+    latents = _initial_latents(req, shape)
+    count = latents.shape[0] if latents is not None else (req.batch or 1)
+    paths = output_paths(req.out, count)
+    _refuse_existing(paths + ([Path(req.save_latents)] if req.save_latents else []))
+    schedule_for(spec, steps, height, width)  # steps within the scheduler's range
+    guidance = spec.kind.guidance if req.guidance is None else req.guidance
+    return _Plan(spec, steps, float(guidance), height, width, latents, paths)
+
+
+def png_bytes(image_hwc: np.ndarray) -> bytes:
+    """One uint8 image [h, w, 3] as PNG bytes."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(image_hwc, np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:  # never overwrite, even a file that appeared while sampling
+        f.write(data)
+
+
+def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Path]:
+    """Run ``req``: the PNGs written (and ``--save-latents``'s file), timings through ``log``."""
+    plan = check_request(req)
+    start = time.perf_counter()
+    pipe = load_pipeline(plan.spec.folder, dtype=jnp.dtype(req.dtype), spec=plan.spec)
+    log(f"load: {time.perf_counter() - start:.2f} s ({plan.spec.class_name}, {req.dtype})")
+    count = len(plan.paths)
+    start = time.perf_counter()
+    cfg = not plan.spec.is_flux and plan.guidance > 1
+    negative = None if req.negative_prompt is None else [req.negative_prompt] * count
+    cond = jax.block_until_ready(sampling.encode_prompts(pipe, [req.prompt] * count, negative, cfg=cfg,
+                                                         max_sequence_length=req.max_sequence_length))
+    log(f"encode: {time.perf_counter() - start:.2f} s")
+    keys = sampling.image_keys(req.seed, count)
+    latents = plan.latents if plan.latents is not None else sampling.draw_latents(keys, plan.spec.latent_shape(
+        plan.height, plan.width))
+    schedule = sampling.schedule_for(plan.spec, plan.steps, plan.height, plan.width)
+    program = sampling.program(pipe, sampling.latent_hw(plan.spec, plan.height, plan.width), timed=True)
+    args = (sampling.weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys,
+            jnp.full((count,), plan.guidance, jnp.float32), jnp.zeros((count,), jnp.float32))
+    start = time.perf_counter()
+    compiled = program.fn.lower(*args).compile()
+    log(f"compile: {time.perf_counter() - start:.2f} s")
+    start = time.perf_counter()
+    final, images = jax.block_until_ready(compiled(*args))
+    end = time.perf_counter()
+    steps_done = program.marks[-1] if program.marks else end
+    log(f"sample: {(steps_done - start) / plan.steps:.4f} s/step ({plan.steps} steps, {count} image"
+        f"{'s' if count > 1 else ''}); decode: {end - steps_done:.3f} s")
+    written = []
+    if req.save_latents:
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(final))
+        _write_new(Path(req.save_latents), buffer.getvalue())
+        written.append(Path(req.save_latents))
+    for path, image in zip(plan.paths, np.asarray(images)):
+        _write_new(path, png_bytes(image))
+        written.append(path)
+    log("wrote " + ", ".join(map(str, written)))
+    return written
