@@ -1,17 +1,16 @@
 """Diffusion pipelines: the folder loader's errors, the one compiled sampling program and
 ``hypertron diffuse`` (issue 39, points 5, 6 and 8).
 
-The program is checked with a stand-in denoiser (a tiny pure function, so these run without the
-UNet and Flux modules) over a random tiny VAE: one while loop holding the denoiser once, no compile
-for a repeated shape, and image i's noise independent of its batch. The command runs in process on a
-tiny ``StableDiffusionPipeline`` folder written by diffusers (random weights, a hand-written CLIP
-vocabulary), its UNet replaced by the stand-in; the end-to-end parity against diffusers needs
-``hypertron.diffusion.unet`` and is skipped without it.
+The program's structure is checked with a stand-in denoiser (a tiny pure function) over a random
+tiny VAE: one while loop holding the denoiser once, no compile for a repeated shape, and image i's
+noise independent of its batch. The command runs in process on a tiny ``StableDiffusionPipeline``
+folder written by diffusers (random weights, a hand-written CLIP vocabulary): end to end with
+hypertron's UNet against diffusers' pipeline (DDIM, Euler, DPM-Solver++ 2M), and with diffusers' own
+UNet as a stand-in (``pure_callback``) where only what surrounds the denoiser is the subject.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
@@ -22,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hypertron.diffusion import flux as F
 from hypertron.diffusion import pipeline as P
 from hypertron.diffusion import sampling
 from hypertron.diffusion import schedulers as S
+from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.models.params import is_spec
 from support.cli import one_error_line, run_cli  # tests/support
@@ -34,7 +35,6 @@ _compiles = [0]
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kw: _compiles.__setitem__(0, _compiles[0] + (event == _COMPILE_EVENT)))
 
-HAVE_UNET = importlib.util.find_spec("hypertron.diffusion.unet") is not None
 TINY_VAE = V.VaeConfig(block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4)
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue"]
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -143,18 +143,6 @@ def test_guidance_rescale_is_diffusers():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_flux_packing_is_diffusers():
-    """Unpacking Flux's [b, tokens, 4c] and its image ids equal FluxPipeline's (as NHWC)."""
-    torch = pytest.importorskip("torch")
-    from diffusers import FluxPipeline
-
-    x = np.random.default_rng(0).normal(size=(2, 4 * 3, 16)).astype(np.float32)  # h=8, w=6 latents, c=4
-    want = FluxPipeline._unpack_latents(torch.tensor(x), 64, 48, 8).numpy()
-    np.testing.assert_array_equal(V.to_nchw(np.asarray(sampling.flux_unpack(jnp.asarray(x), 8, 6))), want)
-    ids = FluxPipeline._prepare_latent_image_ids(1, 4, 3, "cpu", torch.float32).numpy()
-    np.testing.assert_array_equal(sampling.flux_image_ids(8, 6), ids)
-
-
 # ---------------------------------------------------------------------------
 # A tiny StableDiffusionPipeline folder, written by diffusers
 
@@ -256,19 +244,14 @@ def _diffusers_latents(pipe, latents, scheduler=None, steps=10):
         pipe.scheduler = folders_own
 
 
-@pytest.mark.parametrize("scheduler", [None, "EulerDiscreteScheduler"])
-def test_diffuse_latents_are_diffusers(sd, stand_in_unet, tmp_path, scheduler):
-    """``hypertron diffuse --latents`` (CFG 7.5, a negative prompt, 10 steps; the folder's DDIM and,
-    by ``--scheduler``, Euler with its init_noise_sigma and input scaling) saves the final latents of
-    diffusers' pipeline from the same initial latents (1e-3), and its PNGs are diffusers' decode of
-    them (1 level on 99% of pixels); the UNet is diffusers' own here, so this holds everything around it."""
+@pytest.mark.parametrize("scheduler", [None, "EulerDiscreteScheduler", "DPMSolverMultistepScheduler"])
+def test_diffuse_latents_are_diffusers(sd, tmp_path, scheduler):
+    """End to end in JAX: ``hypertron diffuse --latents`` with hypertron's UNet read from the folder
+    (CFG 7.5, a negative prompt, 10 steps; the folder's DDIM and, by ``--scheduler``, Euler with its
+    init_noise_sigma and input scaling, and DPM-Solver++ 2M) saves the final latents of diffusers'
+    pipeline from the same initial latents (1e-3), and its PNGs are diffusers' decode of them (1 level
+    on 99% of pixels)."""
     _check_latents_are_diffusers(sd, tmp_path, scheduler)
-
-
-@pytest.mark.skipif(not HAVE_UNET, reason="hypertron.diffusion.unet is not in this tree yet (issue 39, point 4)")
-def test_diffuse_with_hypertrons_unet_is_diffusers(sd, tmp_path):
-    """End to end in JAX: the same, with hypertron's UNet read from the folder (DDIM)."""
-    _check_latents_are_diffusers(sd, tmp_path, None)
 
 
 def _check_latents_are_diffusers(sd, tmp_path, scheduler):
@@ -399,10 +382,10 @@ def test_diffuse_refuses_bad_input(sd, tmp_path, case):
 
 
 def test_flux_program_is_flux_pipelines(tmp_path):
-    """The program's Flux path (dynamic shift ``mu`` from the token count, sigmas, timesteps / 1000,
-    embedded guidance) gives FluxPipeline's final latents from the same prompt embeddings and latents
-    (1e-3), and its pixels (unpacked, unscaled, unshifted, decoded) FluxPipeline's within one level on
-    99%; the transformer is diffusers' own, through ``pure_callback``."""
+    """Flux end to end in JAX, hypertron's transformer read from a folder (10 steps of flow-match Euler:
+    the dynamic shift ``mu`` from the token count, sigmas, timesteps / 1000, embedded guidance), gives
+    FluxPipeline's final latents from the same prompt embeddings and latents (1e-3), and its pixels
+    (unpacked, unscaled, unshifted, decoded) FluxPipeline's within one level on 99%."""
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
@@ -418,34 +401,24 @@ def test_flux_program_is_flux_pipelines(tmp_path):
     reference = diffusers.FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
                                        tokenizer=None, text_encoder_2=None, tokenizer_2=None)
 
-    def host(x, t, context, pooled, guidance, img_ids, txt_ids):
-        with torch.no_grad():
-            return transformer(hidden_states=torch.from_numpy(np.array(x)), timestep=torch.from_numpy(np.array(t)),
-                               guidance=torch.from_numpy(np.array(guidance)), pooled_projections=torch.from_numpy(
-                                   np.array(pooled)), encoder_hidden_states=torch.from_numpy(np.array(context)),
-                               txt_ids=torch.from_numpy(np.array(txt_ids)),
-                               img_ids=torch.from_numpy(np.array(img_ids))).sample.numpy()
-
-    def apply(params, cfg, x_btc, t_b, context, pooled, guidance_b, img_ids, txt_ids):
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(x_btc.shape, jnp.float32), x_btc, t_b, context, pooled,
-                                 guidance_b, img_ids, txt_ids)
-
+    transformer.save_pretrained(tmp_path / "transformer")
+    flux_cfg, flux_params = F.load_flux(tmp_path / "transformer")
     vae_cfg, vae_params = V.load_vae(tmp_path / "vae")
     spec = P.PipelineSpec(folder=tmp_path, class_name=P.FLUX, kind=P.KINDS[P.FLUX],
                           scheduler=S.parse_config(dict(scheduler.config), class_name=S.FLOW), vae=vae_cfg,
                           denoiser_config={"guidance_embeds": True}, options={})
-    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=None, denoiser_params={},
-                      vae_params=vae_params, dtype=jnp.float32, denoise=apply)
+    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=flux_cfg, denoiser_params=flux_params,
+                      vae_params=vae_params, dtype=jnp.float32, denoise=F.apply)
     rng = np.random.default_rng(0)
     cond = {"context": rng.normal(size=(2, 6, 32)).astype(np.float32),
             "pooled": rng.normal(size=(2, 24)).astype(np.float32)}
     latents = rng.normal(size=(2, *spec.latent_shape(16, 16))).astype(np.float32)  # [2, 16 tokens, 16]
-    ours, images = sampling.sample(pipe, sampling.schedule_for(spec, 4, 16, 16), cond, latents,
+    ours, images = sampling.sample(pipe, sampling.schedule_for(spec, 10, 16, 16), cond, latents,
                                    sampling.image_keys(0, 2), height=16, width=16, guidance=3.5)
     with torch.no_grad():
         want = reference(prompt_embeds=torch.from_numpy(cond["context"]), height=16, width=16,
                          pooled_prompt_embeds=torch.from_numpy(cond["pooled"]), latents=torch.from_numpy(latents),
-                         num_inference_steps=4, guidance_scale=3.5, output_type="latent").images.numpy()
+                         num_inference_steps=10, guidance_scale=3.5, output_type="latent").images.numpy()
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)
     with torch.no_grad():  # FluxPipeline's decode: unpack, unscale, unshift
         z = reference._unpack_latents(torch.from_numpy(want), 16, 16, reference.vae_scale_factor)
@@ -456,9 +429,9 @@ def test_flux_program_is_flux_pipelines(tmp_path):
 
 
 def test_sdxl_program_is_sdxl_pipelines(sd, tmp_path):
-    """The program's SDXL path (the pooled embeddings and the (size, crop, size) time ids of both CFG
-    rows, beside the prompt embeddings) gives StableDiffusionXLPipeline's final latents (1e-3), the
-    UNet (``addition_embed_type="text_time"``) being diffusers' own through ``pure_callback``."""
+    """SDXL end to end in JAX, hypertron's UNet (``addition_embed_type="text_time"``) read from a
+    folder: 10 Euler steps with the pooled embeddings and the (size, crop, size) time ids of both CFG
+    rows beside the prompt embeddings give StableDiffusionXLPipeline's final latents (1e-3)."""
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
@@ -472,33 +445,23 @@ def test_sdxl_program_is_sdxl_pipelines(sd, tmp_path):
         vae=sd_pipe.vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, unet=unet,
         scheduler=diffusers.EulerDiscreteScheduler.from_config(sd_pipe.scheduler.config), add_watermarker=False)
 
-    def host(x, t, context, text_embeds, time_ids):
-        with torch.no_grad():
-            added = {"text_embeds": torch.from_numpy(np.array(text_embeds)),
-                     "time_ids": torch.from_numpy(np.array(time_ids))}
-            return unet(torch.from_numpy(np.array(x)).permute(0, 3, 1, 2), torch.from_numpy(np.array(t)),
-                        encoder_hidden_states=torch.from_numpy(np.array(context)),
-                        added_cond_kwargs=added).sample.permute(0, 2, 3, 1).numpy()
-
-    def apply(params, cfg, x_bhwc, t_b, context, added):
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(x_bhwc.shape, jnp.float32), x_bhwc, t_b, context,
-                                 added["text_embeds"], added["time_ids"])
-
+    unet.save_pretrained(tmp_path / "unet")
+    unet_cfg, unet_params = U.load_unet(tmp_path / "unet")
     base = P.read_pipeline(folder, "EulerDiscreteScheduler")
     spec = P.PipelineSpec(folder=folder, class_name=P.SDXL, kind=P.KINDS[P.SDXL], scheduler=base.scheduler,
                           vae=base.vae, denoiser_config={}, options={})
-    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=None, denoiser_params={},
-                      vae_params=V.load_vae(folder / "vae")[1], dtype=jnp.float32, denoise=apply)
+    pipe = P.Pipeline(spec=spec, text_encoders=(), tokenizers=(), denoiser_cfg=unet_cfg, denoiser_params=unet_params,
+                      vae_params=V.load_vae(folder / "vae")[1], dtype=jnp.float32, denoise=U.apply)
     rng = np.random.default_rng(0)
     cond = {k: rng.normal(size=(2, 5, 32) if "context" in k else (2, 24)).astype(np.float32)
             for k in ("context", "negative_context", "pooled", "negative_pooled")}
     latents = rng.normal(size=(2, 4, 8, 8)).astype(np.float32)
-    ours, _ = sampling.sample(pipe, sampling.schedule_for(spec, 4, 16, 16), cond, latents, sampling.image_keys(0, 2),
+    ours, _ = sampling.sample(pipe, sampling.schedule_for(spec, 10, 16, 16), cond, latents, sampling.image_keys(0, 2),
                               height=16, width=16, guidance=5.0)
     t = {k: torch.from_numpy(v) for k, v in cond.items()}
     with torch.no_grad():
         want = reference(prompt_embeds=t["context"], negative_prompt_embeds=t["negative_context"],
                          pooled_prompt_embeds=t["pooled"], negative_pooled_prompt_embeds=t["negative_pooled"],
-                         latents=torch.from_numpy(latents), height=16, width=16, num_inference_steps=4,
+                         latents=torch.from_numpy(latents), height=16, width=16, num_inference_steps=10,
                          guidance_scale=5.0, output_type="latent").images.numpy()
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)

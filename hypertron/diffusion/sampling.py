@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hypertron.diffusion import flux as F
 from hypertron.diffusion import schedulers as S
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.pipeline import FLUX, SDXL, Pipeline, PipelineSpec
@@ -151,22 +152,6 @@ def _unet_output(pipe: Pipeline, params: Any, x_bhwc: jax.Array, t: jax.Array, c
     return rescale_guidance(guided, text, rescale_b)
 
 
-def flux_image_ids(h: int, w: int) -> np.ndarray:
-    """Flux's position ids [(h/2)(w/2), 3] of the packed latent grid: (0, row, column)."""
-    ids = np.zeros((h // 2, w // 2, 3), np.float32)
-    ids[..., 1] = np.arange(h // 2)[:, None]
-    ids[..., 2] = np.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
-def flux_unpack(x_btc: jax.Array, h: int, w: int) -> jax.Array:
-    """Packed Flux latents [b, (h/2)(w/2), 4c] as NHWC [b, h, w, c] (a token's channels are c, then
-    the 2x2 patch's row and column)."""
-    b, _, c4 = x_btc.shape
-    x = x_btc.reshape(b, h // 2, w // 2, c4 // 4, 2, 2)
-    return x.transpose(0, 1, 4, 2, 5, 3).reshape(b, h, w, c4 // 4)
-
-
 def _flux_output(pipe: Pipeline, params: Any, x_btc: jax.Array, t: jax.Array, cond: dict, guidance_b,
                  latent_hw: tuple[int, int]) -> jax.Array:
     """The Flux transformer's prediction (embedded guidance when the model has it; no CFG rows)."""
@@ -175,7 +160,7 @@ def _flux_output(pipe: Pipeline, params: Any, x_btc: jax.Array, t: jax.Array, co
     txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)
     out = pipe.denoise(params, pipe.denoiser_cfg, x_btc.astype(pipe.dtype), jnp.full((b,), t / 1000, jnp.float32),
                        cond["context"].astype(pipe.dtype), cond["pooled"].astype(pipe.dtype), guidance,
-                       jnp.asarray(flux_image_ids(*latent_hw)), txt_ids)
+                       jnp.asarray(F.latent_image_ids(latent_hw[0] // 2, latent_hw[1] // 2)), txt_ids)
     return out.astype(jnp.float32)
 
 
@@ -246,7 +231,7 @@ def _run(pipe: Pipeline, latent_hw, mark, weights, schedule: S.Schedule, cond, l
     (x, _), _ = jax.lax.scan(step, (x, schedule.init_state(x)), jnp.arange(schedule.num_steps))
     if mark is not None:
         jax.debug.callback(mark, x[:1, :1])
-    z_bhwc = V.latents_to_vae(spec.vae, flux_unpack(x, *latent_hw) if flux else x)
+    z_bhwc = V.latents_to_vae(spec.vae, V.from_nchw(F.unpack_latents(x, *latent_hw)) if flux else x)
     images = V.decode(weights["vae"], spec.vae, z_bhwc, dtype=pipe.dtype)
     return (x if flux else V.to_nchw(x)), V.to_uint8(images)
 
