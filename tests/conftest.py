@@ -32,6 +32,40 @@ if os.environ.get("HYPERTRON_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_C
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _least_compile_effort():
+    """In-process programs compile with XLA's CPU backend at its least effort
+    (``jax_disable_most_optimizations``: no LLVM optimisation nor its expensive passes), as the
+    processes of ``processes.FAST_COMPILE`` do: most of the suite's time in process goes to compiling
+    tiny programs that then run a few times. Results move in the last bits, within every parity
+    test's tolerance. ``HYPERTRON_TEST_FAST_COMPILE=0`` compiles as users do. (Session-scoped, so it
+    holds before any module's fixtures compile; JAX is imported here, after the settings above.)"""
+    if os.environ.get("HYPERTRON_TEST_FAST_COMPILE", "1") != "0":
+        import jax
+
+        jax.config.update("jax_disable_most_optimizations", True)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _optimized(request, _least_compile_effort):
+    """A test marked ``optimized`` compiles as users do: one whose steps are the work (hundreds of
+    them), or one that compares its results bit for bit with a ``hypertron`` process's. The flag is
+    not part of jit's key, so JAX's in-memory caches are cleared on the way in and out (the
+    persistent cache's key holds the compile options: each kind is read back as it was compiled)."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture
 def float32_matmuls():
     """float32 matmuls in exact float32: on a GPU, XLA and Triton multiply float32 in TF32 unless

@@ -10,6 +10,7 @@ from support.tiny import write_tiny_hf_llama
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # its sampled text equals the processes' bit for bit
 def test_train_then_generate(tmp_path):
     r = run("train", "model=tiny", "model.num_layers=1", "train.steps=3", "train.global_batch=8",
             "train.seq_len=16", "train.log_every=1", "run_dir=run", cwd=tmp_path)

@@ -255,9 +255,9 @@ def test_int8_kv_cache_stays_close_to_bf16_on_a_trained_model(trained):
     assert (int8.argmax(-1) == bf16.argmax(-1)).mean() > 0.95
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma", "tiny-moe"])
 def test_prefix_caching_gives_the_tokens_and_logprobs_of_no_caching(params, preset):
-    """Float32 Llama and Gemma, requests one after another through a pool of 6 pages of 4: a
+    """Float32 Llama, Gemma and MoE (dropless: a token's experts do not depend on the batch), requests one after another through a pool of 6 pages of 4: a
     prompt, the same prompt again (all its full pages cached; the last one, holding its last token,
     is prefilled), a prompt sharing two pages, one whose full pages are all cached, a long one that
     evicts most of the cache, and the first prompt once more. Greedy tokens and top-5

@@ -235,6 +235,7 @@ def one_device(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # 600 steps: their running, not their compiling, is the work
 def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path, one_device):
     common = TINY + ["train.steps=200", "train.lr=3e-3", "train.warmup_steps=20", "train.log_every=50",
                      "checkpoint.enabled=false"]
