@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config.loading import read_json
 from hypertron.config.numbers import shown
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.layers import timestep_embedding
-from hypertron.diffusion.weights import load_component
+from hypertron.diffusion.weights import load_model
 from hypertron.models.params import ParamSpec, matmul, stack
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for
@@ -201,15 +200,8 @@ def declare_flux(cfg: FluxConfig) -> Params:
 
 
 def load_flux(folder: str | Path, dtype: Any = np.float32) -> tuple[FluxConfig, Params]:
-    """``(cfg, params)`` of the diffusers Flux transformer folder; params are numpy arrays in
-    ``dtype``. Anything it cannot use is a one-line :class:`DiffusionError` naming the file and key
-    or tensor."""
-    folder = Path(folder)
-    config_file = folder / "config.json"
-    hf = read_json(config_file, DiffusionError, f"{config_file}: not found",
-                   lambda reason: f"{config_file}: invalid JSON ({reason})")
-    cfg = flux_config(hf, str(config_file))
-    return cfg, load_component(declare_flux(cfg), folder, dtype)
+    """``(cfg, params)`` of the diffusers Flux transformer folder (:func:`weights.load_model`)."""
+    return load_model(folder, flux_config, declare_flux, dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config.loading import read_json
 from hypertron.config.numbers import shown
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.weights import load_component
+from hypertron.diffusion.weights import load_model
 from hypertron.quant import einsum_for
 
 Params = dict[str, Any]
@@ -143,16 +142,8 @@ def declare(cfg: VaeConfig) -> Params:
 
 
 def load_vae(folder: str | Path, dtype: Any = np.float32) -> tuple[VaeConfig, Params]:
-    """``(cfg, params)`` of the diffusers VAE folder (``config.json``,
-    ``diffusion_pytorch_model.safetensors``, or its index and shards); params are numpy arrays in
-    ``dtype``. Anything it cannot use is a one-line :class:`DiffusionError` naming the file and key or
-    tensor."""
-    folder = Path(folder)
-    config_file = folder / "config.json"
-    hf = read_json(config_file, DiffusionError, f"{config_file}: not found",
-                   lambda reason: f"{config_file}: invalid JSON ({reason})")
-    cfg = vae_config(hf, str(config_file))
-    return cfg, load_component(declare(cfg), folder, dtype)
+    """``(cfg, params)`` of the diffusers VAE folder (:func:`weights.load_model`)."""
+    return load_model(folder, vae_config, declare, dtype)
 
 
 # ---------------------------------------------------------------------------
