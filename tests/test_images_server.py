@@ -15,7 +15,7 @@ import pytest
 from http_harness import ThreadedServer  # tests/
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.cli import run_cli  # tests/support
+from support.cli import one_error_line, run_cli  # tests/support
 from support.diffusion_folders import tiny_sd
 
 openai = pytest.importorskip("openai")
@@ -34,7 +34,7 @@ def served(tmp_path_factory):
 
     folder = tiny_sd(tmp_path_factory.mktemp("images_server"))[0]
     pipe = load_pipeline(folder)
-    server = ImageServer(pipe, MODEL, sizes=served_sizes(pipe, "16x16"), max_batch=2, max_steps=3)
+    server = ImageServer(pipe, MODEL, sizes=served_sizes(pipe.spec, "16x16"), max_batch=2, max_steps=3)
     server.warm()  # compiles the one program the tests use: n=2, 3 steps, guidance 7.5
     with ThreadedServer(create_app(server, api_key=KEY, max_body_bytes=MAX_BODY)) as s:
         yield s.url, folder
@@ -104,3 +104,13 @@ def test_images_are_hypertron_diffuses(served, tmp_path):
     text = httpx.get(url + "/metrics").text
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["hypertron_images_total"] >= 2, samples
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--sizes", "15x16"], ["sizes=", "width=15", "multiples of 2"]),
+    (["--sizes", "16by16"], ["sizes=", "not WxH"]),
+    (["--max-batch", "0"], ["max-batch"]),
+])
+def test_serve_refuses_bad_image_flags_before_loading(served, flags, words):
+    """``hypertron serve`` on a diffusers folder: a bad flag is one error line and exit 2, nothing compiled."""
+    one_error_line(run_cli(["serve", "--model", served[1], "--port", "0", *flags]), *words)

@@ -36,7 +36,7 @@ from hypertron.config.numbers import shown
 from hypertron.diffusion import sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes
-from hypertron.diffusion.pipeline import Pipeline, load_pipeline
+from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, load_pipeline, read_pipeline
 from hypertron.serve.api import HEALTH_RESPONSES, METRICS_RESPONSES, ApiError, ModelCard, ModelList, _Strict, responses
 from hypertron.serve.metrics import ImageMetrics
 from hypertron.serve.model import served_name
@@ -75,18 +75,21 @@ def parse_size(text: str) -> tuple[int, int] | None:
     return (int(w), int(h)) if sep and w.isdigit() and h.isdigit() else None
 
 
-def served_sizes(pipe: Pipeline, sizes: str | None) -> list[tuple[int, int]]:
+def served_sizes(spec: PipelineSpec, sizes: str | None) -> list[tuple[int, int]]:
     """``--sizes`` (``"WxH,WxH"``) as (width, height) pairs the model takes; None: its default size.
     A malformed or unusable size is a :class:`DiffusionError` naming it."""
     if sizes is None:
-        side = pipe.spec.default_size()
+        side = spec.default_size()
         return [(side, side)]
     out = []
     for item in sizes.split(","):
         size = parse_size(item)
         if size is None:
             raise DiffusionError(f"sizes={shown(sizes)}: {shown(item)} is not WxH (e.g. 512x512)")
-        pipe.spec.latent_shape(size[1], size[0])  # a size the model cannot take, named
+        try:
+            spec.latent_shape(size[1], size[0])
+        except DiffusionError as e:
+            raise DiffusionError(f"sizes={shown(sizes)}: {e}") from None
         out.append(size)
     return list(dict.fromkeys(out))
 
@@ -206,9 +209,11 @@ def create_app(server: ImageServer, *, api_key: str | None = None,
 
 def build(serve: ServeConfig) -> FastAPI:
     """The app of ``serve.checkpoint``, a diffusers folder: loaded, its sizes compiled."""
-    pipe = load_pipeline(serve.checkpoint)
-    server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint),
-                         sizes=served_sizes(pipe, serve.sizes), max_batch=serve.max_batch, max_steps=serve.max_steps)
+    spec = read_pipeline(serve.checkpoint)  # the sizes checked before a weight is read
+    sizes = served_sizes(spec, serve.sizes)
+    pipe = load_pipeline(serve.checkpoint, spec=spec)
+    server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
+                         max_batch=serve.max_batch, max_steps=serve.max_steps)
     server.warm()
     return create_app(server, api_key=serve.api_key)
 
