@@ -22,6 +22,7 @@ import asyncio
 import base64
 import logging
 import secrets
+import sys
 import threading
 import time
 
@@ -52,7 +53,7 @@ class ImageRequest(_Strict):
     prompt: str
     n: int | None = Field(None, ge=1)
     size: str | None = Field(None, description="WxH, one of the sizes this server serves")
-    response_format: str | None = Field(None, json_schema_extra={"enum": ["b64_json", None]})
+    response_format: str | None = Field(None, description="b64_json (url is refused)")
     negative_prompt: str | None = Field(None, description="extension: CFG's unconditional prompt (UNet pipelines)")
     num_inference_steps: int | None = Field(None, ge=1, description="extension: sampling steps")
     guidance_scale: float | None = Field(None, ge=0, description="extension: CFG scale, or Flux-dev's guidance")
@@ -130,8 +131,8 @@ class ImageServer:
             start = time.perf_counter()
             self.images("", None, n=self.max_batch, seed=0, steps=min(kind.steps, self.max_steps),
                         guidance=kind.guidance, width=width, height=height)
-            log.info("compiled %dx%d for %d images in %.1f s", width, height, self.max_batch,
-                     time.perf_counter() - start)
+            print(f"hypertron serve: {width}x{height} compiled for {self.max_batch} image(s) in "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     def check(self, req: ImageRequest) -> dict:
         """``images``' arguments for ``req``, or a 400 naming the field."""
@@ -142,7 +143,8 @@ class ImageServer:
             raise ApiError(400, "'prompt' is empty", param="prompt")
         n = 1 if req.n is None else req.n
         if n > self.max_batch:
-            raise ApiError(400, f"'n' is {n}; this server makes at most {self.max_batch} images a request", param="n")
+            raise ApiError(400, f"'n' is {n}; this server makes at most {self.max_batch} image(s) a request",
+                           param="n")
         size = self.sizes[0] if req.size is None else parse_size(req.size)
         if size not in self.sizes:
             served = ", ".join(f"{w}x{h}" for w, h in self.sizes)
