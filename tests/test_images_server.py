@@ -83,11 +83,12 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_serves_on(served
 
 def test_images_are_hypertron_diffuses(served, tmp_path):
     """``images.generate(n=2, size="16x16", response_format="b64_json")`` gives two 16x16 PNGs, byte for
-    byte ``hypertron diffuse --batch 2``'s for the same seed, prompts, steps and guidance."""
+    byte ``hypertron diffuse --batch 2``'s for the same seed, prompts, steps and guidance (a request without
+    steps runs the pipeline's default capped at ``--max-steps``)."""
     from PIL import Image
 
     url, folder = served
-    extra = {"negative_prompt": NEGATIVE, "num_inference_steps": 3, "seed": 5}
+    extra = {"negative_prompt": NEGATIVE, "seed": 5}  # the steps: the default, 50 capped at --max-steps 3
     answer = _client(url).images.generate(model=MODEL, prompt=PROMPT, n=2, size="16x16",
                                           response_format="b64_json", extra_body=extra)
     pngs = [base64.b64decode(d.b64_json) for d in answer.data]

@@ -6,10 +6,10 @@ The API key, the error shape (``param`` naming the field), ``GET /health``, ``/v
 ``model`` (optional: the model served), ``prompt``, ``n``, ``size`` (``"WxH"``, one of ``--sizes``;
 default the first) and ``response_format`` (``b64_json`` only: this server keeps no files to link),
 and the extensions ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` (defaults: the
-diffusers pipeline's) and ``seed`` (default: a random one). The answer is ``{"created", "data":
-[{"b64_json"}]}``, PNGs. Image i of a request is ``hypertron diffuse``'s image i for the same seed
-and settings: both run :func:`hypertron.diffusion.sampling.request_args` and the pipeline's one
-compiled program.
+diffusers pipeline's, the steps at most ``--max-steps``) and ``seed`` (default: a random one). The
+answer is ``{"created", "data": [{"b64_json"}]}``, PNGs. Image i of a request is ``hypertron
+diffuse``'s image i for the same seed and settings: both run
+:func:`hypertron.diffusion.sampling.request_args` and the pipeline's one compiled program.
 
 Requests run one at a time, each one program call. At start each ``--sizes`` size is compiled (and
 run once) for ``n = --max-batch`` at the default steps (at most ``--max-steps``) and guidance;
@@ -107,6 +107,11 @@ class ImageServer:
         self._lock = threading.Lock()
 
     @property
+    def default_steps(self) -> int:
+        """A request's steps when it names none: the diffusers pipeline's, at most ``max_steps``."""
+        return min(self.pipe.spec.kind.steps, self.max_steps)
+
+    @property
     def prompt_tokens(self) -> int:
         """The prompt tokens the model reads (Flux: T5's, else CLIP's)."""
         if self.pipe.spec.is_flux:
@@ -129,7 +134,7 @@ class ImageServer:
         kind = self.pipe.spec.kind
         for width, height in self.sizes:
             start = time.perf_counter()
-            self.images("", None, n=self.max_batch, seed=0, steps=min(kind.steps, self.max_steps),
+            self.images("", None, n=self.max_batch, seed=0, steps=self.default_steps,
                         guidance=kind.guidance, width=width, height=height)
             print(f"hypertron serve: {width}x{height} compiled for {self.max_batch} image(s) in "
                   f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -150,7 +155,7 @@ class ImageServer:
             served = ", ".join(f"{w}x{h}" for w, h in self.sizes)
             raise ApiError(400, f"'size' {req.size!r} is not served (served: {served})", param="size")
         spec = self.pipe.spec
-        steps = spec.kind.steps if req.num_inference_steps is None else req.num_inference_steps
+        steps = self.default_steps if req.num_inference_steps is None else req.num_inference_steps
         if steps > self.max_steps:
             raise ApiError(400, f"'num_inference_steps' is {steps}; this server takes at most {self.max_steps}",
                            param="num_inference_steps")
