@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
@@ -49,6 +50,10 @@ _SERVE_FLAGS: dict[str, dict] = {
     "enable_prefix_caching": dict(help="keep the KV pages of full pages of prompts (and of generated tokens) "
                                        "cached, and share them between requests with the same prefix (and "
                                        "cache_salt)"),
+    "sizes": dict(metavar="WxH,...", help="a diffusers folder: the image sizes served (each compiled at start; "
+                                          "default: the model's own)"),
+    "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most"),
+    "max_steps": dict(metavar="N", help="a diffusers folder: num_inference_steps, at most"),
 }
 
 
@@ -57,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv = add_command(
         sub, "serve", cmd_serve, help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
-        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless told.")
+        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus); or a diffusers folder "
+        "(model_index.json): POST /v1/images/generations. Binds 127.0.0.1 unless told.")
     sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
                     "with _ for -: max_slots: 16); flags given override it")
     missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
@@ -93,6 +99,9 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config_from_args(args)
+    if (Path(cfg.checkpoint) / "model_index.json").is_file():  # a diffusers pipeline folder
+        from hypertron.serve.images import main as serve_images
+        return serve_images(cfg)
     from hypertron.serve.server import main as serve_main
 
     return serve_main(cfg)

@@ -517,6 +517,10 @@ class ServeConfig:
     model_name: str | None = None  # the id in /v1/models; None: the run directory's name
     openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)
     enable_prefix_caching: bool = _S.enable_prefix_caching
+    # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
+    sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
+    max_batch: int = 4  # images per request (n), at most
+    max_steps: int = 100  # num_inference_steps, at most
 
     @property
     def engine(self) -> EngineConfig:

@@ -272,7 +272,7 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
     check_engine_settings(cfg, name)
     check_scheduler_settings(cfg, name)
     check_budget(cfg.max_num_batched_tokens, cfg.max_slots, name)
-    for key in ("max_prompt_tokens", "max_tokens_limit"):
+    for key in ("max_prompt_tokens", "max_tokens_limit", "max_batch", "max_steps"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")

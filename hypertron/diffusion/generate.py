@@ -136,18 +136,11 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     log(f"load: {time.perf_counter() - start:.2f} s ({plan.spec.class_name}, {req.dtype})")
     count = len(plan.paths)
     start = time.perf_counter()
-    cfg = not plan.spec.is_flux and plan.guidance > 1
-    negative = None if req.negative_prompt is None else [req.negative_prompt] * count
-    cond = jax.block_until_ready(sampling.encode_prompts(pipe, [req.prompt] * count, negative, cfg=cfg,
-                                                         max_sequence_length=req.max_sequence_length))
+    args = jax.block_until_ready(sampling.request_args(
+        pipe, req.prompt, req.negative_prompt, count=count, seed=req.seed, steps=plan.steps, guidance=plan.guidance,
+        height=plan.height, width=plan.width, latents=plan.latents, max_sequence_length=req.max_sequence_length))
     log(f"encode: {time.perf_counter() - start:.2f} s")
-    keys = sampling.image_keys(req.seed, count)
-    latents = plan.latents if plan.latents is not None else sampling.draw_latents(keys, plan.spec.latent_shape(
-        plan.height, plan.width))
-    schedule = sampling.schedule_for(plan.spec, plan.steps, plan.height, plan.width)
     program = sampling.program(pipe, sampling.latent_hw(plan.spec, plan.height, plan.width), timed=True)
-    args = (sampling.weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys,
-            jnp.full((count,), plan.guidance, jnp.float32), jnp.zeros((count,), jnp.float32))
     start = time.perf_counter()
     compiled = program.fn.lower(*args).compile()
     log(f"compile: {time.perf_counter() - start:.2f} s")

@@ -242,6 +242,23 @@ def latent_hw(spec: PipelineSpec, height: int, width: int) -> tuple[int, int]:
     return height // spec.vae_scale_factor, width // spec.vae_scale_factor
 
 
+def request_args(pipe: Pipeline, prompt: str, negative_prompt: str | None, *, count: int, seed: int, steps: int,
+                 guidance: float, height: int, width: int, latents: np.ndarray | None = None,
+                 max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH) -> tuple:
+    """:func:`program`'s arguments for ``count`` images of one prompt (``hypertron diffuse``'s and the
+    image server's): CFG on above guidance 1 (UNet pipelines), image i's noise from
+    ``fold_in(key(seed), i)`` unless ``latents`` are given (diffusers' layout)."""
+    cfg = not pipe.spec.is_flux and guidance > 1
+    negative = None if negative_prompt is None else [negative_prompt] * count
+    cond = encode_prompts(pipe, [prompt] * count, negative, cfg=cfg, max_sequence_length=max_sequence_length)
+    keys = image_keys(seed, count)
+    if latents is None:
+        latents = draw_latents(keys, pipe.spec.latent_shape(height, width))
+    schedule = schedule_for(pipe.spec, steps, height, width)
+    return (weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys,
+            jnp.full((count,), guidance, jnp.float32), jnp.zeros((count,), jnp.float32))
+
+
 def sample(pipe: Pipeline, schedule: S.Schedule, cond: dict[str, jax.Array], latents: jax.Array, keys_b: jax.Array,
            *, height: int, width: int, guidance: float | Sequence[float],
            guidance_rescale: float | Sequence[float] = 0.0) -> tuple[jax.Array, jax.Array]:

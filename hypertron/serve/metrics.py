@@ -35,3 +35,16 @@ class ServeMetrics:
         self.compiles = Counter(p + "step_compiles", "engine step shapes compiled (sync: a step waited for it; "
                                 "background) and steps run padded to a larger compiled shape (padded)", ["mode"],
                                 registry=r)
+
+
+class ImageMetrics:
+    """The image server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, "hypertron_"
+        self.requests = Counter(p + "image_requests", "finished image requests", ["status"], registry=r)
+        self.images = Counter(p + "images", "images generated", registry=r)
+        self.latency = Histogram(p + "image_request_latency_seconds", "a request's sampling and encoding, "
+                                 "its wait for the one before it included", registry=r,
+                                 buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))

@@ -105,14 +105,7 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
 
     app = FastAPI(title="hypertron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
+    authorize = authorizer(api_key)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
     v1.add_api_route("/completions", api.completions, methods=["POST"], summary="Complete a prompt",
                      responses=responses(Completion, stream=True))
@@ -154,11 +147,26 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
         app.openapi = describe
         app.add_api_route("/openapi.json", lambda: JSONResponse(app.openapi()), methods=["GET"],
                           dependencies=[Depends(authorize)], include_in_schema=False)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def authorizer(api_key: str | None):
+    """The dependency that wants ``Authorization: Bearer API_KEY`` (a 401 otherwise); none wanted
+    without a key."""
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return authorize
+
+
+def add_error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape; a crash as a 500 with a request id and none of its text
     (the log has the traceback under the same id)."""
 
@@ -187,6 +195,29 @@ def internal_error(what: str, detail: str = "", exc: BaseException | None = None
     rid = uuid.uuid4().hex[:16]
     log.error("%s (request id %s) %s", what, rid, detail, exc_info=exc)
     return ApiError(500, f"internal error (request id {rid}); the server log has the details", type="server_error")
+
+
+async def read_request(request: Request, model: type[BaseModel], max_body: int, model_name: str):
+    """The body as ``model``: 413 past ``max_body`` bytes, 400 for bad JSON or a schema error, 404
+    for another model's name than ``model_name`` (a request without one, where ``model`` allows
+    that, is for the model served)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_body:
+        raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > max_body:
+            raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
+    body = parse_json(bytes(raw))
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise schema_error(e.errors(include_url=False)) from None
+    if req.model is not None and req.model != model_name:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    return req
 
 
 class _Api:
@@ -308,25 +339,7 @@ class _Api:
     # -- shared -------------------------------------------------------------------------
 
     async def _read(self, request: Request, model: type[BaseModel]):
-        """The body as ``model``: 413 past ``max_body``, 400 for bad JSON or a schema error, 404
-        for another model's name."""
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body:
-            raise ApiError(413, f"request body over {self.max_body} bytes", code="request_too_large")
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > self.max_body:
-                raise ApiError(413, f"request body over {self.max_body} bytes", code="request_too_large")
-        body = parse_json(bytes(raw))
-        try:
-            req = model.model_validate(body)
-        except ValidationError as e:
-            raise schema_error(e.errors(include_url=False)) from None
-        if req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-        return req
+        return await read_request(request, model, self.max_body, self.model_name)
 
     def _sampling(self, req, max_tokens: int | None, max_default: int | None, logprobs: int | None,
                   logprobs_key: str, max_key: str = "max_tokens") -> SamplingParams:
