@@ -33,7 +33,7 @@ from hypertron.diffusion import schedulers as S
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.pipeline import FLUX, SDXL, Pipeline, PipelineSpec
 from hypertron.diffusion.text_encoders import clip_encode, prompt_ids, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode
-from hypertron.parallel.rules import constrain, use_rules
+from hypertron.parallel.rules import DEFAULT_RULES, constrain, use_rules
 from hypertron.quant import einsum_for
 
 _clip = jax.jit(clip_encode, static_argnums=1)
@@ -219,7 +219,7 @@ def program(pipe: Pipeline, latent_hw: tuple[int, int], *, timed: bool = False) 
 def _under_rules(pipe: Pipeline, run):
     """``run`` traced under the placed pipeline's mesh and rules (its ``constrain`` pins apply)."""
     def ruled(*args):
-        with use_rules(pipe.mesh, pipe.rules):
+        with use_rules(pipe.mesh, pipe.rules or DEFAULT_RULES):
             return run(*args)
     return ruled
 
