@@ -311,6 +311,9 @@ BAD_INPUT = {
     "latents shape": (lambda sd, tmp: ["--model", sd, "--latents", _npy(tmp / "l.npy", (1, 4, 4, 4))],
                       ["l.npy", "[batch, 4, 8, 8]"]),
     "dtype": (lambda sd, tmp: ["--model", sd, "--dtype", "float16"], ["float16", "supported: float32, bfloat16"]),
+    "quantize": (lambda sd, tmp: ["--model", sd, "--quantize", "int4"], ["int4", "supported: none, int8, fp8"]),
+    "mesh": (lambda sd, tmp: ["--model", sd, "--mesh", "data=2,pipe=2"], ["data=2,pipe=2", "AXIS=N"]),
+    "mesh devices": (lambda sd, tmp: ["--model", sd, "--mesh", "data=64"], ["needs 64 devices"]),
     "existing out": (lambda sd, tmp: ["--model", sd, "--batch", "2", "--out", tmp / "out.png",
                                       _npy(tmp / "out-1.png", (1,)) and "--seed", "1"], ["out-1.png", "exists"]),
 }
@@ -419,3 +422,19 @@ def test_sdxl_program_is_sdxl_pipelines(sd, tmp_path):
                          latents=torch.from_numpy(latents), height=16, width=16, num_inference_steps=10,
                          guidance_scale=5.0, output_type="latent").images.numpy()
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)
+
+
+def test_diffuse_on_a_mesh_in_int8_is_diffusers_within_5_percent(sd, tmp_path):
+    """``hypertron diffuse --mesh data=2,fsdp=2 --quantize int8`` (images over data x fsdp, the UNet's
+    matmul weights int8) saves diffusers' float32 final latents within 5% relative L2 (4 DDIM steps)."""
+    folder, pipe = sd
+    initial = np.random.default_rng(0).normal(size=(4, 4, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "initial.npy", initial)
+    r = run_cli(["diffuse", "--model", folder, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "4",
+                 "--guidance", "7.5", "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
+                 "--out", tmp_path / "img.png", "--mesh", "data=2,fsdp=2", "--quantize", "int8"])
+    assert r.rc == 0 and "quantize int8, mesh data=2 x fsdp=2" in r.stdout, r.describe()
+    want = _diffusers_latents(pipe, initial, steps=4)
+    got = np.load(tmp_path / "final.npy")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    assert len(list(tmp_path.glob("img-*.png"))) == 4

@@ -37,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--scheduler", default=None, metavar="CLASS",
                    help="a scheduler class to run with the folder's scheduler options (e.g. EulerDiscreteScheduler)")
     d.add_argument("--dtype", default="float32", help="float32 or bfloat16: the denoiser's and VAE's weights")
+    d.add_argument("--quantize", default="none", metavar="MODE",
+                   help="the denoiser's matmuls: none, int8 (int8 weights, per-channel scales) or fp8 (e4m3 operands)")
+    d.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="devices, e.g. data=2,fsdp=2: images over data, weights over fsdp/tensor by the sharding "
+                        "rules (default: one device)")
     d.add_argument("--max-sequence-length", type=number_arg(int, low=1), default=512, metavar="N",
                    help="Flux: T5 tokens per prompt")
 
@@ -45,6 +50,6 @@ def cmd_diffuse(args: argparse.Namespace) -> int:
     from hypertron.diffusion.generate import DiffuseRequest, diffuse
 
     names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",
-             "latents", "save_latents", "scheduler", "dtype", "max_sequence_length")
+             "latents", "save_latents", "scheduler", "dtype", "quantize", "mesh", "max_sequence_length")
     diffuse(DiffuseRequest(**{name: getattr(args, name) for name in names}))
     return 0

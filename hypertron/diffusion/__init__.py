@@ -1,7 +1,8 @@
 """Diffusion inference: Stable Diffusion 1.x/2.x, SDXL and Flux from diffusers folders (issue 39).
 
 :mod:`hypertron.diffusion.generate` (``hypertron diffuse``'s work) over :mod:`hypertron.diffusion.sampling`
-(prompt embeddings, noise, and the one compiled program from them to pixels) over
+(prompt embeddings, noise, and the one compiled program from them to pixels) and
+:mod:`hypertron.diffusion.placement` (a pipeline's weights on a mesh, int8 or fp8 matmuls) over
 :mod:`hypertron.diffusion.pipeline` (a ``model_index.json`` folder, read strictly) over
 :mod:`hypertron.diffusion.schedulers` (the samplers of a ``scheduler_config.json``: the schedule on
 the host, a pure JAX step for ``lax.scan``), :mod:`hypertron.diffusion.text_encoders` (CLIP and T5

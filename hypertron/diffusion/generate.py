@@ -8,6 +8,7 @@ import dataclasses
 import io
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import jax
@@ -15,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypertron.config.numbers import shown
-from hypertron.diffusion import sampling
+from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import PipelineSpec, load_pipeline, read_pipeline
 from hypertron.diffusion.sampling import schedule_for
+from hypertron.errors import ConfigError
+from hypertron.parallel.mesh import mesh_from_text
 
 DTYPES = ("float32", "bfloat16")
 
@@ -41,6 +44,8 @@ class DiffuseRequest:
     save_latents: str | None = None
     scheduler: str | None = None
     dtype: str = "float32"  # one of DTYPES
+    quantize: str = "none"  # the denoiser's matmuls: one of placement.QUANTIZE
+    mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the rules; None: one device
     max_sequence_length: int = 512
 
 
@@ -88,12 +93,20 @@ class _Plan:
     width: int
     latents: np.ndarray | None
     paths: list[Path]
+    mesh: Any  # a jax Mesh, or None
 
 
 def check_request(req: DiffuseRequest) -> _Plan:
     """Everything about ``req`` that can be checked before a weight is read or a program compiled."""
     if req.dtype not in DTYPES:
         raise DiffusionError(f"dtype={shown(req.dtype)} is not supported (supported: {', '.join(DTYPES)})")
+    if req.quantize not in placement.QUANTIZE:
+        raise DiffusionError(f"quantize={shown(req.quantize)} is not supported (supported: "
+                             f"{', '.join(placement.QUANTIZE)})")
+    try:
+        mesh = None if req.mesh is None else mesh_from_text(req.mesh)
+    except ConfigError as e:
+        raise DiffusionError(str(e)) from None
     spec = read_pipeline(req.model, req.scheduler)
     steps = spec.kind.steps if req.steps is None else req.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -111,7 +124,7 @@ def check_request(req: DiffuseRequest) -> _Plan:
     _refuse_existing(paths + ([Path(req.save_latents)] if req.save_latents else []))
     schedule_for(spec, steps, height, width)  # steps within the scheduler's range
     guidance = spec.kind.guidance if req.guidance is None else req.guidance
-    return _Plan(spec, steps, float(guidance), height, width, latents, paths)
+    return _Plan(spec, steps, float(guidance), height, width, latents, paths, mesh)
 
 
 def png_bytes(image_hwc: np.ndarray) -> bytes:
@@ -132,8 +145,13 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     """Run ``req``: the PNGs written (and ``--save-latents``'s file), timings through ``log``."""
     plan = check_request(req)
     start = time.perf_counter()
-    pipe = load_pipeline(plan.spec.folder, dtype=jnp.dtype(req.dtype), spec=plan.spec)
-    log(f"load: {time.perf_counter() - start:.2f} s ({plan.spec.class_name}, {req.dtype})")
+    pipe = placement.quantize(load_pipeline(plan.spec.folder, dtype=jnp.dtype(req.dtype), spec=plan.spec),
+                              req.quantize)
+    if plan.mesh is not None:
+        pipe = placement.place(pipe, plan.mesh)
+    where = " x ".join(f"{a}={n}" for a, n in plan.mesh.shape.items() if n > 1) if plan.mesh is not None else ""
+    log(f"load: {time.perf_counter() - start:.2f} s ({plan.spec.class_name}, {req.dtype}, quantize "
+        f"{req.quantize}, {'mesh ' + where if where else 'one device'})")
     count = len(plan.paths)
     start = time.perf_counter()
     args = jax.block_until_ready(sampling.request_args(

@@ -53,10 +53,11 @@ KINDS = {
     FLUX: Kind("transformer", "FluxTransformer2DModel", ("text_encoder", "text_encoder_2"),
                ("tokenizer", "tokenizer_2"), 28, 3.5, 128, 2),
 }
-# The denoiser's class -> (module, its loader: folder -> (cfg, params)), imported when loaded.
+# The denoiser's class -> (module, its loader: folder -> (cfg, params), its declaration: cfg -> specs),
+# imported when loaded.
 DENOISERS = {
-    "UNet2DConditionModel": ("hypertron.diffusion.unet", "load_unet"),
-    "FluxTransformer2DModel": ("hypertron.diffusion.flux", "load_flux"),
+    "UNet2DConditionModel": ("hypertron.diffusion.unet", "load_unet", "declare_unet"),
+    "FluxTransformer2DModel": ("hypertron.diffusion.flux", "load_flux", "declare_flux"),
 }
 
 
@@ -115,6 +116,9 @@ class Pipeline:
     vae_params: Any
     dtype: Any  # what the denoiser and the VAE compute in
     denoise: Callable  # the denoiser module's pure ``apply`` (see hypertron.diffusion.sampling)
+    quantize: str = "none"  # the denoiser's matmuls: none, int8 or fp8 (hypertron.diffusion.placement)
+    mesh: Any = None  # where the weights are placed (placement.place); None: one device
+    rules: Any = None  # the sharding rules of that placement
     programs: dict = dataclasses.field(default_factory=dict, compare=False)  # compiled, by sampling
 
 
@@ -166,7 +170,7 @@ def read_pipeline(folder: str | Path, scheduler: str | None = None) -> PipelineS
 
 
 def _denoiser_module(spec: PipelineSpec) -> Any:
-    module_name, _ = DENOISERS[spec.kind.denoiser_class]
+    module_name = DENOISERS[spec.kind.denoiser_class][0]
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -33,6 +33,8 @@ from hypertron.diffusion import schedulers as S
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.pipeline import FLUX, SDXL, Pipeline, PipelineSpec
 from hypertron.diffusion.text_encoders import clip_encode, prompt_ids, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode
+from hypertron.parallel.rules import DEFAULT_RULES, constrain, use_rules
+from hypertron.quant import einsum_for
 
 _clip = jax.jit(clip_encode, static_argnums=1)
 _t5 = jax.jit(t5_encode, static_argnums=1)
@@ -132,6 +134,18 @@ def _time_ids(spec: PipelineSpec, height: int, width: int, rows: int) -> jax.Arr
     return jnp.tile(jnp.asarray([[height, width, 0, 0, height, width]], jnp.float32), (rows, 1))
 
 
+def _hook(pipe: Pipeline, dtype: Any) -> dict:
+    """The denoiser's ``einsum`` argument for ``--quantize fp8`` (the fp8 hook in ``dtype``, what the
+    model computes in); none otherwise: the model's plain hook, which multiplies int8 weights
+    (:class:`~hypertron.quant.QArray`) as int8 whatever its mode."""
+    return {"einsum": einsum_for("fp8", dtype)} if pipe.quantize == "fp8" else {}
+
+
+def _by_image(x: jax.Array) -> jax.Array:
+    """``x`` pinned to the ``batch`` axes on its first axis (one image per row); identity off a mesh."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
 def _unet_output(pipe: Pipeline, params: Any, x_bhwc: jax.Array, t: jax.Array, cond: dict, guidance_b, rescale_b,
                  pixels: tuple[int, int]) -> jax.Array:
     """The UNet's prediction for ``x``; with CFG, both rows in one call, then guided (and rescaled)."""
@@ -144,7 +158,7 @@ def _unet_output(pipe: Pipeline, params: Any, x_bhwc: jax.Array, t: jax.Array, c
         pooled = jnp.concatenate([cond["negative_pooled"], cond["pooled"]]) if cfg else cond["pooled"]
         added = {"text_embeds": pooled.astype(pipe.dtype), "time_ids": _time_ids(pipe.spec, *pixels, rows)}
     out = pipe.denoise(params, pipe.denoiser_cfg, x_in.astype(pipe.dtype), jnp.full((rows,), t, jnp.float32),
-                       context.astype(pipe.dtype), added).astype(jnp.float32)
+                       context.astype(pipe.dtype), added, **_hook(pipe, pipe.dtype)).astype(jnp.float32)
     if not cfg:
         return out
     uncond, text = out[:b], out[b:]
@@ -160,7 +174,8 @@ def _flux_output(pipe: Pipeline, params: Any, x_btc: jax.Array, t: jax.Array, co
     txt_ids = jnp.zeros((cond["context"].shape[1], 3), jnp.float32)
     out = pipe.denoise(params, pipe.denoiser_cfg, x_btc.astype(pipe.dtype), jnp.full((b,), t / 1000, jnp.float32),
                        cond["context"].astype(pipe.dtype), cond["pooled"].astype(pipe.dtype), guidance,
-                       jnp.asarray(F.latent_image_ids(latent_hw[0] // 2, latent_hw[1] // 2)), txt_ids)
+                       jnp.asarray(F.latent_image_ids(latent_hw[0] // 2, latent_hw[1] // 2)), txt_ids,
+                       **_hook(pipe, jnp.float32))
     return out.astype(jnp.float32)
 
 
@@ -197,8 +212,16 @@ def program(pipe: Pipeline, latent_hw: tuple[int, int], *, timed: bool = False) 
         marks: list[float] = []
         run = functools.partial(_run, pipe, tuple(latent_hw), (lambda _: marks.append(time.perf_counter())) if timed
                                 else None)
-        pipe.programs[key] = Program(jax.jit(run), marks)
+        pipe.programs[key] = Program(jax.jit(run if pipe.mesh is None else _under_rules(pipe, run)), marks)
     return pipe.programs[key]
+
+
+def _under_rules(pipe: Pipeline, run):
+    """``run`` traced under the placed pipeline's mesh and rules (its ``constrain`` pins apply)."""
+    def ruled(*args):
+        with use_rules(pipe.mesh, pipe.rules or DEFAULT_RULES):
+            return run(*args)
+    return ruled
 
 
 def weights(pipe: Pipeline) -> dict[str, Any]:
@@ -210,7 +233,8 @@ def _run(pipe: Pipeline, latent_hw, mark, weights, schedule: S.Schedule, cond, l
          rescale_b):
     """The program: the scan over the steps, then the VAE decode (see :func:`program`)."""
     spec, flux = pipe.spec, pipe.spec.is_flux
-    x = (latents if flux else V.from_nchw(latents)).astype(jnp.float32) * schedule.init_noise_sigma
+    x = _by_image((latents if flux else V.from_nchw(latents)).astype(jnp.float32) * schedule.init_noise_sigma)
+    cond = jax.tree.map(_by_image, cond)
     noise_keys = _split(keys_b)[1]
     pixels = tuple(n * spec.vae_scale_factor for n in latent_hw)
 
@@ -231,8 +255,8 @@ def _run(pipe: Pipeline, latent_hw, mark, weights, schedule: S.Schedule, cond, l
     (x, _), _ = jax.lax.scan(step, (x, schedule.init_state(x)), jnp.arange(schedule.num_steps))
     if mark is not None:
         jax.debug.callback(mark, x[:1, :1])
-    z_bhwc = V.latents_to_vae(spec.vae, V.from_nchw(F.unpack_latents(x, *latent_hw)) if flux else x)
-    images = V.decode(weights["vae"], spec.vae, z_bhwc, dtype=pipe.dtype)
+    z_bhwc = _by_image(V.latents_to_vae(spec.vae, V.from_nchw(F.unpack_latents(x, *latent_hw)) if flux else x))
+    images = _by_image(V.decode(weights["vae"], spec.vae, z_bhwc, dtype=pipe.dtype))
     return (x if flux else V.to_nchw(x)), V.to_uint8(images)
 
 

@@ -74,3 +74,27 @@ def local_coords(mesh: Mesh) -> list[list[int]]:
     coords = {d.id: list(map(int, index)) for index, d in np.ndenumerate(mesh.devices)
               if d.process_index == jax.process_index()}
     return [coords[i] for i in sorted(coords)]
+
+
+def mesh_config_from_text(text: str) -> MeshConfig:
+    """The :class:`MeshConfig` of a command line's ``--mesh data=2,fsdp=2``: the named axes at their
+    sizes (positive), every other axis 1 (so the mesh holds exactly their product of devices)."""
+    sizes = dict.fromkeys(MeshConfig.AXES, 1)
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"mesh={text!r}: expected AXIS=N pairs separated by commas, N a positive integer and "
+                              f"AXIS one of {', '.join(MeshConfig.AXES)} (e.g. data=2,fsdp=2)")
+        sizes[name] = int(value)
+    return MeshConfig(**sizes)
+
+
+def mesh_from_text(text: str, devices: list | None = None) -> Mesh:
+    """The mesh of ``--mesh data=2,fsdp=2`` (:func:`mesh_config_from_text`) over the first devices
+    (of ``devices``, default ``jax.devices()``)."""
+    cfg = mesh_config_from_text(text)
+    devices = jax.devices() if devices is None else devices
+    need = int(np.prod([getattr(cfg, a) for a in MeshConfig.AXES]))
+    if need > len(devices):
+        raise ConfigError(f"mesh={text!r}: needs {need} devices, {len(devices)} available")
+    return make_mesh(cfg, list(devices)[:need])

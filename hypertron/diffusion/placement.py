@@ -1,0 +1,65 @@
+"""Where a loaded pipeline's weights live and in what precision (``hypertron diffuse --mesh --quantize``).
+
+* :func:`place`: the denoiser's and the VAE's weights on a mesh, each by its declaration's logical
+  axes through the one sharding table (:mod:`hypertron.parallel.rules`); the text encoders are
+  replicated. The sampling program of a placed pipeline runs under those rules: its images (the
+  latents' and the conditioning's batch axis, and the VAE decode's) are sharded over the ``batch``
+  axes (data, then fsdp and expert where the batch divides).
+* :func:`quantize`: ``int8`` replaces the denoiser's matmul weights (those declared ``quantize``)
+  by :class:`~hypertron.quant.int8.QArray`, which the einsum hook multiplies as int8 with
+  per-output-channel scales; ``fp8`` keeps the weights and runs the denoiser's matmuls through
+  the fp8 hook (e4m3 operands, per-tensor current scaling). Convolutions and norms stay as loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from hypertron.diffusion import vae as V
+from hypertron.diffusion.pipeline import DENOISERS, Pipeline
+from hypertron.models.params import is_spec, quantize_params
+from hypertron.parallel.rules import DEFAULT_RULES, MeshAxes, spec_for
+from hypertron.quant import QArray
+
+QUANTIZE = ("none", "int8", "fp8")  # hypertron diffuse --quantize
+
+
+def denoiser_specs(pipe: Pipeline) -> Any:
+    """The denoiser's parameter declaration (its module's ``declare_*`` of its config)."""
+    module_name, _, declare = DENOISERS[pipe.spec.kind.denoiser_class]
+    return getattr(importlib.import_module(module_name), declare)(pipe.denoiser_cfg)
+
+
+def _put(specs: Any, params: Any, mesh: Mesh, rules: dict[str, MeshAxes]) -> Any:
+    """``params`` on ``mesh``, each leaf by its spec's logical axes (an int8 weight's values and
+    scales each by their own shape: a size-1 scale axis stays whole)."""
+    def one(spec, value):
+        arrays = (value.values, value.scales) if isinstance(value, QArray) else (value,)
+        placed = [jax.device_put(a, NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape))))
+                  for a in arrays]
+        return QArray(*placed) if isinstance(value, QArray) else placed[0]
+    return jax.tree.map(one, specs, params, is_leaf=is_spec)
+
+
+def place(pipe: Pipeline, mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES) -> Pipeline:
+    """``pipe`` with its weights on ``mesh`` by ``rules`` and its sampling program sharded by image
+    (a new pipeline: programs compiled for the old placement are not reused)."""
+    replicated = NamedSharding(mesh, spec_for((), rules, mesh))
+    encoders = tuple(e._replace(params=jax.device_put(e.params, replicated)) for e in pipe.text_encoders)
+    return dataclasses.replace(
+        pipe, text_encoders=encoders, denoiser_params=_put(denoiser_specs(pipe), pipe.denoiser_params, mesh, rules),
+        vae_params=_put(V.declare(pipe.spec.vae), pipe.vae_params, mesh, rules), mesh=mesh, rules=rules, programs={})
+
+
+def quantize(pipe: Pipeline, mode: str) -> Pipeline:
+    """``pipe`` with its denoiser's matmuls in ``mode`` (one of :data:`QUANTIZE`; see the module's
+    docstring). Quantise before :func:`place`: the int8 weights are placed by the same rules."""
+    if mode not in QUANTIZE:
+        raise ValueError(f"quantize={mode!r}: expected one of {', '.join(QUANTIZE)}")
+    params = quantize_params(denoiser_specs(pipe), pipe.denoiser_params) if mode == "int8" else pipe.denoiser_params
+    return dataclasses.replace(pipe, denoiser_params=params, quantize=mode, programs={})
