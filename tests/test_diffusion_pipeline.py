@@ -202,7 +202,7 @@ def _diffusers_latents(pipe, latents, scheduler=None, steps=10):
 def test_diffuse_latents_are_diffusers(sd, tmp_path, scheduler):
     """End to end in JAX: ``hypertron diffuse --latents`` with hypertron's UNet read from the folder
     (CFG 7.5, a negative prompt, 10 steps; the folder's DDIM and, by ``--scheduler``, Euler with its
-    init_noise_sigma and input scaling, and DPM-Solver++ 2M) saves the final latents of diffusers'
+    init_noise_sigma and input scaling, and DPM-Solver++ 2M on a data=2 mesh) saves the final latents of diffusers'
     pipeline from the same initial latents (1e-3), and its PNGs are diffusers' decode of them (1 level
     on 99% of pixels)."""
     _check_latents_are_diffusers(sd, tmp_path, scheduler)
@@ -218,8 +218,10 @@ def _check_latents_are_diffusers(sd, tmp_path, scheduler):
     argv = ["diffuse", "--model", folder, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "10",
             "--guidance", "7.5", "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
             "--out", tmp_path / "img.png"] + (["--scheduler", scheduler] if scheduler else [])
-    r = run_cli(argv)
-    assert r.rc == 0, r.describe()
+    # DPM-Solver++ runs on a mesh: the command places the weights and splits the two images over data
+    mesh = ["--mesh", "data=2"] if scheduler == "DPMSolverMultistepScheduler" else []
+    r = run_cli(argv + mesh)
+    assert r.rc == 0 and ("mesh data=2" in r.stdout) == bool(mesh), r.describe()
     want = _diffusers_latents(pipe, initial, scheduler)
     np.testing.assert_allclose(np.load(tmp_path / "final.npy"), want, atol=1e-3, rtol=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final.npy", "img-0.png", "img-1.png", "initial.npy"]
@@ -422,19 +424,3 @@ def test_sdxl_program_is_sdxl_pipelines(sd, tmp_path):
                          latents=torch.from_numpy(latents), height=16, width=16, num_inference_steps=10,
                          guidance_scale=5.0, output_type="latent").images.numpy()
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-3, rtol=0)
-
-
-def test_diffuse_on_a_mesh_in_int8_is_diffusers_within_5_percent(sd, tmp_path):
-    """``hypertron diffuse --mesh data=2,fsdp=2 --quantize int8`` (images over data x fsdp, the UNet's
-    matmul weights int8) saves diffusers' float32 final latents within 5% relative L2 (4 DDIM steps)."""
-    folder, pipe = sd
-    initial = np.random.default_rng(0).normal(size=(4, 4, 8, 8)).astype(np.float32)
-    np.save(tmp_path / "initial.npy", initial)
-    r = run_cli(["diffuse", "--model", folder, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "4",
-                 "--guidance", "7.5", "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
-                 "--out", tmp_path / "img.png", "--mesh", "data=2,fsdp=2", "--quantize", "int8"])
-    assert r.rc == 0 and "quantize int8, mesh data=2 x fsdp=2" in r.stdout, r.describe()
-    want = _diffusers_latents(pipe, initial, steps=4)
-    got = np.load(tmp_path / "final.npy")
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
-    assert len(list(tmp_path.glob("img-*.png"))) == 4
