@@ -316,7 +316,8 @@ def test_a_new_table_is_made_on_its_devices_the_same_under_every_placement(mesh)
         assert len(t.data.sharding.device_set) == (1 if placement == "table" else m.shape[axis])
     assert np.abs(want).max() <= (1 / 37) ** 0.5 and np.abs(want).max() > 0.8 * (1 / 37) ** 0.5
     t = init_table(dataclasses.replace(spec, init_scale=0.5), mesh, "x", seed=5)
-    np.testing.assert_allclose(t.dense()[0], want / (1 / 37) ** 0.5 * 0.5, rtol=1e-5)
+    # atol for draws near 0, where the scaled draw and the scaled reference round apart by ~1e-8
+    np.testing.assert_allclose(t.dense()[0], want / (1 / 37) ** 0.5 * 0.5, rtol=1e-5, atol=1e-7)
     x = _batch(np.random.default_rng(0), 37, 12, weighted=True)
     np.testing.assert_allclose(np.asarray(lookup(t, x)), reference_lookup(t.dense()[0], x), rtol=1e-5, atol=1e-6)
 
