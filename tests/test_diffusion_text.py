@@ -25,6 +25,7 @@ from hypertron.models.bundle import copy_tokenizer
 from hypertron.models.params import logical_axes
 from hypertron.parallel.rules import shardings_for, use_rules
 from hypertron.tokenizer import get_tokenizer, tokenizer_file
+from support.diffusion_folders import write_clip_vocab  # tests/support
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,28 +47,9 @@ PROMPTS = [
 T5_PROMPTS = [p for p in PROMPTS if "<|" not in p] + ["x" * 80]  # T5's literal special tokens are text here
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's 256 printable stand-ins for the byte values, in byte order (CLIP's first 256 ids)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b if b in printable else next(extra)) for b in range(256)]
-
-
 def _write_clip_tokenizer(folder, pad: str) -> None:
     """A CLIP BPE folder as the hub ships it: bytes, bytes + ``</w>``, merges of WORDS, the specials."""
-    chars = _byte_chars()
-    vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars])}
-    merges = []
-    for word in WORDS:
-        parts = [*word[:-1], word[-1] + "</w>"]
-        while len(parts) > 1:
-            merges.append(f"{parts[0]} {parts[1]}")
-            vocab.setdefault(parts[0] + parts[1], len(vocab))
-            parts = [parts[0] + parts[1], *parts[2:]]
-    vocab |= {BOS: len(vocab), EOS: len(vocab) + 1}
-    folder.mkdir()
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(dict.fromkeys(merges)) + "\n")
+    write_clip_vocab(folder, WORDS)
     config = {"tokenizer_class": "CLIPTokenizer", "bos_token": BOS, "eos_token": EOS, "unk_token": EOS,
               "pad_token": pad, "model_max_length": 77}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -13,14 +13,14 @@ WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue"]
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
 
-def write_clip_vocab(folder) -> tuple[str, str]:
-    """A CLIP BPE as the hub ships it (bytes, bytes + ``</w>``, merges of WORDS, the specials)."""
+def write_clip_vocab(folder, words=WORDS) -> tuple[str, str]:
+    """A CLIP BPE as the hub ships it (bytes, bytes + ``</w>``, merges of ``words``, the specials)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     chars = [chr(b if b in printable else next(extra)) for b in range(256)]
     vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars])}
     merges = []
-    for word in WORDS:
+    for word in words:
         parts = [*word[:-1], word[-1] + "</w>"]
         while len(parts) > 1:
             merges.append(f"{parts[0]} {parts[1]}")
