@@ -17,7 +17,9 @@ TIER is one of:
   ``hypertron plan``'s memory prediction beside the compiled step's; the monitor's collector
   (NVML, device memory, its cost) while that step trains; bf16 vs fp8 vs int8 training; the
   grouped matmul (Pallas) vs ``ragged_dot`` vs dense at one MoE size;
-  the ragged decode-attention kernel vs its reference; decode at batch 1 and 64, bf16 and int8
+  the ragged decode-attention kernel vs its reference; one mixed serving step's attention by the
+  paged kernel, its reference and cuDNN (``t2.paged``); which shapes cuDNN's fused attention takes
+  against ``cudnn_supported`` (``t2.cudnn_grid``); decode at batch 1 and 64, bf16 and int8
   KV, 512 and 8k context, as a fraction of the measured copy bandwidth; the compiled HLO and a
   profile of the ``llama-1b`` step.
 - ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
@@ -70,9 +72,9 @@ os.environ.setdefault("HYPERTRON_RECIPES", os.path.join(REPO, "recipes"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
-    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, RAGGED_FIELDS, ROW_ID,
-    SMOKE, TRAIN_FIELDS, Ctx, Sizes, decode_row, device_row, dlrm_row, gmm_row, layers_row, monitor_row, moe_row,
-    profile_row, ragged_row, train_case, train_row,
+    CUDNN_FIELDS, DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, PAGED_FIELDS,
+    RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes, cudnn_grid_row, decode_row, device_row, dlrm_row, gmm_row,
+    layers_row, monitor_row, moe_row, paged_row, profile_row, ragged_row, train_case, train_row,
 )
 
 TIERS = ("T0", "T1", "T2", "T3")
@@ -328,6 +330,9 @@ def plan(tier: str) -> list[Row]:
             Row("t2.quant.int8", (*TRAIN_FIELDS, "emfu_datasheet", "vs_base"), train_row(quant="int8", base="t2.train.dots")),
             *[Row(f"t2.gmm.{b}", GMM_FIELDS, gmm_row(b)) for b in ("dense", "pallas", "ragged_dot")],
             *[Row(f"t2.ragged.{b}", RAGGED_FIELDS, ragged_row(b)) for b in ("pallas", "reference")],
+            *[Row(f"t2.paged.{kv}.{b}", PAGED_FIELDS, paged_row(b, kv)) for kv in ("bfloat16", "int8")
+              for b in ("reference", "pallas", "cudnn")],
+            Row("t2.cudnn_grid", CUDNN_FIELDS, cudnn_grid_row),
         ]
         for bi, b in enumerate(GPU.decode_batches):
             for kv in ("bfloat16", "int8"):
@@ -371,6 +376,8 @@ HEADLINE = {
     "quant": ("step_ms", "tokens_s", "mfu_datasheet", "emfu_datasheet", "vs_base"),
     "gmm": ("tm", "fwd_ms", "fwd_pct_dense", "fwdbwd_ms", "fwdbwd_pct_dense"),
     "ragged": ("batch", "max_context", "ms", "bw_fraction_measured"),
+    "paged": ("ms", "rel_err", "vs_reference"),
+    "cudnn_grid": ("cases", "accepted", "rule_wrong"),
     "decode": ("batch", "context", "prefill_s", "step_ms", "tokens_s", "bw_fraction_measured"),
     "moe": ("experts", "backend", "step_ms", "tokens_s", "vs_e_first"),
 }
