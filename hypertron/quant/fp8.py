@@ -1,21 +1,25 @@
 """fp8 matmuls for training: e4m3 operands forward, e5m2 gradients backward, per-tensor scales.
 
-An fp8 einsum quantises and at once dequantises ("qdq") each operand and the incoming gradient::
+An fp8 einsum quantises each operand and the incoming gradient, and multiplies the fp8 values
+themselves, the scales applied to the float32 product::
 
-    y  = einsum(qdq(x, e4m3, s_x), qdq(w, e4m3, s_w))                  forward
-    g' = qdq(g, e5m2, s_g);  dx, dw = the einsum's own transposes on g'  backward
+    y  = einsum(q(x, e4m3, s_x), q(w, e4m3, s_w)) * s_x s_w                      forward
+    g' = q(g, e5m2, s_g);  dx = einsum^T(g', q(w)) s_g s_w,  dw = einsum^T(q(x), g') s_x s_g   backward
 
-with ``qdq(a, fmt, s) = fmt(clip(a / s)) * s`` (the cast to ``fmt`` is where the precision goes)
-and straight-through gradients through each qdq. Written this way, XLA on Hopper GPUs rewrites
-``convert(fp8) * scale -> dot`` into a cuBLAS Lt fp8 matmul with the scales folded in: the
-forward matmul always, and both backward ones where the operands' qdq is recomputed in the
-backward pass (``model.remat`` full or dots, the default; with ``remat=none`` the scanned
-layers keep the dequantised operands as residuals, and the backward matmuls run in the compute
-dtype; the same holds for a quantised unembedding, whose float32 gradient meets bf16 operands).
-Elsewhere the same program computes in the compute dtype on values rounded to fp8, so CPU runs
-reproduce fp8 numerics, not its speed. On a GPU (2026-11-25, one H100, JAX 0.11.2) the rewrite
-did not happen: the compiled step held no cuBLAS Lt f8 GEMM and ran at 0.89x the bf16 step
-(docs/benchmarks.md). TODO(gpu): read the HLO that T1 now leaves and make XLA take the pattern.
+with ``q(a, fmt, s) = fmt(clip(a / s))`` and straight-through gradients (one custom VJP over the
+whole einsum; its residuals are the fp8 operands, a byte an element). On Hopper GPUs XLA runs
+each of the three as a cuBLAS Lt fp8 GEMM (``__cublas$lt$matmul$f8``, the scales as its alpha);
+elsewhere the same program computes on the fp8 values upcast, so CPU runs reproduce fp8
+numerics, not its speed.
+
+Why fp8 operands and not quantise-dequantise ("qdq", ``fmt(a / s) * s`` fed to a bf16 einsum,
+which XLA's GEMM rewriter is documented to fold): on an H200 (2026-11-26, JAX 0.11.2,
+``bench/fp8_probe.py``, docs/benchmarks.md) XLA folded the qdq's round trip through fp8 away
+altogether under its default ``--xla_allow_excess_precision`` (the "fp8" step computed in bf16,
+unquantised, at 0.89x the bf16 step's speed), and with that flag off kept the fp8 converts but
+still ran a bf16 GEMM. An einsum of fp8 operands compiled to the cuBLAS Lt fp8 GEMM at once:
+1.11 ms against 1.44 ms in bf16 at 8192^3, quantisation of both operands included.
+:func:`qdq` stays as the numerics' reference.
 
 Scales are per tensor, ``s = amax / fmt_max`` (``fmt_max`` = 448 for e4m3, 57344 for e5m2):
 
@@ -100,56 +104,72 @@ def _amax(a: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(a)).astype(jnp.float32)
 
 
-# Forward operands: qdq in e4m3; the gradient passes straight through; the history's
-# "gradient" is its update.
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def qdq_in(a: jax.Array, history: jax.Array | None, fmt=E4M3) -> jax.Array:
-    return qdq(a, fmt, scale_for(_amax(a), history, fmt))
+def quantize(a: jax.Array, fmt, scale: jax.Array) -> jax.Array:
+    """``a / scale`` clipped to ``fmt``'s range, in ``fmt`` (the division in float32)."""
+    m = fmt_max(fmt)
+    return jnp.clip(a.astype(jnp.float32) / scale, -m, m).astype(fmt)
 
 
-def _qdq_in_fwd(a, history, fmt):
-    amax = _amax(a)
-    new = None if history is None else push(history, amax)
-    return qdq(a, fmt, scale_for(amax, history, fmt)), new
+def transposes(subscripts: str) -> tuple[str, str]:
+    """The subscripts of an einsum ``"A,B->C"``'s two gradients: ``"C,B->A"`` and ``"A,C->B"``.
+
+    Valid when no index repeats within an operand and each operand's every index is in the other
+    operand or the output (no index summed over one operand alone), which every einsum of the
+    models is; anything else is refused."""
+    spec = subscripts.replace(" ", "")
+    if "->" not in spec or "." in spec or spec.count(",") != 1:
+        raise ValueError(f"fp8 einsum: {subscripts!r} must be two explicit operands and an output (no ...)")
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    for op, other in ((a, b), (b, a)):
+        if len(set(op)) != len(op) or any(c not in other and c not in out for c in op):
+            raise ValueError(f"fp8 einsum: {subscripts!r} has an index that its gradients cannot carry")
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
-def _qdq_in_bwd(fmt, new_history, g):
-    return g, new_history
+def _dot(subscripts: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return (jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
 
 
-qdq_in.defvjp(_qdq_in_fwd, _qdq_in_bwd)
+# The einsum of fp8 operands with its own backward. The histories' "gradients" are their updates
+# (this step's amax pushed in front); ``hg`` enters only to scale the backward.
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_einsum(subscripts: str, dtype, out_dtype, x, w, hx, hw, hg):
+    return _fp8_einsum_fwd(subscripts, dtype, out_dtype, x, w, hx, hw, hg)[0]
 
 
-# Output: the identity forward; backward, the incoming gradient is qdq'd in e5m2 before the
-# einsum's transposes use it.
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def qdq_grad(y: jax.Array, history: jax.Array | None, fmt=E5M2) -> jax.Array:
-    return y
+def _fp8_einsum_fwd(subscripts, dtype, out_dtype, x, w, hx, hw, hg):
+    ax, aw = _amax(x), _amax(w)
+    sx, sw = scale_for(ax, hx, E4M3), scale_for(aw, hw, E4M3)
+    qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    new_hx = None if hx is None else push(hx, ax)
+    new_hw = None if hw is None else push(hw, aw)
+    return _dot(subscripts, qx, qw, sx * sw, out_dtype), (qx, qw, sx, sw, new_hx, new_hw, hg)
 
 
-def _qdq_grad_fwd(y, history, fmt):
-    return y, history
+def _fp8_einsum_bwd(subscripts, dtype, out_dtype, res, g):
+    qx, qw, sx, sw, new_hx, new_hw, hg = res
+    ag = _amax(g)
+    sg = scale_for(ag, hg, E5M2)
+    qg = quantize(g, E5M2, sg)
+    to_x, to_w = transposes(subscripts)
+    dx = _dot(to_x, qg, qw, sg * sw, dtype)
+    dw = _dot(to_w, qx, qg, sx * sg, dtype)
+    return dx, dw, new_hx, new_hw, None if hg is None else push(hg, ag)
 
 
-def _qdq_grad_bwd(fmt, history, g):
-    amax = _amax(g)
-    new = None if history is None else push(history, amax)
-    return qdq(g, fmt, scale_for(amax, history, fmt)), new
-
-
-qdq_grad.defvjp(_qdq_grad_fwd, _qdq_grad_bwd)
+_fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 
 
 def einsum(subscripts: str, x: jax.Array, w: jax.Array, history: AmaxHistory | None, dtype,
            out_dtype) -> jax.Array:
     """``einsum(subscripts, x, w)`` in fp8 (see the module docstring): operands cast to the
-    compute ``dtype`` and qdq'd in e4m3, accumulated as the hook's plain einsum is, the result in
-    ``out_dtype`` with its gradient qdq'd in e5m2. ``history``: delayed scaling state, or None for current scaling."""
+    compute ``dtype``, then e4m3 at their scales; the result in ``out_dtype``; the gradients from
+    the e5m2 gradient and the fp8 operands, in the compute dtype. ``history``: delayed scaling
+    state, or None for current scaling."""
     h = history or AmaxHistory(None, None, None)
-    xq = qdq_in(x.astype(dtype), h.x, E4M3)
-    wq = qdq_in(w.astype(dtype), h.w, E4M3)
-    y = jnp.einsum(subscripts, xq, wq, preferred_element_type=out_dtype)
-    return qdq_grad(y, h.g, E5M2)
+    return _fp8_einsum(subscripts, jnp.dtype(dtype), jnp.dtype(out_dtype), x.astype(dtype), w.astype(dtype),
+                       h.x, h.w, h.g)
 
 
 # ---------------------------------------------------------------------------
