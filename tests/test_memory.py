@@ -7,6 +7,8 @@ the rules alone; here they are compared with the shards ``make_trainer`` actuall
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import jax
@@ -141,6 +143,20 @@ def test_the_memory_model_plans_flash_attention_exactly_where_cudnn_takes_the_sh
             assert est.flash == cudnn_supported(cfg.model, compute, seq_len), (head_dim, seq_len)
             seen.add(est.flash)
     assert seen == ({True, False} if dtype != "float32" else {False})
+
+
+def test_the_cudnn_rule_is_what_cudnn_took_on_an_h200():
+    """docs/benchmarks.md t2.cudnn_grid (H200, 2026-11-26): head dims that are multiples of 8 up to
+    256 in bf16 and fp16 at an even length; 100, length 2047 and float32 refused. Before Hopper
+    the rule stays at 128 (cuDNN's backward there)."""
+    from hypertron.models.attention import cudnn_supported
+
+    model = load_config(None, ["model=llama-1b"]).model
+    taken = {(dt, hd, n) for dt in ("bfloat16", "float16", "float32") for hd in (64, 100, 128, 160, 192, 256, 264)
+             for n in (2047, 2048) if cudnn_supported(dataclasses.replace(model, head_dim=hd), dt, n)}
+    assert taken == {(dt, hd, 2048) for dt in ("bfloat16", "float16") for hd in (64, 128, 160, 192, 256)}
+    assert not cudnn_supported(dataclasses.replace(model, head_dim=256), "bfloat16", 2048, hopper=False)
+    assert cudnn_supported(dataclasses.replace(model, head_dim=128), "bfloat16", 2048, hopper=False)
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_and_the_override_lets_it_through(tmp_path, capsys,

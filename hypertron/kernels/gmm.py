@@ -50,9 +50,9 @@ Verified (CPU, JAX 0.10.2, ``tests/test_gmm.py``): every backend's output and bo
 gradients against the reference, float32 and bfloat16, with the Pallas kernels in
 interpret mode; and that the three kernel calls (forward, dlhs, drhs) lower to Triton
 IR for a CUDA target (``jax.export`` with ``platforms=("cuda",)``, no GPU needed).
-On a GPU (2026-11-25, one H100, JAX 0.11.2): the tests pass compiled for it at their 16-wide
-tiles; at Mixtral's size the old default tiling asked for more shared memory than a block gets
-(see :data:`DEFAULT_TILING`), so its speed there is still unknown.
+On a GPU (2026-11-25, one H100, and 2026-11-26, one H200, JAX 0.11.2): the tests pass compiled
+for it at their 16-wide tiles; at Mixtral's size :data:`DEFAULT_TILING` runs at twice the speed
+of ``ragged_dot`` (see :data:`AUTO_BACKEND`).
 The kernel is written for the Triton lowering (named in ``compiler_params``: JAX
 0.10.2 would otherwise pick Mosaic GPU): power-of-two load shapes, no
 data-dependent shapes, dynamic loop bounds and ``pl.ds`` offsets only, one writer
@@ -77,23 +77,24 @@ from hypertron.kernels.backends import TRITON, auto_backend, interpret_default, 
 
 BACKENDS = choices(GmmBackend)  # model.moe.gmm_backend
 
-# (tm, tk, tn). 2026-11-25, H100, JAX 0.11.2: (128, 128, 128) did not compile (Triton asked for
-# 320 KiB of shared memory, 227 KiB there; 256 and 448 KiB at tm 64 and 256, which fits
-# 8 tk (tm + tn) + 4 tk tn bytes). tk = tn = 64 needs about 112 KiB by that fit; not yet run or
-# timed there (bench/gpu_campaign.py T3 sweeps tilings).
+# (tm, tk, tn). What Triton asked for in shared memory (227 KiB a block on Hopper), JAX 0.11.2:
+# H100 (2026-11-25) 320 KiB at (128, 128, 128), 256 and 448 KiB at tm 64 and 256; H200
+# (2026-11-26) 288 KiB at (128, 64, 128), 240 KiB at (128, 32, 128), and (256, 64, 64) failed too.
+# No simple formula fits those (Triton picks its pipeline depth per tile). (128, 64, 64) and
+# (64, 64, 64) compile; at Mixtral's size (128, 64, 64) is the faster, 18.3 against 30.4 ms forward
+# (docs/benchmarks.md t2.gmm, t3.gmm).
 DEFAULT_TILING = (128, 64, 64)
 # Bounds on the chunk rows of the "grouped" CPU path (see _grouped_tm, measured).
 GROUPED_TM_RANGE = (16, 128)
 
 # Chosen from bench/gmm.py (docs/kernels.md). CPU (2 cores, JAX 0.10.2): "grouped"
 # beat "ragged_dot" in every case measured, m=256..4096, G=8..64, even and skewed,
-# float32 and bfloat16: 2.2-41x forward, 2.8-24x forward+backward. GPU (H100, JAX
-# 0.11.2, 2026-11-25, docs/benchmarks.md t2.gmm): "ragged_dot" runs, at 15 % of one
-# dense matmul of the same FLOPs forward and 12 % forward + backward (Mixtral's
-# size); "pallas" did not compile at its old tiling (shared memory). TODO(gpu): time
-# "pallas" at DEFAULT_TILING and the T3 tilings; make it the GPU default only if it
-# beats "ragged_dot" forward and forward + backward.
-AUTO_BACKEND = {"cpu": "grouped", "gpu": "ragged_dot", "cuda": "ragged_dot",
+# float32 and bfloat16: 2.2-41x forward, 2.8-24x forward+backward. GPU (H200, JAX
+# 0.11.2, 2026-11-26, docs/benchmarks.md t2.gmm; Mixtral's size, bf16, 8 experts even):
+# "pallas" at DEFAULT_TILING 18.3 ms forward and 69.3 ms forward + backward (29 % and
+# 27 % of one dense matmul of the same FLOPs), "ragged_dot" 36.2 and 137.0 ms (15 %
+# and 14 %; 15 % and 12 % on an H100 the day before): "pallas" beats it both ways.
+AUTO_BACKEND = {"cpu": "grouped", "gpu": "pallas", "cuda": "pallas",
                 "rocm": "ragged_dot", "tpu": "ragged_dot"}
 
 

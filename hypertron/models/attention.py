@@ -49,14 +49,25 @@ def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
-def cudnn_supported(cfg: ModelConfig, dtype, seq_len: int) -> bool:
-    """Whether cuDNN's flash attention takes this shape: bf16/fp16, a head dim that is a multiple
-    of 8 and at most 128 (256 on Hopper only, which is not told apart here), an even sequence
-    length; anything else would fail at compile time. Pure (no device is asked): the one rule
-    that :func:`attention_impl` and the memory model (which plans for hardware it does not have)
-    both follow."""
-    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
-            and seq_len % 2 == 0)
+def cudnn_supported(cfg: ModelConfig, dtype, seq_len: int, hopper: bool = True) -> bool:
+    """Whether cuDNN's flash attention takes this shape, forward and gradients: bf16/fp16, a head
+    dim that is a multiple of 8 and at most 256 on Hopper (``hopper``, the default: the GPUs this
+    project plans for) or 128 before it, an even sequence length; anything else fails at compile
+    time. Measured on an H200 (2026-11-26, JAX 0.11.2, ``bench/gpu_campaign.py`` ``t2.cudnn_grid``,
+    docs/benchmarks.md): head dims 64-256 taken in bf16 and fp16, 100 refused (not a multiple of 8),
+    length 2047 refused, float32 refused. Pure (no device is asked): the one rule that
+    :func:`attention_impl` and the memory model (which plans for hardware it does not have) both
+    follow."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0
+            and cfg.head_dim <= (256 if hopper else 128) and seq_len % 2 == 0)
+
+
+def is_hopper(device) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or later (JAX's ``compute_capability``, "9.0")."""
+    try:
+        return float(getattr(device, "compute_capability", 0) or 0) >= 9.0
+    except (TypeError, ValueError):
+        return False
 
 
 def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
@@ -67,7 +78,7 @@ def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
     if (
         jax.default_backend() == "gpu"
         and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
-        and cudnn_supported(cfg, dtype, seq_len)
+        and cudnn_supported(cfg, dtype, seq_len, is_hopper(jax.local_devices()[0]))
     ):
         return "cudnn"
     return "xla"

@@ -133,19 +133,20 @@ class StepBytes:
         return self.state.total + self.activations
 
 
-def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool, seq_len: int) -> bool:
+def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool, seq_len: int, hopper: bool = True) -> bool:
     """Whether the step's attention keeps no t x t scores: cuDNN's flash kernel, which ``auto``
     picks on NVIDIA GPUs where cuDNN takes the shape (the same rule:
     :func:`hypertron.models.attention.cudnn_supported`)."""
     if model.attention == "cudnn":
         return True
-    return model.attention == "auto" and gpu and cudnn_supported(model, compute_dtype, seq_len)
+    return model.attention == "auto" and gpu and cudnn_supported(model, compute_dtype, seq_len, hopper)
 
 
 def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False, gpu: bool = False,
-               rules: dict = DEFAULT_RULES) -> StepBytes:
+               rules: dict = DEFAULT_RULES, hopper: bool = True) -> StepBytes:
     """The state per device (exact) and the activations of a training step (an estimate, see the
-    coefficients above; XLA counts the gradients among its temporaries too)."""
+    coefficients above; XLA counts the gradients among its temporaries too). ``hopper``: the GPU
+    is a Hopper or later (cuDNN's flash attention takes head dims up to 256 there)."""
     m, tr = cfg.model, cfg.train
     state = state_bytes(cfg, mesh_shape, accelerator, rules)
     compute = compute_dtype(m, accelerator)
@@ -157,7 +158,7 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
         (m.mlp_dim, "act_mlp"), (m.vocab_size, "act_vocab")))
     if m.moe is not None:  # the routed copies go through top_k experts' MLPs (and shared ones)
         f = f * (m.moe.top_k + m.moe.shared_experts)
-    flash = flash_attention(m, compute, gpu, t)
+    flash = flash_attention(m, compute, gpu, t, hopper)
     terms = {"S": b * n * t * (1 if flash else t) * 4, "A": b * t * m.embed_dim * c, "M": b * t * f * c,
              "Q": b * t * (n + 2 * k) * m.head_dim * c}
     one = sum(ONE_LAYER[x] * terms[x] for x in terms)

@@ -89,7 +89,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     # train's own checks of its devices, on these (a process per node): a plan that fits is a run that starts
     mesh = check_devices(cfg, devices, nodes, devices // nodes, "gpu" if gpu else hw.name.split("-")[0])
     ici, dcn = cfg.mesh.split(devices, nodes)
-    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu)
+    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu, hopper=hw.name.startswith(("h100", "h200")))
     device_memory = hw.memory
     if device_memory is None and hw.name == "cpu":
         device_memory = host_memory_per_device(devices)

@@ -51,13 +51,15 @@ def device_memory(device) -> float | None:
 def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
     """Refuse a run whose predicted bytes per device (:func:`hypertron.models.memory.step_bytes`)
     exceed the device's, in one line that says what would make it fit."""
+    from hypertron.models.attention import is_hopper
     from hypertron.models.memory import step_bytes
     from hypertron.units import describe_bytes
 
     limit = device_memory(device)
     if limit is None:
         return
-    need = step_bytes(cfg, shape, accelerator=device.platform != "cpu", gpu=device.platform == "gpu")
+    need = step_bytes(cfg, shape, accelerator=device.platform != "cpu", gpu=device.platform == "gpu",
+                      hopper=is_hopper(device))
     if need.total <= limit:
         return
     s = need.state
