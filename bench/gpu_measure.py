@@ -37,6 +37,7 @@ class Sizes:
     matmul: int = 8192
     copy_elems: int = 2**29  # bf16: 1 GiB read + 1 GiB written
     iters: int = 10
+    warm_s: float = 1.0  # seconds of matmuls before the ceilings are timed (clocks up)
     gmm: tuple[int, int, int, int] = (16384, 4096, 14336, 8)  # m = tokens x top_k, k, n, experts (Mixtral)
     ragged: tuple[int, int, int, int, int, int] = (64, 8192, 16, 4, 128, 16)  # batch, ctx, heads, kv, hd, page
     # One mixed serving step of llama-1b's attention (issue 38): decode rows, then one chunk of new
@@ -69,7 +70,7 @@ GPU = Sizes()
 SMOKE = Sizes(
     preset="tiny", model=("model.num_layers=1",), batch=2, seq=64, steps=1, warmup=1, doc_len=16,
     t0_overrides=("model=tiny", "model.num_layers=1", "train.global_batch=2", "train.seq_len=32"),
-    matmul=128, copy_elems=2**16, iters=1, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
+    matmul=128, copy_elems=2**16, iters=1, warm_s=0.0, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
     paged=(2, 16, 48, 2, 1, 16, 16), cudnn_grid=(("bfloat16",), (64,), (32,)),
     decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
     t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
@@ -107,9 +108,15 @@ def device_row(ctx):
     dev = jax.devices()[0]
     n = ctx.s.matmul
     a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    t_mm = time_fn(jax.jit(lambda a, b: a @ b), (a, b), ctx.s.iters)
+    mm = jax.jit(lambda a, b: a @ b)
     x = jax.random.normal(jax.random.key(1), (ctx.s.copy_elems,), jnp.bfloat16)
-    t_copy = time_fn(jax.jit(lambda x: x + 1), (x,), ctx.s.iters)
+    copy = jax.jit(lambda x: x + 1)
+    # An idle card sits at a low clock (an H200 here: 345 MHz): a second of matmuls first, or the
+    # ceilings read low (2026-11-26: 541-637 TFLOP/s and 2.0-2.8 TB/s against 769-798 and 4.3).
+    _busy(mm, (a, b), ctx.s.warm_s)
+    t_mm = time_fn(mm, (a, b), ctx.s.iters)
+    _busy(copy, (x,), ctx.s.warm_s / 4)
+    t_copy = time_fn(copy, (x,), ctx.s.iters)
     ctx.peaks = {"tflops": 2 * n**3 / t_mm / 1e12, "bw": 2 * x.nbytes / t_copy}
     del a, b, x
     driver = None
@@ -123,6 +130,17 @@ def device_row(ctx):
             "matmul_tflops": ctx.peaks["tflops"], "copy_gbs": ctx.peaks["bw"] / 1e9,
             "datasheet_tflops": None if peak is None else peak / 1e12,
             "datasheet_bw_gbs": None if bw is None else bw / 1e9, "matmul_n": n, "copy_bytes": 2 * 2 * ctx.s.copy_elems}
+
+
+def _busy(fn, args, seconds: float) -> None:
+    """Call ``fn`` back to back for ``seconds`` (at least once), synced at the end."""
+    import jax
+
+    end = time.perf_counter() + seconds
+    out = fn(*args)
+    while time.perf_counter() < end:
+        out = fn(*args)
+        jax.block_until_ready(out)
 
 
 def _peaks(ctx) -> dict:
