@@ -294,22 +294,25 @@ def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_sc
     q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # zero rows: sliced off
     operands = [lengths, window.reshape(1), page_indices, q_bkgd, k_pages, v_pages]
     operands += [k_scales, v_scales] if quantized else []
-    group_spec = pl.BlockSpec((None, None, gp, head_dim), lambda b, h: (b, h, 0, 0))
-    in_specs = [whole(x) for x in operands]
-    in_specs[3] = group_spec
     kernel = functools.partial(_decode_kernel, page_size=page_size, pages_per_block=ppb,
                                sm_scale=cfg.sm_scale, quantized=quantized)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, gp, head_dim), q.dtype),
-        grid=(batch, num_kv_heads),
-        in_specs=in_specs,
-        out_specs=group_spec,
-        interpret=cfg.interpret,
-        compiler_params=TRITON,
-        name="ragged_decode_attention",
-    )(*operands)
+    out = call_per_kv_head(kernel, operands, 3, (batch, num_kv_heads, gp, head_dim), q.dtype, cfg,
+                           "ragged_decode_attention")
     return out[:, :, :group].reshape(batch, num_heads, head_dim)
+
+
+def call_per_kv_head(kernel, operands: list, q_index: int, out_shape: tuple[int, int, int, int], dtype,
+                     cfg: CallConfig, name: str) -> jax.Array:
+    """``kernel`` as one Triton program per (block, KV head): ``out_shape`` is ``[blocks, kv_heads,
+    rows, head_dim]``; ``operands[q_index]`` (the queries, laid out so) and the output are blocked
+    by it, every other operand is whole (the kernels index the pages themselves)."""
+    blocks, kv_heads, rows, head_dim = out_shape
+    spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0))
+    in_specs = [whole(x) for x in operands]
+    in_specs[q_index] = spec
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_shape, dtype), grid=(blocks, kv_heads),
+                          in_specs=in_specs, out_specs=spec, interpret=cfg.interpret, compiler_params=TRITON,
+                          name=name)(*operands)
 
 
 @functools.partial(jax.jit, static_argnums=8)

@@ -42,12 +42,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from hypertron.kernels.backends import TRITON, whole
 from hypertron.kernels.ragged_attention import AUTO_BACKEND as DECODE_AUTO_BACKEND
 from hypertron.kernels.ragged_attention import (
     DEFAULT_BLOCK_TOKENS,
     MIN_GROUP_ROWS,
     CallConfig,
+    call_per_kv_head,
     causal_window_mask,
     check_call,
     check_pages,
@@ -335,21 +335,10 @@ def _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scale
     q_tkmd = q_tqkgd.transpose(0, 2, 1, 3, 4).reshape(tiles, num_kv_heads, rows_m, head_dim)
     operands = [row_t, pos0_t, count_t, window.reshape(1), page_table.astype(jnp.int32), q_tkmd,
                 k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
-    tile_spec = pl.BlockSpec((None, None, rows_m, head_dim), lambda t, h: (t, h, 0, 0))
-    in_specs = [whole(x) for x in operands]
-    in_specs[5] = tile_spec
     kernel = functools.partial(_paged_kernel, page_size=page_size, pages_per_block=ppb,
                                sm_scale=cfg.sm_scale, quantized=quantized, group_rows=gp)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((tiles, num_kv_heads, rows_m, head_dim), q.dtype),
-        grid=(tiles, num_kv_heads),
-        in_specs=in_specs,
-        out_specs=tile_spec,
-        interpret=cfg.interpret,
-        compiler_params=TRITON,
-        name="ragged_paged_attention",
-    )(*operands)
+    out = call_per_kv_head(kernel, operands, 5, (tiles, num_kv_heads, rows_m, head_dim), q.dtype, cfg,
+                           "ragged_paged_attention")
     out_tqkgd = out.reshape(tiles, num_kv_heads, block_q, gp, head_dim).transpose(0, 2, 1, 3, 4)
     out_nkgd = jnp.zeros((n, num_kv_heads, group, head_dim), q.dtype)
     out_nkgd = out_nkgd.at[idx_tq].set(out_tqkgd[..., :group, :], mode="drop")
