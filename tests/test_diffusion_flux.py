@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -17,9 +16,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from hypertron.diffusion import flux as F
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.weights import WEIGHTS_FILE
 from hypertron.models.params import logical_axes
 from hypertron.parallel.rules import shardings_for, use_rules
+from support.diffusion_models import perturbed_folders, refuses_missing_tensor
 
 torch = pytest.importorskip("torch")
 
@@ -36,19 +35,8 @@ BATCH = 4  # rows over data x fsdp on the (2, 2, 2) mesh: the layout where XLA n
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{name: (folder, diffusers model)}; diffusers imported here, not at collection."""
-    diffusers = pytest.importorskip("diffusers")
-    out = {}
-    for i, (name, extra) in enumerate(CONFIGS.items()):
-        torch.manual_seed(i)
-        model = diffusers.FluxTransformer2DModel(**(TINY | extra)).eval()
-        with torch.no_grad():  # off the default init: norm scales, zero biases, AdaLN modulations
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
-        folder = tmp_path_factory.mktemp(f"flux-{name}")
-        model.save_pretrained(folder)
-        out[name] = folder, model
-    return out
+    """{name: (folder, diffusers model)}."""
+    return perturbed_folders(tmp_path_factory, "FluxTransformer2DModel", TINY, CONFIGS, "flux")
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -115,17 +103,8 @@ def test_traced_ids_give_the_host_rope():
 
 
 def test_a_missing_tensor_and_unsupported_values_are_one_line(folders, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    folder = tmp_path / "transformer"
-    shutil.copytree(folders["dev"][0], folder)
-    weights = folder / WEIGHTS_FILE
-    tensors = load_file(weights)
-    del tensors["single_transformer_blocks.1.attn.norm_k.weight"]
-    save_file(tensors, weights)
-    with pytest.raises(DiffusionError) as e:
-        F.load_flux(folder)
-    assert str(e.value) == f"missing tensor single_transformer_blocks.1.attn.norm_k.weight (1 in all) for {weights}"
+    folder = refuses_missing_tensor(folders["dev"][0], tmp_path / "transformer",
+                                    "single_transformer_blocks.1.attn.norm_k.weight", F.load_flux)
 
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())

@@ -8,7 +8,6 @@ one-line errors for an unsupported block type and a missing tensor."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 
 from hypertron.diffusion import unet as U
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.weights import WEIGHTS_FILE
+from support.diffusion_models import perturbed_folders, refuses_block_type, refuses_missing_tensor
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # tiny models: its thread pool spins for 10x the CPU of one thread (~6 s here)
@@ -39,19 +38,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{name: (folder, diffusers model)}; diffusers imported here, not at collection."""
-    diffusers = pytest.importorskip("diffusers")
-    out = {}
-    for i, (name, extra) in enumerate(CONFIGS.items()):
-        torch.manual_seed(i)
-        model = diffusers.UNet2DConditionModel(**(TINY | extra)).eval()
-        with torch.no_grad():  # off the default init: zero-initialised convs, norms, biases
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
-        folder = tmp_path_factory.mktemp(f"unet-{name}")
-        model.save_pretrained(folder)
-        out[name] = folder, model
-    return out
+    """{name: (folder, diffusers model)}."""
+    return perturbed_folders(tmp_path_factory, "UNet2DConditionModel", TINY, CONFIGS, "unet")
 
 
 def _apply(params, cfg, *args):
@@ -139,26 +127,10 @@ def test_the_declaration_is_the_published_unets_state_dict(name):
 
 
 def test_a_missing_tensor_and_an_unsupported_block_are_one_line(folders, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    folder = tmp_path / "unet"
-    shutil.copytree(folders["sdxl"][0], folder)
-    weights = folder / WEIGHTS_FILE
-    tensors = load_file(weights)
-    name = "down_blocks.1.attentions.0.transformer_blocks.1.attn2.to_k.weight"
-    del tensors[name]
-    save_file(tensors, weights)
-    with pytest.raises(DiffusionError) as e:
-        U.load_unet(folder)
-    assert str(e.value) == f"missing tensor {name} (1 in all) for {weights}"
-
+    folder = refuses_missing_tensor(folders["sdxl"][0], tmp_path / "unet",
+                                    "down_blocks.1.attentions.0.transformer_blocks.1.attn2.to_k.weight", U.load_unet)
+    refuses_block_type(folder, "up_block_types", 0, "AttnUpBlock2D", U.load_unet)
     config = json.loads((folder / "config.json").read_text())
-    config["up_block_types"][0] = "AttnUpBlock2D"
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DiffusionError) as e:
-        U.load_unet(folder)
-    assert "\n" not in str(e.value) and "up_block_types" in str(e.value)
-    assert "AttnUpBlock2D" in str(e.value) and "config.json" in str(e.value)
     for key, value in (("class_embed_type", "timestep"), ("addition_embed_type", "text")):
         with pytest.raises(DiffusionError, match=f"config.json: {key}=.* is not supported"):
             U.unet_config(config | {key: value, "up_block_types": CONFIGS["sdxl"]["up_block_types"]},

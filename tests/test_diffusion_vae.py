@@ -6,7 +6,6 @@ errors for a missing tensor and an unsupported block type."""
 from __future__ import annotations
 
 import functools
-import json
 import shutil
 
 import jax
@@ -15,7 +14,7 @@ import pytest
 
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.weights import WEIGHTS_FILE
+from support.diffusion_models import perturbed_folders, refuses_block_type, refuses_missing_tensor
 
 torch = pytest.importorskip("torch")
 
@@ -31,20 +30,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{name: (folder, diffusers model)}; diffusers imported here, not at collection (seconds of CPU
-    in every xdist worker)."""
-    diffusers = pytest.importorskip("diffusers")
-    out = {}
-    for i, (name, extra) in enumerate(CONFIGS.items()):
-        torch.manual_seed(i)
-        model = diffusers.AutoencoderKL(**(TINY | extra)).eval()
-        with torch.no_grad():  # off the default init: norms' scales and biases, biases of every layer
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
-        folder = tmp_path_factory.mktemp(f"vae-{name}")
-        model.save_pretrained(folder)
-        out[name] = folder, model
-    return out
+    """{name: (folder, diffusers model)}."""
+    return perturbed_folders(tmp_path_factory, "AutoencoderKL", TINY, CONFIGS, "vae")
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -86,25 +73,9 @@ def test_to_uint8_matches_the_image_processor():
 
 
 def test_a_missing_tensor_and_an_unsupported_block_are_one_line(folders, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    folder = tmp_path / "vae"
-    shutil.copytree(folders["sd"][0], folder)
-    weights = folder / WEIGHTS_FILE
-    tensors = load_file(weights)
-    del tensors["decoder.mid_block.attentions.0.to_k.bias"]
-    save_file(tensors, weights)
-    with pytest.raises(DiffusionError) as e:
-        V.load_vae(folder)
-    assert str(e.value) == f"missing tensor decoder.mid_block.attentions.0.to_k.bias (1 in all) for {weights}"
-
-    config = json.loads((folder / "config.json").read_text())
-    config["down_block_types"][1] = "AttnDownEncoderBlock2D"
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DiffusionError) as e:
-        V.load_vae(folder)
-    assert "\n" not in str(e.value) and "down_block_types" in str(e.value)
-    assert "AttnDownEncoderBlock2D" in str(e.value) and "config.json" in str(e.value)
+    folder = refuses_missing_tensor(folders["sd"][0], tmp_path / "vae", "decoder.mid_block.attentions.0.to_k.bias",
+                                    V.load_vae)
+    refuses_block_type(folder, "down_block_types", 1, "AttnDownEncoderBlock2D", V.load_vae)
 
     bin_only = tmp_path / "bin-only"
     bin_only.mkdir()
