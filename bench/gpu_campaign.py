@@ -35,7 +35,8 @@ on. ``--smoke`` runs every row at tiny sizes on CPU (Pallas in interpret mode): 
 their fields are the same in both modes, only the sizes differ; ``tests/test_gpu_campaign.py``
 runs it in ``make test``. Fields that only a known accelerator can fill (the datasheet peak, the
 driver, the allocator's peak memory) are null elsewhere: :data:`HARDWARE_FIELDS`. The T2 and T3
-measurements and the two sets of sizes are in ``bench/gpu_measure.py``; the plan, the runner and
+measurements and the two sets of sizes are in ``bench/gpu_measure.py`` (the attention rows in
+``bench/gpu_attention.py``); the plan, the runner and
 T0/T1 here. ``peak_mem_gib`` is
 the allocator's peak over the process so far (it has no reset); ``xla_mem_gib`` is the compiled
 step's own plan (arguments + outputs - donated + temporaries).
@@ -72,9 +73,12 @@ os.environ.setdefault("HYPERTRON_RECIPES", os.path.join(REPO, "recipes"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
-    CUDNN_FIELDS, DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, PAGED_FIELDS,
-    RAGGED_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS, Ctx, Sizes, cudnn_grid_row, decode_row, device_row, dlrm_row, gmm_row,
-    layers_row, monitor_row, moe_row, paged_row, profile_row, ragged_row, train_case, train_row,
+    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS,
+    Ctx, Sizes, decode_row, device_row, dlrm_row, gmm_row, layers_row, monitor_row, moe_row, profile_row, train_case,
+    train_row,
+)
+from gpu_attention import (  # noqa: E402  (bench/gpu_attention.py: the attention rows)
+    CUDNN_FIELDS, PAGED_FIELDS, RAGGED_FIELDS, cudnn_grid_row, paged_row, ragged_row,
 )
 
 TIERS = ("T0", "T1", "T2", "T3")
