@@ -54,6 +54,8 @@ _SERVE_FLAGS: dict[str, dict] = {
                                           "default: the model's own)"),
     "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most"),
     "max_steps": dict(metavar="N", help="a diffusers folder: num_inference_steps, at most"),
+    "embedding_cache": dict(metavar="N", help="a diffusers folder: prompts whose text-encoder outputs are kept, "
+                                              "least recently used dropped (0: off)"),
 }
 
 
