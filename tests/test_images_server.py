@@ -115,6 +115,7 @@ def test_images_are_hypertron_diffuses(served, tmp_path):
     (["--sizes", "16by16"], ["sizes=", "not WxH"]),
     (["--max-batch", "0"], ["max-batch"]),
     (["--embedding-cache", "-1"], ["embedding-cache", "0 (off)"]),
+    (["--mesh", "data=99"], ["mesh=", "needs 99 devices"]),
 ])
 def test_serve_refuses_bad_image_flags_before_loading(served, flags, words):
     """``hypertron serve`` on a diffusers folder: a bad flag is one error line and exit 2, nothing compiled."""
@@ -198,3 +199,25 @@ def test_prompt_cache_is_least_recently_used_and_0_keeps_nothing():
     assert made == ["a", "b", "c", "b"]  # c dropped b (least recently used), then b dropped c
     off = PromptCache(0)
     assert [off.get("a", make("a"))[1] for _ in range(2)] == [False, False]
+
+
+def test_serve_places_and_quantizes_as_diffuse(served, monkeypatch):
+    """``hypertron serve --mesh data=2 --quantize int8`` on a diffusers folder loads the pipeline
+    ``hypertron diffuse`` would run (``placement.load_placed``): int8 denoiser matmul weights on the
+    mesh. (Its program on a mesh and in int8 is test_diffusion_mesh's and test_diffusion_pipeline's;
+    nothing is compiled here.)"""
+    import jax
+
+    from hypertron.config import ServeConfig
+    from hypertron.quant import QArray
+    from hypertron.serve.images import ImageServer, build
+
+    monkeypatch.setattr(ImageServer, "warm", lambda self: None)
+    app = build(ServeConfig(checkpoint=str(served[1]), sizes="16x16", mesh="data=2", quantize="int8"))
+    server = app.state.images
+    server.close()
+    pipe = server.pipe
+    assert dict(pipe.mesh.shape)["data"] == 2 and pipe.quantize == "int8"
+    int8 = [leaf for leaf in jax.tree.leaves(pipe.denoiser_params, is_leaf=lambda x: isinstance(x, QArray))
+            if isinstance(leaf, QArray)]
+    assert int8 and all(leaf.values.sharding.mesh == pipe.mesh for leaf in int8)

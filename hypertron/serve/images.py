@@ -44,10 +44,10 @@ from pydantic import BaseModel, Field
 
 from hypertron.config import ServeConfig
 from hypertron.config.numbers import shown
-from hypertron.diffusion import sampling
+from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes
-from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, load_pipeline, read_pipeline
+from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, read_pipeline
 from hypertron.serve.api import HEALTH_RESPONSES, METRICS_RESPONSES, ApiError, ModelCard, ModelList, _Strict, responses
 from hypertron.serve.metrics import ImageMetrics
 from hypertron.serve.model import served_name
@@ -366,15 +366,20 @@ def create_app(server: ImageServer, *, api_key: str | None = None,
 
 
 def build(serve: ServeConfig) -> FastAPI:
-    """The app of ``serve.checkpoint``, a diffusers folder: loaded, its sizes compiled."""
-    spec = read_pipeline(serve.checkpoint)  # the sizes checked before a weight is read
+    """The app of ``serve.checkpoint``, a diffusers folder: loaded (``--quantize``, ``--mesh`` as
+    ``hypertron diffuse``'s), its sizes compiled. ``app.state.images`` is its :class:`ImageServer`."""
+    mesh = placement.mesh_of(serve.mesh)  # the mesh and sizes checked before a weight is read
+    spec = read_pipeline(serve.checkpoint)
     sizes = served_sizes(spec, serve.sizes)
-    pipe = load_pipeline(serve.checkpoint, spec=spec)
+    pipe = placement.load_placed(spec, quantize_mode=serve.quantize, mesh=mesh)
+    print(f"hypertron serve: {placement.described(pipe)}", file=sys.stderr)
     server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
                          max_batch=serve.max_batch, max_steps=serve.max_steps,
                          embedding_cache=serve.embedding_cache)
     server.warm()
-    return create_app(server, api_key=serve.api_key)
+    app = create_app(server, api_key=serve.api_key)
+    app.state.images = server
+    return app
 
 
 def main(serve: ServeConfig) -> int:
