@@ -175,6 +175,21 @@ def test_concurrent_requests_share_batches_and_each_image_is_its_own(served):
     assert _delta(before, last, "hypertron_image_prompt_cache_total", result="hit") == 2 * len(bodies) - 3
 
 
+def test_a_batch_is_padded_to_a_compiled_size(served):
+    """``n=3`` runs padded to the compiled batch of 4 (no compile: the padding counted in ``/metrics``);
+    its images 0 and 2 are the same seed's ``n=1`` image and ``hypertron diffuse``'s third image."""
+    url, _, server = served
+    body = dict(prompt=PROMPT, size="16x16", response_format="b64_json",
+                extra_body={"seed": 21, "num_inference_steps": 3})
+    before = _metrics(url)
+    three = _client(url).images.generate(model=MODEL, n=3, **body).data
+    after = _metrics(url)
+    assert len(three) == 3 and _delta(before, after, "hypertron_image_batch_rows_total", kind="padded") == 1
+    one = _client(url).images.generate(model=MODEL, n=1, **body).data[0].b64_json
+    assert np.abs(_pixels(three[0].b64_json) - _pixels(one)).max() <= 1
+    assert np.abs(_pixels(three[2].b64_json) - _pixels(one)).max() > 8  # its own seed's row, not a copy
+
+
 def test_next_batch_never_mixes_sizes_steps_or_cfg_and_keeps_to_max_batch():
     from hypertron.serve.images import ImageJob, batch_sizes, next_batch
 
@@ -221,3 +236,36 @@ def test_serve_places_and_quantizes_as_diffuse(served, monkeypatch):
     int8 = [leaf for leaf in jax.tree.leaves(pipe.denoiser_params, is_leaf=lambda x: isinstance(x, QArray))
             if isinstance(leaf, QArray)]
     assert int8 and all(leaf.values.sharding.mesh == pipe.mesh for leaf in int8)
+
+
+def test_a_cancelled_request_is_dropped_and_a_failed_batch_fails_its_requests():
+    """The batch thread (its program call stubbed): a request cancelled while waiting is left out of
+    the batch, the others get their rows; an error in a batch reaches each of its requests, and the
+    thread runs on."""
+    from hypertron.serve.images import ImageJob, ImageServer
+
+    server = ImageServer(None, MODEL, sizes=[(16, 16)], max_batch=4, max_steps=3)
+    calls = []
+
+    def sample(jobs):
+        calls.append([job.seed for job in jobs])
+        if jobs[0].seed == 99:
+            raise RuntimeError("device lost")
+        return np.concatenate([np.full((job.n, 1, 1, 3), job.seed, np.uint8) for job in jobs])
+
+    server._sample = sample
+    job = lambda seed, n=1: ImageJob("p", None, n, seed, 3, 7.5, 16, 16, True)  # noqa: E731
+    try:
+        with server.running:
+            futures = [server.submit(job(seed, n)) for seed, n in ((1, 1), (2, 2), (3, 1))]
+            assert futures[1].cancel()
+        assert [f.result(timeout=10)[:, 0, 0, 0].tolist() for f in (futures[0], futures[2])] == [[1], [3]]
+        with server.running:
+            failing = [server.submit(job(99)), server.submit(job(98))]
+        for f in failing:
+            with pytest.raises(RuntimeError, match="device lost"):
+                f.result(timeout=10)
+        assert server.submit(job(4)).result(timeout=10)[:, 0, 0, 0].tolist() == [4]
+        assert calls == [[1, 3], [99, 98], [4]]
+    finally:
+        server.close()

@@ -225,7 +225,8 @@ class ImageServer:
             self._wake.notify()
         self._thread.join()
         for _, future in self._pending:
-            future.set_exception(RuntimeError("the image server closed"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the image server closed"))
 
     def _loop(self) -> None:
         while True:
@@ -234,11 +235,21 @@ class ImageServer:
                 if self._closed:
                     return
             with self.running:
-                with self._wake:
-                    picked = set(next_batch([job for job, _ in self._pending], self.max_batch))
-                    batch = [p for i, p in enumerate(self._pending) if i in picked]
-                    self._pending = [p for i, p in enumerate(self._pending) if i not in picked]
-                self._run(batch)
+                batch = self._take_batch()
+                if batch:
+                    self._run(batch)
+
+    def _take_batch(self) -> list[tuple[ImageJob, concurrent.futures.Future]]:
+        """The next batch's requests (:func:`next_batch`), out of the waiting ones and marked running;
+        a request whose client went away (its future cancelled) is dropped."""
+        with self._wake:
+            self._pending = [p for p in self._pending if not p[1].cancelled()]
+            if not self._pending:
+                return []
+            picked = set(next_batch([job for job, _ in self._pending], self.max_batch))
+            batch = [p for i, p in enumerate(self._pending) if i in picked]
+            self._pending = [p for i, p in enumerate(self._pending) if i not in picked]
+        return [(job, future) for job, future in batch if future.set_running_or_notify_cancel()]
 
     def _run(self, batch: list[tuple[ImageJob, concurrent.futures.Future]]) -> None:
         try:

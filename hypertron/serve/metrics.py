@@ -46,7 +46,7 @@ class ImageMetrics:
         self.requests = Counter(p + "image_requests", "finished image requests", ["status"], registry=r)
         self.images = Counter(p + "images", "images generated", registry=r)
         self.latency = Histogram(p + "image_request_latency_seconds", "a request's sampling and encoding, "
-                                 "its wait for the one before it included", registry=r,
+                                 "its wait for a batch included", registry=r,
                                  buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
         self.batches = Counter(p + "image_batches", "program calls (batches of requests of one size, step count "
                                "and CFG or not)", registry=r)
