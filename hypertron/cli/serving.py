@@ -36,7 +36,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "max_top_logprobs": dict(metavar="N", help="the most log-probabilities a request may ask for per token "
                                                "(logprobs, top_logprobs); a step that returns them computes "
                                                "this many"),
-    "quantize": dict(help="weight precision"),
+    "quantize": dict(help="weight precision (a diffusers folder: the denoiser's matmuls, as hypertron diffuse "
+                          "--quantize)"),
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
                          f"padded to a compiled shape at most {MAX_PADDED_COST:g} times as costly (if any); lazy: "
                          "a step waits for its shape's compile"),
@@ -54,6 +55,10 @@ _SERVE_FLAGS: dict[str, dict] = {
                                           "default: the model's own)"),
     "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most"),
     "max_steps": dict(metavar="N", help="a diffusers folder: num_inference_steps, at most"),
+    "embedding_cache": dict(metavar="N", help="a diffusers folder: prompts whose text-encoder outputs are kept, "
+                                              "least recently used dropped (0: off)"),
+    "mesh": dict(metavar="AXIS=N,...", help="a diffusers folder: devices, e.g. data=2,fsdp=2 (images over data, "
+                                            "weights over fsdp/tensor by the sharding rules; default: one device)"),
 }
 
 

@@ -521,6 +521,8 @@ class ServeConfig:
     sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
     max_batch: int = 4  # images per request (n), at most
     max_steps: int = 100  # num_inference_steps, at most
+    embedding_cache: int = 32  # prompts whose text-encoder outputs are kept (LRU); 0: none
+    mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the sharding rules; None: one device
 
     @property
     def engine(self) -> EngineConfig:

@@ -276,5 +276,7 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")
+    if cfg.embedding_cache < 0:
+        raise ConfigError(f"{name('embedding_cache')}={cfg.embedding_cache}: must be 0 (off) or more")
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"{name('port')}={cfg.port}: must be 0 to 65535")

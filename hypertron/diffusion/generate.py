@@ -18,10 +18,8 @@ import numpy as np
 from hypertron.config.numbers import shown
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import PipelineSpec, load_pipeline, read_pipeline
+from hypertron.diffusion.pipeline import PipelineSpec, read_pipeline
 from hypertron.diffusion.sampling import schedule_for
-from hypertron.errors import ConfigError
-from hypertron.parallel.mesh import mesh_from_text
 
 DTYPES = ("float32", "bfloat16")
 
@@ -103,10 +101,7 @@ def check_request(req: DiffuseRequest) -> _Plan:
     if req.quantize not in placement.QUANTIZE:
         raise DiffusionError(f"quantize={shown(req.quantize)} is not supported (supported: "
                              f"{', '.join(placement.QUANTIZE)})")
-    try:
-        mesh = None if req.mesh is None else mesh_from_text(req.mesh)
-    except ConfigError as e:
-        raise DiffusionError(str(e)) from None
+    mesh = placement.mesh_of(req.mesh)
     spec = read_pipeline(req.model, req.scheduler)
     steps = spec.kind.steps if req.steps is None else req.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -145,13 +140,8 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     """Run ``req``: the PNGs written (and ``--save-latents``'s file), timings through ``log``."""
     plan = check_request(req)
     start = time.perf_counter()
-    pipe = placement.quantize(load_pipeline(plan.spec.folder, dtype=jnp.dtype(req.dtype), spec=plan.spec),
-                              req.quantize)
-    if plan.mesh is not None:
-        pipe = placement.place(pipe, plan.mesh)
-    where = " x ".join(f"{a}={n}" for a, n in plan.mesh.shape.items() if n > 1) if plan.mesh is not None else ""
-    log(f"load: {time.perf_counter() - start:.2f} s ({plan.spec.class_name}, {req.dtype}, quantize "
-        f"{req.quantize}, {'mesh ' + where if where else 'one device'})")
+    pipe = placement.load_placed(plan.spec, dtype=jnp.dtype(req.dtype), quantize_mode=req.quantize, mesh=plan.mesh)
+    log(f"load: {time.perf_counter() - start:.2f} s ({placement.described(pipe)})")
     count = len(plan.paths)
     start = time.perf_counter()
     args = jax.block_until_ready(sampling.request_args(

@@ -5,6 +5,8 @@
   replicated. The sampling program of a placed pipeline runs under those rules: its images (the
   latents' and the conditioning's batch axis, and the VAE decode's) are sharded over the ``batch``
   axes (data, then fsdp and expert where the batch divides).
+* :func:`load_placed`: what ``hypertron diffuse`` and the image server both run: load, quantise,
+  place (``--mesh`` read by :func:`mesh_of`).
 * :func:`quantize`: ``int8`` replaces the denoiser's matmul weights (those declared ``quantize``)
   by :class:`~hypertron.quant.int8.QArray`, which the einsum hook multiplies as int8 with
   per-output-channel scales; ``fp8`` keeps the weights and runs the denoiser's matmuls through
@@ -18,11 +20,15 @@ import importlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from hypertron.diffusion import vae as V
-from hypertron.diffusion.pipeline import DENOISERS, Pipeline
+from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.pipeline import DENOISERS, Pipeline, PipelineSpec, load_pipeline
+from hypertron.errors import ConfigError
 from hypertron.models.params import is_spec, quantize_params
+from hypertron.parallel.mesh import mesh_from_text
 from hypertron.parallel.rules import DEFAULT_RULES, MeshAxes, spec_for
 from hypertron.quant import QArray
 
@@ -63,3 +69,29 @@ def quantize(pipe: Pipeline, mode: str) -> Pipeline:
         raise ValueError(f"quantize={mode!r}: expected one of {', '.join(QUANTIZE)}")
     params = quantize_params(denoiser_specs(pipe), pipe.denoiser_params) if mode == "int8" else pipe.denoiser_params
     return dataclasses.replace(pipe, denoiser_params=params, quantize=mode, programs={})
+
+
+def mesh_of(text: str | None) -> Mesh | None:
+    """The mesh of ``--mesh AXIS=N,...`` (``data=2,fsdp=2``, over the first devices); None for none
+    (one device). A malformed mesh, or one of more devices than there are, is a :class:`DiffusionError`."""
+    if text is None:
+        return None
+    try:
+        return mesh_from_text(text)
+    except ConfigError as e:
+        raise DiffusionError(str(e)) from None
+
+
+def load_placed(spec: PipelineSpec, *, dtype: Any = jnp.float32, quantize_mode: str = "none",
+                mesh: Mesh | None = None) -> Pipeline:
+    """The pipeline of ``spec`` loaded in ``dtype``, its denoiser's matmuls in ``quantize_mode``
+    (:func:`quantize`), placed on ``mesh`` when given (:func:`place`)."""
+    pipe = quantize(load_pipeline(spec.folder, dtype=dtype, spec=spec), quantize_mode)
+    return pipe if mesh is None else place(pipe, mesh)
+
+
+def described(pipe: Pipeline) -> str:
+    """Where and how ``pipe`` runs, for a log line: its class, dtype, quantisation and mesh."""
+    where = " x ".join(f"{a}={n}" for a, n in pipe.mesh.shape.items() if n > 1) if pipe.mesh is not None else ""
+    return (f"{pipe.spec.class_name}, {jnp.dtype(pipe.dtype).name}, quantize {pipe.quantize}, "
+            f"{'mesh ' + where if where else 'one device'}")

@@ -266,21 +266,68 @@ def latent_hw(spec: PipelineSpec, height: int, width: int) -> tuple[int, int]:
     return height // spec.vae_scale_factor, width // spec.vae_scale_factor
 
 
-def request_args(pipe: Pipeline, prompt: str, negative_prompt: str | None, *, count: int, seed: int, steps: int,
-                 guidance: float, height: int, width: int, latents: np.ndarray | None = None,
-                 max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH) -> tuple:
-    """:func:`program`'s arguments for ``count`` images of one prompt (``hypertron diffuse``'s and the
-    image server's): CFG on above guidance 1 (UNet pipelines), image i's noise from
+def uses_cfg(spec: PipelineSpec, guidance: float) -> bool:
+    """Whether images at ``guidance`` run classifier-free guidance's rows: above 1, UNet pipelines
+    (Flux's guidance, if any, is embedded). Static in the program: one compile each way."""
+    return not spec.is_flux and guidance > 1
+
+
+def prompt_cond(pipe: Pipeline, prompt: str, negative_prompt: str | None, *, cfg: bool,
+                max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH) -> dict[str, jax.Array]:
+    """:func:`encode_prompts`' conditioning of one prompt (one row); a request's images repeat it,
+    as diffusers' ``num_images_per_prompt`` does."""
+    negative = None if negative_prompt is None else [negative_prompt]
+    return encode_prompts(pipe, [prompt], negative, cfg=cfg, max_sequence_length=max_sequence_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One request's rows of :func:`program`'s per-image arguments: ``cond`` (as
+    :func:`encode_prompts`'), initial ``latents`` (diffusers' layout), ``keys`` and ``guidance`` [b]."""
+
+    cond: dict
+    latents: jax.Array
+    keys: jax.Array
+    guidance: jax.Array
+
+
+def request_rows(pipe: Pipeline, cond: dict[str, jax.Array], *, count: int, seed: int, guidance: float, height: int,
+                 width: int, latents: np.ndarray | None = None) -> Rows:
+    """``count`` images of one prompt's one-row ``cond`` (:func:`prompt_cond`'s): image i's noise from
     ``fold_in(key(seed), i)`` unless ``latents`` are given (diffusers' layout)."""
-    cfg = not pipe.spec.is_flux and guidance > 1
-    negative = None if negative_prompt is None else [negative_prompt] * count
-    cond = encode_prompts(pipe, [prompt] * count, negative, cfg=cfg, max_sequence_length=max_sequence_length)
     keys = image_keys(seed, count)
     if latents is None:
         latents = draw_latents(keys, pipe.spec.latent_shape(height, width))
-    schedule = schedule_for(pipe.spec, steps, height, width)
-    return (weights(pipe), schedule, cond, jnp.asarray(latents, jnp.float32), keys,
-            jnp.full((count,), guidance, jnp.float32), jnp.zeros((count,), jnp.float32))
+    return Rows(jax.tree.map(lambda a: jnp.repeat(a, count, axis=0), cond), jnp.asarray(latents, jnp.float32), keys,
+                jnp.full((count,), guidance, jnp.float32))
+
+
+def batch_args(pipe: Pipeline, rows: Sequence[Rows], *, steps: int, height: int, width: int,
+               size: int | None = None) -> tuple:
+    """:func:`program`'s arguments for the images of ``rows`` (requests of one size, step count and
+    CFG or not), in order, padded to ``size`` rows (default: none) by repeating the last row: a
+    padded row's image is dropped, and each row's image is its own whatever shares its batch."""
+    def joined(*parts):
+        x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        pad = (size or x.shape[0]) - x.shape[0]
+        return x if pad <= 0 else x[jnp.concatenate([jnp.arange(x.shape[0]), jnp.full((pad,), x.shape[0] - 1)])]
+
+    cond = jax.tree.map(joined, *[r.cond for r in rows])
+    latents, keys, guidance = (joined(*[getattr(r, f) for r in rows]) for f in ("latents", "keys", "guidance"))
+    return (weights(pipe), schedule_for(pipe.spec, steps, height, width), cond, latents, keys, guidance,
+            jnp.zeros(guidance.shape, jnp.float32))
+
+
+def request_args(pipe: Pipeline, prompt: str, negative_prompt: str | None, *, count: int, seed: int, steps: int,
+                 guidance: float, height: int, width: int, latents: np.ndarray | None = None,
+                 max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH) -> tuple:
+    """:func:`program`'s arguments for ``count`` images of one prompt (``hypertron diffuse``'s; the
+    image server batches :func:`request_rows` of several): CFG by :func:`uses_cfg`."""
+    cond = prompt_cond(pipe, prompt, negative_prompt, cfg=uses_cfg(pipe.spec, guidance),
+                       max_sequence_length=max_sequence_length)
+    rows = request_rows(pipe, cond, count=count, seed=seed, guidance=guidance, height=height, width=width,
+                        latents=latents)
+    return batch_args(pipe, [rows], steps=steps, height=height, width=width)
 
 
 def sample(pipe: Pipeline, schedule: S.Schedule, cond: dict[str, jax.Array], latents: jax.Array, keys_b: jax.Array,

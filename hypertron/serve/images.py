@@ -8,23 +8,33 @@ default the first) and ``response_format`` (``b64_json`` only: this server keeps
 and the extensions ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` (defaults: the
 diffusers pipeline's, the steps at most ``--max-steps``) and ``seed`` (default: a random one). The
 answer is ``{"created", "data": [{"b64_json"}]}``, PNGs. Image i of a request is ``hypertron
-diffuse``'s image i for the same seed and settings: both run
-:func:`hypertron.diffusion.sampling.request_args` and the pipeline's one compiled program.
+diffuse``'s image i for the same seed and settings: both build the program's rows with
+:func:`hypertron.diffusion.sampling.request_rows` and run the pipeline's one compiled program.
 
-Requests run one at a time, each one program call. At start each ``--sizes`` size is compiled (and
-run once) for ``n = --max-batch`` at the default steps (at most ``--max-steps``) and guidance;
-another ``n``, step count, or CFG on/off compiles on its first request.
+Requests of one size, step count and CFG on/off that wait together (one arrives while a batch runs,
+or several at once) run as one program call of at most ``--max-batch`` images (each request's ``n``
+count), with per-row guidance, negative prompt and seed, padded to the next of
+:func:`batch_sizes` (powers of two, and ``--max-batch``) so that compiles stay bounded. A row's
+image does not depend on its batch beyond rounding (within one uint8 level). At start each
+``--sizes`` size is compiled (and run once) for each batch size at the default steps (at most
+``--max-steps``) and guidance; another step count or CFG on/off compiles on its first request.
+The text encoders' outputs are kept per prompt (``--embedding-cache`` entries, LRU).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import concurrent.futures
+import dataclasses
 import logging
 import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,10 +44,10 @@ from pydantic import BaseModel, Field
 
 from hypertron.config import ServeConfig
 from hypertron.config.numbers import shown
-from hypertron.diffusion import sampling
+from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes
-from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, load_pipeline, read_pipeline
+from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, read_pipeline
 from hypertron.serve.api import HEALTH_RESPONSES, METRICS_RESPONSES, ApiError, ModelCard, ModelList, _Strict, responses
 from hypertron.serve.metrics import ImageMetrics
 from hypertron.serve.model import served_name
@@ -95,16 +105,87 @@ def served_sizes(spec: PipelineSpec, sizes: str | None) -> list[tuple[int, int]]
     return list(dict.fromkeys(out))
 
 
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a server compiles (its buckets): the powers of two below ``max_batch``, and
+    ``max_batch``; a batch of fewer images is padded to the next one (at most ``log2(max_batch) + 2``
+    compiles per size, step count and CFG or not)."""
+    return tuple(sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch} | {max_batch}))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageJob:
+    """One checked request: ``n`` images of ``prompt`` (image i from ``fold_in(key(seed), i)``)."""
+
+    prompt: str
+    negative: str | None
+    n: int
+    seed: int
+    steps: int
+    guidance: float
+    width: int
+    height: int
+    cfg: bool  # classifier-free guidance's rows (sampling.uses_cfg)
+
+    @property
+    def group(self) -> tuple:
+        """What jobs sharing a program call have in common (its static part)."""
+        return (self.width, self.height, self.steps, self.cfg)
+
+
+def next_batch(pending: Sequence[ImageJob], max_rows: int) -> list[int]:
+    """The indices of the ``pending`` jobs (oldest first) that the next program call runs: the
+    oldest, then in order each later one of its group whose images still fit in ``max_rows``."""
+    group, rows, picked = pending[0].group, 0, []
+    for i, job in enumerate(pending):
+        if job.group == group and rows + job.n <= max_rows:
+            picked.append(i)
+            rows += job.n
+    return picked
+
+
+class PromptCache:
+    """The text encoders' output per (prompt, negative prompt, max_sequence_length, CFG or not), least
+    recently used dropped past ``capacity`` entries (0: nothing kept)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> tuple[Any, bool]:
+        """(the value of ``key``, whether it was cached), made by ``make()`` on a miss."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key], True
+        value = make()
+        if self.capacity > 0:
+            self._entries[key] = value
+            if len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return value, False
+
+
 class ImageServer:
-    """The pipeline, its limits, and the lock that runs one request at a time."""
+    """The pipeline, its limits, and the thread that runs its batches.
+
+    Requests (:class:`ImageJob`) wait in arrival order; the thread runs the oldest with every other
+    waiting one of its size, step count and CFG or not, up to ``max_batch`` images, as one program
+    call padded to the next of :func:`batch_sizes` (per-row guidance, negative prompt and seed).
+    ``running`` is held while a batch runs."""
 
     def __init__(self, pipe: Pipeline, model_name: str, *, sizes: list[tuple[int, int]], max_batch: int,
-                 max_steps: int):
+                 max_steps: int, embedding_cache: int = ServeConfig.embedding_cache):
         self.pipe, self.model_name, self.sizes = pipe, model_name, sizes
         self.max_batch, self.max_steps = max_batch, max_steps
+        self.batch_sizes = batch_sizes(max_batch)
         self.metrics = ImageMetrics()
         self.created = int(time.time())
-        self._lock = threading.Lock()
+        self.prompts = PromptCache(embedding_cache)
+        self.running = threading.Lock()
+        self._pending: list[tuple[ImageJob, concurrent.futures.Future]] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="image-batches", daemon=True)
+        self._thread.start()
 
     @property
     def default_steps(self) -> int:
@@ -118,29 +199,109 @@ class ImageServer:
             return sampling.FLUX_MAX_SEQUENCE_LENGTH
         return self.pipe.text_encoders[0].cfg.max_positions
 
-    def images(self, prompt: str, negative: str | None, *, n: int, seed: int, steps: int, guidance: float,
-               width: int, height: int) -> list[bytes]:
-        """``n`` PNGs, as ``hypertron diffuse`` makes them."""
-        with self._lock:
-            args = sampling.request_args(self.pipe, prompt, negative, count=n, seed=seed, steps=steps,
-                                         guidance=guidance, height=height, width=width)
-            fn = sampling.program(self.pipe, sampling.latent_hw(self.pipe.spec, height, width)).fn
-            _, images = fn(*args)
-            images = np.asarray(images)
-        return [png_bytes(image) for image in images]
+    def pending(self) -> int:
+        """Requests waiting for a batch."""
+        with self._wake:
+            return len(self._pending)
+
+    def submit(self, job: ImageJob) -> concurrent.futures.Future:
+        """A future of ``job``'s ``n`` images, uint8 [n, height, width, 3]."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the image server is closed")
+            self._pending.append((job, future))
+            self._wake.notify()
+        return future
+
+    def images(self, job: ImageJob) -> list[bytes]:
+        """``job``'s PNGs, as ``hypertron diffuse`` makes them (waits for its batch)."""
+        return [png_bytes(image) for image in self.submit(job).result()]
+
+    def close(self) -> None:
+        """Stop the batch thread once the batch it runs is done (waiting requests fail)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+        for _, future in self._pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the image server closed"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+            with self.running:
+                batch = self._take_batch()
+                if batch:
+                    self._run(batch)
+
+    def _take_batch(self) -> list[tuple[ImageJob, concurrent.futures.Future]]:
+        """The next batch's requests (:func:`next_batch`), out of the waiting ones and marked running;
+        a request whose client went away (its future cancelled) is dropped."""
+        with self._wake:
+            self._pending = [p for p in self._pending if not p[1].cancelled()]
+            if not self._pending:
+                return []
+            picked = set(next_batch([job for job, _ in self._pending], self.max_batch))
+            batch = [p for i, p in enumerate(self._pending) if i in picked]
+            self._pending = [p for i, p in enumerate(self._pending) if i not in picked]
+        return [(job, future) for job, future in batch if future.set_running_or_notify_cancel()]
+
+    def _run(self, batch: list[tuple[ImageJob, concurrent.futures.Future]]) -> None:
+        try:
+            images = self._sample([job for job, _ in batch])
+        except BaseException as e:  # each request of the batch answers it
+            for _, future in batch:
+                future.set_exception(e)
+            return
+        start = 0
+        for job, future in batch:
+            future.set_result(images[start:start + job.n])
+            start += job.n
+
+    def _cond(self, job: ImageJob) -> dict:
+        """``job``'s one-row conditioning, from the prompt cache or the text encoders."""
+        length = sampling.FLUX_MAX_SEQUENCE_LENGTH
+        cond, hit = self.prompts.get(
+            (job.prompt, job.negative, length, job.cfg),
+            lambda: sampling.prompt_cond(self.pipe, job.prompt, job.negative, cfg=job.cfg, max_sequence_length=length))
+        self.metrics.prompt_cache.labels(result="hit" if hit else "miss").inc()
+        return cond
+
+    def _sample(self, jobs: list[ImageJob]) -> np.ndarray:
+        """The images of ``jobs`` (one group), in order: one program call."""
+        first, real = jobs[0], sum(job.n for job in jobs)
+        size = next(b for b in self.batch_sizes if b >= real)
+        rows = [sampling.request_rows(self.pipe, self._cond(job), count=job.n, seed=job.seed, guidance=job.guidance,
+                                      height=job.height, width=job.width) for job in jobs]
+        args = sampling.batch_args(self.pipe, rows, steps=first.steps, height=first.height, width=first.width,
+                                   size=size)
+        fn = sampling.program(self.pipe, sampling.latent_hw(self.pipe.spec, first.height, first.width)).fn
+        _, images = fn(*args)
+        images = np.asarray(images)[:real]
+        self.metrics.batches.inc()
+        self.metrics.batch_rows.labels(kind="real").inc(real)
+        self.metrics.batch_rows.labels(kind="padded").inc(size - real)
+        return images
 
     def warm(self) -> None:
-        """Compile (and run once) each size for ``n = max_batch`` at the default steps and guidance."""
+        """Compile (and run once) each size for each of :func:`batch_sizes` at the default steps and
+        guidance."""
         kind = self.pipe.spec.kind
         for width, height in self.sizes:
             start = time.perf_counter()
-            self.images("", None, n=self.max_batch, seed=0, steps=self.default_steps,
-                        guidance=kind.guidance, width=width, height=height)
-            print(f"hypertron serve: {width}x{height} compiled for {self.max_batch} image(s) in "
-                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+            for n in self.batch_sizes:
+                self.images(ImageJob("", None, n, 0, self.default_steps, kind.guidance, width, height,
+                                     sampling.uses_cfg(self.pipe.spec, kind.guidance)))
+            print(f"hypertron serve: {width}x{height} compiled for {', '.join(map(str, self.batch_sizes))} "
+                  f"image(s) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
-    def check(self, req: ImageRequest) -> dict:
-        """``images``' arguments for ``req``, or a 400 naming the field."""
+    def check(self, req: ImageRequest) -> ImageJob:
+        """``req`` as a job, or a 400 naming the field."""
         if req.response_format not in (None, "b64_json"):
             raise ApiError(400, f"'response_format' {req.response_format!r} is not supported: this server "
                                 "answers b64_json only", param="response_format")
@@ -167,8 +328,8 @@ class ImageServer:
             raise ApiError(400, f"'negative_prompt': {spec.class_name} takes none", param="negative_prompt")
         guidance = spec.kind.guidance if req.guidance_scale is None else req.guidance_scale
         seed = secrets.randbelow(2**32) if req.seed is None else req.seed
-        return dict(prompt=req.prompt, negative=req.negative_prompt, n=n, seed=seed, steps=steps,
-                    guidance=float(guidance), width=size[0], height=size[1])
+        return ImageJob(req.prompt, req.negative_prompt, n, seed, steps, float(guidance), size[0], size[1],
+                        sampling.uses_cfg(spec, guidance))
 
 
 def create_app(server: ImageServer, *, api_key: str | None = None,
@@ -179,10 +340,11 @@ def create_app(server: ImageServer, *, api_key: str | None = None,
 
     async def generations(request: Request):
         req = await read_request(request, ImageRequest, max_body_bytes, server.model_name)
-        kwargs = server.check(req)
+        job = server.check(req)
         start = time.perf_counter()
         try:
-            pngs = await asyncio.to_thread(server.images, kwargs.pop("prompt"), kwargs.pop("negative"), **kwargs)
+            images = await asyncio.wrap_future(server.submit(job))
+            pngs = await asyncio.to_thread(lambda: [png_bytes(image) for image in images])
         except BaseException:
             metrics.requests.labels(status="error").inc()
             raise
@@ -215,14 +377,20 @@ def create_app(server: ImageServer, *, api_key: str | None = None,
 
 
 def build(serve: ServeConfig) -> FastAPI:
-    """The app of ``serve.checkpoint``, a diffusers folder: loaded, its sizes compiled."""
-    spec = read_pipeline(serve.checkpoint)  # the sizes checked before a weight is read
+    """The app of ``serve.checkpoint``, a diffusers folder: loaded (``--quantize``, ``--mesh`` as
+    ``hypertron diffuse``'s), its sizes compiled. ``app.state.images`` is its :class:`ImageServer`."""
+    mesh = placement.mesh_of(serve.mesh)  # the mesh and sizes checked before a weight is read
+    spec = read_pipeline(serve.checkpoint)
     sizes = served_sizes(spec, serve.sizes)
-    pipe = load_pipeline(serve.checkpoint, spec=spec)
+    pipe = placement.load_placed(spec, quantize_mode=serve.quantize, mesh=mesh)
+    print(f"hypertron serve: {placement.described(pipe)}", file=sys.stderr)
     server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
-                         max_batch=serve.max_batch, max_steps=serve.max_steps)
+                         max_batch=serve.max_batch, max_steps=serve.max_steps,
+                         embedding_cache=serve.embedding_cache)
     server.warm()
-    return create_app(server, api_key=serve.api_key)
+    app = create_app(server, api_key=serve.api_key)
+    app.state.images = server
+    return app
 
 
 def main(serve: ServeConfig) -> int:

@@ -46,5 +46,11 @@ class ImageMetrics:
         self.requests = Counter(p + "image_requests", "finished image requests", ["status"], registry=r)
         self.images = Counter(p + "images", "images generated", registry=r)
         self.latency = Histogram(p + "image_request_latency_seconds", "a request's sampling and encoding, "
-                                 "its wait for the one before it included", registry=r,
+                                 "its wait for a batch included", registry=r,
                                  buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.batches = Counter(p + "image_batches", "program calls (batches of requests of one size, step count "
+                               "and CFG or not)", registry=r)
+        self.batch_rows = Counter(p + "image_batch_rows", "images in those batches: requested (real) and padding "
+                                  "up to a compiled batch size (padded)", ["kind"], registry=r)
+        self.prompt_cache = Counter(p + "image_prompt_cache", "prompt embeddings looked up: hit (the text encoders "
+                                    "skipped) or miss (encoded)", ["result"], registry=r)
