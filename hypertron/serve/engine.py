@@ -255,8 +255,10 @@ class PagedEngine:
 
     ``config`` (:class:`~hypertron.config.EngineConfig`, checked when made) is held whole as
     :attr:`config`. Its ``num_pages`` is the pool, page 0 included (it is the null page, never
-    handed out); None: enough for every slot at ``max_seq_len``. With ``compile="background"``, a
-    plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
+    handed out); None: enough for every slot at ``max_seq_len``. :attr:`state` holds each slot's
+    length, page table, last token and token history on the device (see the module docstring);
+    each row's ``pages`` are compared with what its slot holds, and only the difference is sent.
+    With ``compile="background"``, a plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
     more cost, if any, while its own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
     larger compiled shape (``padded``); :attr:`compile_seconds` is the time they took (a step
