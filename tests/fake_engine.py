@@ -4,8 +4,10 @@ It implements :class:`hypertron.serve.types.Engine` over the byte tokenizer's id
 it refuses calls from a second thread, a row without the pages for what it writes, a page one row
 of a step writes in another row of it, a row whose pages do not hold its prefix (a position before
 its start never written, or, for a sequence the slot holds, not what the slot wrote or read
-there), and rows past ``max_seq_len``. Each page records the tokens written into it, and a row's
-prefix is read back from its pages, so a page shared by prefix caching is what its tokens come from.
+there), a sequence's first row after cached pages without their tokens (``Row.prefix``, which
+the real engine writes into the slot's token history), and rows past ``max_seq_len``. Each page
+records the tokens written into it, and a row's prefix is read back from its pages, so a page
+shared by prefix caching is what its tokens come from.
 
 Its tokens encode the request: the next token is a lowercase letter chosen by a CRC of
 (seed, every token before it), so a sequence's continuation depends on its whole prompt and
@@ -149,8 +151,10 @@ class FakeEngine:
             assert row.tokens or row.start == len(held), f"slot {row.slot}: decodes at {row.start}, holds {len(held)}"
         elif not row.tokens:
             raise AssertionError(f"slot {row.slot}: a decode row of request {row.request}, which it does not hold")
+        assert list(row.prefix) == prefix[row.start - len(row.prefix):], f"slot {row.slot}: a prefix not its pages'"
         if row.tokens and (row.start == 0 or self.owner[row.slot] != row.request or row.start != len(held)):
             self.prefills += 1  # a sequence's prefill begins (after what its pages share)
+            assert len(row.prefix) == row.start, f"slot {row.slot}: {row.start} cached tokens, {len(row.prefix)} sent"
         self.owner[row.slot], self.tokens[row.slot] = row.request, prefix
         return prefix
 

@@ -12,12 +12,21 @@ seed, and log-probabilities (of the model's distribution, before temperature, to
 as OpenAI's and vLLM's are; with the top ``max_top_logprobs``) are computed only in steps where
 some request asked for them: a second compiled variant, not one per request.
 
-A decode row's input is the token its slot sampled last, and that never leaves the device:
-``last_tokens [max_slots + 1]`` is updated in place by each step (the extra entry takes the
-writes of rows that sample nothing). So the host can dispatch step n + 1 before step n's
-tokens reach it (:meth:`PagedEngine.dispatch` returns at once; :meth:`PagedEngine.collect`
-waits), and steps run in the order they were dispatched: the cache and ``last_tokens`` are
-donated to each step and threaded through.
+Each slot's sequence lives on the device (:attr:`PagedEngine.state`, one more entry than slots:
+the extra one takes the writes of padding and of rows that sample nothing): ``seq_lens`` (the
+positions written), the page table ``table [max_slots + 1, pages_per_seq]`` (null past its
+pages), ``last_tokens`` (what it sampled last: a decode row's input) and ``history
+[max_slots + 1, max_seq_len]`` (its tokens, ``history[s, :seq_lens[s] + 1]`` once its last row
+sampled). The host sends only what changed: before a step, the table entries that differ from
+what the device holds (:func:`write_deltas`: a slot's new pages; a slot's whole row when another
+sequence took it) and the tokens of a prefix found cached at admission (``Row.prefix``); the
+step itself writes its prefill tokens and its samples into ``history`` and its lengths into
+``seq_lens``, and gathers each row's table on the device. So a step uploads per row a handful of
+numbers and per new token or page one, not rows x pages. A decode row's input never leaves the
+device, so the host can dispatch step n + 1 before step n's tokens reach it
+(:meth:`PagedEngine.dispatch` returns at once; :meth:`PagedEngine.collect` waits), and steps
+run in the order they were dispatched: the cache and the state are donated to each step and
+threaded through.
 
 Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
 (powers of two up to 8, then under 25 % padding; prefill tokens at least 16), so a step decodes
@@ -89,6 +98,10 @@ MIN_PREFILL_TOKENS = 16
 # quarters): prefill is where a step's compute goes, and a 129-token prompt padded to 160 costs a
 # fifth more for nothing. The extra sizes compile in the background.
 PREFILL_BUCKET_PARTS = 8
+# Table entries and history tokens written before a step (write_deltas): at least this many, padded to a
+# power of two, so that few sizes compile.
+MIN_PAGE_WRITES = 16
+MIN_TOKEN_WRITES = 64
 # Compiled steps are shared by every engine of a process with the same model shapes, settings and
 # step shape (the most recent this many): a second engine on the same model (a bench's sweep, a
 # test's reference engine) does not compile its steps again.
@@ -99,34 +112,36 @@ SHARED_EXECUTABLES = 512
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "want_logprobs", "prompt_logprobs"))
-def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int,
+                   static_argnames=("cfg", "top_n", "num_decode", "width", "want_logprobs", "prompt_logprobs"))
+def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int, width: int,
          want_logprobs: bool, prompt_logprobs: bool):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
-    ``batch``: decode tokens ``dec_slot`` / ``dec_pos [num_decode]`` (their input is
-    ``last_tokens[dec_slot]``); prefill tokens ``pre_tokens`` / ``pre_pos`` / ``pre_row`` /
-    ``pre_valid [P]``; per row (decode rows, then prefill rows) ``table [rows, width]``,
-    ``lengths`` (tokens after this step; 0: padding), ``out_idx`` (the flat index whose logits
-    sample the row), ``out_slot`` (where the sample goes in ``last_tokens``; ``max_slots``: nowhere),
-    ``temperature``, ``top_k``, ``top_p``, ``seed``, ``sample_pos``; with ``prompt_logprobs``,
-    ``targets [P]``. Returns ``(cache, last_tokens, out)``, ``out`` holding ``tokens [rows]`` and,
+    ``state``: the slots' sequences (:func:`init_state`). ``batch``: prefill tokens
+    ``pre_tokens`` / ``pre_pos`` / ``pre_row`` / ``pre_valid [P]``; per row (decode rows, then
+    prefill rows) ``slot`` (``max_slots``: padding), ``lengths`` (tokens after this step; 0:
+    padding; a decode row's input is ``last_tokens[slot]`` at ``lengths - 1``; the sample's key is
+    at ``lengths``), ``out_idx`` (the flat index whose logits sample the row), ``out_slot`` (where
+    the sample goes; ``max_slots``: nowhere), ``temperature``, ``top_k``, ``top_p``, ``seed``;
+    with ``prompt_logprobs``, ``targets [P]``. Each row reads the first ``width`` columns of its
+    slot's page table. Returns ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and,
     when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
     every prefill token's target).
     """
     b, nd = batch, num_decode
-    n_pre, n_rows = b["pre_tokens"].shape[0], b["lengths"].shape[0]
-    tokens = jnp.concatenate([last_tokens[b["dec_slot"]], b["pre_tokens"]])
-    positions = jnp.concatenate([b["dec_pos"], b["pre_pos"]])
+    n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
+    slot, lengths = b["slot"], b["lengths"]
+    tokens = jnp.concatenate([state["last_tokens"][slot[:nd]], b["pre_tokens"]])
+    positions = jnp.concatenate([jnp.maximum(lengths[:nd] - 1, 0), b["pre_pos"]])
     token_rows = jnp.concatenate([jnp.arange(nd, dtype=jnp.int32), nd + b["pre_row"]])
-    token_valid = jnp.concatenate([b["lengths"][:nd] > 0, b["pre_valid"]])
+    token_valid = jnp.concatenate([lengths[:nd] > 0, b["pre_valid"]])
     segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
     # Each row's tokens start where the previous row's end: a decode row has one (padding rows too,
     # over no keys), a prefill row its valid tokens.
     counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
-    paged = PagedCache(cache, b["table"], b["lengths"], query_start, token_rows, token_valid,
+    paged = PagedCache(cache, state["table"][slot, :width], lengths, query_start, token_rows, token_valid,
                        decode_only=n_pre == 0)
     at = b["out_idx"]
     if prompt_logprobs:
@@ -135,13 +150,36 @@ def step(params, cache, last_tokens, batch: dict, *, cfg: ModelConfig, top_n: in
                   logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
-    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], b["sample_pos"])
+    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths)
     out = {"tokens": nxt}
     if want_logprobs:
         out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
     if prompt_logprobs:
         out["prompt"] = logprobs(logits[0, n_rows:], jnp.maximum(b["targets"], 0), top_n)
-    return paged.pages, last_tokens.at[b["out_slot"]].set(nxt), out
+    pre_slot = jnp.where(b["pre_valid"], slot[nd + b["pre_row"]], nowhere)
+    history = state["history"].at[pre_slot, b["pre_pos"]].set(b["pre_tokens"], mode="drop")
+    state = {"seq_lens": state["seq_lens"].at[slot].set(lengths), "table": state["table"],
+             "last_tokens": state["last_tokens"].at[b["out_slot"]].set(nxt),
+             "history": history.at[b["out_slot"], lengths].set(nxt, mode="drop")}
+    return paged.pages, state, out
+
+
+def init_state(max_slots: int, pages_per_seq: int, max_seq_len: int) -> dict:
+    """The slots' sequences on the device, empty (see the module docstring); entry ``max_slots``
+    takes the writes that go nowhere."""
+    n = max_slots + 1
+    return {"seq_lens": jnp.zeros(n, jnp.int32), "table": jnp.full((n, pages_per_seq), NULL_PAGE, jnp.int32),
+            "last_tokens": jnp.zeros(n, jnp.int32), "history": jnp.zeros((n, max_seq_len), jnp.int32)}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_deltas(state: dict, pages, tokens) -> dict:
+    """``state`` with ``pages [K, 3]`` (slot, column, page id) written into the page table and
+    ``tokens [T, 3]`` (slot, position, token) into the history; padding entries write slot
+    ``max_slots``'s column 0 with the null page (and its position 0)."""
+    table = state["table"].at[pages[:, 0], pages[:, 1]].set(pages[:, 2], mode="drop")
+    history = state["history"].at[tokens[:, 0], tokens[:, 1]].set(tokens[:, 2], mode="drop")
+    return {**state, "table": table, "history": history}
 
 
 # ---------------------------------------------------------------------------
@@ -217,8 +255,10 @@ class PagedEngine:
 
     ``config`` (:class:`~hypertron.config.EngineConfig`, checked when made) is held whole as
     :attr:`config`. Its ``num_pages`` is the pool, page 0 included (it is the null page, never
-    handed out); None: enough for every slot at ``max_seq_len``. With ``compile="background"``, a
-    plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
+    handed out); None: enough for every slot at ``max_seq_len``. :attr:`state` holds each slot's
+    length, page table, last token and token history on the device (see the module docstring);
+    each row's ``pages`` are compared with what its slot holds, and only the difference is sent.
+    With ``compile="background"``, a plan whose shape is not compiled yet runs padded to a compiled one that holds it at little
     more cost, if any, while its own compiles on a background thread (see the module docstring). :attr:`compiles` counts the
     compiles (``sync``: a step waited for it; ``background``) and the steps that ran padded to a
     larger compiled shape (``padded``); :attr:`compile_seconds` is the time they took (a step
@@ -243,10 +283,11 @@ class PagedEngine:
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)
         self.cache = init_pages(cfg, total, page_size, self.kv_dtype)
-        self.last_tokens = jnp.zeros(max_slots + 1, jnp.int32)
+        self.state = init_state(max_slots, self.pages_per_seq, cfg.max_seq_len)
+        self._tables: list[tuple[int, ...]] = [()] * max_slots  # the pages state["table"] holds per slot
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
-        self._specs = jax.tree.map(_spec, (self.params, self.cache, self.last_tokens))
+        self._specs = jax.tree.map(_spec, (self.params, self.cache, self.state))
         leaves, treedef = jax.tree.flatten(self._specs)
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = config.compile == "background"
@@ -321,7 +362,7 @@ class PagedEngine:
         for r in range(repeats + 1):  # the first round warms up
             for i, (fn, batch) in enumerate(runs):
                 t = time.perf_counter()
-                self.cache, self.last_tokens, out = fn(self.params, self.cache, self.last_tokens, batch)
+                self.cache, self.state, out = fn(self.params, self.cache, self.state, batch)
                 jax.device_get(out)
                 if r:
                     times[i] = min(times[i], time.perf_counter() - t)
@@ -363,9 +404,9 @@ class PagedEngine:
                 _shared.move_to_end(key)
         if fn is None:
             start = time.perf_counter()
-            params, cache, last_tokens = self._specs
-            fn = step.lower(params, cache, last_tokens, self._empty_batch(shape), cfg=self.cfg,
-                            top_n=self.max_top_logprobs, num_decode=shape.num_decode,
+            params, cache, state = self._specs
+            fn = step.lower(params, cache, state, self._empty_batch(shape), cfg=self.cfg,
+                            top_n=self.max_top_logprobs, num_decode=shape.num_decode, width=shape.width,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
@@ -406,7 +447,12 @@ class PagedEngine:
     def dispatch(self, plan: StepPlan) -> _Pending:
         shape, fn = self._executable(self.shape(plan))
         batch, offsets = self._batch(plan, shape)
-        self.cache, self.last_tokens, out = fn(self.params, self.cache, self.last_tokens, batch)
+        pages, tokens, tables = self._deltas(plan)
+        if len(pages) or len(tokens):
+            self.state = write_deltas(self.state, pages, tokens)
+        for slot, table in tables.items():  # what the device now holds
+            self._tables[slot] = table
+        self.cache, self.state, out = fn(self.params, self.cache, self.state, batch)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         return _Pending(plan, shape, offsets, out)
@@ -433,12 +479,11 @@ class PagedEngine:
         """The arrays of a step of ``shape`` (see :func:`step`), all padding."""
         rows, n_pad = shape.num_decode + shape.prefill_rows, shape.prefill_tokens
         i32 = lambda n, fill=0: np.full(n, fill, np.int32)  # noqa: E731
-        b = {"dec_slot": i32(shape.num_decode, self.max_slots), "dec_pos": i32(shape.num_decode),
-             "pre_tokens": i32(n_pad), "pre_pos": i32(n_pad), "pre_row": i32(n_pad),
-             "pre_valid": np.zeros(n_pad, bool), "table": np.full((rows, shape.width), NULL_PAGE, np.int32),
+        b = {"pre_tokens": i32(n_pad), "pre_pos": i32(n_pad), "pre_row": i32(n_pad),
+             "pre_valid": np.zeros(n_pad, bool), "slot": i32(rows, self.max_slots),
              "lengths": i32(rows), "out_idx": i32(rows), "out_slot": i32(rows, self.max_slots),
              "temperature": np.zeros(rows, np.float32), "top_k": i32(rows), "top_p": np.ones(rows, np.float32),
-             "seed": np.zeros(rows, np.uint32), "sample_pos": i32(rows)}
+             "seed": np.zeros(rows, np.uint32)}
         if shape.prompt_logprobs:
             b["targets"] = i32(n_pad)
         return b
@@ -449,7 +494,6 @@ class PagedEngine:
         b, nd = self._empty_batch(shape), shape.num_decode
         offsets = []
         for i, row in enumerate(plan.decodes):
-            b["dec_slot"][i], b["dec_pos"][i] = row.slot, row.start
             self._row(b, i, row, i)
         off = 0
         for j, row in enumerate(plan.prefills):
@@ -464,15 +508,40 @@ class PagedEngine:
         return b, offsets
 
     def _row(self, b: dict, i: int, row, out_idx: int) -> None:
-        width = b["table"].shape[1]
-        pages = row.pages[:width]
-        b["table"][i, :len(pages)] = pages
-        b["lengths"][i], b["out_idx"][i] = row.end, out_idx
+        b["slot"][i], b["lengths"][i], b["out_idx"][i] = row.slot, row.end, out_idx
         if row.sample:
             b["out_slot"][i] = row.slot
         s = row.sampling
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
-        b["seed"][i], b["sample_pos"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF), row.end
+        b["seed"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
+
+    def _deltas(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...]]]:
+        """What ``plan`` changes in the device's state before it runs: ``pages [K, 3]`` (slot,
+        column, page id: the table entries that differ from what the slot holds; its new pages, or
+        the whole row when the slot's pages are not a prefix of the row's: another sequence took
+        it), ``tokens [T, 3]`` (slot, position, token: each row's ``prefix``), both padded (see
+        :func:`write_deltas`), and each row's slot's table after them."""
+        pages, tokens, tables = [], [], {}
+        for row in plan.rows:
+            held, new = tables.get(row.slot, self._tables[row.slot]), tuple(row.pages[:self.pages_per_seq])
+            if new[:len(held)] == held:  # the same sequence: its new pages
+                pages += [(row.slot, c, p) for c, p in enumerate(new[len(held):], len(held))]
+            else:
+                pages += [(row.slot, c, p) for c, p in enumerate(new) if c >= len(held) or held[c] != p]
+                pages += [(row.slot, c, NULL_PAGE) for c in range(len(new), len(held))]
+            tables[row.slot] = new
+            first = row.start - len(row.prefix)
+            tokens += [(row.slot, first + k, t) for k, t in enumerate(row.prefix)]
+        return self._writes(pages, MIN_PAGE_WRITES), self._writes(tokens, MIN_TOKEN_WRITES), tables
+
+    def _writes(self, writes: list[tuple[int, int, int]], least: int) -> np.ndarray:
+        """``writes`` as an int32 ``[n, 3]`` array, ``n`` a power of two at least ``least`` (0 for
+        none: few compiles of :func:`write_deltas`), padded with writes into slot ``max_slots``."""
+        out = np.zeros((max(next_pow2(len(writes)), least) if writes else 0, 3), np.int32)
+        out[:, 0] = self.max_slots  # column or position 0, the null page or token 0
+        if writes:
+            out[:len(writes)] = writes
+        return out
 
 
 def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none"):

@@ -240,7 +240,7 @@ class Scheduler:
                     continue  # it could never fit: ended, try the next
                 if not admitted:
                     break
-                prefills.append(self._chunk(self.waiting.popleft(), budget))
+                prefills.append(self._chunk(self.waiting.popleft(), budget, first=True))
                 budget -= prefills[-1].num_tokens
         if not decodes and not prefills:
             return None
@@ -380,7 +380,9 @@ class Scheduler:
         self.running[seq.id] = seq
         return True
 
-    def _chunk(self, seq: Request, budget: int) -> Row:
+    def _chunk(self, seq: Request, budget: int, first: bool = False) -> Row:
+        """``seq``'s next chunk within ``budget``; the ``first`` after its admission carries the
+        tokens it found cached (``Row.prefix``)."""
         start = seq.computed
         n = min(len(seq.fill) - start, budget)
         seq.computed += n
@@ -388,7 +390,8 @@ class Scheduler:
         if seq.prompt_logprobs is not None:
             targets = tuple(seq.fill[p + 1] if p + 1 < len(seq.fill) else -1 for p in range(start, start + n))
         return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
-                   sample=seq.computed == len(seq.fill), prompt_targets=targets)
+                   sample=seq.computed == len(seq.fill), prompt_targets=targets,
+                   prefix=tuple(seq.fill[:start]) if first else ())
 
     def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:

@@ -122,7 +122,9 @@ class Row:
     ``sample``: the step samples the token after the row's last input (every decode row, and
     the last chunk of a prompt), with ``sampling`` and the key of its position, and keeps it
     on the device as the slot's next input. ``prompt_targets``: when prompt log-probabilities
-    are wanted, the token after each input (-1 where it is not a prompt token).
+    are wanted, the token after each input (-1 where it is not a prompt token). ``prefix``: the
+    sequence's tokens just before ``start`` that no row of it fed (on the first chunk after an
+    admission that found them cached): the engine only writes them into the slot's token history.
     """
 
     request: int
@@ -133,6 +135,7 @@ class Row:
     sampling: SamplingParams
     sample: bool = True
     prompt_targets: tuple[int, ...] | None = None
+    prefix: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
