@@ -33,6 +33,7 @@ import numpy as np
 
 from hypertron.config.numbers import shown
 from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.hfconfig import check_class, positive_int
 from hypertron.diffusion.layers import timestep_embedding
 from hypertron.diffusion.weights import load_model
 from hypertron.models.params import ParamSpec, matmul, stack
@@ -76,35 +77,25 @@ _INTS = ("in_channels", "num_layers", "num_single_layers", "attention_head_dim",
          "joint_attention_dim", "pooled_projection_dim")
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
 def flux_config(hf: dict, where: str) -> FluxConfig:
     """The :class:`FluxConfig` of a diffusers ``FluxTransformer2DModel`` ``config.json`` (``where``
     names it in errors); an unsupported or malformed value is a one-line :class:`DiffusionError`
     naming the key."""
-    if not isinstance(hf, dict):
-        raise DiffusionError(f"{where}: must be a JSON object")
-    name = hf.get("_class_name", "FluxTransformer2DModel")
-    if name != "FluxTransformer2DModel":
-        raise DiffusionError(f"{where}: _class_name={shown(name)} is not supported (supported: FluxTransformer2DModel)")
-    if hf.get("patch_size", 1) != 1:
-        raise DiffusionError(f"{where}: patch_size={shown(hf['patch_size'])} is not supported (supported: 1)")
+    check_class(hf, where, "FluxTransformer2DModel", {"patch_size": 1})
     default, values = FluxConfig(), {}
     for key in _INTS:
         v = values[key] = hf.get(key, getattr(default, key))
-        if not _positive_int(v):
+        if not positive_int(v):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer")
     v = values["out_channels"] = hf.get("out_channels") or values["in_channels"]
-    if not _positive_int(v):
+    if not positive_int(v):
         raise DiffusionError(f"{where}: out_channels={shown(v)} must be a positive integer")
     v = values["guidance_embeds"] = hf.get("guidance_embeds", default.guidance_embeds)
     if not isinstance(v, bool):
         raise DiffusionError(f"{where}: guidance_embeds={shown(v)} must be true or false")
     axes = hf.get("axes_dims_rope", list(default.axes_dims_rope))
     head = values["attention_head_dim"]
-    if (not isinstance(axes, list) or len(axes) != 3 or not all(_positive_int(a) and a % 2 == 0 for a in axes)
+    if (not isinstance(axes, list) or len(axes) != 3 or not all(positive_int(a) and a % 2 == 0 for a in axes)
             or sum(axes) != head):
         raise DiffusionError(f"{where}: axes_dims_rope={shown(axes)} must be 3 positive even integers summing "
                              f"to attention_head_dim={head}")

@@ -22,6 +22,7 @@ import numpy as np
 from hypertron.config.numbers import shown
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.hfconfig import check_class, finite_number, positive_int
 from hypertron.diffusion.transformer2d import declare_transformer, transformer
 from hypertron.diffusion.weights import load_model
 from hypertron.models.params import ParamSpec, matmul
@@ -87,19 +88,11 @@ _FIXED = {"act_fn": "silu", "center_input_sample": False, "only_cross_attention"
 _NOT_TRUE = ("mid_block_only_cross_attention",)  # null (follow only_cross_attention) or false
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
-
-
 def _per_block(hf: dict, key: str, default: Any, n: int, where: str) -> tuple[int, ...]:
     """A key diffusers takes as one positive integer or a list of one per block."""
     v = hf.get(key, default)
-    values = [v] * n if _positive_int(v) else v
-    if not isinstance(values, list) or len(values) != n or not all(map(_positive_int, values)):
+    values = [v] * n if positive_int(v) else v
+    if not isinstance(values, list) or len(values) != n or not all(map(positive_int, values)):
         raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer or a list of {n} "
                              "(one per block_out_channels)")
     return tuple(values)
@@ -117,12 +110,7 @@ def _block_types(hf: dict, key: str, supported: tuple[str, ...], n: int, where: 
 
 
 def _check_fixed(hf: dict, where: str) -> None:
-    if hf.get("_class_name", "UNet2DConditionModel") != "UNet2DConditionModel":
-        raise DiffusionError(f"{where}: _class_name={shown(hf['_class_name'])} is not supported "
-                             "(supported: UNet2DConditionModel)")
-    for key, value in _FIXED.items():
-        if hf.get(key, value) != value:
-            raise DiffusionError(f"{where}: {key}={shown(hf[key])} is not supported (supported: {shown(value)})")
+    check_class(hf, where, "UNet2DConditionModel", _FIXED)
     for key in _NOT_TRUE:
         if hf.get(key) not in (None, False):
             raise DiffusionError(f"{where}: {key}={shown(hf[key])} is not supported (supported: null, false)")
@@ -136,7 +124,7 @@ def _scalars(hf: dict, where: str) -> dict[str, Any]:
     d, out = UNetConfig(), {}
     for key in ("in_channels", "out_channels", "norm_num_groups", "conv_in_kernel", "conv_out_kernel"):
         v = out[key] = hf.get(key, getattr(d, key))
-        if not _positive_int(v) or (key.endswith("kernel") and v % 2 == 0):
+        if not positive_int(v) or (key.endswith("kernel") and v % 2 == 0):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive"
                                  + (" odd" if key.endswith("kernel") else "") + " integer")
     for key in ("flip_sin_to_cos", "use_linear_projection", "upcast_attention"):
@@ -145,7 +133,7 @@ def _scalars(hf: dict, where: str) -> dict[str, Any]:
             raise DiffusionError(f"{where}: {key}={shown(v)} must be true or false")
     for key in ("norm_eps", "freq_shift"):
         v = hf.get(key, getattr(d, key))
-        if not _is_number(v) or (key == "norm_eps" and v <= 0):
+        if not finite_number(v) or (key == "norm_eps" and v <= 0):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a finite"
                                  + (" positive" if key == "norm_eps" else "") + " number")
         out[key] = float(v)
@@ -166,7 +154,7 @@ def _addition(hf: dict, where: str) -> dict[str, Any]:
     out = {"addition_embed_type": kind}
     for key in ("addition_time_embed_dim", "projection_class_embeddings_input_dim"):
         v = out[key] = hf.get(key)
-        if not _positive_int(v):
+        if not positive_int(v):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer with "
                                  "addition_embed_type=text_time")
     return out
@@ -176,13 +164,11 @@ def unet_config(hf: dict, where: str) -> UNetConfig:
     """The :class:`UNetConfig` of a diffusers ``UNet2DConditionModel`` ``config.json`` (``where``
     names it in errors); an unsupported or malformed value is a one-line :class:`DiffusionError`
     naming the key."""
-    if not isinstance(hf, dict):
-        raise DiffusionError(f"{where}: must be a JSON object")
     _check_fixed(hf, where)
     values = _scalars(hf, where) | _addition(hf, where)
     d = UNetConfig()
     channels = hf.get("block_out_channels", list(d.block_out_channels))
-    if not isinstance(channels, list) or not channels or not all(map(_positive_int, channels)):
+    if not isinstance(channels, list) or not channels or not all(map(positive_int, channels)):
         raise DiffusionError(f"{where}: block_out_channels={shown(channels)} must be a list of positive integers")
     n, groups = len(channels), values["norm_num_groups"]
     bad = [c for c in channels if c % groups]

@@ -21,6 +21,7 @@ import numpy as np
 from hypertron.config.numbers import shown
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.hfconfig import check_class, positive_int
 from hypertron.diffusion.weights import load_model
 from hypertron.quant import einsum_for
 
@@ -48,28 +49,17 @@ _FIXED = {"act_fn": "silu", "latents_mean": None, "latents_std": None}
 _BLOCKS = {"down_block_types": "DownEncoderBlock2D", "up_block_types": "UpDecoderBlock2D"}
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
 def vae_config(hf: dict, where: str) -> VaeConfig:
     """The :class:`VaeConfig` of a diffusers ``AutoencoderKL`` ``config.json`` (``where`` names it in
     errors); an unsupported or malformed value is a one-line :class:`DiffusionError` naming the key."""
-    if not isinstance(hf, dict):
-        raise DiffusionError(f"{where}: must be a JSON object")
-    if hf.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-        raise DiffusionError(f"{where}: _class_name={shown(hf['_class_name'])} is not supported "
-                             "(supported: AutoencoderKL)")
-    for key, value in _FIXED.items():
-        if hf.get(key, value) != value:
-            raise DiffusionError(f"{where}: {key}={shown(hf[key])} is not supported (supported: {shown(value)})")
+    check_class(hf, where, "AutoencoderKL", _FIXED)
     default, values = VaeConfig(), {}
     for key in ("in_channels", "out_channels", "layers_per_block", "latent_channels", "norm_num_groups"):
         v = values[key] = hf.get(key, getattr(default, key))
-        if not _positive_int(v):
+        if not positive_int(v):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer")
     channels = hf.get("block_out_channels", list(default.block_out_channels))
-    if not isinstance(channels, list) or not channels or not all(map(_positive_int, channels)):
+    if not isinstance(channels, list) or not channels or not all(map(positive_int, channels)):
         raise DiffusionError(f"{where}: block_out_channels={shown(channels)} must be a list of positive integers")
     bad = [c for c in channels if c % values["norm_num_groups"]]
     if bad:
