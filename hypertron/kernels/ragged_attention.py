@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -276,20 +277,28 @@ def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *res
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
-                      cfg: CallConfig):
-    batch, num_heads, head_dim = q.shape
+def pallas_layout(q, k_pages, k_scales, cfg: CallConfig) -> tuple[int, int, int, int, int, int, bool, Any]:
+    """What both Pallas kernels read off their operands: ``(num_heads, head_dim, num_kv_heads,
+    page_size, group, pages_per_block, quantized, compute dtype)``; page size and head dim must be
+    powers of two. int8 pages are converted to q's dtype in the kernel (exact for bf16/f32); float
+    pages meet q in their common type."""
+    _, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     for name, n in [("page_size", page_size), ("head_dim", head_dim)]:
         if n & (n - 1):
             raise ValueError(f"the pallas backend wants {name} a power of two, got {n}")
-    group = num_heads // num_kv_heads
-    gp = max(MIN_GROUP_ROWS, pl.next_power_of_2(group))
     ppb = cfg.pages_per_block or max(1, DEFAULT_BLOCK_TOKENS // page_size)
     quantized = k_scales is not None
-    # int8 pages are converted to q's dtype in the kernel (exact for bf16/f32); float pages meet q
-    # in their common type.
     compute = q.dtype if quantized else jnp.promote_types(q.dtype, k_pages.dtype)
+    return num_heads, head_dim, num_kv_heads, page_size, num_heads // num_kv_heads, ppb, quantized, compute
+
+
+def _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales, window,
+                      cfg: CallConfig):
+    batch = q.shape[0]
+    num_heads, head_dim, num_kv_heads, page_size, group, ppb, quantized, compute = pallas_layout(
+        q, k_pages, k_scales, cfg)
+    gp = max(MIN_GROUP_ROWS, pl.next_power_of_2(group))
     q_bkgd = q.astype(compute).reshape(batch, num_kv_heads, group, head_dim)
     q_bkgd = jnp.pad(q_bkgd, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # zero rows: sliced off
     operands = [lengths, window.reshape(1), page_indices, q_bkgd, k_pages, v_pages]

@@ -44,7 +44,6 @@ from jax.experimental import pallas as pl
 
 from hypertron.kernels.ragged_attention import AUTO_BACKEND as DECODE_AUTO_BACKEND
 from hypertron.kernels.ragged_attention import (
-    DEFAULT_BLOCK_TOKENS,
     MIN_GROUP_ROWS,
     CallConfig,
     call_per_kv_head,
@@ -53,6 +52,7 @@ from hypertron.kernels.ragged_attention import (
     check_pages,
     gather_pages,
     online_softmax_block,
+    pallas_layout,
     ragged_decode_attention,
 )
 
@@ -311,17 +311,11 @@ def _paged_kernel(row_ref, pos0_ref, count_ref, window_ref, table_ref, q_ref, k_
 
 def _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
                   window, cfg: CallConfig, block_q: int):
-    n, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    for name, x in [("page_size", page_size), ("head_dim", head_dim)]:
-        if x & (x - 1):
-            raise ValueError(f"the pallas backend wants {name} a power of two, got {x}")
-    group = num_heads // num_kv_heads
+    n = q.shape[0]
+    num_heads, head_dim, num_kv_heads, page_size, group, ppb, quantized, compute = pallas_layout(
+        q, k_pages, k_scales, cfg)
     # A tile's rows: block_q queries x gp heads, at least MIN_GROUP_ROWS (Triton's dot).
     gp = max(pl.next_power_of_2(group), -(-MIN_GROUP_ROWS // block_q))
-    ppb = cfg.pages_per_block or max(1, DEFAULT_BLOCK_TOKENS // page_size)
-    quantized = k_scales is not None
-    compute = q.dtype if quantized else jnp.promote_types(q.dtype, k_pages.dtype)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, page_table.shape[1] * page_size)
     query_start = query_start.astype(jnp.int32)
     row_t, first_t, count_t, _ = query_tiles(query_start, n, block_q)
