@@ -157,6 +157,10 @@ def test_the_cudnn_rule_is_what_cudnn_took_on_an_h200():
     assert taken == {(dt, hd, 2048) for dt in ("bfloat16", "float16") for hd in (64, 128, 160, 192, 256)}
     assert not cudnn_supported(dataclasses.replace(model, head_dim=256), "bfloat16", 2048, hopper=False)
     assert cudnn_supported(dataclasses.replace(model, head_dim=128), "bfloat16", 2048, hopper=False)
+    # plan passes the hardware's generation on: an A100 plans head dim 256 without flash attention.
+    cfg = load_config(None, ["model=llama-1b", "model.head_dim=256", "train.global_batch=8"])
+    assert memory.step_bytes(cfg, {"data": 1}, accelerator=True, gpu=True).flash
+    assert not memory.step_bytes(cfg, {"data": 1}, accelerator=True, gpu=True, hopper=False).flash
 
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_and_the_override_lets_it_through(tmp_path, capsys,
