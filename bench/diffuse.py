@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (the median is reported)")
     p.add_argument("--output", default=None, metavar="FILE.json")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch's intra-op threads (default: torch's own); 1 also asks XLA's CPU backend for one (--xla_cpu_multi_thread_eigen=false)")
+                   help="torch's intra-op threads (default: torch's own); 1 also asks XLA's CPU backend for one "
+                   "(--xla_cpu_multi_thread_eigen=false)")
     p.add_argument("--first-image", default=None, help=argparse.SUPPRESS)  # the child process's folder
     p.add_argument("--size", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
@@ -222,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_config(name, Path(tmp), args.steps, args.repeats))
             print(_line(rows[-1]), flush=True)
     if args.output:
-        Path(args.output).write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": platform.node(),
-                                                 "cores": os.cpu_count(), "threads": args.threads, "versions": versions, "steps": args.steps,
-                                                 "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+        meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "cores": os.cpu_count(),
+                "threads": args.threads, "versions": versions, "steps": args.steps, "repeats": args.repeats}
+        Path(args.output).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0
 
 
