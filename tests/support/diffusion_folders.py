@@ -81,11 +81,13 @@ def tiny_sd(root: Path, unet: dict = TINY_UNET, name: str = "sd"):
     torch, _, diffusers = _libraries()
     torch.manual_seed(0)
     tokenizer, encoder = _clip(root, f"{name}-vocab", 32)
+    denoiser = diffusers.UNet2DConditionModel(**unet)  # then the VAE: the order of the random draws
+    vae = _vae()
     scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                         clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    pipe = diffusers.StableDiffusionPipeline(vae=_vae(), text_encoder=encoder, tokenizer=tokenizer,
-                                             unet=diffusers.UNet2DConditionModel(**unet), scheduler=scheduler,
-                                             safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=encoder, tokenizer=tokenizer, unet=denoiser,
+                                             scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
     return _saved(pipe, root / name)
 
 
