@@ -25,7 +25,8 @@ TIER is one of:
 - ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
   experts, decode vs batch, the serving engine's layers unrolled vs scanned (compile seconds and
   the decode step), the grouped-matmul row tile; DLRM-v2 training (MLPerf's shape, tables
-  capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU.
+  capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU; SDXL-base and Flux-dev
+  at 1024x1024 bf16 against diffusers (``t3.diffuse``, ``bench/diffuse_gpu.py``; a call of their own).
 
 Each row is written to ``DIR/<TIER>.json`` as soon as it finishes (so a run cut off at its time
 limit still returns what finished), progress and tracebacks to ``DIR/<TIER>.log``; a short table
