@@ -25,7 +25,8 @@ TIER is one of:
 - ``T3`` (sweeps, in pieces with ``--only``): seq 4096, batch sizes, remat full, MoE 8 -> 64
   experts, decode vs batch, the serving engine's layers unrolled vs scanned (compile seconds and
   the decode step), the grouped-matmul row tile; DLRM-v2 training (MLPerf's shape, tables
-  capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU.
+  capped at 10M rows: 38 GiB with row-wise Adagrad) samples/s on one GPU; SDXL-base and Flux-dev
+  at 1024x1024 bf16 against diffusers (``t3.diffuse``, ``bench/diffuse_gpu.py``; a call of their own).
 
 Each row is written to ``DIR/<TIER>.json`` as soon as it finishes (so a run cut off at its time
 limit still returns what finished), progress and tracebacks to ``DIR/<TIER>.log``; a short table
@@ -81,12 +82,16 @@ from gpu_attention import (  # noqa: E402  (bench/gpu_attention.py: the attentio
     CUDNN_FIELDS, PAGED_FIELDS, RAGGED_FIELDS, cudnn_grid_row, paged_row, ragged_row,
 )
 
+from diffuse_gpu import FIELDS as DIFFUSE_FIELDS  # noqa: E402  (bench/diffuse_gpu.py: SDXL and Flux-dev)
+from diffuse_gpu import FP8_FIELDS as DIFFUSE_FP8_FIELDS  # noqa: E402
+from diffuse_gpu import diffuse_fp8_row, diffuse_row  # noqa: E402
+
 TIERS = ("T0", "T1", "T2", "T3")
 TIER_BUDGET = {"T0": 120.0, "T1": 300.0, "T2": 480.0, "T3": 480.0}  # seconds on a device, inside one 10-minute call
 HARDWARE_FIELDS = frozenset({"driver", "datasheet_tflops", "datasheet_bw_gbs", "mfu_datasheet", "emfu_datasheet",
                              "bw_fraction_datasheet", "peak_mem_gib", "device_memory_used_gib",
                              "device_memory_peak_gib", "device_memory_limit_gib", "gpu_utilization",
-                             "gpu_power_watts", "gpu_temperature_celsius"})
+                             "gpu_power_watts", "gpu_temperature_celsius", "diffusers_peak_mem_gib"})
 
 # Other spellings of the recipes' XLA flags that XLA versions use (a flag renamed, one retired):
 # with the recipes' own, T1 records which of each this XLA accepts, since an unknown flag aborts
@@ -357,6 +362,11 @@ def plan(tier: str) -> list[Row]:
             *[Row(f"t3.gmm.pallas.{'x'.join(map(str, t))}", GMM_FIELDS, gmm_row("pallas", i))
               for i, t in enumerate(GPU.gmm_tilings)],
             Row("t3.dlrm", DLRM_FIELDS, dlrm_row),
+            # Each runs both sides in processes of their own: run them in a call of their own (--only t3.diffuse)
+            Row("t3.diffuse.sdxl", DIFFUSE_FIELDS, diffuse_row("sdxl")),
+            Row("t3.diffuse.flux", DIFFUSE_FIELDS, diffuse_row("flux")),
+            Row("t3.diffuse.flux.fp8", DIFFUSE_FP8_FIELDS, diffuse_fp8_row("flux")),
+            Row("t3.diffuse.flux.b4", DIFFUSE_FIELDS, diffuse_row("flux", batch=4)),
         ]
     else:
         raise ValueError(tier)
