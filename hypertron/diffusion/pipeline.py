@@ -119,7 +119,8 @@ class Pipeline:
     quantize: str = "none"  # the denoiser's matmuls: none, int8 or fp8 (hypertron.diffusion.placement)
     mesh: Any = None  # where the weights are placed (placement.place); None: one device
     rules: Any = None  # the sharding rules of that placement
-    programs: dict = dataclasses.field(default_factory=dict, compare=False)  # compiled, by sampling
+    # Compiled, by sampling; not an argument, so dataclasses.replace (placement's) starts a copy empty.
+    programs: dict = dataclasses.field(default_factory=dict, compare=False, init=False)
 
 
 def _read_config(path: Path) -> dict:

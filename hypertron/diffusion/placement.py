@@ -59,7 +59,7 @@ def place(pipe: Pipeline, mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES
     encoders = tuple(e._replace(params=jax.device_put(e.params, replicated)) for e in pipe.text_encoders)
     return dataclasses.replace(
         pipe, text_encoders=encoders, denoiser_params=_put(denoiser_specs(pipe), pipe.denoiser_params, mesh, rules),
-        vae_params=_put(V.declare(pipe.spec.vae), pipe.vae_params, mesh, rules), mesh=mesh, rules=rules, programs={})
+        vae_params=_put(V.declare(pipe.spec.vae), pipe.vae_params, mesh, rules), mesh=mesh, rules=rules)
 
 
 def quantize(pipe: Pipeline, mode: str) -> Pipeline:
@@ -68,7 +68,7 @@ def quantize(pipe: Pipeline, mode: str) -> Pipeline:
     if mode not in QUANTIZE:
         raise ValueError(f"quantize={mode!r}: expected one of {', '.join(QUANTIZE)}")
     params = quantize_params(denoiser_specs(pipe), pipe.denoiser_params) if mode == "int8" else pipe.denoiser_params
-    return dataclasses.replace(pipe, denoiser_params=params, quantize=mode, programs={})
+    return dataclasses.replace(pipe, denoiser_params=params, quantize=mode)
 
 
 def mesh_of(text: str | None) -> Mesh | None:

@@ -175,7 +175,7 @@ def _flux_output(pipe: Pipeline, params: Any, x_btc: jax.Array, t: jax.Array, co
     out = pipe.denoise(params, pipe.denoiser_cfg, x_btc.astype(pipe.dtype), jnp.full((b,), t / 1000, jnp.float32),
                        cond["context"].astype(pipe.dtype), cond["pooled"].astype(pipe.dtype), guidance,
                        jnp.asarray(F.latent_image_ids(latent_hw[0] // 2, latent_hw[1] // 2)), txt_ids,
-                       **_hook(pipe, jnp.float32))
+                       **_hook(pipe, pipe.dtype), dtype=pipe.dtype)
     return out.astype(jnp.float32)
 
 
