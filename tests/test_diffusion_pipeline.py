@@ -30,6 +30,7 @@ from hypertron.diffusion import schedulers as S
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.models.params import is_spec
+from support import processes
 from support.cli import one_error_line, run_cli  # tests/support
 from support.diffusion_folders import tiny_sd
 
@@ -245,7 +246,7 @@ def test_diffuse_writes_pngs_and_a_seed_gives_the_same_bytes(sd, stand_in_unet, 
               "--scheduler", "EulerAncestralDiscreteScheduler"]
     r = run_cli(common + ["--batch", "2", "--out", "a.png"], cwd=tmp_path)
     assert r.rc == 0, r.describe()
-    for word in ("load:", "encode:", "compile:", "s/step", "decode:"):
+    for word in ("load:", "encode:", "compile:", "s/step", "decode"):
         assert word in r.stdout, r.describe()
     r = run_cli(common + ["--out", "b.png"], cwd=tmp_path)
     assert r.rc == 0, r.describe()
@@ -256,6 +257,25 @@ def test_diffuse_writes_pngs_and_a_seed_gives_the_same_bytes(sd, stand_in_unet, 
     assert a1.shape == (16, 16, 3)
     r = run_cli(common + ["--out", "c.png"], cwd=tmp_path)  # the same request again: the same bytes
     assert r.rc == 0 and (tmp_path / "c.png").read_bytes() == (tmp_path / "b.png").read_bytes(), r.describe()
+
+
+def test_second_diffuse_process_hits_the_compile_cache(sd, tmp_path):
+    """Two ``hypertron diffuse`` processes with one ``--compile-cache``: the first fills it, the
+    second loads its program from it (JAX's cache-hit event; the folder gains no entry) and writes
+    the first's bytes. The suite's own cache settings are dropped: the flag is the subject."""
+    cache = tmp_path / "cache"
+    env = processes.fast_compile(processes.hypertron_env(drop=("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE")))
+    entries, outputs = [], []
+    for name in ("a.png", "b.png"):
+        r = processes.run_hypertron("diffuse", "--model", sd[0], "--prompt", PROMPT, "--steps", "3", "--out",
+                                    tmp_path / name, "--compile-cache", cache, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        entries.append(sorted(p.name for p in cache.iterdir()))
+        outputs.append(r.stdout)
+    assert entries[0] and entries[1] == entries[0], entries
+    assert "(from the persistent cache)" not in outputs[0] and "compile:" in outputs[0], outputs[0]
+    assert "(from the persistent cache)" in outputs[1], outputs[1]
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
 
 
 def _folder_like(sd_folder, root, *, index=None, drop=(), replace=None):
@@ -318,6 +338,8 @@ BAD_INPUT = {
     "quantize": (lambda sd, tmp: ["--model", sd, "--quantize", "int4"], ["int4", "supported: none, int8, fp8"]),
     "mesh": (lambda sd, tmp: ["--model", sd, "--mesh", "data=2,pipe=2"], ["data=2,pipe=2", "AXIS=N"]),
     "mesh devices": (lambda sd, tmp: ["--model", sd, "--mesh", "data=64"], ["needs 64 devices"]),
+    "compile cache a file": (lambda sd, tmp: ["--model", sd, "--compile-cache", _npy(tmp / "cache", (1,))],
+                             ["--compile-cache", "cache: not a directory"]),
     "existing out": (lambda sd, tmp: ["--model", sd, "--batch", "2", "--out", tmp / "out.png",
                                       _npy(tmp / "out-1.png", (1,)) and "--seed", "1"], ["out-1.png", "exists"]),
 }

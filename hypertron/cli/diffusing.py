@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from hypertron.cli.flags import add_command, number_arg
+from hypertron.cli.flags import add_command, add_compile_cache, number_arg, use_compile_cache
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "rules (default: one device)")
     d.add_argument("--max-sequence-length", type=number_arg(int, low=1), default=512, metavar="N",
                    help="Flux: T5 tokens per prompt")
+    add_compile_cache(d)
 
 
 def cmd_diffuse(args: argparse.Namespace) -> int:
@@ -51,5 +52,7 @@ def cmd_diffuse(args: argparse.Namespace) -> int:
 
     names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",
              "latents", "save_latents", "scheduler", "dtype", "quantize", "mesh", "max_sequence_length")
-    diffuse(DiffuseRequest(**{name: getattr(args, name) for name in names}))
+    request = DiffuseRequest(**{name: getattr(args, name) for name in names})
+    use_compile_cache(args.compile_cache)
+    diffuse(request)
     return 0

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
+from pathlib import Path
 
 from hypertron.config import choices
 from hypertron.config.numbers import INT64, check_number
+from hypertron.errors import UserError
 
 
 class Parser(argparse.ArgumentParser):
@@ -132,3 +135,46 @@ def add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--dry-run", action="store_true", help=f"print the objects; {verb} nothing")
     out.add_argument("--output", metavar="FILE", help=f"write the objects to a new FILE; {verb} nothing")
+
+
+COMPILE_CACHE_OFF = ("none", "off")
+
+
+def default_compile_cache() -> str:
+    """The persistent compilation cache's folder without ``--compile-cache``: JAX's own
+    ``JAX_COMPILATION_CACHE_DIR`` where it is set, else ``$XDG_CACHE_HOME/hypertron/jax`` (per user)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hypertron" / "jax")
+
+
+def add_compile_cache(command: argparse.ArgumentParser) -> None:
+    """``--compile-cache DIR|none`` on ``command``; :func:`use_compile_cache` applies it."""
+    command.add_argument("--compile-cache", default=None, metavar="DIR",
+                         help="JAX's persistent compilation cache: a later process loads the programs an earlier "
+                              "one compiled (default: $JAX_COMPILATION_CACHE_DIR, else "
+                              "$XDG_CACHE_HOME/hypertron/jax); none: off")
+
+
+def use_compile_cache(value: str | None) -> Path | None:
+    """Switch JAX's persistent compilation cache on in ``value``'s folder (None: :func:`default_compile_cache`),
+    made if missing, for every program however quick its compile (unless
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise), or off for ``none``/``off``. Call
+    it before the command's first compile. Returns the folder, or None when off."""
+    import jax
+
+    if value is not None and value.lower() in COMPILE_CACHE_OFF:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    folder = Path(value if value is not None else default_compile_cache()).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--compile-cache {folder}: not a directory (a folder, or none to turn the cache off)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--compile-cache {folder}: cannot make the folder ({e.strerror or e})") from None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder
