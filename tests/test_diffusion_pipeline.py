@@ -6,7 +6,8 @@ tiny VAE: one while loop holding the denoiser once, no compile for a repeated sh
 noise independent of its batch. The command runs in process on a tiny ``StableDiffusionPipeline``
 folder written by diffusers (random weights, a hand-written CLIP vocabulary): end to end with
 hypertron's UNet against diffusers' pipeline (DDIM, Euler, DPM-Solver++ 2M), and with diffusers' own
-UNet as a stand-in (``pure_callback``) where only what surrounds the denoiser is the subject.
+UNet as a stand-in (``pure_callback``) where only what surrounds the denoiser is the subject. Two
+processes only where they are the subject: a second one loads its program from ``--compile-cache``.
 """
 
 from __future__ import annotations
