@@ -17,7 +17,9 @@ One model, written once in Hugging Face format into a temporary directory, nothi
   reports' ``usage.prompt_tokens`` totals are compared to show it.
 - weights: ``LlamaForCausalLM`` with random weights (``torch.manual_seed(0)``): hidden 256,
   4 layers, 8 heads / 4 KV heads (head_dim 32), MLP 768, max_position_embeddings 4,096,
-  untied, float32 (4.2M parameters), ``save_pretrained`` (safetensors). The ``lm_head`` rows of
+  untied, float32 (4.2M parameters), ``save_pretrained`` (safetensors); ``--model-size llama-1b``:
+  hypertron's ``llama-1b`` shape (hidden 2,048, 22 layers, 16 / 4 heads, MLP 5,632) in bfloat16, for
+  GPU runs (about 35 s and 2 GB to build on a CPU). The ``lm_head`` rows of
   the special tokens (EOS among them) and of the byte tokens that are not whole UTF-8 are zeroed:
   their logits are then 0 against ~1,900 random ones, so greedy decoding never picks them. Every
   request then generates exactly ``--max-tokens`` tokens on both servers (checked from the
@@ -105,7 +107,7 @@ import numpy as np
 from hypertron.launch.local import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_model import MAX_SEQ_LEN, build_model, write_prompts  # bench/serve_model.py, this directory
+from serve_model import MAX_SEQ_LEN, MODEL_SIZES, build_model, write_prompts  # bench/serve_model.py, this directory
 from serve_http_prefix import add_workload_args, run_workloads  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import (  # bench/serve_http_servers.py, this directory
     Server, bench, compile_counts, counts_since, greedy_text, missing_serve_deps, script,
@@ -255,6 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, before BOS")
     p.add_argument("--warmup-requests", type=int, default=None, help="default: twice the largest concurrency")
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--model-size", choices=list(MODEL_SIZES), default="small",
+                   help="the random Llama's shape (llama-1b: hypertron's preset, bf16, for GPU runs)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--no-continuous-batching", action="store_true", help="transformers serve without it")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
@@ -362,7 +366,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     work = args.keep or tempfile.mkdtemp(prefix="serve_http_")
     os.makedirs(work, exist_ok=bool(args.keep is None))
     hf_dir, run_dir = os.path.join(work, "hf"), os.path.join(work, "run")
-    banned = build_model(hf_dir, args.vocab)
+    banned = build_model(hf_dir, args.vocab, args.model_size)
     convert = [script("hypertron"), "convert", "--from-hf", hf_dir, "--out", run_dir]
     subprocess.run(convert, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     max_c = max(args.concurrency)

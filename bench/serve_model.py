@@ -20,9 +20,19 @@ def stdlib_files() -> list[str]:
     return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
 
 
-def build_model(hf_dir: str, vocab: int) -> int:
-    """Tokenizer (BPE trained on the stdlib) and a random Llama, in Hugging Face format, into ``hf_dir``;
-    returns how many ``lm_head`` rows were zeroed."""
+# The random Llama's shape by --model-size: the bench's small model (CPU), and hypertron's ``llama-1b``
+# preset (1.1B, the GPU campaign's model; saved in bfloat16) for issue 38's and 49's GPU runs.
+MODEL_SIZES = {
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 768, "dtype": "float32"},
+    "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 16, "num_key_value_heads": 4,
+                 "intermediate_size": 5632, "dtype": "bfloat16"},
+}
+
+
+def build_model(hf_dir: str, vocab: int, size: str = "small") -> int:
+    """Tokenizer (BPE trained on the stdlib) and a random Llama of :data:`MODEL_SIZES` ``size``, in
+    Hugging Face format, into ``hf_dir``; returns how many ``lm_head`` rows were zeroed."""
     import torch
     import transformers
     from tokenizers import (
@@ -48,10 +58,11 @@ def build_model(hf_dir: str, vocab: int) -> int:
                             eos_token="</s>").save_pretrained(hf_dir)
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, intermediate_size=768, max_position_embeddings=MAX_SEQ_LEN,
-                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, dtype="float32")
-    model = LlamaForCausalLM(cfg)
+    shape = dict(MODEL_SIZES[size])
+    dtype = shape.pop("dtype")
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), **shape, max_position_embeddings=MAX_SEQ_LEN,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, dtype=dtype)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     banned = unstreamable_ids(tok)
     with torch.no_grad():  # greedy never picks these: see the module docstring
         model.lm_head.weight[banned] = 0.0
