@@ -17,11 +17,9 @@ One model, written once in Hugging Face format into a temporary directory, nothi
   reports' ``usage.prompt_tokens`` totals are compared to show it.
 - weights: ``LlamaForCausalLM`` with random weights (``torch.manual_seed(0)``): hidden 256,
   4 layers, 8 heads / 4 KV heads (head_dim 32), MLP 768, max_position_embeddings 4,096,
-  untied, float32 (4.2M parameters), ``save_pretrained`` (safetensors); ``--model-size llama-1b``:
-  hypertron's ``llama-1b`` shape (hidden 2,048, 22 layers, 16 / 4 heads, MLP 5,632) in bfloat16, for
-  GPU runs (about 35 s and 2 GB to build on a CPU). The ``lm_head`` rows of
-  the special tokens (EOS among them) and of the byte tokens that are not whole UTF-8 are zeroed:
-  their logits are then 0 against ~1,900 random ones, so greedy decoding never picks them. Every
+  untied, float32 (4.2M parameters; ``--model-size llama-1b``: that preset's, bf16), safetensors.
+  The ``lm_head`` rows of the special tokens (EOS among them) and the byte tokens that are not whole
+  UTF-8 are zeroed: their logits are 0 against ~1,900 random ones, greedy never picks them. Every
   request then generates exactly ``--max-tokens`` tokens on both servers (checked from the
   reports' ``usage.completion_tokens``), which replaces ``--ignore-eos`` (transformers' server
   answers HTTP 422 to fields outside OpenAI's schema); and every token is text of its own, so both
@@ -107,7 +105,7 @@ import numpy as np
 from hypertron.launch.local import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_model import MAX_SEQ_LEN, MODEL_SIZES, build_model, write_prompts  # bench/serve_model.py, this directory
+from serve_model import MAX_SEQ_LEN, add_model_args, build_model, write_prompts  # bench/serve_model.py, this directory
 from serve_http_prefix import add_workload_args, run_workloads  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import (  # bench/serve_http_servers.py, this directory
     Server, bench, compile_counts, counts_since, greedy_text, missing_serve_deps, script,
@@ -256,9 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, before BOS")
     p.add_argument("--warmup-requests", type=int, default=None, help="default: twice the largest concurrency")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--model-size", choices=list(MODEL_SIZES), default="small",
-                   help="the random Llama's shape (llama-1b: hypertron's preset, bf16, for GPU runs)")
+    add_model_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--no-continuous-batching", action="store_true", help="transformers serve without it")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))

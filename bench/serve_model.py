@@ -30,6 +30,12 @@ MODEL_SIZES = {
 }
 
 
+def add_model_args(p) -> None:
+    """The model's flags: ``--vocab`` (the BPE's size) and ``--model-size`` (:data:`MODEL_SIZES`)."""
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--model-size", choices=list(MODEL_SIZES), default="small", help="the random Llama's shape")
+
+
 def build_model(hf_dir: str, vocab: int, size: str = "small") -> int:
     """Tokenizer (BPE trained on the stdlib) and a random Llama of :data:`MODEL_SIZES` ``size``, in
     Hugging Face format, into ``hf_dir``; returns how many ``lm_head`` rows were zeroed."""
