@@ -25,6 +25,7 @@ from hypertron.kernels.ragged_attention import (
     ragged_decode_attention,
     ragged_decode_attention_reference,
 )
+from hypertron.kernels import ragged_paged_attention as rpa
 from hypertron.kernels.ragged_paged_attention import ragged_paged_attention
 
 # The GPU campaign's T1 runs these compiled for the GPU; the oracles multiply in exact float32
@@ -313,6 +314,23 @@ def test_a_decode_only_step_takes_the_decode_kernel_where_it_is_auto(monkeypatch
     got = ragged_paged_attention(**args, window=WINDOW, decode_only=True)
     _assert_close(got, want, 1e-5)
     assert not np.asarray(got)[-PAD_TOKENS:].any()
+
+
+def test_auto_takes_the_reference_where_the_kernels_cannot_take_the_shapes(monkeypatch):
+    """head_dim 8 (Triton's dot wants 16; on an H100 the kernel gave attention 7-12 % off): where
+    both tables pick Pallas (patched here), ``auto`` runs no Pallas kernel, decode-only or not,
+    and an explicit ``pallas`` is refused with the reason."""
+    args, _ = _paged_case(3, 2, "float32", [(37, 1), (0, 0), (5, 1)], WINDOW, head_dim=8)
+    for table in (ra.AUTO_BACKEND, rpa.AUTO_BACKEND):
+        monkeypatch.setitem(table, jax.default_backend(), "pallas")
+    for decode_only in (False, True):
+        jaxpr = jax.make_jaxpr(lambda a: ragged_paged_attention(**a, window=WINDOW, decode_only=decode_only))(args)
+        assert "pallas_call" not in str(jaxpr)
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        ragged_paged_attention(**args, backend="pallas")
+    args, _ = _paged_case(3, 2, "float32", [(5, 1)], head_dim=12)
+    with pytest.raises(ValueError, match="head_dim a power of two, got 12"):
+        ragged_paged_attention(**args, backend="pallas")
 
 
 @pytest.mark.parametrize("q_dtype,page_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "int8")])

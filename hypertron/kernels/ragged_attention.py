@@ -128,8 +128,9 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       ``[batch, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
     """
     _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
-    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND)
     head_dim = q.shape[-1]
+    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, head_dim,
+                                    k_pages.shape[2])
     sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
     cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
     capacity = page_indices.shape[1] * k_pages.shape[2]
@@ -279,15 +280,12 @@ def _decode_kernel(lengths_ref, window_ref, table_ref, q_ref, k_ref, v_ref, *res
 
 def pallas_layout(q, k_pages, k_scales, cfg: CallConfig) -> tuple[int, int, int, int, int, int, bool, Any]:
     """What both Pallas kernels read off their operands: ``(num_heads, head_dim, num_kv_heads,
-    page_size, group, pages_per_block, quantized, compute dtype)``; page size and head dim must be
-    powers of two. int8 pages are converted to q's dtype in the kernel (exact for bf16/f32); float
+    page_size, group, pages_per_block, quantized, compute dtype)`` (the shapes
+    :func:`pallas_unfit` passed). int8 pages are converted to q's dtype in the kernel (exact for bf16/f32); float
     pages meet q in their common type."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    for name, n in [("page_size", page_size), ("head_dim", head_dim)]:
-        if n & (n - 1):
-            raise ValueError(f"the pallas backend wants {name} a power of two, got {n}")
-    ppb = cfg.pages_per_block or max(1, DEFAULT_BLOCK_TOKENS // page_size)
+    ppb = cfg.pages_per_block or default_pages_per_block(page_size)
     quantized = k_scales is not None
     compute = q.dtype if quantized else jnp.promote_types(q.dtype, k_pages.dtype)
     return num_heads, head_dim, num_kv_heads, page_size, num_heads // num_kv_heads, ppb, quantized, compute
@@ -367,10 +365,31 @@ def _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales
                          f"got {lengths.shape} and {page_indices.shape}")
 
 
+def default_pages_per_block(page_size: int) -> int:
+    """Enough pages for :data:`DEFAULT_BLOCK_TOKENS` keys per kernel step."""
+    return max(1, DEFAULT_BLOCK_TOKENS // page_size)
+
+
+def pallas_unfit(head_dim: int, page_size: int, pages_per_block: int | None) -> str | None:
+    """Why the Pallas kernels cannot take these shapes (None: they can). Triton's ``dot`` wants
+    every dimension a power of two and at least 16: with ``head_dim`` 8 (the tests' tiny Mistral
+    and Mixtral) the kernel compiled for an H100 returned wrong attention, off by 7-12 % of the
+    log-probabilities, where the CPU's interpret mode was right (2026-11-26, JAX 0.11.2)."""
+    block_tokens = (pages_per_block or default_pages_per_block(page_size)) * page_size
+    for name, n in [("page_size", page_size), ("head_dim", head_dim)]:
+        if n & (n - 1):
+            return f"the pallas backend wants {name} a power of two, got {n}"
+    for name, n in [("head_dim", head_dim), ("pages_per_block x page_size", block_tokens)]:
+        if n < MIN_GROUP_ROWS:
+            return f"the pallas backend wants {name} >= {MIN_GROUP_ROWS} (Triton's dot), got {n}"
+    return None
+
+
 def check_call(backend: str, window, pages_per_block: int | None, interpret: bool | None,
-               table: dict[str, str]) -> tuple[str, bool]:
+               table: dict[str, str], head_dim: int, page_size: int) -> tuple[str, bool]:
     """The checks both attention functions make of their settings; the backend and interpret
-    mode they resolve to."""
+    mode they resolve to: ``auto`` takes the reference where the table's Pallas kernel cannot
+    take the shapes (:func:`pallas_unfit`), an explicit ``pallas`` is refused there."""
     if isinstance(window, (int, np.integer)) and window < 1:
         raise ValueError(f"window must be >= 1 (or None), got {window}")
     ppb = pages_per_block
@@ -378,5 +397,10 @@ def check_call(backend: str, window, pages_per_block: int | None, interpret: boo
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
     if backend not in BACKENDS:
         raise ValueError(f"ragged attention backend must be one of {BACKENDS}, got {backend!r}")
-    backend = auto_backend(table, "reference") if backend == "auto" else backend
+    unfit = pallas_unfit(head_dim, page_size, ppb)
+    if backend == "auto":
+        backend = auto_backend(table, "reference")
+        backend = "reference" if backend == "pallas" and unfit else backend
+    elif backend == "pallas" and unfit:
+        raise ValueError(unfit)
     return backend, interpret_default(interpret)

@@ -53,6 +53,7 @@ from hypertron.kernels.ragged_attention import (
     gather_pages,
     online_softmax_block,
     pallas_layout,
+    pallas_unfit,
     ragged_decode_attention,
 )
 
@@ -119,11 +120,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          f"{query_start.shape}")
     if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
-    if decode_only and backend == "auto" and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
+    fits = pallas_unfit(q.shape[-1], k_pages.shape[2], pages_per_block) is None
+    if decode_only and backend == "auto" and fits and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
         return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
                             v_scales=v_scales, sm_scale=sm_scale, window=window,
                             pages_per_block=pages_per_block, interpret=interpret)
-    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND)
+    backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, q.shape[-1],
+                                    k_pages.shape[2])
     sm_scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
     cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
     capacity = page_table.shape[1] * k_pages.shape[2]
