@@ -9,7 +9,7 @@ TIER is one of:
   hypertron itself installed with ``--no-deps`` first), every module imported, one bf16 train
   step. Exits 3 naming any module that is missing.
 - ``T1`` (at most 5 minutes): ``pytest -m gpu`` (the Pallas kernels compiled for the GPU, cuDNN
-  attention, bf16 Hugging Face and engine parity, cuBLASLt fp8 in the train step), grouped into
+  attention, bf16 Hugging Face and engine parity, fp8 GEMMs in the train step), grouped into
   rows, and which XLA flags of the GPU recipes this XLA accepts.
 - ``T2`` (at most 8 minutes): the headline figures. Device header with the measured bf16 matmul
   rate and copy bandwidth; ``llama-1b`` training at seq 2048 (remat dots and none; synthetic rows
@@ -126,8 +126,8 @@ T1_GROUPS = (
     ("gmm", "test_gmm.py", ""),
     ("ragged_attention", "test_ragged_attention.py", ""),
     ("cudnn_attention", "test_gpu.py", "test_cudnn"),
-    ("fp8_cublaslt", "test_gpu.py", "test_fp8"),
-    ("fp8_cublaslt", "test_quant_train.py", "test_compiled_matmuls"),
+    ("fp8_gemm", "test_gpu.py", "test_fp8"),
+    ("fp8_gemm", "test_quant_train.py", "test_compiled_matmuls"),
     ("hf_parity_bf16", "test_hf.py", "test_logits_match_in_bf16"),
     ("engine_parity_bf16", "test_hf.py", "test_engine_in_bf16"),
     ("engine_parity_bf16", "test_engine.py", ""),

@@ -8,8 +8,9 @@ themselves, the scales applied to the float32 product::
 
 with ``q(a, fmt, s) = fmt(clip(a / s))`` and straight-through gradients (one custom VJP over the
 whole einsum; its residuals are the fp8 operands, a byte an element). On Hopper GPUs XLA runs
-each of the three as a cuBLAS Lt fp8 GEMM (``__cublas$lt$matmul$f8``, the scales as its alpha);
-elsewhere the same program computes on the fp8 values upcast, so CPU runs reproduce fp8
+each of the three as a GEMM of the fp8 operands: cuBLAS Lt's (``__cublas$lt$matmul$f8``, the
+scales as its alpha) at 8192^3 on an H200, a Triton GEMM fusion at the tests' small shapes on an
+H100 (2026-11-26, JAX 0.11.2); elsewhere the same program computes on the fp8 values upcast, so CPU runs reproduce fp8
 numerics, not its speed.
 
 Why fp8 operands and not quantise-dequantise ("qdq", ``fmt(a / s) * s`` fed to a bf16 einsum,
