@@ -36,6 +36,7 @@ from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.hfconfig import check_class, positive_int
 from hypertron.diffusion.layers import timestep_embedding
 from hypertron.diffusion.weights import load_model
+from hypertron.models.attention import full_attention
 from hypertron.models.params import ParamSpec, matmul, stack
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for
@@ -272,7 +273,7 @@ def _qkv(h_btd: jax.Array, p: Params, einsum) -> tuple[jax.Array, jax.Array, jax
 def _attend(q_bknh, k_bknh, v_bknh, rope_kh: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Full attention of the rotated queries over the rotated keys: [b, k, n, h]."""
     cos_kh, sin_kh = rope_kh
-    o_bknh = jax.nn.dot_product_attention(_rotate(q_bknh, cos_kh, sin_kh), _rotate(k_bknh, cos_kh, sin_kh), v_bknh)
+    o_bknh = full_attention(_rotate(q_bknh, cos_kh, sin_kh), _rotate(k_bknh, cos_kh, sin_kh), v_bknh)
     return constrain(o_bknh, ("batch", "seq", "act_heads", None))
 
 

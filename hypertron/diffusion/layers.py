@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hypertron.models.attention import full_attention
 from hypertron.models.params import ParamSpec, matmul
 
 Params = dict[str, Any]
@@ -109,7 +110,7 @@ def attention(x_bhwc: jax.Array, p: Params, groups: int, eps: float, einsum) -> 
             return einsum("bsc,cnh->bsnh", h_bsc, p[w]) + p[bias].reshape(nh).astype(h_bsc.dtype)
 
         q_bsnh, k_bsnh, v_bsnh = proj("wq", "bq"), proj("wk", "bk"), proj("wv", "bv")
-        o_bsnh = jax.nn.dot_product_attention(q_bsnh, k_bsnh, v_bsnh)
+        o_bsnh = full_attention(q_bsnh, k_bsnh, v_bsnh)
         o_bsc = einsum("bsnh,nhc->bsc", o_bsnh, p["wo"]) + p["bo"].astype(h_bsc.dtype)
         return x_bhwc + o_bsc.reshape(b, hh, ww, c)
 

@@ -3,7 +3,8 @@
 (LayerNorm, self-attention, LayerNorm, cross-attention to the text context, LayerNorm, GEGLU
 feed-forward, each with its residual), ``proj_out`` and the block's residual.
 
-Matmuls go through the einsum hook; attention is ``jax.nn.dot_product_attention``, in float32 where
+Matmuls go through the einsum hook; attention is :func:`hypertron.models.attention.full_attention`
+(cuDNN's flash attention for self-attention on NVIDIA GPUs, XLA's otherwise), in float32 where
 ``upcast_attention`` asks for it (SD 2.x). Norms compute in float32.
 """
 
@@ -15,6 +16,7 @@ from jax import lax
 
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.layers import Params
+from hypertron.models.attention import full_attention
 from hypertron.models.params import ParamSpec, matmul
 
 GROUP_NORM_EPS = 1e-6  # the block's GroupNorm (diffusers fixes it, whatever the UNet's norm_eps)
@@ -96,7 +98,7 @@ def _attention(x_bsc: jax.Array, kv_btd: jax.Array, p: Params, upcast: bool, ein
     v_btnh = einsum("bsc,cnh->bsnh", kv_btd, p["wv"])
     if upcast:
         q_bsnh, k_btnh, v_btnh = (a.astype(jnp.float32) for a in (q_bsnh, k_btnh, v_btnh))
-    o_bsnh = jax.nn.dot_product_attention(q_bsnh, k_btnh, v_btnh).astype(x_bsc.dtype)
+    o_bsnh = full_attention(q_bsnh, k_btnh, v_btnh).astype(x_bsc.dtype)
     return einsum("bsnh,nhc->bsc", o_bsnh, p["wo"]) + p["bo"].astype(x_bsc.dtype)
 
 

@@ -49,17 +49,22 @@ def plain_attention(q_btnh, k_bskh, v_bskh, mask_b1ts) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
-def cudnn_supported(cfg: ModelConfig, dtype, seq_len: int, hopper: bool = True) -> bool:
+def cudnn_takes(head_dim: int, dtype, seq_len: int, hopper: bool = True) -> bool:
     """Whether cuDNN's flash attention takes this shape, forward and gradients: bf16/fp16, a head
     dim that is a multiple of 8 and at most 256 on Hopper (``hopper``, the default: the GPUs this
     project plans for) or 128 before it, an even sequence length; anything else fails at compile
     time. Measured on an H200 (2026-11-26, JAX 0.11.2, ``bench/gpu_campaign.py`` ``t2.cudnn_grid``,
     docs/benchmarks.md): head dims 64-256 taken in bf16 and fp16, 100 refused (not a multiple of 8),
     length 2047 refused, float32 refused. Pure (no device is asked): the one rule that
-    :func:`attention_impl` and the memory model (which plans for hardware it does not have) both
-    follow."""
-    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and cfg.head_dim % 8 == 0
-            and cfg.head_dim <= (256 if hopper else 128) and seq_len % 2 == 0)
+    :func:`attention_impl`, :func:`full_attention` and the memory model (which plans for hardware
+    it does not have) follow."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+            and head_dim <= (256 if hopper else 128) and seq_len % 2 == 0)
+
+
+def cudnn_supported(cfg: ModelConfig, dtype, seq_len: int, hopper: bool = True) -> bool:
+    """:func:`cudnn_takes` for a decoder's heads."""
+    return cudnn_takes(cfg.head_dim, dtype, seq_len, hopper)
 
 
 def is_hopper(device) -> bool:
@@ -70,18 +75,30 @@ def is_hopper(device) -> bool:
         return False
 
 
+def _cudnn_here(head_dim: int, dtype, seq_len: int) -> bool:
+    """An NVIDIA GPU is the default backend and cuDNN takes the shape there."""
+    device = jax.local_devices()[0]
+    return (jax.default_backend() == "gpu" and "nvidia" in getattr(device, "device_kind", "").lower()
+            and cudnn_takes(head_dim, dtype, seq_len, is_hopper(device)))
+
+
 def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
     """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape
     (:func:`cudnn_supported`), else XLA."""
     if cfg.attention != "auto":
         return cfg.attention
-    if (
-        jax.default_backend() == "gpu"
-        and "nvidia" in getattr(jax.local_devices()[0], "device_kind", "").lower()
-        and cudnn_supported(cfg, dtype, seq_len, is_hopper(jax.local_devices()[0]))
-    ):
-        return "cudnn"
-    return "xla"
+    return "cudnn" if _cudnn_here(cfg.head_dim, dtype, seq_len) else "xla"
+
+
+def full_attention(q_bsnh: jax.Array, k_btnh: jax.Array, v_btnh: jax.Array) -> jax.Array:
+    """Unmasked attention (the diffusion models'): cuDNN's flash attention for self-attention
+    (as many keys as queries) on NVIDIA GPUs where it takes the shape, XLA's otherwise (which
+    is what ``jax.nn.dot_product_attention`` picks when no implementation is named: unfused,
+    the scores in memory; Flux-dev's 4,608-token joint attention ran at 0.74x diffusers' SDPA
+    that way on an H100, 2026-11-26)."""
+    t = k_btnh.shape[1]
+    impl = "cudnn" if q_bsnh.shape[1] == t and _cudnn_here(q_bsnh.shape[-1], q_bsnh.dtype, t) else "xla"
+    return jax.nn.dot_product_attention(q_bsnh, k_btnh, v_btnh, implementation=impl)
 
 
 def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
