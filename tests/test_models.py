@@ -123,3 +123,32 @@ def test_flops_hand_count():
     # window 2 at seq 4: keys seen per query 1, 2, 2, 2 -> mean 1.75
     assert forward_flops_per_token(windowed, 4) == 384 + 768 + 2 * 2 * 8 * 1.75 + 160
     assert dense_flops_per_token(cfg) == 384 + 768 + 160 and attention_flops(cfg, 2.5) == 80
+
+
+def test_blocked_attention_is_dot_product_attention():
+    """Several query and key blocks with padding on both (37 queries in 3 blocks, 300 keys in 5):
+    jax.nn.dot_product_attention's result within float32 rounding; blocks larger than the
+    lengths; bf16 in, bf16 out."""
+    from hypertron.models.attention import blocked_attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 37, 3, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 300, 3, 8)), jnp.float32) for _ in "kv")
+    got = blocked_attention(q, k, v, block_q=16, block_k=64)
+    np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, k, v), atol=2e-6)
+    short = blocked_attention(q[:, :5].astype(jnp.bfloat16), k[:, :3], v[:, :3])
+    assert short.dtype == jnp.bfloat16
+    np.testing.assert_allclose(short.astype(jnp.float32), jax.nn.dot_product_attention(q[:, :5], k[:, :3], v[:, :3]),
+                               atol=3e-2)
+
+
+def test_full_attention_blocks_on_the_cpu_from_the_threshold():
+    """Below BLOCKED_MIN_SCORES scores a head XLA's attention (no loop), from it the blocked one."""
+    from hypertron.models import attention as A
+
+    def loops(s):
+        x = jax.ShapeDtypeStruct((1, s, 2, 8), jnp.float32)
+        return "scan" in str(jax.make_jaxpr(A.full_attention)(x, x, x))
+
+    side = int(A.BLOCKED_MIN_SCORES ** 0.5)
+    assert not loops(side - 8) and loops(side)
