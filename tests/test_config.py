@@ -7,7 +7,8 @@ import pytest
 
 from hypertron.config import (PRESETS, TOKENIZABLE_SOURCES, ConfigError, ServeConfig, choices, dump_yaml,
                               from_dict, load_config)
-from hypertron.config.schema import DataSource, GmmBackend, KvCacheDtype, Quantization, WeightQuantization
+from hypertron.config.schema import (DataSource, DiffusionDtype, DiffusionQuantization, GmmBackend, KvCacheDtype,
+                                     Quantization, WeightQuantization)
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -84,7 +85,9 @@ def test_every_option_list_is_the_schemas():
     parser = build_parser()
     assert _option(parser, "serve", "--kv-cache-dtype").choices == choices(KvCacheDtype) == (
         "auto", "bfloat16", "float32", "int8")
-    assert _option(parser, "serve", "--quantize").choices == choices(WeightQuantization) == ("none", "int8")
+    assert choices(WeightQuantization) == ("none", "int8")  # the text server's; a diffusers folder's also fp8
+    assert _option(parser, "serve", "--quantize").choices == choices(DiffusionQuantization) == ("none", "int8", "fp8")
+    assert _option(parser, "serve", "--dtype").choices == choices(DiffusionDtype) == ("float32", "bfloat16")
     assert _option(parser, "generate", "--quantize").choices == choices(WeightQuantization)
     assert _option(parser, "tokenize", "--source").choices == TOKENIZABLE_SOURCES
     assert set(TOKENIZABLE_SOURCES) | {"synthetic", "tokens"} == set(SOURCES) == set(choices(DataSource))

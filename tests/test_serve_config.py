@@ -86,6 +86,20 @@ def test_without_a_checkpoint_serve_says_which_flag_is_missing(capsys):
     assert capsys.readouterr().err == "error: --checkpoint: required (the run directory or Hugging Face model directory to serve)\n"
 
 
+@pytest.mark.parametrize("argv, yaml_text, words", [
+    (["--dtype", "float32"], "", ["--dtype=float32", "only a diffusers folder (model_index.json)"]),
+    (["--quantize", "fp8"], "", ["--quantize=fp8", "only a diffusers folder", "a text model takes none, int8"]),
+    ([], "dtype: bfloat16\n", ["serve.yaml: dtype=bfloat16", "only a diffusers folder"]),
+])
+def test_the_text_server_refuses_a_diffusers_folders_dtype_and_fp8(tmp_path, argv, yaml_text, words):
+    """``--dtype`` (given at all) and ``--quantize fp8`` belong to a diffusers folder: for a run or
+    Hugging Face directory they are one error line, exit 2, not ignored (a flag or a file's key)."""
+    from support.cli import one_error_line, run_cli
+
+    config = ["--config", _yaml(tmp_path, yaml_text)] if yaml_text else []
+    one_error_line(run_cli(["serve", "--model", tmp_path / "run", "--port", "0", *config, *argv]), *words)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     from hypertron.checkpoint import save_params

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from hypertron.cli.flags import add_command, add_compile_cache, number_arg, use_compile_cache
+from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, choices
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the final latents (diffusers' layout)")
     d.add_argument("--scheduler", default=None, metavar="CLASS",
                    help="a scheduler class to run with the folder's scheduler options (e.g. EulerDiscreteScheduler)")
-    d.add_argument("--dtype", default="float32", help="float32 or bfloat16: the denoiser's and VAE's weights")
+    d.add_argument("--dtype", default=DIFFUSION_DTYPE,
+                   help=f"{' or '.join(choices(DiffusionDtype))}: the denoiser's and VAE's weights")
     d.add_argument("--quantize", default="none", metavar="MODE",
                    help="the denoiser's matmuls: none, int8 (int8 weights, per-channel scales) or fp8 (e4m3 operands)")
     d.add_argument("--mesh", default=None, metavar="AXIS=N,...",

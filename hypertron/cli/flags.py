@@ -65,7 +65,7 @@ def flag(key: str) -> str:
 def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options: dict[str, dict] | None = None,
                         given_only: bool = False, show_default: bool = False) -> None:
     """One flag per field of the dataclass ``settings``, in field order: ``--field-name``, its
-    default the field's, its ``choices`` a ``Literal`` type's, its type ``int`` or ``float`` (``X | None``
+    default the field's, its ``choices`` a ``Literal`` type's (or ``Literal | None``'s), its type ``int`` or ``float`` (``X | None``
     as ``X``), a ``bool`` a switch (``--x``; one whose default is True also ``--no-x``). Help, metavar, ``aliases`` and any other ``add_argument`` option
     come from the field's ``metadata`` (:func:`hypertron.config.flag_field` puts them there),
     overridden by ``options[field name]``.
@@ -79,8 +79,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, settings: type, options
         opts = {**field.metadata, **(options or {}).get(field.name, {})}
         aliases = opts.pop("aliases", ())
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        if typing.get_origin(tp) is typing.Literal:
-            opts.setdefault("choices", choices(tp))
+        literal = next((t for t in (tp, kind) if typing.get_origin(t) is typing.Literal), None)  # L, L | None
+        if literal is not None:
+            opts.setdefault("choices", choices(literal))
         elif kind is bool:
             opts.setdefault("action", argparse.BooleanOptionalAction if default is True else "store_true")
         elif kind in (int, float):

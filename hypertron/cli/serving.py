@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from pathlib import Path
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
-from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, MAX_PADDED_COST
+from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, MAX_PADDED_COST
 from hypertron.loadgen import BenchSettings
 
 
@@ -36,8 +35,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "max_top_logprobs": dict(metavar="N", help="the most log-probabilities a request may ask for per token "
                                                "(logprobs, top_logprobs); a step that returns them computes "
                                                "this many"),
-    "quantize": dict(help="weight precision (a diffusers folder: the denoiser's matmuls, as hypertron diffuse "
-                          "--quantize)"),
+    "quantize": dict(help="weight precision: none or int8; a diffusers folder: the denoiser's matmuls, also fp8 "
+                          "(as hypertron diffuse --quantize)"),
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
                          f"padded to a compiled shape at most {MAX_PADDED_COST:g} times as costly (if any); lazy: "
                          "a step waits for its shape's compile"),
@@ -59,6 +58,8 @@ _SERVE_FLAGS: dict[str, dict] = {
                                               "least recently used dropped (0: off)"),
     "mesh": dict(metavar="AXIS=N,...", help="a diffusers folder: devices, e.g. data=2,fsdp=2 (images over data, "
                                             "weights over fsdp/tensor by the sharding rules; default: one device)"),
+    "dtype": dict(help=f"a diffusers folder: its weights' dtype, as hypertron diffuse --dtype (default "
+                       f"{DIFFUSION_DTYPE}; a run or Hugging Face directory computes in its config's)"),
 }
 
 
@@ -104,7 +105,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config_from_args(args)
-    if (Path(cfg.checkpoint) / "model_index.json").is_file():  # a diffusers pipeline folder
+    if cfg.serves_images:  # a diffusers pipeline folder
         from hypertron.serve.images import main as serve_images
         return serve_images(cfg)
     from hypertron.serve.server import main as serve_main

@@ -13,9 +13,11 @@ to build its parser.
 from __future__ import annotations
 
 import math
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from hypertron.errors import ConfigError
@@ -47,6 +49,13 @@ DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "a
 Schedule = Literal["cosine", "linear", "constant"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "int8"]  # auto: the model's compute dtype
 WeightQuantization = Literal["none", "int8"]  # weight precision for generation and serving
+# A diffusion pipeline (hypertron diffuse, the image server): its weights' dtype (float32 the default,
+# as diffusers loads one) and its denoiser's matmuls (int8 weights, or fp8 e4m3 operands).
+DiffusionDtype = Literal["float32", "bfloat16"]
+DIFFUSION_DTYPE: DiffusionDtype = "float32"
+DiffusionQuantization = Literal["none", "int8", "fp8"]
+# A diffusers pipeline folder holds this index; hypertron serve serves images for such a folder.
+MODEL_INDEX = "model_index.json"
 # background: a new step shape compiles on a background thread while its steps run padded to a compiled
 # shape that costs at most MAX_PADDED_COST times as much (if none, the step waits); lazy: each step shape
 # compiles when first met, and that step waits
@@ -84,6 +93,8 @@ def check_choices(obj: Any, prefix: str = "", name: Callable[[str], str] | None 
     for f in fields(obj):
         value, tp = getattr(obj, f.name), hints[f.name]
         key = name(f.name) if name else prefix + f.name
+        if value is not None and typing.get_origin(tp) in (typing.Union, types.UnionType):  # X | None: X's
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
         if typing.get_origin(tp) is Literal and value not in choices(tp):
             raise choice_error(key, value, choices(tp))
         if is_dataclass(value):
@@ -508,7 +519,7 @@ class ServeConfig:
     num_pages: int | None = _E.num_pages
     kv_cache_dtype: KvCacheDtype = _E.kv_cache_dtype
     max_top_logprobs: int = _E.max_top_logprobs
-    quantize: WeightQuantization = "none"
+    quantize: DiffusionQuantization = "none"  # a run or Hugging Face directory: a WeightQuantization (no fp8)
     compile: CompileMode = _E.compile
     dispatch_ahead: DispatchAhead = _S.dispatch_ahead
     max_queue: int = _S.max_queue
@@ -523,6 +534,13 @@ class ServeConfig:
     max_steps: int = 100  # num_inference_steps, at most
     embedding_cache: int = 32  # prompts whose text-encoder outputs are kept (LRU); 0: none
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the sharding rules; None: one device
+    dtype: DiffusionDtype | None = None  # the pipeline's weights; None: DIFFUSION_DTYPE (a text model: refused)
+
+    @property
+    def serves_images(self) -> bool:
+        """Whether ``checkpoint`` is a diffusers pipeline folder (its ``model_index.json``), served
+        as ``POST /v1/images/generations`` rather than by the text server."""
+        return (Path(self.checkpoint) / MODEL_INDEX).is_file()
 
     @property
     def engine(self) -> EngineConfig:

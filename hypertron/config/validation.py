@@ -14,16 +14,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hypertron.config.schema import (
+    MODEL_INDEX,
     Config,
     DlrmConfig,
     MeshConfig,
     ModelConfig,
     ServeConfig,
+    WeightQuantization,
     check_budget,
     check_choices,
     check_engine_settings,
     check_scheduler_settings,
     check_sizes,
+    choices,
 )
 from hypertron.errors import ConfigError, one_line
 
@@ -280,3 +283,16 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
         raise ConfigError(f"{name('embedding_cache')}={cfg.embedding_cache}: must be 0 (off) or more")
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"{name('port')}={cfg.port}: must be 0 to 65535")
+    if not cfg.serves_images:
+        check_text_serve(cfg, name)
+
+
+def check_text_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
+    """What only a diffusers folder takes, refused for a run or Hugging Face directory rather than
+    ignored: ``dtype`` (a text model computes in its config's dtype) and ``quantize`` fp8."""
+    if cfg.dtype is not None:
+        raise ConfigError(f"{name('dtype')}={cfg.dtype}: only a diffusers folder ({MODEL_INDEX}) takes a dtype; "
+                          f"{cfg.checkpoint} is served in its model config's dtype")
+    if cfg.quantize not in choices(WeightQuantization):
+        raise ConfigError(f"{name('quantize')}={cfg.quantize}: only a diffusers folder ({MODEL_INDEX}) takes it; "
+                          f"a text model takes {', '.join(choices(WeightQuantization))}")

@@ -13,17 +13,14 @@ from typing import Any
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hypertron.config.numbers import shown
+from hypertron.config.schema import DIFFUSION_DTYPE
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import PipelineSpec, read_pipeline
 from hypertron.diffusion.sampling import schedule_for
-
-DTYPES = ("float32", "bfloat16")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DiffuseRequest:
@@ -42,7 +39,7 @@ class DiffuseRequest:
     latents: str | None = None  # a .npy of initial latents, diffusers' layout
     save_latents: str | None = None
     scheduler: str | None = None
-    dtype: str = "float32"  # one of DTYPES
+    dtype: str = DIFFUSION_DTYPE  # one of placement.DTYPES
     quantize: str = "none"  # the denoiser's matmuls: one of placement.QUANTIZE
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the rules; None: one device
     max_sequence_length: int = 512
@@ -97,8 +94,9 @@ class _Plan:
 
 def check_request(req: DiffuseRequest) -> _Plan:
     """Everything about ``req`` that can be checked before a weight is read or a program compiled."""
-    if req.dtype not in DTYPES:
-        raise DiffusionError(f"dtype={shown(req.dtype)} is not supported (supported: {', '.join(DTYPES)})")
+    if req.dtype not in placement.DTYPES:
+        raise DiffusionError(f"dtype={shown(req.dtype)} is not supported (supported: "
+                             f"{', '.join(placement.DTYPES)})")
     if req.quantize not in placement.QUANTIZE:
         raise DiffusionError(f"quantize={shown(req.quantize)} is not supported (supported: "
                              f"{', '.join(placement.QUANTIZE)})")
@@ -150,7 +148,7 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     """Run ``req``: the PNGs written (and ``--save-latents``'s file), timings through ``log``."""
     plan = check_request(req)
     start = time.perf_counter()
-    pipe = placement.load_placed(plan.spec, dtype=jnp.dtype(req.dtype), quantize_mode=req.quantize, mesh=plan.mesh)
+    pipe = placement.load_placed(plan.spec, dtype=req.dtype, quantize_mode=req.quantize, mesh=plan.mesh)
     log(f"load: {time.perf_counter() - start:.2f} s ({placement.described(pipe)})")
     count = len(plan.paths)
     start = time.perf_counter()

@@ -22,13 +22,13 @@ import numpy as np
 
 from hypertron.config.loading import read_json
 from hypertron.config.numbers import shown
+from hypertron.config.schema import MODEL_INDEX
 from hypertron.diffusion import schedulers as S
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.text_encoders import TextEncoder, load_text_encoder
 from hypertron.diffusion.vae import VaeConfig, load_vae, vae_config
 from hypertron.tokenizer import Tokenizer, get_tokenizer
 
-MODEL_INDEX = "model_index.json"
 SD, SDXL, FLUX = "StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"
 
 

@@ -1,4 +1,5 @@
-"""Where a loaded pipeline's weights live and in what precision (``hypertron diffuse --mesh --quantize``).
+"""Where a loaded pipeline's weights live and in what precision (``hypertron diffuse --mesh --dtype
+--quantize``, the image server's flags of the same names).
 
 * :func:`place`: the denoiser's and the VAE's weights on a mesh, each by its declaration's logical
   axes through the one sharding table (:mod:`hypertron.parallel.rules`); the text encoders are
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, DiffusionQuantization, choices
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import DENOISERS, Pipeline, PipelineSpec, load_pipeline
@@ -32,7 +34,8 @@ from hypertron.parallel.mesh import mesh_from_text
 from hypertron.parallel.rules import DEFAULT_RULES, MeshAxes, spec_for
 from hypertron.quant import QArray
 
-QUANTIZE = ("none", "int8", "fp8")  # hypertron diffuse --quantize
+QUANTIZE = choices(DiffusionQuantization)  # hypertron diffuse --quantize, the image server's
+DTYPES = choices(DiffusionDtype)  # hypertron diffuse --dtype, the image server's
 
 
 def denoiser_specs(pipe: Pipeline) -> Any:
@@ -82,11 +85,12 @@ def mesh_of(text: str | None) -> Mesh | None:
         raise DiffusionError(str(e)) from None
 
 
-def load_placed(spec: PipelineSpec, *, dtype: Any = jnp.float32, quantize_mode: str = "none",
+def load_placed(spec: PipelineSpec, *, dtype: Any = DIFFUSION_DTYPE, quantize_mode: str = "none",
                 mesh: Mesh | None = None) -> Pipeline:
-    """The pipeline of ``spec`` loaded in ``dtype``, its denoiser's matmuls in ``quantize_mode``
-    (:func:`quantize`), placed on ``mesh`` when given (:func:`place`)."""
-    pipe = quantize(load_pipeline(spec.folder, dtype=dtype, spec=spec), quantize_mode)
+    """The pipeline of ``spec`` loaded in ``dtype`` (one of :data:`DTYPES`, or its ``jnp`` dtype), its
+    denoiser's matmuls in ``quantize_mode`` (:func:`quantize`), placed on ``mesh`` when given
+    (:func:`place`)."""
+    pipe = quantize(load_pipeline(spec.folder, dtype=jnp.dtype(dtype), spec=spec), quantize_mode)
     return pipe if mesh is None else place(pipe, mesh)
 
 

@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field
 
 from hypertron.config import ServeConfig
 from hypertron.config.numbers import shown
+from hypertron.config.schema import DIFFUSION_DTYPE
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes
@@ -377,12 +378,14 @@ def create_app(server: ImageServer, *, api_key: str | None = None,
 
 
 def build(serve: ServeConfig) -> FastAPI:
-    """The app of ``serve.checkpoint``, a diffusers folder: loaded (``--quantize``, ``--mesh`` as
-    ``hypertron diffuse``'s), its sizes compiled. ``app.state.images`` is its :class:`ImageServer`."""
+    """The app of ``serve.checkpoint``, a diffusers folder: loaded (``--dtype``, ``--quantize``,
+    ``--mesh`` as ``hypertron diffuse``'s), its sizes compiled. ``app.state.images`` is its
+    :class:`ImageServer`."""
     mesh = placement.mesh_of(serve.mesh)  # the mesh and sizes checked before a weight is read
     spec = read_pipeline(serve.checkpoint)
     sizes = served_sizes(spec, serve.sizes)
-    pipe = placement.load_placed(spec, quantize_mode=serve.quantize, mesh=mesh)
+    pipe = placement.load_placed(spec, dtype=serve.dtype or DIFFUSION_DTYPE, quantize_mode=serve.quantize,
+                                 mesh=mesh)
     print(f"hypertron serve: {placement.described(pipe)}", file=sys.stderr)
     server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
                          max_batch=serve.max_batch, max_steps=serve.max_steps,
