@@ -26,9 +26,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from table import print_table  # bench/table.py, this directory
 from train import time_train  # bench/train.py, this directory
 
 FORMAT = {"none": "bf16", "fp8": "fp8", "int8": "int8"}
+COLUMNS = [("mode", "<6"), ("ms/step", ">9.1f"), ("tok/s/dev", ">11,.0f"), ("TFLOP/s/dev", ">12.4g"), ("MFU", ">7"),
+           ("EMFU", ">7"), ("vs none", ">8"), ("loss", ">8.4f")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,12 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.model.name} ({count_params(cfg.model) / 1e6:,.1f}M params), batch {t.global_batch} x seq "
           f"{t.seq_len}, compute {resolve_dtype(cfg.model.dtype)}, params {resolve_dtype(cfg.model.param_dtype)}, "
           f"remat {cfg.model.remat}{fp8_scaling}; {args.steps} timed steps after {args.warmup} warm-up")
-    print(f"{'mode':<6} {'ms/step':>9} {'tok/s/dev':>11} {'TFLOP/s/dev':>12} {'MFU':>7} {'EMFU':>7} "
-          f"{'vs none':>8} {'loss':>8}")
-    for r in rows:
-        speed = "" if base is None else f"{base['step_s'] / r['step_s']:.2f}x"
-        print(f"{r['mode']:<6} {r['step_s'] * 1e3:>9.1f} {r['tok_s']:>11,.0f} {r['tflops']:>12.4g} {pct(r['mfu']):>7} "
-              f"{pct(r['emfu']):>7} {speed:>8} {r['loss']:>8.4f}")
+    speed = lambda r: "" if base is None else f"{base['step_s'] / r['step_s']:.2f}x"
+    print_table(COLUMNS, [(r["mode"], r["step_s"] * 1e3, r["tok_s"], r["tflops"], pct(r["mfu"]), pct(r["emfu"]),
+                           speed(r), r["loss"]) for r in rows])
     print(f"device: {n_dev} x {getattr(dev, 'device_kind', dev.platform)}")
     print(f"versions: python {platform.python_version()}, jax {jax.__version__}")
     print("command: python bench/quant.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -44,8 +44,13 @@ import jax  # after the environment variable above
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from table import print_table  # bench/table.py, this directory
+
 # Peak HBM bandwidth (bytes/s) by device kind, for the roofline column.
 PEAK_HBM_BW = {"H100": 3.35e12, "H200": 4.8e12}
+COLUMNS = [("engine", "<12"), ("batch", ">5"), ("kv dtype", "<9"), ("ms/step", ">8.2f"), ("tokens/s", ">9,.0f"),
+           ("KV B/token", ">10,"), ("KV in use", ">11"), ("roofline", ">8")]
 
 
 def model_config(preset: str, overrides: list[str]):
@@ -184,15 +189,12 @@ def print_tables(cfg, args, dtype, rows, hf_rows, peak):
 
     print(f"decode  {cfg.name} ({count_params(cfg) / 1e6:,.2f}M params, {cfg.num_layers} layers), compute {dtype}, "
           f"context {args.context}, {args.steps} timed steps after {args.warmup} warm-up, page size {args.page_size}")
-    print(f"{'engine':<12} {'batch':>5} {'kv dtype':<9} {'ms/step':>8} {'tokens/s':>9} {'KV B/token':>10} "
-          f"{'KV in use':>10} {'roofline':>8}")
-    for r in rows:
-        roof = "n/a" if peak is None else f"{100 * r['bytes_per_step'] / r['step_s'] / peak:.1f}%"
-        print(f"{'hypertron':<12} {r['batch']:>5} {r['kv']:<9} {r['step_s'] * 1e3:>8.2f} {r['tokens_s']:>9,.0f} "
-              f"{r['kv_bytes_per_token']:>10,} {r['kv_bytes_in_use'] / 2**20:>7.2f} MiB {roof:>8}")
-    for r in hf_rows:
-        print(f"{'transformers':<12} {r['batch']:>5} {jnp.dtype(dtype).name:<9} {r['step_s'] * 1e3:>8.2f} "
-              f"{r['tokens_s']:>9,.0f} {'':>10} {'':>10} {'':>8}")
+    roof = lambda r: "n/a" if peak is None else f"{100 * r['bytes_per_step'] / r['step_s'] / peak:.1f}%"
+    print_table(COLUMNS, [
+        *(("hypertron", r["batch"], r["kv"], r["step_s"] * 1e3, r["tokens_s"], r["kv_bytes_per_token"],
+           f"{r['kv_bytes_in_use'] / 2**20:.2f} MiB", roof(r)) for r in rows),
+        *(("transformers", r["batch"], jnp.dtype(dtype).name, r["step_s"] * 1e3, r["tokens_s"], "", "", "")
+          for r in hf_rows)])
     ours = next((r for r in rows if r["kv"] in ("auto", jnp.dtype(dtype).name)), None)
     if hf_rows and ours is not None:
         a, b = ours["tokens0"], hf_rows[0]["tokens0"]

@@ -11,12 +11,7 @@ from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, choices
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``diffuse`` to ``sub``."""
-    d = add_command(
-        sub, "diffuse", cmd_diffuse, help="generate images from a diffusers pipeline folder",
-        description="Generate images from text with a diffusers folder (model_index.json: "
-        "StableDiffusionPipeline, StableDiffusionXLPipeline, FluxPipeline), the whole sampling loop and the "
-        "VAE decode as one compiled program. Writes PNGs; never overwrites a file. Defaults (steps, guidance, "
-        "size) are the diffusers pipeline's.")
+    d = add_command(sub, "diffuse", cmd_diffuse, help="generate images from a diffusers pipeline folder")
     d.add_argument("--model", required=True, metavar="DIR", help="diffusers pipeline folder")
     d.add_argument("--prompt", required=True)
     d.add_argument("--out", required=True, metavar="FILE.png",
@@ -50,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_diffuse(args: argparse.Namespace) -> int:
+    """Generate images from text with a diffusers folder (model_index.json: StableDiffusionPipeline,
+    StableDiffusionXLPipeline, FluxPipeline), the whole sampling loop and the VAE decode as one compiled
+    program. Writes PNGs; never overwrites a file. Defaults (steps, guidance, size) are the diffusers
+    pipeline's."""
     from hypertron.diffusion.generate import DiffuseRequest, diffuse
 
     names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",

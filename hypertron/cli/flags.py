@@ -40,8 +40,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, func: typing.Callable[[argparse.Namespace], int], *,
-                help: str, description: str | None = None) -> Parser:
-    """Add the command ``name`` to ``sub``, run by ``func(args)``; its parser, for its flags."""
+                help: str) -> Parser:
+    """Add the command ``name`` to ``sub``, run by ``func(args)``; its parser, for its flags. ``help``
+    is the command's line in the list of commands; its ``--help`` description is ``func``'s docstring
+    (white space folded, as argparse prints it), so that what a command does is written once."""
+    description = " ".join(func.__doc__.split()) if func.__doc__ else None
     command = sub.add_parser(name, help=help, description=description)
     command.set_defaults(func=func)
     return command

@@ -19,10 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     where = add_command_group(sub, "launch", help="run a command as several cooperating processes", dest="where")
-    lo = add_command(
-        where, "local", cmd_launch, help="N processes on this machine (jax.distributed over 127.0.0.1)",
-        description="Start N processes of `hypertron COMMAND...` on this machine, joined by "
-        "jax.distributed, e.g. `hypertron launch local --processes 2 --cpu-devices 4 -- train model=tiny`.")
+    lo = add_command(where, "local", cmd_launch, help="N processes on this machine (jax.distributed over 127.0.0.1)")
     lo.add_argument("--processes", type=number_arg(int), metavar="N")
     lo.add_argument("--recipe", metavar="R", help="train this recipe as its processes (nodes x processes per node), "
                     "with its environment; key=value overrides may follow")
@@ -34,11 +31,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_recipes(sub: argparse._SubParsersAction) -> None:
-    rc = add_command(
-        sub, "recipes", cmd_recipes, help="the recipes per model x machine, with their predicted memory per device",
-        description="List the recipes (recipes/<machine>/<model>.yaml) with their machine, node count, mesh and "
-        "the memory model's prediction per device; with a NAME, its XLA flags and environment with their reasons "
-        "and its whole plan.")
+    rc = add_command(sub, "recipes", cmd_recipes,
+                     help="the recipes per model x machine, with their predicted memory per device")
     rc.add_argument("name", nargs="?", metavar="NAME", help="one recipe, e.g. a3mega-h100/llama3.1-70b")
     rc.add_argument("--nodes", type=number_arg(int), default=None, metavar="N",
                     help="on N nodes (default: each recipe's own)")
@@ -120,6 +114,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    """Start N processes of `hypertron COMMAND...` on this machine, joined by jax.distributed, e.g. `hypertron
+    launch local --processes 2 --cpu-devices 4 -- train model=tiny`."""
     from hypertron.launch.local import launch_local, launch_recipe
 
     if args.recipe:
@@ -137,6 +133,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
+    """List the recipes (recipes/<machine>/<model>.yaml) with their machine, node count, mesh and the memory
+    model's prediction per device; with a NAME, its XLA flags and environment with their reasons and its whole
+    plan."""
     import json
 
     from rich.console import Console

@@ -12,12 +12,8 @@ from hypertron.monitor.settings import ReportSettings
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``monitor`` to ``sub``."""
-    mo = add_command(
-        sub, "monitor", cmd_monitor, help="goodput, badput by cause, disruptions and alarms of a training run",
-        description="Report where a training run's time went, by ml-goodput-measurement's definitions, "
-        "from its run directory: goodput, badput by cause, jobs, disruptions, step-time deviation, and "
-        "alarms (a hung process, a NaN loss, loss spikes). Exit 1 when an alarm is raised. "
-        "docs/monitoring.md defines every figure.")
+    mo = add_command(sub, "monitor", cmd_monitor,
+                     help="goodput, badput by cause, disruptions and alarms of a training run")
     mo.add_argument("run_dir", metavar="RUN_DIR")
     add_json_flag(mo, "the report")
     mo.add_argument("--follow", nargs="?", type=number_arg(float, above=0, high=86400), const=5.0, default=None,
@@ -40,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
+    """Report where a training run's time went, by ml-goodput-measurement's definitions, from its run directory:
+    goodput, badput by cause, jobs, disruptions, step-time deviation, and alarms (a hung process, a NaN loss,
+    loss spikes). Exit 1 when an alarm is raised. docs/monitoring.md defines every figure."""
     import time
 
     from hypertron.monitor import report as mon

@@ -65,11 +65,7 @@ _SERVE_FLAGS: dict[str, dict] = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``serve`` and ``bench serve`` to ``sub``."""
-    sv = add_command(
-        sub, "serve", cmd_serve, help="serve a checkpoint over an OpenAI-compatible HTTP API",
-        description="Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions, "
-        "/v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus); or a diffusers folder "
-        "(model_index.json): POST /v1/images/generations. Binds 127.0.0.1 unless told.")
+    sv = add_command(sub, "serve", cmd_serve, help="serve a checkpoint over an OpenAI-compatible HTTP API")
     sv.add_argument("--config", metavar="FILE", help="a YAML file of these settings (keys as the flags, "
                     "with _ for -: max_slots: 16); flags given override it")
     missing = {f.name for f in dataclasses.fields(ServeConfig)} ^ set(_SERVE_FLAGS)
@@ -81,11 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     what = add_command_group(sub, "bench", help="benchmarks", dest="what")
-    bs = add_command(
-        what, "serve", cmd_bench_serve, help="load-test an OpenAI-compatible completions server",
-        description="Send streaming POST /v1/completions requests to any OpenAI-compatible server, "
-        "at a Poisson rate (--request-rate) or a fixed number in flight (--concurrency), and report "
-        "throughput and TTFT / TPOT / ITL / end-to-end latency (mean, p50, p90, p99).")
+    bs = add_command(what, "serve", cmd_bench_serve, help="load-test an OpenAI-compatible completions server")
     # The key's default is the environment's, read when the flags are made.
     # --request-rate: inf is a rate (all at once); BenchSettings.check refuses NaN and rates <= 0 by name
     add_dataclass_flags(bs, BenchSettings, {"api_key": dict(default=os.environ.get("OPENAI_API_KEY")),
@@ -104,6 +96,9 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a checkpoint with continuous batching and a paged KV cache: POST /v1/completions,
+    /v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus); or a diffusers folder
+    (model_index.json): POST /v1/images/generations. Binds 127.0.0.1 unless told."""
     cfg = serve_config_from_args(args)
     if cfg.serves_images:  # a diffusers pipeline folder
         from hypertron.serve.images import main as serve_images
@@ -114,6 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Send streaming POST /v1/completions requests to any OpenAI-compatible server, at a Poisson rate
+    (--request-rate) or a fixed number in flight (--concurrency), and report throughput and TTFT / TPOT / ITL /
+    end-to-end latency (mean, p50, p90, p99)."""
     from hypertron.loadgen import bench_serve
 
     names = {f.name for f in dataclasses.fields(BenchSettings)}

@@ -19,21 +19,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    t = add_command(
-        sub, "train", cmd_train, help="train a model",
-        description="Train a model. Arguments: an optional YAML recipe, then key=value overrides "
-        "(e.g. model=tiny train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir.")
+    t = add_command(sub, "train", cmd_train, help="train a model")
     t.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    pl = add_command(
-        sub, "plan", cmd_plan,
-        help="memory per device, compute and communication time of a training config, before launch",
-        description="Plan a training run on hardware you may not have: per-device memory (parameters, "
-        "gradients, optimiser state exact; activations estimated), compute time at the device's peak, "
-        "communication per mesh axis, and the predicted step time and MFU. Exit 1 when it does not fit. "
-        "docs/memory.md has the formulas.")
+    pl = add_command(sub, "plan", cmd_plan,
+                     help="memory per device, compute and communication time of a training config, before launch")
     pl.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
     _add_hardware_flags(pl, "the accelerator: a name in the hardware table (default %(default)s; a name not in "
                         "it lists them)")
@@ -71,12 +63,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 def _add_embed(sub: argparse._SubParsersAction) -> None:
     ema = add_command_group(sub, "embed", help="sharded embedding tables")
-    ep = add_command(
-        ema, "plan", cmd_embed_plan, help="where each embedding table goes over the devices, and why",
-        description="Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) "
-        "table-wise, row-wise or column-wise over the devices: bytes held per device, ids and bytes exchanged "
-        "per step, the reason for each choice. A table's placement set in the file is kept. Exit 1 when the "
-        "tables do not fit.")
+    ep = add_command(ema, "plan", cmd_embed_plan, help="where each embedding table goes over the devices, and why")
     ep.add_argument("spec", metavar="SPEC.yaml")
     _add_hardware_flags(ep, "the device, for its memory (default %(default)s; cpu: this host's memory shared by "
                         "the devices)")
@@ -88,11 +75,7 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tokenize(sub: argparse._SubParsersAction) -> None:
-    k = add_command(
-        sub, "tokenize", cmd_tokenize, help="pre-tokenise a corpus for data.source=tokens",
-        description="Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with "
-        "data.source=tokens data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out "
-        "must be new or an empty directory.")
+    k = add_command(sub, "tokenize", cmd_tokenize, help="pre-tokenise a corpus for data.source=tokens")
     k.add_argument("--source", required=True, choices=TOKENIZABLE_SOURCES)
     k.add_argument("--paths", nargs="*", default=[], metavar="PATH", help="files or directories")
     k.add_argument("--text-field", default="text", help="the text column / key (jsonl, parquet, hf)")
@@ -112,6 +95,8 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train a model. Arguments: an optional YAML recipe, then key=value overrides (e.g. model=tiny
+    train.steps=200 mesh.fsdp=-1). Resumes from the latest checkpoint in run_dir."""
     cfg = _config(args)
     from hypertron.train.loop import train
 
@@ -125,6 +110,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan a training run on hardware you may not have: per-device memory (parameters, gradients, optimiser
+    state exact; activations estimated), compute time at the device's peak, communication per mesh axis, and the
+    predicted step time and MFU. Exit 1 when it does not fit. docs/memory.md has the formulas."""
     import json
 
     from rich.console import Console
@@ -244,6 +232,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_embed_plan(args: argparse.Namespace) -> int:
+    """Place each table of a spec file (YAML: batch, tables, features; docs/embeddings.md) table-wise, row-wise
+    or column-wise over the devices: bytes held per device, ids and bytes exchanged per step, the reason for
+    each choice. A table's placement set in the file is kept. Exit 1 when the tables do not fit."""
     import json
 
     from rich.console import Console
@@ -265,6 +256,8 @@ def cmd_embed_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    """Tokenise a corpus once into ArrayRecord shards of int32 ids; train on it with data.source=tokens
+    data.paths=[OUT] and the same data.tokenizer. Never overwrites: --out must be new or an empty directory."""
     from hypertron.data.pretokenize import tokenize_corpus
 
     metadata = tokenize_corpus(

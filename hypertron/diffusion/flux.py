@@ -33,7 +33,7 @@ import numpy as np
 
 from hypertron.config.numbers import shown
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.hfconfig import check_class, positive_int
+from hypertron.diffusion.hfconfig import booleans, check_class, positive_int, positive_ints
 from hypertron.diffusion.layers import timestep_embedding
 from hypertron.diffusion.weights import load_model
 from hypertron.models.attention import full_attention
@@ -83,17 +83,12 @@ def flux_config(hf: dict, where: str) -> FluxConfig:
     names it in errors); an unsupported or malformed value is a one-line :class:`DiffusionError`
     naming the key."""
     check_class(hf, where, "FluxTransformer2DModel", {"patch_size": 1})
-    default, values = FluxConfig(), {}
-    for key in _INTS:
-        v = values[key] = hf.get(key, getattr(default, key))
-        if not positive_int(v):
-            raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer")
-    v = values["out_channels"] = hf.get("out_channels") or values["in_channels"]
-    if not positive_int(v):
-        raise DiffusionError(f"{where}: out_channels={shown(v)} must be a positive integer")
-    v = values["guidance_embeds"] = hf.get("guidance_embeds", default.guidance_embeds)
-    if not isinstance(v, bool):
-        raise DiffusionError(f"{where}: guidance_embeds={shown(v)} must be true or false")
+    default = FluxConfig()
+    values = positive_ints(hf, where, default, _INTS)
+    # diffusers: out_channels null (or absent) is in_channels
+    values |= positive_ints({"out_channels": hf.get("out_channels") or values["in_channels"]}, where, default,
+                            ("out_channels",))
+    values |= booleans(hf, where, default, ("guidance_embeds",))
     axes = hf.get("axes_dims_rope", list(default.axes_dims_rope))
     head = values["attention_head_dim"]
     if (not isinstance(axes, list) or len(axes) != 3 or not all(positive_int(a) and a % 2 == 0 for a in axes)

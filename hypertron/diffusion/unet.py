@@ -22,7 +22,7 @@ import numpy as np
 from hypertron.config.numbers import shown
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.hfconfig import check_class, finite_number, positive_int
+from hypertron.diffusion.hfconfig import booleans, check_class, finite_number, positive_int, positive_ints, read_keys
 from hypertron.diffusion.transformer2d import declare_transformer, transformer
 from hypertron.diffusion.weights import load_model
 from hypertron.models.params import ParamSpec, matmul
@@ -121,16 +121,11 @@ def _check_fixed(hf: dict, where: str) -> None:
 
 def _scalars(hf: dict, where: str) -> dict[str, Any]:
     """The single-valued keys, checked."""
-    d, out = UNetConfig(), {}
-    for key in ("in_channels", "out_channels", "norm_num_groups", "conv_in_kernel", "conv_out_kernel"):
-        v = out[key] = hf.get(key, getattr(d, key))
-        if not positive_int(v) or (key.endswith("kernel") and v % 2 == 0):
-            raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive"
-                                 + (" odd" if key.endswith("kernel") else "") + " integer")
-    for key in ("flip_sin_to_cos", "use_linear_projection", "upcast_attention"):
-        v = out[key] = hf.get(key, getattr(d, key))
-        if not isinstance(v, bool):
-            raise DiffusionError(f"{where}: {key}={shown(v)} must be true or false")
+    d = UNetConfig()
+    out = positive_ints(hf, where, d, ("in_channels", "out_channels", "norm_num_groups"))
+    out |= read_keys(hf, where, d, ("conv_in_kernel", "conv_out_kernel"), lambda v: positive_int(v) and v % 2 == 1,
+                     "a positive odd integer")
+    out |= booleans(hf, where, d, ("flip_sin_to_cos", "use_linear_projection", "upcast_attention"))
     for key in ("norm_eps", "freq_shift"):
         v = hf.get(key, getattr(d, key))
         if not finite_number(v) or (key == "norm_eps" and v <= 0):

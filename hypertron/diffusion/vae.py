@@ -21,7 +21,7 @@ import numpy as np
 from hypertron.config.numbers import shown
 from hypertron.diffusion import layers as L
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.hfconfig import check_class, positive_int
+from hypertron.diffusion.hfconfig import booleans, check_class, finite_number, positive_int, positive_ints
 from hypertron.diffusion.weights import load_model
 from hypertron.quant import einsum_for
 
@@ -53,11 +53,9 @@ def vae_config(hf: dict, where: str) -> VaeConfig:
     """The :class:`VaeConfig` of a diffusers ``AutoencoderKL`` ``config.json`` (``where`` names it in
     errors); an unsupported or malformed value is a one-line :class:`DiffusionError` naming the key."""
     check_class(hf, where, "AutoencoderKL", _FIXED)
-    default, values = VaeConfig(), {}
-    for key in ("in_channels", "out_channels", "layers_per_block", "latent_channels", "norm_num_groups"):
-        v = values[key] = hf.get(key, getattr(default, key))
-        if not positive_int(v):
-            raise DiffusionError(f"{where}: {key}={shown(v)} must be a positive integer")
+    default = VaeConfig()
+    values = positive_ints(hf, where, default,
+                           ("in_channels", "out_channels", "layers_per_block", "latent_channels", "norm_num_groups"))
     channels = hf.get("block_out_channels", list(default.block_out_channels))
     if not isinstance(channels, list) or not channels or not all(map(positive_int, channels)):
         raise DiffusionError(f"{where}: block_out_channels={shown(channels)} must be a list of positive integers")
@@ -74,15 +72,11 @@ def vae_config(hf: dict, where: str) -> VaeConfig:
                 raise DiffusionError(f"{where}: {key} has {shown(t)}, not supported (supported: {block})")
     for key in ("scaling_factor", "shift_factor"):
         v = hf.get(key) if hf.get(key) is not None else getattr(default, key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or (
-                key == "scaling_factor" and v == 0):
+        if not finite_number(v) or (key == "scaling_factor" and v == 0):
             raise DiffusionError(f"{where}: {key}={shown(v)} must be a finite number"
                                  + (", not 0" if key == "scaling_factor" else ""))
         values[key] = float(v)
-    for key in ("use_quant_conv", "use_post_quant_conv", "mid_block_add_attention"):
-        v = values[key] = hf.get(key, getattr(default, key))
-        if not isinstance(v, bool):
-            raise DiffusionError(f"{where}: {key}={shown(v)} must be true or false")
+    values |= booleans(hf, where, default, ("use_quant_conv", "use_post_quant_conv", "mid_block_add_attention"))
     return VaeConfig(block_out_channels=tuple(channels), **values)
 
 
