@@ -289,7 +289,11 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
 
 def check_text_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
     """What only a diffusers folder takes, refused for a run or Hugging Face directory rather than
-    ignored: ``dtype`` (a text model computes in its config's dtype) and ``quantize`` fp8."""
+    ignored: ``dtype`` (a text model computes in its config's dtype), ``quantize`` fp8, ``sizes``
+    and ``mesh`` (the text server runs on one device)."""
+    for key, why in (("sizes", "a text model has no image sizes"), ("mesh", "the text server runs on one device")):
+        if getattr(cfg, key) is not None:
+            raise ConfigError(f"{name(key)}={getattr(cfg, key)}: only a diffusers folder ({MODEL_INDEX}) takes it; {why}")
     if cfg.dtype is not None:
         raise ConfigError(f"{name('dtype')}={cfg.dtype}: only a diffusers folder ({MODEL_INDEX}) takes a dtype; "
                           f"{cfg.checkpoint} is served in its model config's dtype")
