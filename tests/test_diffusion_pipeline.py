@@ -337,6 +337,8 @@ BAD_INPUT = {
                       ["l.npy", "[batch, 4, 8, 8]"]),
     "dtype": (lambda sd, tmp: ["--model", sd, "--dtype", "float16"], ["float16", "supported: float32, bfloat16"]),
     "quantize": (lambda sd, tmp: ["--model", sd, "--quantize", "int4"], ["int4", "supported: none, int8, fp8"]),
+    "text encoder quantize": (lambda sd, tmp: ["--model", sd, "--text-encoder-quantize", "fp8"],
+                              ["text_encoder_quantize", "fp8", "supported: none, int8"]),
     "mesh": (lambda sd, tmp: ["--model", sd, "--mesh", "data=2,pipe=2"], ["data=2,pipe=2", "AXIS=N"]),
     "mesh devices": (lambda sd, tmp: ["--model", sd, "--mesh", "data=64"], ["needs 64 devices"]),
     "compile cache a file": (lambda sd, tmp: ["--model", sd, "--compile-cache", _npy(tmp / "cache", (1,))],

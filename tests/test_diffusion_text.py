@@ -12,6 +12,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -172,6 +173,34 @@ def test_t5_matches_transformers(folders):
     with use_rules(mesh):
         sharded = jax.jit(lambda p, i: t5_encode(p, cfg, i))(placed, ids)
     np.testing.assert_allclose(np.asarray(sharded), got, atol=1e-5, rtol=0)
+
+
+def test_int8_text_encoders_are_within_5_percent_in_a_quarter_of_the_bytes(folders):
+    """``--text-encoder-quantize int8`` (placement.quantize_text): CLIP's projected output and T5's last
+    hidden state within 5 % relative L2 of float32, every matmul weight and the token embedding an
+    int8 QArray (values and one scale per output channel or row: at most 0.3x the float32 bytes)."""
+    from hypertron.diffusion import placement
+    from hypertron.diffusion.pipeline import Pipeline
+    from hypertron.models.params import is_spec
+    from hypertron.quant import QArray
+
+    encoders = tuple(load_text_encoder(folders / name) for name in ("clip_proj", "t5"))
+    pipe = Pipeline(spec=None, text_encoders=encoders, tokenizers=(), denoiser_cfg=None, denoiser_params=None,
+                    vae_params=None, dtype=jnp.float32, denoise=None)
+    (clip, t5), ids = placement.quantize_text(pipe, "int8").text_encoders, _ids(folders, 3)
+    want = clip_encode(encoders[0].params, clip.cfg, ids).projected_bp
+    got = jax.jit(lambda p, i: clip_encode(p, clip.cfg, i, quantization=clip.quantize).projected_bp)(clip.params, ids)
+    t5_ids = np.random.default_rng(1).integers(0, 250, (2, 16)).astype(np.int32)
+    t5_want, t5_got = (t5_encode(e.params, t5.cfg, t5_ids, quantization=e.quantize) for e in (encoders[1], t5))
+    for a, b in ((got, want), (t5_got, t5_want)):
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)) < 0.05
+    for plain, quantized in zip(encoders, (clip, t5)):
+        pairs = jax.tree.leaves(jax.tree.map(lambda s, f, q: (f, q) if s.quantize else None, declare(plain.cfg),
+                                             plain.params, quantized.params, is_leaf=is_spec),
+                                is_leaf=lambda x: isinstance(x, tuple))
+        assert pairs and all(isinstance(q, QArray) for _, q in pairs)
+        size = lambda a: sum(x.nbytes for x in jax.tree.leaves(a))  # noqa: E731
+        assert sum(size(q) for _, q in pairs) <= 0.3 * sum(size(f) for f, _ in pairs)
 
 
 @pytest.mark.parametrize("change, match", [

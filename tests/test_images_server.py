@@ -238,12 +238,12 @@ def test_serve_places_and_quantizes_as_diffuse(served, monkeypatch):
     assert int8 and all(leaf.values.sharding.mesh == pipe.mesh for leaf in int8)
 
 
-@pytest.mark.parametrize("dtype, quantize", [("bfloat16", "none"), (None, "fp8")])
-def test_serve_dtype_and_fp8_load_as_diffuse(served, monkeypatch, capsys, dtype, quantize):
-    """``hypertron serve --dtype bfloat16`` and ``--quantize fp8`` on a diffusers folder load what
-    ``hypertron diffuse`` runs with the same flags (``placement.load_placed``): the denoiser's and the
-    VAE's weights bf16 (float32 when not given), the denoiser's matmuls through the fp8 hook, said by
-    the start's log line. (Nothing is compiled here: a bf16 or fp8 program's images are
+@pytest.mark.parametrize("dtype, quantize, text", [("bfloat16", "none", None), (None, "fp8", "int8")])
+def test_serve_dtype_and_fp8_load_as_diffuse(served, monkeypatch, capsys, dtype, quantize, text):
+    """``hypertron serve --dtype bfloat16``, ``--quantize fp8`` and ``--text-encoder-quantize int8`` on
+    a diffusers folder load what ``hypertron diffuse`` runs with the same flags
+    (``placement.load_placed``): the denoiser's and the VAE's weights bf16 (float32 when not given),
+    the denoiser's matmuls through the fp8 hook, the text encoders' int8, said by the start's log line. (Nothing is compiled here: a bf16 or fp8 program's images are
     test_diffusion_pipeline's and test_diffusion_mesh's, and the server runs the program it loads.)"""
     import jax
     import jax.numpy as jnp
@@ -252,13 +252,16 @@ def test_serve_dtype_and_fp8_load_as_diffuse(served, monkeypatch, capsys, dtype,
     from hypertron.serve.images import ImageServer, build
 
     monkeypatch.setattr(ImageServer, "warm", lambda self: None)
-    server = build(ServeConfig(checkpoint=str(served[1]), sizes="16x16", dtype=dtype, quantize=quantize)).state.images
+    server = build(ServeConfig(checkpoint=str(served[1]), sizes="16x16", dtype=dtype, quantize=quantize,
+                               text_encoder_quantize=text)).state.images
     server.close()
     pipe, want = server.pipe, jnp.dtype(dtype or "float32")
     assert (pipe.quantize, pipe.dtype) == (quantize, want)
+    assert {e.quantize for e in pipe.text_encoders} == {text or "none"}
     for params in (pipe.denoiser_params, pipe.vae_params):
         assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {want}
-    assert f"{want.name}, quantize {quantize}" in capsys.readouterr().err
+    assert f"{want.name}, quantize {quantize}, " + (f"text encoders {text}, " if text else "") \
+        in capsys.readouterr().err
 
 
 def test_a_cancelled_request_is_dropped_and_a_failed_batch_fails_its_requests():

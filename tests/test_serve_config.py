@@ -92,6 +92,7 @@ def test_without_a_checkpoint_serve_says_which_flag_is_missing(capsys):
     ([], "dtype: bfloat16\n", ["serve.yaml: dtype=bfloat16", "only a diffusers folder"]),
     (["--sizes", "64x64"], "", ["--sizes=64x64", "only a diffusers folder", "no image sizes"]),
     (["--mesh", "data=2"], "", ["--mesh=data=2", "only a diffusers folder", "one device"]),
+    (["--text-encoder-quantize", "int8"], "", ["--text-encoder-quantize=int8", "no text encoders"]),
 ])
 def test_the_text_server_refuses_a_diffusers_folders_dtype_and_fp8(tmp_path, argv, yaml_text, words):
     """``--dtype`` (given at all) and ``--quantize fp8`` belong to a diffusers folder: for a run or

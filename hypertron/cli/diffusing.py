@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"{' or '.join(choices(DiffusionDtype))}: the denoiser's and VAE's weights")
     d.add_argument("--quantize", default="none", metavar="MODE",
                    help="the denoiser's matmuls: none, int8 (int8 weights, per-channel scales) or fp8 (e4m3 operands)")
+    d.add_argument("--text-encoder-quantize", default="none", metavar="MODE",
+                   help="the text encoders' matmuls (CLIP, T5): none or int8 (int8 weights, about a quarter of "
+                        "float32's bytes); they are freed once the prompts are encoded")
     d.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="devices, e.g. data=2,fsdp=2: images over data, weights over fsdp/tensor by the sharding "
                         "rules (default: one device)")
@@ -52,7 +55,8 @@ def cmd_diffuse(args: argparse.Namespace) -> int:
     from hypertron.diffusion.generate import DiffuseRequest, diffuse
 
     names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",
-             "latents", "save_latents", "scheduler", "dtype", "quantize", "mesh", "max_sequence_length")
+             "latents", "save_latents", "scheduler", "dtype", "quantize", "text_encoder_quantize", "mesh",
+             "max_sequence_length")
     request = DiffuseRequest(**{name: getattr(args, name) for name in names})
     use_compile_cache(args.compile_cache)
     diffuse(request)

@@ -60,6 +60,8 @@ _SERVE_FLAGS: dict[str, dict] = {
                                             "weights over fsdp/tensor by the sharding rules; default: one device)"),
     "dtype": dict(help=f"a diffusers folder: its weights' dtype, as hypertron diffuse --dtype (default "
                        f"{DIFFUSION_DTYPE}; a run or Hugging Face directory computes in its config's)"),
+    "text_encoder_quantize": dict(help="a diffusers folder: the text encoders' matmuls, as hypertron diffuse "
+                                       "--text-encoder-quantize (default none)"),
 }
 
 

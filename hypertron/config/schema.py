@@ -535,6 +535,7 @@ class ServeConfig:
     embedding_cache: int = 32  # prompts whose text-encoder outputs are kept (LRU); 0: none
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the sharding rules; None: one device
     dtype: DiffusionDtype | None = None  # the pipeline's weights; None: DIFFUSION_DTYPE (a text model: refused)
+    text_encoder_quantize: WeightQuantization | None = None  # the text encoders' matmuls; None: none (text: refused)
 
     @property
     def serves_images(self) -> bool:

@@ -289,9 +289,10 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
 
 def check_text_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
     """What only a diffusers folder takes, refused for a run or Hugging Face directory rather than
-    ignored: ``dtype`` (a text model computes in its config's dtype), ``quantize`` fp8, ``sizes``
-    and ``mesh`` (the text server runs on one device)."""
-    for key, why in (("sizes", "a text model has no image sizes"), ("mesh", "the text server runs on one device")):
+    ignored: ``dtype`` (a text model computes in its config's dtype), ``quantize`` fp8, ``sizes``,
+    ``mesh`` (the text server runs on one device) and ``text_encoder_quantize``."""
+    for key, why in (("sizes", "a text model has no image sizes"), ("mesh", "the text server runs on one device"),
+                     ("text_encoder_quantize", "a text model has no text encoders; --quantize is its matmuls'")):
         if getattr(cfg, key) is not None:
             raise ConfigError(f"{name(key)}={getattr(cfg, key)}: only a diffusers folder ({MODEL_INDEX}) takes it; {why}")
     if cfg.dtype is not None:

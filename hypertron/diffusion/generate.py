@@ -41,6 +41,7 @@ class DiffuseRequest:
     scheduler: str | None = None
     dtype: str = DIFFUSION_DTYPE  # one of placement.DTYPES
     quantize: str = "none"  # the denoiser's matmuls: one of placement.QUANTIZE
+    text_encoder_quantize: str = "none"  # the text encoders' matmuls: one of placement.TEXT_QUANTIZE
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the rules; None: one device
     max_sequence_length: int = 512
 
@@ -100,6 +101,9 @@ def check_request(req: DiffuseRequest) -> _Plan:
     if req.quantize not in placement.QUANTIZE:
         raise DiffusionError(f"quantize={shown(req.quantize)} is not supported (supported: "
                              f"{', '.join(placement.QUANTIZE)})")
+    if req.text_encoder_quantize not in placement.TEXT_QUANTIZE:
+        raise DiffusionError(f"text_encoder_quantize={shown(req.text_encoder_quantize)} is not supported "
+                             f"(supported: {', '.join(placement.TEXT_QUANTIZE)})")
     mesh = placement.mesh_of(req.mesh)
     spec = read_pipeline(req.model, req.scheduler)
     steps = spec.kind.steps if req.steps is None else req.steps
@@ -148,7 +152,8 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     """Run ``req``: the PNGs written (and ``--save-latents``'s file), timings through ``log``."""
     plan = check_request(req)
     start = time.perf_counter()
-    pipe = placement.load_placed(plan.spec, dtype=req.dtype, quantize_mode=req.quantize, mesh=plan.mesh)
+    pipe = placement.load_placed(plan.spec, dtype=req.dtype, quantize_mode=req.quantize,
+                                 text_quantize=req.text_encoder_quantize, mesh=plan.mesh)
     log(f"load: {time.perf_counter() - start:.2f} s ({placement.described(pipe)})")
     count = len(plan.paths)
     start = time.perf_counter()
@@ -156,6 +161,7 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
         pipe, req.prompt, req.negative_prompt, count=count, seed=req.seed, steps=plan.steps, guidance=plan.guidance,
         height=plan.height, width=plan.width, latents=plan.latents, max_sequence_length=req.max_sequence_length))
     log(f"encode: {time.perf_counter() - start:.2f} s")
+    pipe = dataclasses.replace(pipe, text_encoders=())  # one request: their weights (T5-XXL's GBs) go now
     # the step timer is a host callback, and JAX's persistent cache keeps no program holding one
     timed = not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir
     program = sampling.program(pipe, sampling.latent_hw(plan.spec, plan.height, plan.width), timed=timed)

@@ -8,6 +8,9 @@
   axes (data, then fsdp and expert where the batch divides).
 * :func:`load_placed`: what ``hypertron diffuse`` and the image server both run: load, quantise,
   place (``--mesh`` read by :func:`mesh_of`).
+* :func:`quantize_text`: ``int8`` text encoders (``--text-encoder-quantize``): every matmul weight
+  and the token embedding of each (CLIP, T5) an int8 :class:`~hypertron.quant.int8.QArray`, about a
+  quarter of its float32 bytes (T5-XXL: 4.7 B parameters, 19 GB in float32).
 * :func:`quantize`: ``int8`` replaces the denoiser's matmul weights (those declared ``quantize``)
   by :class:`~hypertron.quant.int8.QArray`, which the einsum hook multiplies as int8 with
   per-output-channel scales; ``fp8`` keeps the weights and runs the denoiser's matmuls through
@@ -24,10 +27,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, DiffusionQuantization, choices
+from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, DiffusionQuantization, WeightQuantization, choices
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import DENOISERS, Pipeline, PipelineSpec, load_pipeline
+from hypertron.diffusion.text_encoders import TextEncoder
+from hypertron.diffusion.text_encoders import declare as declare_text
 from hypertron.errors import ConfigError
 from hypertron.models.params import is_spec, quantize_params
 from hypertron.parallel.mesh import mesh_from_text
@@ -36,6 +41,7 @@ from hypertron.quant import QArray
 
 QUANTIZE = choices(DiffusionQuantization)  # hypertron diffuse --quantize, the image server's
 DTYPES = choices(DiffusionDtype)  # hypertron diffuse --dtype, the image server's
+TEXT_QUANTIZE = choices(WeightQuantization)  # hypertron diffuse --text-encoder-quantize, the image server's
 
 
 def denoiser_specs(pipe: Pipeline) -> Any:
@@ -74,6 +80,18 @@ def quantize(pipe: Pipeline, mode: str) -> Pipeline:
     return dataclasses.replace(pipe, denoiser_params=params, quantize=mode)
 
 
+def quantize_text(pipe: Pipeline, mode: str) -> Pipeline:
+    """``pipe`` with its text encoders' matmul weights (and token embeddings) in ``mode`` (one of
+    :data:`TEXT_QUANTIZE`); their norms and position tables stay as loaded."""
+    if mode not in TEXT_QUANTIZE:
+        raise ValueError(f"text encoder quantize={mode!r}: expected one of {', '.join(TEXT_QUANTIZE)}")
+    if mode == "none":
+        return pipe
+    encoders = tuple(TextEncoder(e.cfg, quantize_params(declare_text(e.cfg), e.params), mode)
+                     for e in pipe.text_encoders)
+    return dataclasses.replace(pipe, text_encoders=encoders)
+
+
 def mesh_of(text: str | None) -> Mesh | None:
     """The mesh of ``--mesh AXIS=N,...`` (``data=2,fsdp=2``, over the first devices); None for none
     (one device). A malformed mesh, or one of more devices than there are, is a :class:`DiffusionError`."""
@@ -86,16 +104,19 @@ def mesh_of(text: str | None) -> Mesh | None:
 
 
 def load_placed(spec: PipelineSpec, *, dtype: Any = DIFFUSION_DTYPE, quantize_mode: str = "none",
-                mesh: Mesh | None = None) -> Pipeline:
+                text_quantize: str = "none", mesh: Mesh | None = None) -> Pipeline:
     """The pipeline of ``spec`` loaded in ``dtype`` (one of :data:`DTYPES`, or its ``jnp`` dtype), its
-    denoiser's matmuls in ``quantize_mode`` (:func:`quantize`), placed on ``mesh`` when given
-    (:func:`place`)."""
-    pipe = quantize(load_pipeline(spec.folder, dtype=jnp.dtype(dtype), spec=spec), quantize_mode)
+    denoiser's matmuls in ``quantize_mode`` (:func:`quantize`), its text encoders' in
+    ``text_quantize`` (:func:`quantize_text`), placed on ``mesh`` when given (:func:`place`)."""
+    pipe = load_pipeline(spec.folder, dtype=jnp.dtype(dtype), spec=spec)
+    pipe = quantize(quantize_text(pipe, text_quantize), quantize_mode)
     return pipe if mesh is None else place(pipe, mesh)
 
 
 def described(pipe: Pipeline) -> str:
     """Where and how ``pipe`` runs, for a log line: its class, dtype, quantisation and mesh."""
     where = " x ".join(f"{a}={n}" for a, n in pipe.mesh.shape.items() if n > 1) if pipe.mesh is not None else ""
+    text = {e.quantize for e in pipe.text_encoders} - {"none"}
     return (f"{pipe.spec.class_name}, {jnp.dtype(pipe.dtype).name}, quantize {pipe.quantize}, "
-            f"{'mesh ' + where if where else 'one device'}")
+            + (f"text encoders {', '.join(sorted(text))}, " if text else "")
+            + f"{'mesh ' + where if where else 'one device'}")

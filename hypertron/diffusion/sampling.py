@@ -36,8 +36,8 @@ from hypertron.diffusion.text_encoders import clip_encode, prompt_ids, sd_prompt
 from hypertron.parallel.rules import DEFAULT_RULES, constrain, use_rules
 from hypertron.quant import einsum_for
 
-_clip = jax.jit(clip_encode, static_argnums=1)
-_t5 = jax.jit(t5_encode, static_argnums=1)
+_clip = jax.jit(clip_encode, static_argnums=1, static_argnames="quantization")
+_t5 = jax.jit(t5_encode, static_argnums=1, static_argnames="quantization")
 # Flux's default T5 length (FluxPipeline's max_sequence_length)
 FLUX_MAX_SEQUENCE_LENGTH = 512
 
@@ -49,7 +49,7 @@ FLUX_MAX_SEQUENCE_LENGTH = 512
 def _clip_out(pipe: Pipeline, which: int, prompts: Sequence[str]):
     encoder, tokenizer = pipe.text_encoders[which], pipe.tokenizers[which]
     ids = prompt_ids(tokenizer, list(prompts), encoder.cfg.max_positions, bos=True)
-    return _clip(encoder.params, encoder.cfg, jnp.asarray(ids))
+    return _clip(encoder.params, encoder.cfg, jnp.asarray(ids), quantization=encoder.quantize)
 
 
 def _halves(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -66,7 +66,7 @@ def encode_prompts(pipe: Pipeline, prompts: Sequence[str], negative: Sequence[st
     if spec.class_name == FLUX:
         encoder, tokenizer = pipe.text_encoders[1], pipe.tokenizers[1]
         ids = prompt_ids(tokenizer, list(prompts), max_sequence_length, bos=False)
-        return {"context": _t5(encoder.params, encoder.cfg, jnp.asarray(ids)),
+        return {"context": _t5(encoder.params, encoder.cfg, jnp.asarray(ids), quantization=encoder.quantize),
                 "pooled": _clip_out(pipe, 0, prompts).pooled_bd}
     zeros = spec.class_name == SDXL and negative is None and spec.options.get("force_zeros_for_empty_prompt", True)
     texts = list(prompts) + (list(negative or [""] * n) if cfg and not zeros else [])

@@ -88,10 +88,12 @@ TextConfig = ClipTextConfig | T5EncoderConfig
 
 
 class TextEncoder(NamedTuple):
-    """A loaded text encoder: its config and its parameters (numpy arrays, as declared)."""
+    """A loaded text encoder: its config, its parameters (as declared) and how its matmuls run
+    (``quantize``: ``none``, or ``int8`` with :class:`~hypertron.quant.QArray` weights)."""
 
     cfg: TextConfig
     params: Params
+    quantize: str = "none"
 
 
 class ClipOutput(NamedTuple):

@@ -385,7 +385,7 @@ def build(serve: ServeConfig) -> FastAPI:
     spec = read_pipeline(serve.checkpoint)
     sizes = served_sizes(spec, serve.sizes)
     pipe = placement.load_placed(spec, dtype=serve.dtype or DIFFUSION_DTYPE, quantize_mode=serve.quantize,
-                                 mesh=mesh)
+                                 text_quantize=serve.text_encoder_quantize or "none", mesh=mesh)
     print(f"hypertron serve: {placement.described(pipe)}", file=sys.stderr)
     server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
                          max_batch=serve.max_batch, max_steps=serve.max_steps,
