@@ -32,17 +32,16 @@ Prompts: text cut from the standard library's sources at seeded random offsets, 
 ``--input-len`` tokens of the tokenizer (cut at a token boundary; re-encoding may differ by a
 token or so), plus BOS. Every run (the warm-up and each concurrency) gets its own prompts, so no
 prompt is sent twice to a server (both may share KV pages between prompts with a common prefix);
-the two servers get the same runs. ``--workload``: prefix caching on and off (bench/serve_http_prefix.py).
+the two servers get the same runs. ``--workload [--peer vllm]``: prefix caching on and off (bench/serve_http_prefix.py).
 
 Per server, in turn: start it on 127.0.0.1 on a free port (its own process group, stopped with
 SIGTERM, then SIGKILL, in a ``finally``), wait for ``GET /health`` = 200, send the warm-up
 (``--warmup-requests`` at the largest concurrency; compiles and the continuous-batching manager
 start there; not reported; default twice the largest concurrency), one non-streaming greedy
 request for the first prompt (its text is compared between the servers, to show they run the same
-model), then for each concurrency C a
-warm-up run of 2 N requests (not reported: hypertron compiles the step shapes each load meets
-often, in the background, and a compile takes one of this machine's two cores for about a
-second; the figures are of the server in its steady state), for hypertron up to 4 more of N
+model), then for each concurrency C a warm-up run of 2 N requests (not reported: hypertron compiles the
+step shapes each load meets often, in the background, and a compile takes one of this machine's two cores
+for about a second; the figures are of the server in its steady state), for hypertron up to 4 more of N
 while the last one compiled anything (its ``/metrics`` count), and ``--repeats`` runs of
 ``hypertron bench serve --prompts FILE --concurrency C --num-requests N --max-tokens M --temperature 0
 --model NAME --output JSON`` (N = max(--num-requests, 2 C), new
@@ -107,6 +106,7 @@ from hypertron.launch.local import free_ports
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import MAX_SEQ_LEN, add_model_args, build_model, write_prompts  # bench/serve_model.py, this directory
 from serve_http_prefix import add_workload_args, run_workloads  # bench/serve_http_prefix.py, this directory
+from serve_http_vllm import check_peer  # bench/serve_http_vllm.py, this directory
 from serve_http_servers import (  # bench/serve_http_servers.py, this directory
     Server, bench, compile_counts, counts_since, greedy_text, missing_serve_deps, script,
 )
@@ -265,8 +265,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(e.g. \"--max-prefill-rows 1\"); the interference servers get them too")
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it (default: a temp dir)")
     p.add_argument("--output", default=None, help="write the results as JSON")
-    add_workload_args(p)
-    args = p.parse_args(argv)
+    add_workload_args(p)  # and the peer's
+    args = check_peer(p.parse_args(argv))
     if min(args.concurrency + [args.num_requests, args.max_tokens, args.input_len, args.repeats]) <= 0:
         p.error("--concurrency, --num-requests, --max-tokens, --input-len and --repeats must be positive")
     return args

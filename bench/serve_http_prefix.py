@@ -18,7 +18,10 @@ during the measured runs. Prints per workload and concurrency::
 
     prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B
 
-(R = Y / X), and with ``--output`` writes every run's report as JSON.
+(R = Y / X), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
+server runs beside them with its prefix caching on and off, with the same slots, pool and tokens per
+step (bench/serve_http_vllm.py), loaded in the same turns, and gets its own line per workload and
+concurrency, ``prefix-caching vllm WORKLOAD cC: ...`` (its hit rate from its ``/metrics``).
 """
 
 from __future__ import annotations
@@ -39,24 +42,34 @@ from hypertron.launch.local import free_ports
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import write_prompts  # bench/serve_model.py, this directory
 from serve_http_servers import Server, bench  # bench/serve_http_servers.py, this directory
+from serve_http_vllm import (  # bench/serve_http_vllm.py, this directory
+    COUNTERS, add_peer_args, vllm_argv, vllm_env, vllm_version,
+)
 
 WORKLOADS = ("shared-prefix", "distinct")
 
 
 def add_workload_args(p) -> None:
-    """``bench/serve_http.py``'s flags of this mode."""
+    """``bench/serve_http.py``'s flags of this mode, and the peer's (``check_peer`` checks them)."""
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=None,
                    help="prefix caching's workloads instead of the servers' comparison (bench/serve_http_prefix.py)")
     p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: each prompt's own tokens")
+    add_peer_args(p)
 
 
-def prefix_counters(base_url: str) -> tuple[float, float]:
-    """``(queries, hits)`` of the prefix cache, in tokens, from ``/metrics``."""
+def prefix_counters(base_url: str, system: str) -> tuple[float, float]:
+    """``(queries, hits)`` of ``system``'s prefix cache, in tokens, from ``/metrics`` (summed over labels)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    read = lambda name: float(re.search(rf"^hypertron_prefix_cache_{name}_total (\S+)$", text, re.M).group(1))  # noqa: E731
-    return read("queries"), read("hits")
+
+    def read(name: str) -> float:
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if not values:
+            raise RuntimeError(f"{base_url}/metrics has no {name}")
+        return sum(map(float, values))
+
+    return read(COUNTERS[system][0]), read(COUNTERS[system][1])
 
 
 def runs_of(args) -> dict[str, list[tuple[str, int]]]:
@@ -90,74 +103,94 @@ def write_workload_prompts(hf_dir: str, work: str, args, runs: dict) -> dict[str
 
 def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tuple[str, int]], c: int,
             args) -> dict:
-    """One workload at concurrency ``c`` on every server, loaded in turn; the medians."""
+    """One workload at concurrency ``c`` on every server (``"SYSTEM SETTING"`` -> its URL and log),
+    loaded in turn; the medians."""
     name_w, n_w = runs[0]
-    for setting, (url, log) in servers.items():
+    for key, (url, log) in servers.items():
         bench(url, "bench", paths[name_w], c, n_w, args.max_tokens, f"{log.name}.{name_w}.json", log)
-    before = {s: prefix_counters(url) for s, (url, _) in servers.items()}
-    reports = {s: [] for s in servers}
+    before = {key: prefix_counters(url, key.split()[0]) for key, (url, _) in servers.items()}
+    reports = {key: [] for key in servers}
     for name, n in runs[1:]:
-        for setting, (url, log) in servers.items():
-            reports[setting].append(bench(url, "bench", paths[name], c, n, args.max_tokens,
-                                          f"{log.name}.{name}.json", log))
+        for key, (url, log) in servers.items():
+            reports[key].append(bench(url, "bench", paths[name], c, n, args.max_tokens, f"{log.name}.{name}.json",
+                                      log))
     out = {}
-    for setting, (url, _) in servers.items():
-        q, h = (a - b for a, b in zip(prefix_counters(url), before[setting]))
-        out[setting] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[setting]])),
-                        "out_tok_s": float(np.median([r["output_throughput"] for r in reports[setting]])),
-                        "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[setting]),
-                        "runs": reports[setting]}
+    for key, (url, _) in servers.items():
+        q, h = (a - b for a, b in zip(prefix_counters(url, key.split()[0]), before[key]))
+        out[key] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[key]])),
+                    "out_tok_s": float(np.median([r["output_throughput"] for r in reports[key]])),
+                    "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[key]),
+                    "runs": reports[key]}
     return out
 
 
-def line(key: str, result: dict) -> str:
+def line(key: str, result: dict, system: str) -> str:
+    """``system``'s line of workload and concurrency ``key`` (hypertron's unnamed, a peer's named)."""
     workload, c = key.split()
-    on, off = result.get("on", {}), result.get("off", {})
+    on, off = result.get(f"{system} on", {}), result.get(f"{system} off", {})
     get = lambda r, k, spec: format(r[k], spec) if k in r else "-"  # noqa: E731
     ratio = format(off["ttft_mean_ms"] / on["ttft_mean_ms"], ".2f") if on and off else "-"
-    return (f"prefix-caching {workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
+    name = "" if system == "hypertron" else f"{system} "
+    return (f"prefix-caching {name}{workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
             f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
             f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')}")
 
 
+def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) -> tuple[dict, dict[str, str]]:
+    """One server per system and ``--prefix-caching`` setting (``"SYSTEM SETTING"``), all started
+    in ``stack`` with the same slots, pool and tokens per step; their command lines."""
+    max_c = max(args.concurrency)
+    longest = max(args.prefix_len + args.suffix_len, args.input_len) + 1 + args.max_tokens + 16
+    pages, budget = max_c * -(-longest // 16), max(args.max_num_batched_tokens, max_c)
+    servers, commands = {}, {}
+    for system in systems:
+        for setting in args.prefix_caching:
+            port, key = free_ports(), f"{system} {setting}"
+            if system == "hypertron":
+                flag = "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching"
+                argv, env = setup.hypertron_argv(port, max_c, pages + 1, budget) + [flag], setup.env
+            else:
+                argv = vllm_argv(args, setup.hf_dir, port, max_c, pages * 16, budget, setup.dtype, setting == "on")
+                env = vllm_env(setup.env, args.vllm_python, args.device)
+            commands[key] = " ".join([os.path.basename(argv[0]), *argv[1:]]).replace(setup.work, "$WORK")
+            log = os.path.join(setup.work, f"prefix-{system}-{setting}.log")
+            servers[key] = stack.enter_context(Server(key.replace(" ", "-"), argv, port, log, env))
+    return servers, commands
+
+
 def run_workloads(args, prepare) -> int:
-    """``--workload``: one server per ``--prefix-caching`` setting over the model and environment of
-    ``prepare(args)`` (``bench/serve_http.py``'s), each workload and concurrency; one line each."""
+    """``--workload``: one server per system (hypertron; vLLM too with ``--peer vllm``) and
+    ``--prefix-caching`` setting over the model and environment of ``prepare(args)``
+    (``bench/serve_http.py``'s), each workload and concurrency; one line each."""
+    systems = ["hypertron"] + (["vllm"] if args.peer == "vllm" else [])
+    peer_version = vllm_version(args.vllm_python) if "vllm" in systems else None
     args.no_interference, args.servers = True, ["hypertron"]
     setup = prepare(args)
     runs = runs_of(args)
     paths = write_workload_prompts(setup.hf_dir, setup.work, args, runs)
-    max_c = max(args.concurrency)
-    longest = max(args.prefix_len + args.suffix_len, args.input_len) + 1 + args.max_tokens + 16
-    pages = max_c * -(-longest // 16)
-    results, commands = {}, {}
+    results = {}
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for setting in args.prefix_caching:
-            port = free_ports()
-            flag = "--enable-prefix-caching" if setting == "on" else "--no-enable-prefix-caching"
-            argv = setup.hypertron_argv(port, max_c, pages + 1, max(args.max_num_batched_tokens, max_c)) + [flag]
-            commands[setting] = " ".join([os.path.basename(argv[0]), *argv[1:]])
-            srv = stack.enter_context(Server(f"hypertron-{setting}", argv, port,
-                                             os.path.join(setup.work, f"prefix-{setting}.log"), setup.env))
-            servers[setting] = srv
-        for setting, srv in servers.items():
-            print(f"hypertron prefix caching {setting}: ready in {srv.wait_ready(args.ready_timeout):.1f} s",
-                  file=sys.stderr)
-        logs = {s: stack.enter_context(open(os.path.join(setup.work, f"prefix-{s}-bench.log"), "w"))
-                for s in servers}
-        targets = {s: (srv.base_url, logs[s]) for s, srv in servers.items()}
+        servers, commands = start_servers(stack, setup, args, systems)
+        for key, srv in servers.items():
+            print(f"{key}: ready in {srv.wait_ready(args.ready_timeout):.1f} s", file=sys.stderr)
+        logs = {k: stack.enter_context(open(os.path.join(setup.work, f"prefix-{k.replace(' ', '-')}-bench.log"), "w"))
+                for k in servers}
+        targets = {k: (srv.base_url, logs[k]) for k, srv in servers.items()}
         for key, each in runs.items():
             t0 = time.perf_counter()
             results[key] = measure(targets, paths, each, int(key.split()[1][1:]), args)
             print(f"  ... {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for key, result in results.items():
-        print(line(key, result))
-    for setting, command in commands.items():
-        print(f"{setting}: {command}")
+        for system in systems:
+            print(line(key, result, system))
+    for key, command in commands.items():
+        print(f"{key}: {command}")
+    if peer_version:
+        print(f"peer: {peer_version} ({args.vllm_python})")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"results": results, "commands": commands, "args": vars(args)}, f, indent=1)
+            json.dump({"results": results, "commands": commands, "peer": peer_version, "args": vars(args)}, f,
+                      indent=1)
     if args.keep is None:
         shutil.rmtree(setup.work, ignore_errors=True)
     return 1 if any(r["failed"] for result in results.values() for r in result.values()) else 0
