@@ -7,15 +7,17 @@ monitoring events count every program). Nothing may be created in a run director
 exist, nor in the working directory, nor in the inputs. One case runs as a real process: the exit
 code and the single line are what a shell sees.
 
-The last part trains a tiny run and checks that nothing saved is ever overwritten: training a
+The last part saves a tiny run and checks that nothing saved is ever overwritten: training a
 different model into it, importing a Hugging Face model into it, or importing twice into the same
-directory all refuse and leave the files byte for byte (and mtime for mtime) as they were.
+directory all refuse and leave the files byte for byte (and mtime for mtime) as they were. The run
+is written by the library (its config and a checkpoint, as ``checkpoint.save_params`` writes them),
+not trained: a refusal reads nothing else, and training a tiny run through the command is
+``test_cli.py``'s subject.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -27,14 +29,12 @@ from support.cli import Result, one_error_line, run_cli  # tests/support
 from support.processes import run_hypertron
 from support.shared import once
 from support.snapshots import assert_unchanged, snapshot
-from support.tiny import TINY_CLI as TINY, write_tiny_hf_llama
+from support.tiny import TINY_CLI as TINY
 
 from hypertron.config import Config
 
 # Shapes for the error cases (they must never get far enough to use them).
 SMALL = ["model=tiny", "train.steps=2", "train.global_batch=8", "train.seq_len=16"]
-
-HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
 # ---------------------------------------------------------------------------
@@ -273,60 +273,53 @@ def test_a_mistake_is_one_line_and_exit_2_in_a_shell(tmp_path):
 # Nothing already saved is overwritten
 
 
-def _train_and_write_hf(base: Path) -> dict:
-    """The tiny run R (trained in process) and, with transformers, two tiny HF Llama checkpoints:
-    max_position_embeddings 256 and 64 (below the default train.seq_len)."""
-    r = run_cli(["train", *TINY, f"run_dir={base / 'R'}"], cwd=base / "cwd_train")
-    if HAVE_HF:
-        write_tiny_hf_llama(base / "hf", max_position_embeddings=256)
-        write_tiny_hf_llama(base / "hf64", max_position_embeddings=64)
-    return dict(train=dataclasses.asdict(r), base=str(base))
+def _save_run_and_write_hf(base: Path) -> dict:
+    """The tiny model's run R (``config.yaml`` and a checkpoint at step 0) and two Hugging Face Llama
+    checkpoints of it, max_position_embeddings 256 and 64 (below the default train.seq_len), all
+    written through the library from zero-valued parameters: nothing is compiled, and neither torch
+    nor transformers is imported (``test_hf.py`` reads what they write)."""
+    import jax
+    import numpy as np
+
+    from hypertron.checkpoint import save_params
+    from hypertron.config import load_config
+    from hypertron.models import declare
+    from hypertron.models.hf import save_hf
+    from hypertron.models.params import abstract
+
+    cfg = load_config(None, [*TINY, f"run_dir={base / 'R'}"])
+    params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract(declare(cfg.model), np.float32))
+    save_params(cfg.run_dir, cfg, params)
+    for name, positions in (("hf", 256), ("hf64", 64)):
+        save_hf(base / name, dataclasses.replace(cfg.model, max_seq_len=positions), params)
+    return dict(base=str(base))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
-    """A trained tiny run R and the HF checkpoints, made once for every worker and only read; each
+    """A saved tiny run R and the HF checkpoints, made once for every worker and only read; each
     test writes its own directories."""
-    made = once(tmp_path_factory, "cli_saved", _train_and_write_hf)
-    base = Path(made["base"])
-    return dict(base=base, run=base / "R", train=Result(**made["train"]))
-
-
-def _need_run(saved) -> Path:
-    r = saved["train"]
-    assert r.rc == 0, "the tiny training run failed\n" + r.describe()
-    assert (saved["run"] / "config.yaml").is_file()
-    assert any((saved["run"] / "checkpoints").iterdir())
-    return saved["run"]
-
-
-def _need_hf(saved) -> tuple[Path, Path]:
-    if not HAVE_HF:
-        pytest.skip("torch and transformers are needed to write a Hugging Face checkpoint")
-    return saved["base"] / "hf", saved["base"] / "hf64"
-
-
-@pytest.mark.slow
-def test_tiny_run_trains_and_compiles_are_counted(saved):
-    """The real run works, and the compile counter really counts (so a zero means something)."""
-    _need_run(saved)
-    assert saved["train"].compiles > 0
+    base = Path(once(tmp_path_factory, "cli_saved", _save_run_and_write_hf)["base"])
+    run = base / "R"
+    assert (run / "config.yaml").is_file() and any((run / "checkpoints").iterdir())
+    return dict(base=base, run=run)
 
 
 def test_train_different_model_into_existing_run_refuses(saved, tmp_path):
-    run = _need_run(saved)
+    run = saved["run"]
     before = snapshot(run)
     args = [a for a in TINY if not a.startswith("model.embed_dim=")] + ["model.embed_dim=64"]
     for argv in (["train", *args, f"run_dir={run}"], ["train", *TINY, "model=tiny-gemma", f"run_dir={run}"]):
         r = run_cli(argv, cwd=tmp_path / "cwd")
-        _assert_one_error_line(r, "run_dir", str(run))
+        # The model check refuses (R holds parameters only: past it, resuming would refuse too).
+        _assert_one_error_line(r, "run_dir", str(run), "a different model")
         assert_unchanged(run, before, r.describe())
 
 
 @pytest.fixture(scope="module")
 def converted(saved, tmp_path_factory):
     """Import the HF checkpoints into fresh run directories C and C64 (this worker's own)."""
-    hf, hf64 = _need_hf(saved)
+    hf, hf64 = saved["base"] / "hf", saved["base"] / "hf64"
     base = tmp_path_factory.mktemp("cli_converted")
     for source, out in ((hf, base / "C"), (hf64, base / "C64")):
         r = run_cli(["convert", "--from-hf", source, "--out", out], cwd=base / "cwd")
@@ -335,10 +328,10 @@ def converted(saved, tmp_path_factory):
 
 
 def test_convert_into_existing_dirs_refuses(saved, converted):
-    run = _need_run(saved)
+    run = saved["run"]
     base, c, hf = converted["base"], converted["C"], converted["hf"]
     before_run, before_c, before_hf = snapshot(run), snapshot(c), snapshot(hf)
-    # Into a trained run, and into a directory that an earlier convert wrote.
+    # Into a saved run, and into a directory that an earlier convert wrote.
     into_run = run_cli(["convert", "--from-hf", hf, "--out", run], cwd=base / "cwd_into_run")
     into_converted = run_cli(["convert", "--from-hf", hf, "--out", c], cwd=base / "cwd_into_converted")
     _assert_one_error_line(into_run, str(run))
@@ -374,3 +367,6 @@ def test_converted_checkpoints_are_usable(converted):
                 cwd=converted["base"] / "cwd_gen_C64")
     assert r.rc == 0, r.describe()
     assert r.stdout.startswith("hi"), r.describe()
+    # The compile counter counts, so every mistake's zero means something (no other test generates
+    # from this model: its programs are new to the process).
+    assert r.compiles > 0, r.describe()
