@@ -37,7 +37,8 @@ any id would do.
 ``generation_config.json`` sits beside the tokenizer file (as in Hugging Face
 model directories), its ``eos_token_id`` (one id or a list: Llama 3 instruct
 models end turns with ``<|eot_id|>``). ``chat_template`` is the
-``chat_template`` of the ``tokenizer_config.json`` beside the file, if any.
+``chat_template`` of the ``tokenizer_config.json`` beside the file, if any; :func:`render_chat`
+(from :mod:`hypertron.chat_template`) renders messages with it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hypertron.chat_template import RenderedChat, compile_chat_template, render_chat  # noqa: F401 (their name)
 from hypertron.errors import DataError, one_line
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -82,6 +84,10 @@ class Tokenizer(Protocol):
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode`, as an int32 array of shape [num_tokens]."""
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`encode`'s ids and each one's [start, end) characters in ``text`` (a token that is
+        part of a character spans that whole character)."""
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Text of ``ids``; special ids and ids outside the vocabulary are dropped."""
@@ -132,6 +138,11 @@ class ByteTokenizer:
         """
         raw_bytes = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         return raw_bytes.astype(np.int32) + self._BYTE_OFFSET
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids, and for each byte the character it belongs to."""
+        chars = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text]).tolist()
+        return self.encode(text), [(c, c + 1) for c in chars]
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Text of token ids ``ids`` (any 1-D sequence or array).
@@ -202,6 +213,11 @@ class HFTokenizer:
         """Token ids of ``text`` without the tokenizer's own special tokens; a list."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and ``tokenizers``' character offsets."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode`, as an int32 array of shape [num_tokens]."""
         return np.asarray(self.encode(text), dtype=np.int32)
@@ -259,6 +275,18 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without bos/eos (SentencePiece's default); a list."""
         return self._processor.encode(text, out_type=int)
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each piece's characters (SentencePiece gives its [begin, end) bytes in ``text``)."""
+        try:
+            pieces = self._processor.encode(text, out_type="proto").pieces
+        except (ValueError, RuntimeError, TypeError):  # before sentencepiece 0.2.3: immutable_proto
+            pieces = self._processor.encode(text, out_type="immutable_proto").pieces
+        char_of_byte = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8")) for c in text] + [1]).tolist()
+        # The bytes of a character split over byte-fallback pieces are all on its last piece: the others
+        # have begin == end, and are given the character they start.
+        return [p.id for p in pieces], [(char_of_byte[p.begin], min(char_of_byte[max(p.end, p.begin + 1) - 1] + 1,
+                                                                    len(text))) for p in pieces]
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode`, as an int32 array of shape [num_tokens]."""

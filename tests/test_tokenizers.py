@@ -238,6 +238,20 @@ def test_token_bytes_are_exactly_the_bytes_each_id_adds(kind, bpe_path, sp_path)
         assert tokenizer.token_text(tokenizer.bos_id) == "<s>" and tokenizer.token_text(tokenizer.eos_id) == "</s>"
 
 
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sp"])
+def test_encode_offsets_give_each_id_its_characters(kind, bpe_path, sp_path):
+    """``encode_offsets`` (how chat masks find the assistant's tokens): ``encode``'s ids, each with the
+    characters its bytes lie in, in order; an id holding part of a character spans that character."""
+    tokenizer = get_tokenizer({"byte": "byte", "bpe": bpe_path, "sp": sp_path}[kind])
+    for text in TEXTS:
+        ids, offsets = tokenizer.encode_offsets(text)
+        assert ids == tokenizer.encode(text) and len(offsets) == len(ids), text
+        assert [a for a, _ in offsets] == sorted(a for a, _ in offsets)
+        for i, (a, b) in zip(ids, offsets, strict=True):
+            assert 0 <= a < b <= len(text) and tokenizer.token_bytes(i).strip() in text[a:b].encode("utf-8"), text
+        assert not offsets or offsets[-1][1] == len(text)
+
+
 def test_end_of_turn_ids_and_chat_template_come_from_the_files_beside_the_tokenizer(tmp_path, bpe_path):
     import shutil
 

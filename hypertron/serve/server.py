@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ServeConfig
-from hypertron.errors import UserError
+from hypertron.errors import DataError
 from pydantic import BaseModel, ValidationError
 
 from hypertron.serve.api import (
@@ -71,6 +71,7 @@ from hypertron.serve.api import (
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
 from hypertron.serve.types import SamplingError, SamplingParams, TokenLogprobs, check_token_ids
+from hypertron.tokenizer import compile_chat_template, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -468,29 +469,18 @@ def _cat(chunks: list, field: str) -> list:
 
 
 def _chat_renderer(template: str | None, tokenizer):
-    """messages -> prompt token ids, by Jinja in a sandbox (as Hugging Face renders chat templates)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
-    try:
-        compiled = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
-    except jinja2.TemplateError as e:
-        raise UserError(f"chat_template does not compile: {e}") from None
-    bos, eos = ("" if i is None else tokenizer.token_text(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+    """messages -> prompt token ids, by :func:`hypertron.tokenizer.render_chat` (``template``, else
+    :data:`DEFAULT_CHAT_TEMPLATE` with BOS first). Raises :class:`UserError` for a template that does not compile."""
+    source = template or DEFAULT_CHAT_TEMPLATE
+    compile_chat_template(source)  # a DataError (a UserError) now rather than at the first request
+    lead = [tokenizer.bos_id] if template is None and tokenizer.bos_id is not None else []
 
     def render(messages: list[dict]) -> list[int]:
         try:
-            text = compiled.render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        lead = [tokenizer.bos_id] if template is None and tokenizer.bos_id is not None else []
-        return lead + tokenizer.encode(text)
+            rendered = render_chat(tokenizer, messages, add_generation_prompt=True, template=source, with_mask=False)
+        except DataError as e:  # the template's raise_exception
+            raise ApiError(400, str(e), param="messages") from None
+        return lead + rendered.ids
 
     return render
 
