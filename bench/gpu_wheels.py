@@ -34,7 +34,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 REPO = Path(__file__).resolve().parent.parent
 # hypertron's runtime needs the image lacks, and the server tests' client; pinned to what was checked.
-WANTED = ("grain==0.2.18", "array-record==0.8.6", "tensorboardX==2.6.5", "fastapi==0.165.0", "starlette==1.10.0",
+WANTED = ("grain==0.2.18", "array-record==0.8.6", "fastapi==0.165.0", "starlette==1.10.0",
           "pydantic==2.14.3", "pydantic-core==2.50.4", "uvicorn==0.54.0", "openai==3.54.0",
           # the t3.diffuse rows' reference (bench/diffuse_gpu.py); diffusers needs importlib_metadata
           "diffusers==0.42.1", "importlib-metadata==10.2.0")

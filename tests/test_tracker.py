@@ -34,20 +34,31 @@ class Recorder(Tracker):
 
 
 def _tensorboard_scalars(logdir):
-    """``{(tag, step): value}`` from TensorBoard event files, read record by record (the
-    TFRecord framing: length, its CRC, the Event protobuf, its CRC)."""
+    """``{(tag, step): value}`` from TensorBoard event files, read record by record as TensorBoard
+    reads them, with ``tensorboardX``'s protobuf and CRC-32C (our writer is
+    :mod:`hypertron.train.tfevents`): the length, its masked CRC, the Event, its masked CRC; each
+    file starts with the ``brain.Event:2`` version record."""
     from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
 
     out = {}
-    for path in sorted(logdir.iterdir()):
+    files = sorted(logdir.glob("events.out.tfevents.*"))
+    assert files
+    for path in files:
         data = path.read_bytes()
-        at = 0
+        at, versions = 0, []
         while at < len(data):
-            (length,) = struct.unpack_from("<Q", data, at)
-            event = Event.FromString(data[at + 12: at + 12 + length])
+            header = data[at: at + 8]
+            (length,) = struct.unpack("<Q", header)
+            body = data[at + 12: at + 12 + length]
+            assert struct.unpack_from("<I", data, at + 8)[0] == masked_crc32c(header)
+            assert struct.unpack_from("<I", data, at + 12 + length)[0] == masked_crc32c(body)
+            event = Event.FromString(body)
             at += 12 + length + 4
+            versions += [event.file_version] if event.file_version else []
             for value in event.summary.value:
                 out[(value.tag, event.step)] = value.simple_value
+        assert at == len(data) and versions == ["brain.Event:2"], (path, versions)
     return out
 
 

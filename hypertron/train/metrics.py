@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hypertron.tracker import Tracker
+from hypertron.train.tfevents import EventFile
 
 
 @dataclass
@@ -65,21 +66,18 @@ class MetricsFile(Tracker):
 
 
 class TensorBoard(Tracker):
-    """The sink that writes every numeric scalar as ``group/name`` to TensorBoard event files,
-    with ``tensorboardX`` (the file format without TensorFlow or the TensorBoard server)."""
+    """The sink that writes every numeric scalar as ``group/name`` to a TensorBoard event file
+    (:mod:`hypertron.train.tfevents`: the file format without TensorFlow or the TensorBoard server)."""
 
     def __init__(self, logdir: str | Path, flush_secs: int = 10):
-        from tensorboardX import SummaryWriter
-
-        self._writer = SummaryWriter(str(logdir), flush_secs=flush_secs)
+        self._file = EventFile(logdir, flush_secs=flush_secs)
 
     def scalars(self, step: int, values: Mapping[str, Any], group: str = "train") -> None:
-        for name, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(f"{group}/{name}", value, step)
+        self._file.scalars(step, ((f"{group}/{name}", value) for name, value in values.items()
+                                  if isinstance(value, (int, float)) and not isinstance(value, bool)))
 
     def finish(self, status: str) -> None:
-        self._writer.close()
+        self._file.close()
 
 
 class ConsoleTracker(Tracker):
