@@ -22,6 +22,8 @@ class _Diffusers:
     torch._dynamo), and every xdist worker collects this module, most never running it."""
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # pytest's collection asks each module attribute for __test__, _pytestfixturefunction...
+            raise AttributeError(name)
         return getattr(pytest.importorskip("diffusers.schedulers"), name)
 
 
