@@ -48,6 +48,11 @@ def _small(**kw) -> ModelConfig:
     return dataclasses.replace(PRESETS["tiny"], num_layers=2, embed_dim=64, mlp_dim=128, **kw)
 
 
+def _logits(params, tokens, cfg, **kw):
+    """The model's logits, jitted (eagerly, each op outside the layer scan dispatches alone)."""
+    return jax.jit(lambda p, t, kw: forward(p, t, cfg, **kw).logits)(params, tokens, kw)
+
+
 @pytest.mark.slow
 def test_attention_paths_agree_with_segments_and_window():
     """jax.nn.dot_product_attention ('xla') equals the explicit-mask reference, packed and windowed."""
@@ -57,7 +62,7 @@ def test_attention_paths_agree_with_segments_and_window():
     seg = jnp.array([[1] * 7 + [2] * 9, [1] * 16])
     pos = jnp.array([list(range(7)) + list(range(9)), list(range(16))])
     outs = {
-        impl: forward(params, tokens, dataclasses.replace(cfg, attention=impl), positions=pos, segment_ids=seg).logits
+        impl: _logits(params, tokens, dataclasses.replace(cfg, attention=impl), positions=pos, segment_ids=seg)
         for impl in ("plain", "xla")
     }
     np.testing.assert_allclose(outs["plain"], outs["xla"], atol=2e-5)
@@ -73,22 +78,25 @@ def test_packed_documents_do_not_attend_to_each_other(impl):
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 6 + [2] * 10])
     pos = jnp.array([list(range(6)) + list(range(10))])
-    out = forward(params, packed, cfg, positions=pos, segment_ids=seg).logits
-    alone = forward(params, b, cfg).logits
+    out = _logits(params, packed, cfg, positions=pos, segment_ids=seg)
+    alone = _logits(params, b, cfg)
     np.testing.assert_allclose(out[:, 6:], alone, atol=2e-5)
     # Without segment ids the second document does see the first.
-    mixed = forward(params, packed, cfg, positions=pos).logits
+    mixed = _logits(params, packed, cfg, positions=pos)
     assert not np.allclose(mixed[:, 6:], alone, atol=1e-3)
 
 
-@pytest.mark.slow
 def test_remat_and_unrolled_layers_do_not_change_the_math():
+    """The remat policies and unrolled layers give the scanned model's logits (each jitted: eager,
+    the unrolled layers run op by op, 4x the CPU). Their gradients: test_train.py's resume under
+    ``model.remat=dots`` gives the uninterrupted run's losses."""
     base = _small()
     params = init_params(base, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(5), (2, 12), 3, 259)
-    ref = forward(params, tokens, base).logits
+
+    ref = _logits(params, tokens, base)
     for kw in (dict(remat="none"), dict(remat="dots"), dict(scan_layers=False)):
-        np.testing.assert_allclose(forward(params, tokens, dataclasses.replace(base, **kw)).logits, ref, atol=1e-5)
+        np.testing.assert_allclose(_logits(params, tokens, dataclasses.replace(base, **kw)), ref, atol=1e-5)
 
 
 def _hlo_size(num_layers: int) -> int:
@@ -129,8 +137,9 @@ def test_blocked_attention_is_dot_product_attention():
     """Several query and key blocks with padding on both (37 queries in 3 blocks, 300 keys in 5):
     jax.nn.dot_product_attention's result within float32 rounding; blocks larger than the
     lengths; bf16 in, bf16 out."""
-    from hypertron.models.attention import blocked_attention
+    from hypertron.models import attention
 
+    blocked_attention = jax.jit(attention.blocked_attention, static_argnames=("block_q", "block_k"))
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 37, 3, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 300, 3, 8)), jnp.float32) for _ in "kv")
