@@ -24,6 +24,11 @@ TIMEOUT_S = 300.0
 # a step with it). Results change in the last bits (a loss of 4.8238993 becomes 4.8238988): a test
 # that compares such a process bit for bit compares it with another that has the flag.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+# XLA's CPU LLVM IR emitters instead of its MLIR fusion emitters: a third of the compile time
+# (tests/conftest.py sets it for the whole suite; FAST_COMPILE's processes, which may start from an
+# environment without the suite's XLA_FLAGS, get it too).
+CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE += " " + CLASSIC_EMITTERS
 
 
 def fast_compile(env: dict[str, str]) -> dict[str, str]:
