@@ -60,8 +60,9 @@ def _least_compile_effort():
 
 @pytest.fixture(autouse=True)
 def _optimized(request, _least_compile_effort):
-    """A test marked ``optimized`` compiles as users do: one whose steps are the work (hundreds of
-    them), or one that compares its results bit for bit with a ``hypertron`` process's. The flag is
+    """A test marked ``optimized`` compiles with XLA's optimisations on, as users do (with the suite's
+    CPU emitters, above): one whose steps are the work (hundreds of them), or one that compares its
+    results bit for bit with a ``hypertron`` process's. The flag is
     not part of jit's key, so JAX's in-memory caches are cleared on the way in and out (the
     persistent cache's key holds the compile options: each kind is read back as it was compiled)."""
     if request.node.get_closest_marker("optimized") is None:
