@@ -60,13 +60,15 @@ def test_capped_drops_exactly_the_copies_past_capacity():
     # 2, 4 and keeps 0 and 1; expert 1 keeps tokens 3 and 5. Every second choice finds its expert full.
     keep = np.zeros((6, 2), bool)
     keep[[0, 1, 3, 5], 0] = True
-    y_td, dropped = _capped(x_td[None], weights_tk, experts_tk, p, cfg, EINSUM, activation)
+    # Jitted: one compile per batch shape instead of one per primitive run eagerly.
+    capped = jax.jit(_capped, static_argnums=(4, 5, 6))
+    y_td, dropped = capped(x_td[None], weights_tk, experts_tk, p, cfg, EINSUM, activation)
     np.testing.assert_allclose(y_td, _per_token(x_td, weights_tk, experts_tk, p, cfg, keep), rtol=1e-5, atol=1e-6)
     assert float(dropped) == pytest.approx(8 / 12)
     # Capacity is per sequence: the same six tokens as a second row of a batch drop the same copies.
     x2 = jnp.stack([jnp.roll(x_td, 1, axis=0), x_td])
-    y2, dropped2 = _capped(x2, jnp.concatenate([weights_tk, weights_tk]), jnp.concatenate([experts_tk, experts_tk]),
-                           p, cfg, EINSUM, activation)
+    y2, dropped2 = capped(x2, jnp.concatenate([weights_tk, weights_tk]), jnp.concatenate([experts_tk, experts_tk]),
+                          p, cfg, EINSUM, activation)
     np.testing.assert_allclose(y2[6:], y_td, rtol=1e-5, atol=1e-6)
     assert float(dropped2) == pytest.approx(8 / 12)
 
@@ -133,7 +135,8 @@ def test_moe_config_errors():
 
 
 @pytest.mark.slow
-def test_tiny_moe_trains_on_the_embedded_corpus_like_the_dense_tiny_model(tmp_path):
+def test_tiny_moe_trains_on_the_embedded_corpus_like_the_dense_tiny_model(tmp_path, one_device):
+    # One device: the learning does not depend on the mesh (test_expert_parallel.py: meshes give one device's step).
     from hypertron.train.loop import train
 
     common = ["model.num_layers=2", "train.global_batch=8", "train.seq_len=64", "train.steps=30",

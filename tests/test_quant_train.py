@@ -235,15 +235,6 @@ def test_compiled_matmuls_stay_int8_on_cpu_and_fp8_on_hopper():
 # Training runs
 
 
-@pytest.fixture
-def one_device(monkeypatch):
-    """``train`` on the first device alone: the quantisation numerics do not depend on the mesh
-    (``test_sharding.py`` shows meshes give the one-device step), and on 2 cores a step on 8 simulated
-    devices takes about 4x one device's (50-90 ms against 12-20 ms here)."""
-    first = jax.devices()[:1]
-    monkeypatch.setattr(jax, "devices", lambda *args: first)
-
-
 @pytest.mark.slow
 @pytest.mark.optimized  # 600 steps: their running, not their compiling, is the work
 def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path, one_device):
