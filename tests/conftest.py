@@ -21,15 +21,16 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's CPU backend without its MLIR fusion emitters (the LLVM IR emitters it had before them), for
-# every program of the suite, in process and in the processes it starts: compiling is most of the
-# suite's CPU, and this takes a third of it (2026-11-26, 2 cores: the tiny train step 6.0 -> 1.9 s at
-# least effort, 12.6 -> 7.9 s optimised; test_train.py with test_kv_cache.py 152 -> 76 s of CPU).
-# Steps at least effort run up to 2x slower; optimised ones as fast, the tiny model's losses to the bit.
+# XLA's CPU compiler made cheaper (support.processes.SUITE_CPU_FLAGS: its LLVM IR emitters, not its
+# MLIR fusion emitters; no split for parallel codegen) for every program of the suite, in process and
+# in the processes it starts: compiling is most of the suite's CPU. 2026-11-26, 2 cores: the tiny
+# train step 6.0 -> 1.2 s at least effort, 12.6 -> 7.9 s optimised; test_train.py with
+# test_kv_cache.py 152 -> 76 s of CPU (emitters), test_kv_cache.py 23 -> 19 s (no split). Steps at
+# least effort run up to 2x slower; optimised ones as fast, the tiny model's losses to the bit.
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-    from support.processes import CLASSIC_EMITTERS  # tests/support
+    from support.processes import SUITE_CPU_FLAGS  # tests/support
 
-    os.environ["XLA_FLAGS"] += " " + CLASSIC_EMITTERS
+    os.environ["XLA_FLAGS"] += " " + SUITE_CPU_FLAGS
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 if os.environ.get("HYPERTRON_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
