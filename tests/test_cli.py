@@ -5,15 +5,16 @@ import numpy as np
 import pytest
 
 from support.cli import run_cli  # tests/support
-from support.processes import run_hypertron as run
-from support.tiny import write_tiny_hf_llama
+from support.processes import fast_compile, hypertron_env, run_hypertron as run
+from support.tiny import ONE_LAYER, write_tiny_hf_llama
 
 
 @pytest.mark.slow
 @pytest.mark.optimized  # its sampled text equals the processes' bit for bit
 def test_train_then_generate(tmp_path):
-    r = run("train", "model=tiny", "model.num_layers=1", "train.steps=3", "train.global_batch=8",
-            "train.seq_len=16", "train.log_every=1", "run_dir=run", cwd=tmp_path)
+    # Trained compiled fast (what it saves is what every generate below reads); generated as users compile.
+    r = run("train", *ONE_LAYER, "train.steps=3", "train.log_every=1", "run_dir=run", cwd=tmp_path,
+            env=fast_compile(hypertron_env()))
     assert r.returncode == 0, r.stderr
     assert "loss" in r.stderr and "saved checkpoint at step 3" in r.stderr
     assert (tmp_path / "run" / "config.yaml").is_file()

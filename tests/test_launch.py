@@ -28,6 +28,7 @@ from hypertron.launch import k8s, machines, recipes, validate
 from hypertron.train.events import read_events
 from support import processes  # tests/support
 from support.cli import one_error_line, run_cli
+from support.tiny import TWO_LAYERS  # tests/support
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
@@ -232,7 +233,7 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
     """Pods 0 and 1 of the cpu/tiny workload, as local processes: the recipe from the ConfigMap,
     the environment from the JobSet as the kubelet would set it. Replaced for loopback: the
     coordinator's host name by 127.0.0.1 (and its port by a free one), the run directory by a temp
-    one; added: the coordinator binds to 127.0.0.1 only."""
+    one; added: the coordinator binds to 127.0.0.1 only, and the tiny model cut down (``TWO_LAYERS``)."""
     config_map, js = k8s.workload_objects(_workload("cpu/tiny", "tiny", storage="pvc:runs"))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(config_map["data"]["recipe.yaml"])
@@ -250,7 +251,7 @@ def test_two_processes_with_the_pods_environment_form_one_job_train_and_exit_42_
         env = processes.fast_compile(env)  # and compiled fast, as the suite's other multi-process jobs
         procs.append(processes.start(
             [sys.executable, "-m", "hypertron.cli", "train", str(recipe), f"run_dir={run}", "train.steps=100000",
-             "train.log_every=1", "monitor.collect=false"],
+             "train.log_every=1", "monitor.collect=false", *TWO_LAYERS],  # the model cut down: steps are not the work
             env=base | env, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True))
     try:
         events = run / "events.jsonl"

@@ -19,7 +19,9 @@ import pytest
 from hypertron import cli
 from hypertron.monitor import report as mon
 from hypertron.monitor.goodput import BADPUT, PRODUCTIVE
+from hypertron.train.loop import FAULT_DATA_DELAY
 from support import processes  # tests/support
+from support.tiny import TWO_LAYERS  # tests/support
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,11 +251,12 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
     """SIGSTOP after step 9 (checkpoint at 6, final): alive but not stepping, so hung; SIGKILL: killed;
     resumed to 12: one disruption, wasted = the first job's steps 7-9, recovery as defined."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "hypertron.cli", "train", "model=tiny", f"run_dir={run}", "data.source=stdlib",
-            "train.steps=12", "train.global_batch=8", "train.seq_len=64", "checkpoint.every=6",
-            "train.log_every=100"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = processes.start(args, env=env, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
+    args = processes.hypertron_argv("train", *TWO_LAYERS, f"run_dir={run}", "data.source=stdlib", "train.steps=12",
+                                    "checkpoint.every=6", "train.log_every=100")
+    # One device, compiled fast; steps of at least 0.2 s (a sleep in each batch's loading), so the
+    # SIGSTOP lands well before the end, and a stopped process soon counts as hung.
+    env = processes.fast_compile(processes.hypertron_env(XLA_FLAGS=""))
+    proc = processes.start(args, env={**env, FAULT_DATA_DELAY: "*:0.2"})
     events = run / "events.jsonl"
     try:
         deadline = time.time() + 300
@@ -279,7 +282,7 @@ def test_a_real_run_killed_after_step_9_and_resumed(tmp_path):
     first = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "step"]
     last = first[-1]["step"]
     assert last >= 9  # the kill lands after step 9 (rarely after 10: the rule below still holds)
-    resumed = processes.run(args, env=env, capture_output=True, text=True, timeout=300)
+    resumed = processes.run(args, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     g = mon.build(run).goodput
     assert [j.status for j in g.jobs] == ["killed", "completed"]

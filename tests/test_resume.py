@@ -1,15 +1,14 @@
 """Surviving kills: exact resume after SIGKILL, clean stop on SIGTERM, damaged checkpoints, job events.
 
-The kill tests run the real ``hypertron train`` in a subprocess. Each step of
-the model below takes a few hundred milliseconds on two CPU cores, which
-leaves the test a window of seconds between "checkpoint 6 is final" and the
-end of the run to send its signal.
+The kill tests run the real ``hypertron train`` in a subprocess, on the tiny model, compiled fast
+(``processes.FAST_COMPILE``). The process a test signals sleeps half a second in each batch's loading
+(``HYPERTRON_FAULT_DATA_DELAY``, which changes no loss): a window of seconds between "checkpoint 6 is
+final" and the end of the run to send its signal, at no cost in CPU.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import signal
 import time
 from pathlib import Path
@@ -21,17 +20,16 @@ from hypertron.checkpoint import MANIFEST, CheckpointError
 from hypertron.config import load_config
 from hypertron.runfiles import EVENTS
 from hypertron.train.events import read_events
-from hypertron.train.loop import train
+from hypertron.train.loop import FAULT_DATA_DELAY, train
 from support import runs  # tests/support
 from support import processes  # tests/support
 from support.tiny import TWO_LAYERS  # tests/support
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-# The stdlib corpus, so data order matters; batch 32 x 128 makes steps slow enough to signal between.
-SLOW = ["model=tiny", "train.global_batch=32", "train.seq_len=128", "train.log_every=1",
-        "train.warmup_steps=2", "data.source=stdlib"]
-# A small, fast run for in-process tests.
+# A small, fast run, on the stdlib corpus so data order matters.
 TINY = [*TWO_LAYERS, "train.log_every=1", "data.source=stdlib"]
+ENV = processes.fast_compile(processes.hypertron_env())
+# The environment of a process to signal: steps of at least half a second.
+PAUSED = {**ENV, FAULT_DATA_DELAY: "*:0.5"}
 
 
 def _train_cmd(*overrides: str) -> list[str]:
@@ -45,24 +43,21 @@ def _train_cmd(*overrides: str) -> list[str]:
 @pytest.mark.slow
 def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path):
     """12 steps straight == 6 steps, SIGKILL once checkpoint 6 is final, resume to 12: same losses, bit for bit."""
-    common = [*SLOW, "train.steps=12", "checkpoint.every=6"]
-    straight = processes.start(_train_cmd(*common, f"run_dir={tmp_path / 'a'}"), env=ENV,
-                                stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
+    common = [*TINY, "train.steps=12", "checkpoint.every=6"]
+    # One after the other: the later processes load the programs the first compiled (the session's cache).
+    straight = processes.run(_train_cmd(*common, f"run_dir={tmp_path / 'a'}"), env=ENV)
+    assert straight.returncode == 0, straight.stderr
     run = tmp_path / "b"
-    killed = processes.start(_train_cmd(*common, f"run_dir={run}"), env=ENV,
-                              stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
+    killed = processes.start(_train_cmd(*common, f"run_dir={run}"), env=PAUSED)
     try:
         processes.wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill; steps too fast"
         assert max(runs.steps(run)) < 12
-        assert straight.wait(timeout=300) == 0, straight.stderr.read()
     finally:
-        for p in (straight, killed):
-            p.kill()
-    resumed = processes.run(_train_cmd(*common, f"run_dir={run}"), env=ENV, capture_output=True, text=True,
-                             timeout=300)
+        processes.kill(killed)
+    resumed = processes.run(_train_cmd(*common, f"run_dir={run}"), env=ENV)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 6" in resumed.stderr
     want, got = runs.losses(tmp_path / "a"), runs.losses(run)
@@ -74,21 +69,21 @@ def test_sigkill_after_a_final_checkpoint_then_resume_is_bit_identical(tmp_path)
 def test_sigterm_saves_the_step_reached_exits_0_and_the_next_run_resumes(tmp_path):
     run = tmp_path / "run"
     started = time.time()
-    proc = processes.start(_train_cmd(*SLOW, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
-                            env=ENV, stdout=processes.DEVNULL, stderr=processes.PIPE, text=True)
+    proc = processes.start(_train_cmd(*TINY, "train.steps=1000", "checkpoint.every=1000", f"run_dir={run}"),
+                            env=PAUSED)
     try:
         processes.wait_for(lambda: len(runs.steps(run)) >= 3, proc, "three steps")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
-        proc.kill()
+        processes.kill(proc)
     reached = max(runs.steps(run))
     assert reached < 1000
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [reached]
     assert (run / "checkpoints" / str(reached) / MANIFEST).exists()
 
-    again = processes.run(_train_cmd(*SLOW, f"train.steps={reached + 2}", "checkpoint.every=1000",
-                                      f"run_dir={run}"), env=ENV, capture_output=True, text=True, timeout=300)
+    again = processes.run(_train_cmd(*TINY, f"train.steps={reached + 2}", "checkpoint.every=1000",
+                                      f"run_dir={run}"), env=ENV)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {reached}" in again.stderr
     assert (run / "checkpoints" / str(reached + 2) / MANIFEST).exists()
