@@ -49,7 +49,8 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
     chunk after that cached prefix, so that every key and value it attends to is read back from
     the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id).
-    One step shape is compiled, the chunk's: the prefix's step runs padded to it."""
+    The chunk's step shape is compiled first: the prefix's step runs padded to it where that costs
+    at most ``MAX_PADDED_COST`` times its own (one compile, not two), else compiles its own."""
     from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine
 
@@ -63,7 +64,6 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     engine._compile(engine.shape(chunk))
     engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))
     result = engine.run(chunk)
-    assert engine.compiles["sync"] == 0 and len(engine.compiled_shapes) == 1
     _, top_ids, top_lps = result.prompt[0]
     out = np.empty((len(rest) - 1, cfg.vocab_size), np.float32)
     np.put_along_axis(out, np.asarray(top_ids[:-1]), np.asarray(top_lps[:-1]), axis=1)
