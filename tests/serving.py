@@ -26,23 +26,44 @@ def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
     return seqs, outs, sched
 
 
+def padded_engine(params, cfg, config, shapes, monkeypatch):
+    """A paged engine with background compiles, ``shapes`` compiled and its compiler held off: every
+    plan runs padded to the cheapest of them that holds it, however much more that costs
+    (``monkeypatch`` lifts ``MAX_PADDED_COST``). For a test whose dozen plans would each compile a
+    shape of its own: padding rows and tokens are masked out, so the tokens are the same
+    (``test_engine.py``'s padded test holds them to an engine that runs each plan at its own shape)."""
+    import dataclasses
+
+    from hypertron.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_PADDED_COST", float("inf"))
+    engine = engine_module.PagedEngine(params, cfg, dataclasses.replace(config, compile="background"))
+    engine._enqueue = lambda shape: None  # no plan's own shape is compiled
+    for shape in shapes:
+        engine._compile(shape)
+    return engine
+
+
 def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefix: int, page_size: int = 4):
     """Log-probabilities ``[len(tokens) - prefix - 1, vocab]`` of the next token at each position
     from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
     chunk after that cached prefix, so that every key and value it attends to is read back from
-    the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id)."""
+    the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id).
+    The chunk's step shape is compiled first: the prefix's step runs padded to it where that costs
+    at most ``MAX_PADDED_COST`` times its own (one compile, not two), else compiles its own."""
     from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine
 
     engine = PagedEngine(params, cfg, EngineConfig(max_slots=1, page_size=page_size, kv_cache_dtype=kv_dtype,
-                                                   max_top_logprobs=cfg.vocab_size, compile="lazy"))
+                                                   max_top_logprobs=cfg.vocab_size, compile="background"))
     pages = tuple(range(1, -(-len(tokens) // page_size) + 1))
     greedy = SamplingParams(temperature=0.0, seed=0)
-    engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))
     rest = tuple(tokens[prefix:])
     targets = tuple(tokens[prefix + 1:]) + (-1,)
-    result = engine.run(StepPlan(1, (), (Row(0, 0, prefix, rest, pages, greedy, prompt_targets=targets),),
-                                 prompt_logprobs=True))
+    chunk = StepPlan(1, (), (Row(0, 0, prefix, rest, pages, greedy, prompt_targets=targets),), prompt_logprobs=True)
+    engine._compile(engine.shape(chunk))
+    engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))
+    result = engine.run(chunk)
     _, top_ids, top_lps = result.prompt[0]
     out = np.empty((len(rest) - 1, cfg.vocab_size), np.float32)
     np.put_along_axis(out, np.asarray(top_ids[:-1]), np.asarray(top_lps[:-1]), axis=1)

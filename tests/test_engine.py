@@ -36,9 +36,14 @@ def params():
     return init_params(CFG, jax.random.key(0))
 
 
+# The full forward as one compiled program (eagerly, each of its ops compiles apart: a hundred and more
+# compiles for a MoE).
+_forward = jax.jit(forward, static_argnames="cfg")
+
+
 def _is_greedy(params, cfg, prompt, generated) -> bool:
     """Whether each generated token is the argmax of the full forward (no cache) before it."""
-    logits = forward(params, jnp.asarray([list(prompt) + list(generated)]), cfg).logits[0, len(prompt) - 1:-1]
+    logits = _forward(params, jnp.asarray([list(prompt) + list(generated)]), cfg).logits[0, len(prompt) - 1:-1]
     return list(generated) == [int(t) for t in jnp.argmax(logits, -1)]
 
 
@@ -179,7 +184,7 @@ def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):
     assert plain.logprobs is None and plain.top_ids is None
     asked = dataclasses.replace(row, slot=1, sampling=dataclasses.replace(GREEDY, logprobs=2), pages=(2,))
     result = engine.run(StepPlan(1, (), (asked,), logprobs=True))
-    logp = jax.nn.log_softmax(forward(params, jnp.asarray([[5, 6, 7]]), CFG).logits[0, -1])
+    logp = jax.nn.log_softmax(_forward(params, jnp.asarray([[5, 6, 7]]), CFG).logits[0, -1])
     assert result.tokens[0] == plain.tokens[0] == int(jnp.argmax(logp))
     np.testing.assert_allclose(result.top_logprobs[0], np.sort(np.asarray(logp))[::-1][:4], atol=1e-5)
 
@@ -309,7 +314,7 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     tokens equal that reference's."""
     from hypertron.checkpoint import save_params
     from hypertron.config import Config, TrainConfig
-    from hypertron.models import declare, forward
+    from hypertron.models import declare
     from hypertron.models.params import leaves_with_paths
     from hypertron.serve.engine import load_engine
 
@@ -339,13 +344,13 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
 
     # The reference: float32 compute on the bf16-rounded weights.
     ref_cfg = dataclasses.replace(model, dtype="float32")
-    rounded = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), engine.params)
+    rounded = jax.jit(lambda p: jax.tree.map(lambda w: w.astype(jnp.float32), p))(engine.params)  # one compile
     prompt = [5, 17, 33, 101, 7]
     (served,), _, _ = run(engine, [prompt], [GREEDY])
     tokens = served.generated
     seq = jnp.asarray([prompt + tokens])
-    ref_logits = forward(rounded, seq, ref_cfg).logits[0, len(prompt) - 1:-1]
-    ours = forward(engine.params, seq, engine.cfg).logits[0, len(prompt) - 1:-1].astype(jnp.float32)
+    ref_logits = _forward(rounded, seq, ref_cfg).logits[0, len(prompt) - 1:-1]
+    ours = _forward(engine.params, seq, engine.cfg).logits[0, len(prompt) - 1:-1].astype(jnp.float32)
     rel = float(jnp.linalg.norm(ours - ref_logits) / jnp.linalg.norm(ref_logits))
     assert rel < 2e-2, rel
     assert tokens == [int(t) for t in jnp.argmax(ref_logits, -1)]

@@ -206,23 +206,28 @@ def test_greedy_generation_matches(case):
 # engine's ratio-1 attention is the ragged kernel's (test_ragged_attention.py); every other test here runs it.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [f for f in FAMILIES if f != "llama2"], indirect=True)
-def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
+def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case, monkeypatch):
     """Four prompts of 3 to 12 tokens through the scheduler and the paged engine with a budget of
     6 tokens a step: the long prompts are prefilled in chunks over several steps, while the
     others decode (mixed steps). Each continuation equals transformers' greedy ``generate``, and
     each token's log-probability and top-3 equal the log-softmax of transformers' logits at its
-    position. Dispatching one step ahead gives exactly what collecting each step at once gives."""
+    position. Dispatching one step ahead gives exactly what collecting each step at once gives.
+    The 12 steps would meet 9 shapes: each runs padded to one of two compiled ones instead, a
+    decode step (the decode-only attention) and a mixed one (:func:`serving.padded_engine`)."""
+    from serving import padded_engine  # tests/
+
     from hypertron.config import EngineConfig, SchedulerConfig
-    from hypertron.serve.engine import PagedEngine
+    from hypertron.serve.engine import Shape
     from hypertron.serve.scheduler import Request, Scheduler, run_until_done
     from hypertron.serve.types import SamplingParams
 
     prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9, 12)] + [[int(t) for t in case.tokens[1, :5]]]
     new = 7
     runs = {}
+    shapes = [Shape(4, 0, 0, 8, logprobs=True), Shape(4, 2, 16, 8, logprobs=True)]  # 19 tokens: 5 pages
     for ahead in (False, True):
-        engine = PagedEngine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
-                                                                 max_top_logprobs=3, compile="lazy"))
+        engine = padded_engine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
+                                                                   max_top_logprobs=3), shapes, monkeypatch)
         sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=6, max_prefill_rows=2))
         seqs = [Request(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
                 for i, p in enumerate(prompts)]
@@ -231,6 +236,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
         lps = {i: [] for i in range(len(prompts))}
         run_until_done(engine, sched, lambda o: o.token is not None and lps[o.seq.id].append(o.logprobs), ahead=ahead)
         assert sched.stats()["pages_free"] == 19 and sched.stats()["slots_in_use"] == 0
+        assert engine.compiled_shapes == shapes and engine.compiles["sync"] == 0
         runs[ahead] = ([s.generated for s in seqs], lps, list(sched.records))
     assert runs[True][:2] == runs[False][:2]
     tokens, lps, records = runs[True]

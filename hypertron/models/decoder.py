@@ -230,8 +230,18 @@ def unstack_layers(params: Params) -> Params:
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
+    leaves = jax.tree.leaves(layers)
+    n = leaves[0].shape[0]
+    if all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves):
+        return {**params, "layers": _unstack(layers, n)}  # one compile, not one per leaf's shape and op
+    return {**params, "layers": _slice_layers(layers, n)}
+
+
+def _slice_layers(layers, n: int) -> list:
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+
+
+_unstack = jax.jit(_slice_layers, static_argnums=1)
 
 
 @jax.tree_util.register_dataclass
