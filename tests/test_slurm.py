@@ -36,7 +36,7 @@ launch:
   nodes: 1
   processes_per_node: 2
   xla_flags: [{value: --xla_force_host_platform_device_count=4, reason: four devices per process},
-              {value: """ + processes.FAST_COMPILE + """, reason: compiled fast}]
+              """ + ", ".join(f"{{value: {flag}, reason: compiled fast}}" for flag in processes.FAST_COMPILE.split()) + """]
   env: [{value: JAX_PLATFORMS=cpu, reason: the CPU}]
 """
 
