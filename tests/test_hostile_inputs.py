@@ -288,6 +288,7 @@ def test_openapi_describes_the_api_behind_the_key_and_can_be_hidden():
         assert httpx.get(s.url + "/openapi.json").status_code == 404
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_5xx_and_no_answer_off_the_schema(srv):
     from support.api_fuzz import fuzz_server  # tests/support
 
