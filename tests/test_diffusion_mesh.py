@@ -96,7 +96,8 @@ def _sample(pipes, name: str, mesh: str | None = None, quantize: str = "none"):
 
 
 # The SDXL UNet on the three-axis mesh only: each of its compiles costs ~30 s of the suite.
-@pytest.mark.parametrize(("name", "mesh"), [(P.SDXL, MESHES[0]), (P.FLUX, MESHES[0]), (P.FLUX, MESHES[1])])
+@pytest.mark.parametrize(("name", "mesh"), [pytest.param(P.SDXL, MESHES[0], marks=pytest.mark.slow),  # 21-57 s on 2 cores
+                                           (P.FLUX, MESHES[0]), (P.FLUX, MESHES[1])])
 def test_mesh_gives_the_single_device_latents(pipes, name, mesh):
     want = _sample(pipes, name)[0]
     got, images, _ = _sample(pipes, name, mesh)

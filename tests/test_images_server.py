@@ -66,6 +66,7 @@ BAD = {  # body changes -> (status, param)
 }
 
 
+@pytest.mark.slow  # with the module's server (its fixture, ~20 s on 2 cores): the group starts first
 def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_serves_on(served):
     url = served[0]
     for case, (change, status, param) in BAD.items():
