@@ -14,9 +14,12 @@ state has it), then ``--repeats`` runs (``--repeats + 2`` for ``distinct``, whos
 small) of N = max(``--num-requests``, 2 C) requests each, new prompts each run (the same on both
 servers). Each figure is the median over the runs. The hit rate is the caching server's
 ``hypertron_prefix_cache_hits_total`` over ``hypertron_prefix_cache_queries_total`` (tokens)
-during the measured runs. Prints per workload and concurrency::
+during the measured runs; ``sync_compiles`` counts the step shapes a hypertron step waited to
+compile during them (``hypertron_step_compiles_total{mode="sync"}``: a warm-up that missed the
+load's shapes shows there, not as slow steps). Prints per workload and concurrency, as soon as it
+is measured::
 
-    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B
+    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B sync_compiles on S off T
 
 (R = Y / X), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
 server runs beside them with its prefix caching on and off, with the same slots, pool and tokens per
@@ -59,17 +62,25 @@ def add_workload_args(p) -> None:
     add_peer_args(p)
 
 
-def prefix_counters(base_url: str, system: str) -> tuple[float, float]:
-    """``(queries, hits)`` of ``system``'s prefix cache, in tokens, from ``/metrics`` (summed over labels)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+def scrape(base_url: str) -> str:
+    return httpx.get(f"{base_url}/metrics", timeout=10).text
 
-    def read(name: str) -> float:
-        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-        if not values:
-            raise RuntimeError(f"{base_url}/metrics has no {name}")
-        return sum(map(float, values))
 
-    return read(COUNTERS[system][0]), read(COUNTERS[system][1])
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The sum of ``name``'s samples in a ``/metrics`` page whose labels hold ``labels`` (``mode="sync"``)."""
+    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+    if not values:
+        raise RuntimeError(f"/metrics has no {name}")
+    return sum(float(v) for got, v in values if labels in got)
+
+
+def counters(base_url: str, system: str) -> tuple[float, float, float]:
+    """``(queries, hits)`` of ``system``'s prefix cache, in tokens, and hypertron's step compiles a
+    step waited for (0 for a peer), from ``/metrics``."""
+    text = scrape(base_url)
+    queries, hits = (metric(text, name) for name in COUNTERS[system])
+    sync = metric(text, "hypertron_step_compiles_total", 'mode="sync"') if system == "hypertron" else 0.0
+    return queries, hits, sync
 
 
 def runs_of(args) -> dict[str, list[tuple[str, int]]]:
@@ -108,7 +119,7 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
     name_w, n_w = runs[0]
     for key, (url, log) in servers.items():
         bench(url, "bench", paths[name_w], c, n_w, args.max_tokens, f"{log.name}.{name_w}.json", log)
-    before = {key: prefix_counters(url, key.split()[0]) for key, (url, _) in servers.items()}
+    before = {key: counters(url, key.split()[0]) for key, (url, _) in servers.items()}
     reports = {key: [] for key in servers}
     for name, n in runs[1:]:
         for key, (url, log) in servers.items():
@@ -116,10 +127,11 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
                                       log))
     out = {}
     for key, (url, _) in servers.items():
-        q, h = (a - b for a, b in zip(prefix_counters(url, key.split()[0]), before[key]))
+        q, h, sync = (a - b for a, b in zip(counters(url, key.split()[0]), before[key]))
         out[key] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[key]])),
                     "out_tok_s": float(np.median([r["output_throughput"] for r in reports[key]])),
                     "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[key]),
+                    "sync_compiles": int(sync),
                     "runs": reports[key]}
     return out
 
@@ -133,7 +145,8 @@ def line(key: str, result: dict, system: str) -> str:
     name = "" if system == "hypertron" else f"{system} "
     return (f"prefix-caching {name}{workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
             f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
-            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')}")
+            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} sync_compiles on "
+            f"{get(on, 'sync_compiles', 'd')} off {get(off, 'sync_compiles', 'd')}")
 
 
 def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) -> tuple[dict, dict[str, str]]:
@@ -180,9 +193,8 @@ def run_workloads(args, prepare) -> int:
             t0 = time.perf_counter()
             results[key] = measure(targets, paths, each, int(key.split()[1][1:]), args)
             print(f"  ... {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    for key, result in results.items():
-        for system in systems:
-            print(line(key, result, system))
+            for system in systems:  # at once: a run cut off at its limit keeps what finished
+                print(line(key, results[key], system), flush=True)
     for key, command in commands.items():
         print(f"{key}: {command}")
     if peer_version:
