@@ -14,12 +14,12 @@ state has it), then ``--repeats`` runs (``--repeats + 2`` for ``distinct``, whos
 small) of N = max(``--num-requests``, 2 C) requests each, new prompts each run (the same on both
 servers). Each figure is the median over the runs. The hit rate is the caching server's
 ``hypertron_prefix_cache_hits_total`` over ``hypertron_prefix_cache_queries_total`` (tokens)
-during the measured runs; ``sync_compiles`` counts the step shapes a hypertron step waited to
-compile during them (``hypertron_step_compiles_total{mode="sync"}``: a warm-up that missed the
-load's shapes shows there, not as slow steps). Prints per workload and concurrency, as soon as it
+during the measured runs; ``compiles`` S+B counts the step shapes hypertron compiled during them,
+S while a step waited, B in the background (``hypertron_step_compiles_total``: a warm-up that missed
+the load's shapes shows there). Prints per workload and concurrency, as soon as it
 is measured::
 
-    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B sync_compiles on S off T
+    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B compiles on S+B off S+B
 
 (R = Y / X), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
 server runs beside them with its prefix caching on and off, with the same slots, pool and tokens per
@@ -74,13 +74,14 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for got, v in values if labels in got)
 
 
-def counters(base_url: str, system: str) -> tuple[float, float, float]:
-    """``(queries, hits)`` of ``system``'s prefix cache, in tokens, and hypertron's step compiles a
-    step waited for (0 for a peer), from ``/metrics``."""
+def counters(base_url: str, system: str) -> tuple[float, ...]:
+    """``(queries, hits)`` of ``system``'s prefix cache, in tokens, then hypertron's step compiles
+    a step waited for and those done in the background (0 for a peer), from ``/metrics``."""
     text = scrape(base_url)
     queries, hits = (metric(text, name) for name in COUNTERS[system])
-    sync = metric(text, "hypertron_step_compiles_total", 'mode="sync"') if system == "hypertron" else 0.0
-    return queries, hits, sync
+    if system != "hypertron":
+        return queries, hits, 0.0, 0.0
+    return queries, hits, *(metric(text, "hypertron_step_compiles_total", f'mode="{m}"') for m in ("sync", "background"))
 
 
 def runs_of(args) -> dict[str, list[tuple[str, int]]]:
@@ -127,11 +128,11 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
                                       log))
     out = {}
     for key, (url, _) in servers.items():
-        q, h, sync = (a - b for a, b in zip(counters(url, key.split()[0]), before[key]))
+        q, h, sync, background = (a - b for a, b in zip(counters(url, key.split()[0]), before[key]))
         out[key] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[key]])),
                     "out_tok_s": float(np.median([r["output_throughput"] for r in reports[key]])),
                     "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[key]),
-                    "sync_compiles": int(sync),
+                    "compiles": f"{sync:.0f}+{background:.0f}",
                     "runs": reports[key]}
     return out
 
@@ -145,8 +146,8 @@ def line(key: str, result: dict, system: str) -> str:
     name = "" if system == "hypertron" else f"{system} "
     return (f"prefix-caching {name}{workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
             f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
-            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} sync_compiles on "
-            f"{get(on, 'sync_compiles', 'd')} off {get(off, 'sync_compiles', 'd')}")
+            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} compiles on "
+            f"{get(on, 'compiles', 's')} off {get(off, 'compiles', 's')}")
 
 
 def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) -> tuple[dict, dict[str, str]]:
