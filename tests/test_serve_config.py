@@ -93,10 +93,14 @@ def test_without_a_checkpoint_serve_says_which_flag_is_missing(capsys):
     (["--sizes", "64x64"], "", ["--sizes=64x64", "only a diffusers folder", "no image sizes"]),
     (["--mesh", "data=2"], "", ["--mesh=data=2", "only a diffusers folder", "one device"]),
     (["--text-encoder-quantize", "int8"], "", ["--text-encoder-quantize=int8", "no text encoders"]),
+    (["--max-batch", "2"], "", ["--max-batch=2", "only a diffusers folder", "makes no images"]),
+    ([], "max_steps: 20\n", ["serve.yaml: max_steps=20", "only a diffusers folder", "no denoising steps"]),
+    (["--embedding-cache", "0"], "", ["--embedding-cache=0", "only a diffusers folder", "no text encoders"]),
 ])
 def test_the_text_server_refuses_a_diffusers_folders_dtype_and_fp8(tmp_path, argv, yaml_text, words):
-    """``--dtype`` (given at all) and ``--quantize fp8`` belong to a diffusers folder: for a run or
-    Hugging Face directory they are one error line, exit 2, not ignored (a flag or a file's key)."""
+    """``--dtype``, the image limits (given at all) and ``--quantize fp8`` belong to a diffusers folder:
+    for a run or Hugging Face directory they are one error line, exit 2, not ignored (a flag or a
+    file's key)."""
     from support.cli import one_error_line, run_cli
 
     config = ["--config", _yaml(tmp_path, yaml_text)] if yaml_text else []

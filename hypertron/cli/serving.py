@@ -10,7 +10,7 @@ import os
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
-from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, MAX_PADDED_COST
+from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, IMAGE_DEFAULTS, MAX_PADDED_COST
 from hypertron.loadgen import BenchSettings
 
 
@@ -52,10 +52,13 @@ _SERVE_FLAGS: dict[str, dict] = {
                                        "cache_salt)"),
     "sizes": dict(metavar="WxH,...", help="a diffusers folder: the image sizes served (each compiled at start; "
                                           "default: the model's own)"),
-    "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most"),
-    "max_steps": dict(metavar="N", help="a diffusers folder: num_inference_steps, at most"),
+    "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most (default "
+                                        f"{IMAGE_DEFAULTS['max_batch']})"),
+    "max_steps": dict(metavar="N", help="a diffusers folder: num_inference_steps, at most (default "
+                                        f"{IMAGE_DEFAULTS['max_steps']})"),
     "embedding_cache": dict(metavar="N", help="a diffusers folder: prompts whose text-encoder outputs are kept, "
-                                              "least recently used dropped (0: off)"),
+                                              f"least recently used dropped (0: off; default "
+                                              f"{IMAGE_DEFAULTS['embedding_cache']})"),
     "mesh": dict(metavar="AXIS=N,...", help="a diffusers folder: devices, e.g. data=2,fsdp=2 (images over data, "
                                             "weights over fsdp/tensor by the sharding rules; default: one device)"),
     "dtype": dict(help=f"a diffusers folder: its weights' dtype, as hypertron diffuse --dtype (default "

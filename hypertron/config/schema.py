@@ -56,6 +56,10 @@ DIFFUSION_DTYPE: DiffusionDtype = "float32"
 DiffusionQuantization = Literal["none", "int8", "fp8"]
 # A diffusers pipeline folder holds this index; hypertron serve serves images for such a folder.
 MODEL_INDEX = "model_index.json"
+# The image server's limits where ServeConfig leaves them None (None there, so that a text model,
+# which has no use for them, can refuse them rather than ignore them): images per request (n),
+# num_inference_steps, and prompts whose text-encoder outputs are kept (LRU; 0: none).
+IMAGE_DEFAULTS = {"max_batch": 4, "max_steps": 100, "embedding_cache": 32}
 # background: a new step shape compiles on a background thread while its steps run padded to a compiled
 # shape that costs at most MAX_PADDED_COST times as much (if none, the step waits); lazy: each step shape
 # compiles when first met, and that step waits
@@ -530,12 +534,17 @@ class ServeConfig:
     enable_prefix_caching: bool = _S.enable_prefix_caching
     # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
     sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
-    max_batch: int = 4  # images per request (n), at most
-    max_steps: int = 100  # num_inference_steps, at most
-    embedding_cache: int = 32  # prompts whose text-encoder outputs are kept (LRU); 0: none
+    max_batch: int | None = None  # images per request (n), at most; None: IMAGE_DEFAULTS's (a text model: refused)
+    max_steps: int | None = None  # num_inference_steps, at most; None: IMAGE_DEFAULTS's (text: refused)
+    embedding_cache: int | None = None  # prompts whose encodings are kept; None: IMAGE_DEFAULTS's (text: refused)
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the sharding rules; None: one device
     dtype: DiffusionDtype | None = None  # the pipeline's weights; None: DIFFUSION_DTYPE (a text model: refused)
     text_encoder_quantize: WeightQuantization | None = None  # the text encoders' matmuls; None: none (text: refused)
+
+    def image_limit(self, key: str) -> int:
+        """``max_batch``, ``max_steps`` or ``embedding_cache``: as set, else :data:`IMAGE_DEFAULTS`'s."""
+        value = getattr(self, key)
+        return IMAGE_DEFAULTS[key] if value is None else value
 
     @property
     def serves_images(self) -> bool:

@@ -279,7 +279,7 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")
-    if cfg.embedding_cache < 0:
+    if cfg.embedding_cache is not None and cfg.embedding_cache < 0:
         raise ConfigError(f"{name('embedding_cache')}={cfg.embedding_cache}: must be 0 (off) or more")
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"{name('port')}={cfg.port}: must be 0 to 65535")
@@ -290,8 +290,11 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
 def check_text_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
     """What only a diffusers folder takes, refused for a run or Hugging Face directory rather than
     ignored: ``dtype`` (a text model computes in its config's dtype), ``quantize`` fp8, ``sizes``,
-    ``mesh`` (the text server runs on one device) and ``text_encoder_quantize``."""
-    for key, why in (("sizes", "a text model has no image sizes"), ("mesh", "the text server runs on one device"),
+    the image limits, ``mesh`` (the text server runs on one device) and ``text_encoder_quantize``."""
+    for key, why in (("sizes", "a text model has no image sizes"), ("max_batch", "a text model makes no images"),
+                     ("max_steps", "a text model has no denoising steps"),
+                     ("embedding_cache", "a text model has no text encoders"),
+                     ("mesh", "the text server runs on one device"),
                      ("text_encoder_quantize", "a text model has no text encoders; --quantize is its matmuls'")):
         if getattr(cfg, key) is not None:
             raise ConfigError(f"{name(key)}={getattr(cfg, key)}: only a diffusers folder ({MODEL_INDEX}) takes it; {why}")

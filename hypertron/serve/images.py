@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 
 from hypertron.config import ServeConfig
 from hypertron.config.numbers import shown
-from hypertron.config.schema import DIFFUSION_DTYPE
+from hypertron.config.schema import DIFFUSION_DTYPE, IMAGE_DEFAULTS
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes
@@ -174,7 +174,7 @@ class ImageServer:
     ``running`` is held while a batch runs."""
 
     def __init__(self, pipe: Pipeline, model_name: str, *, sizes: list[tuple[int, int]], max_batch: int,
-                 max_steps: int, embedding_cache: int = ServeConfig.embedding_cache):
+                 max_steps: int, embedding_cache: int = IMAGE_DEFAULTS["embedding_cache"]):
         self.pipe, self.model_name, self.sizes = pipe, model_name, sizes
         self.max_batch, self.max_steps = max_batch, max_steps
         self.batch_sizes = batch_sizes(max_batch)
@@ -388,8 +388,8 @@ def build(serve: ServeConfig) -> FastAPI:
                                  text_quantize=serve.text_encoder_quantize or "none", mesh=mesh)
     print(f"hypertron serve: {placement.described(pipe)}", file=sys.stderr)
     server = ImageServer(pipe, serve.model_name or served_name(serve.checkpoint), sizes=sizes,
-                         max_batch=serve.max_batch, max_steps=serve.max_steps,
-                         embedding_cache=serve.embedding_cache)
+                         max_batch=serve.image_limit("max_batch"), max_steps=serve.image_limit("max_steps"),
+                         embedding_cache=serve.image_limit("embedding_cache"))
     server.warm()
     app = create_app(server, api_key=serve.api_key)
     app.state.images = server
