@@ -26,17 +26,16 @@ def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
     return seqs, outs, sched
 
 
-def padded_engine(params, cfg, config, shapes, monkeypatch):
+def padded_engine(params, cfg, config, shapes):
     """A paged engine with background compiles, ``shapes`` compiled and its compiler held off: every
-    plan runs padded to the cheapest of them that holds it, however much more that costs
-    (``monkeypatch`` lifts ``MAX_PADDED_COST``). For a test whose dozen plans would each compile a
-    shape of its own: padding rows and tokens are masked out, so the tokens are the same
-    (``test_engine.py``'s padded test holds them to an engine that runs each plan at its own shape)."""
+    plan runs padded to the cheapest of them that holds it, however much more that costs. For a
+    test whose dozen plans would each compile a shape of its own: padding rows and tokens are
+    masked out, so the tokens are the same (``test_engine.py``'s padded test holds them to an
+    engine that runs each plan at its own shape)."""
     import dataclasses
 
     from hypertron.serve import engine as engine_module
 
-    monkeypatch.setattr(engine_module, "MAX_PADDED_COST", float("inf"))
     engine = engine_module.PagedEngine(params, cfg, dataclasses.replace(config, compile="background"))
     engine._enqueue = lambda shape: None  # no plan's own shape is compiled
     for shape in shapes:
@@ -49,8 +48,8 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     from ``prefix`` on, read through the pages: ``prefix`` tokens prefilled, then the rest as one
     chunk after that cached prefix, so that every key and value it attends to is read back from
     the cache, in ``kv_dtype`` (the engine's prompt log-probabilities, with every id as a top id).
-    The chunk's step shape is compiled first: the prefix's step runs padded to it where that costs
-    at most ``MAX_PADDED_COST`` times its own (one compile, not two), else compiles its own."""
+    The chunk's step shape is compiled first, and the prefix's step runs padded to it (one compile,
+    not two: the compiler is held off, as the engine would queue the prefix's own shape)."""
     from hypertron.config import EngineConfig
     from hypertron.serve.engine import PagedEngine
 
@@ -61,6 +60,7 @@ def teacher_forced_logprobs(params, cfg, kv_dtype: str, tokens: list[int], prefi
     rest = tuple(tokens[prefix:])
     targets = tuple(tokens[prefix + 1:]) + (-1,)
     chunk = StepPlan(1, (), (Row(0, 0, prefix, rest, pages, greedy, prompt_targets=targets),), prompt_logprobs=True)
+    engine._enqueue = lambda shape: None
     engine._compile(engine.shape(chunk))
     engine.run(StepPlan(0, (), (Row(0, 0, 0, tuple(tokens[:prefix]), pages, greedy, sample=False),)))
     result = engine.run(chunk)

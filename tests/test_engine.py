@@ -118,8 +118,7 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
         engine = PagedEngine(params, CFG, dataclasses.replace(lazy, compile="background"))
         engine._compile(big)
         with monkeypatch.context() as m:
-            m.setattr(engine_module, "MAX_PADDED_COST", float("inf"))  # any holder will do, however costly
-            m.setattr(engine_module, "COMPILE_AFTER_PADDED", 1)  # and a plan's own shape is queued at once
+            m.setattr(engine_module, "COMPILE_AFTER_PADDED", 1)  # a plan's own shape is queued at once
             if not compiler:
                 m.setattr(engine, "_enqueue", lambda shape: None)
             got, got_outs, _ = run(engine, prompts, sampling, ahead=True, **kw)
@@ -175,6 +174,40 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
         assert engine._executable(one)[0] == two
     assert seen == ([one] if queued else [])
     assert engine.compiles == {"sync": 0, "background": 0, "padded": engine_module.COMPILE_AFTER_PADDED}
+
+
+def test_a_step_waits_for_a_compile_only_when_no_compiled_shape_holds_it(params):
+    """A plan whose only compiled holder costs over MAX_PADDED_COST times its own still runs
+    padded to it, its own shape queued for the background at once (a wait costs every stream a
+    compile's seconds); with no holder the step compiles its own now. The largest shape a
+    server's settings allow holds every plan under them. (Executables stubbed: nothing compiles.)"""
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
+    big, one = engine.largest_shape(max_prefill_rows=2, max_num_batched_tokens=24), Shape(1, 0, 0, 1)
+    assert big == Shape(4, 2, 24, engine.pages_per_seq)
+    assert engine.cost(big) > engine_module.MAX_PADDED_COST * engine.cost(one)
+    engine._compiled[big] = "big"
+    seen = []
+    engine._enqueue = seen.append
+    assert engine._executable(one) == (big, "big") and seen == [one]
+    assert engine.compiles == {"sync": 0, "background": 0, "padded": 1}
+    compiled = []
+    engine._compile = lambda shape: compiled.append(shape) or "own"
+    wide = Shape(1, 0, 0, 2 * engine.pages_per_seq)  # wider than any compiled shape
+    assert engine._executable(wide) == (wide, "own") and compiled == [wide] and engine.compiles["sync"] == 1
+    rng = np.random.default_rng(0)
+    cap = engine.pages_per_seq * 4  # positions a slot holds
+    for _ in range(200):  # plans within 4 slots, 2 prefill rows and 24 tokens a step
+        rows = int(rng.integers(1, 5))
+        prefills = int(rng.integers(0, min(rows, 2) + 1))
+        sizes = rng.multinomial(int(rng.integers(prefills, 25)) - prefills, [1 / prefills] * prefills) + 1 \
+            if prefills else []
+        def row(slot, n):  # noqa: E306
+            start = int(rng.integers(0, cap - max(n, 1) + 1))
+            return Row(slot, slot, start, (5,) * n, tuple(range(1, -(-(start + max(n, 1)) // 4) + 1)), GREEDY)
+        plan = StepPlan(0, tuple(row(i, 0) for i in range(rows - prefills)),
+                        tuple(row(rows - prefills + i, int(n)) for i, n in enumerate(sizes)))
+        shape = engine.shape(plan)
+        assert big.holds(shape), shape
 
 
 def test_logprobs_are_computed_only_in_steps_that_ask_for_them(params):

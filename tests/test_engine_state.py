@@ -89,7 +89,6 @@ def test_the_device_holds_each_slots_length_pages_and_tokens_as_the_host_knows_t
     host's, the tokens sampled on the device included. Every step runs padded to one compiled
     shape (one compile; padding rows and tokens write nowhere that counts)."""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=2, page_size=8, num_pages=12, compile="background"))
-    monkeypatch.setattr(engine_module, "MAX_PADDED_COST", float("inf"))
     monkeypatch.setattr(engine, "_enqueue", lambda shape: None)
     engine._compile(Shape(num_decode=2, prefill_rows=2, prefill_tokens=16, width=4))
     sched = scheduler_for(engine, max_num_batched_tokens=16, max_prefill_rows=2)

@@ -206,7 +206,7 @@ def test_greedy_generation_matches(case):
 # engine's ratio-1 attention is the ragged kernel's (test_ragged_attention.py); every other test here runs it.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [f for f in FAMILIES if f != "llama2"], indirect=True)
-def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case, monkeypatch):
+def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     """Four prompts of 3 to 12 tokens through the scheduler and the paged engine with a budget of
     6 tokens a step: the long prompts are prefilled in chunks over several steps, while the
     others decode (mixed steps). Each continuation equals transformers' greedy ``generate``, and
@@ -227,7 +227,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case, monkeyp
     shapes = [Shape(4, 0, 0, 8, logprobs=True), Shape(4, 2, 16, 8, logprobs=True)]  # 19 tokens: 5 pages
     for ahead in (False, True):
         engine = padded_engine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
-                                                                   max_top_logprobs=3), shapes, monkeypatch)
+                                                                   max_top_logprobs=3), shapes)
         sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=6, max_prefill_rows=2))
         seqs = [Request(i, p, SamplingParams(max_tokens=new, temperature=0.0, logprobs=3, seed=0))
                 for i, p in enumerate(prompts)]

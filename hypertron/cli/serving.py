@@ -10,7 +10,7 @@ import os
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
-from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, IMAGE_DEFAULTS, MAX_PADDED_COST
+from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, IMAGE_DEFAULTS
 from hypertron.loadgen import BenchSettings
 
 
@@ -38,8 +38,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "quantize": dict(help="weight precision: none or int8; a diffusers folder: the denoiser's matmuls, also fp8 "
                           "(as hypertron diffuse --quantize)"),
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
-                         f"padded to a compiled shape at most {MAX_PADDED_COST:g} times as costly (if any); lazy: "
-                         "a step waits for its shape's compile"),
+                         "padded to a compiled shape that holds it (the largest compiles at start); lazy: a step "
+                         "waits for its shape's compile"),
     "dispatch_ahead": dict(help="dispatch each step before the last one's tokens reach the host; auto: on "
                                 f"an accelerator, and for steps of at most {CPU_AHEAD_MAX_TOKENS} tokens on a CPU"),
     "max_queue": dict(metavar="N", help="requests waiting for a slot before new ones get 429"),

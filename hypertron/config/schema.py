@@ -61,8 +61,8 @@ MODEL_INDEX = "model_index.json"
 # num_inference_steps, and prompts whose text-encoder outputs are kept (LRU; 0: none).
 IMAGE_DEFAULTS = {"max_batch": 4, "max_steps": 100, "embedding_cache": 32}
 # background: a new step shape compiles on a background thread while its steps run padded to a compiled
-# shape that costs at most MAX_PADDED_COST times as much (if none, the step waits); lazy: each step shape
-# compiles when first met, and that step waits
+# shape that holds it (if none, the step waits); lazy: each step shape compiles when first met, and that
+# step waits
 CompileMode = Literal["background", "lazy"]
 # on: dispatch step n + 1 before step n's tokens reach the host; off: collect each step first; auto: on
 # where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
@@ -424,8 +424,9 @@ class Config:
 # A server
 
 
-# A step of the serving engine whose shape is not compiled yet runs padded to a compiled shape only if that
-# costs at most this many times its own (hypertron.serve.engine.PagedEngine.cost), else it waits for its own.
+# A step of the serving engine whose shape is not compiled yet runs padded to a compiled shape that holds it;
+# if that costs over this many times its own (hypertron.serve.engine.PagedEngine.cost), its own is compiled in
+# the background at once (else only once it has been met a few times).
 MAX_PADDED_COST = 4.0
 # dispatch_ahead=auto on a CPU: only steps of at most this many tokens run while the next is
 # dispatched. A small step leaves a core to the host; a larger one takes both of a small machine's,

@@ -36,12 +36,14 @@ of the step's longest sequence, so its attention cost follows the real lengths, 
 nothing).
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
-dozens, so a server does not wait for most of them (``compile="background"``): a plan whose own shape
+dozens, so a server does not wait for them (``compile="background"``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
-padding rows and tokens are masked out), if that costs at most ``MAX_PADDED_COST`` (4) times as much
-(:meth:`PagedEngine.cost`); its own shape compiles on a background thread once it has run padded 8
-times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no such
-compiled shape, the step waits for its own.
+padding rows and tokens are masked out); its own shape compiles on a background thread at once if
+that costs over ``MAX_PADDED_COST`` (4) times as much (:meth:`PagedEngine.cost`), else once it has
+run padded 8 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded);
+with no compiled shape that holds it, the step waits for its own. A server compiles
+:meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a width
+or variant not met yet waits.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 Engines of one process share their compiled steps: one whose model, settings and step shape match
 another's uses that one's executable (:data:`SHARED_EXECUTABLES`).
@@ -80,14 +82,18 @@ from hypertron.serve.types import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
-# With background compiles, a plan whose shape is not compiled yet runs padded to a compiled shape
-# only if that costs at most MAX_PADDED_COST (hypertron.config.schema) times its own (PagedEngine.cost),
-# else it waits for its own; its own is compiled in the background only if the padded one costs over
-# CLOSE_ENOUGH_COST times as much (as much padding as a bucket allows): on a CPU a compile takes a core
-# for a second, and the shapes a load meets keep coming, so near enough is left alone.
+# With background compiles, a plan whose shape is not compiled yet runs padded to the cheapest compiled
+# shape that holds it; it waits for its own only when none does. Its own is compiled in the background
+# at once if the padded one costs over MAX_PADDED_COST (hypertron.config.schema) times its own
+# (PagedEngine.cost), and not at all if under CLOSE_ENOUGH_COST times (as much padding as a bucket
+# allows): on a CPU a compile takes a core for a second, and the shapes a load meets keep coming, so
+# near enough is left alone. A step padded even 10x costs less than waiting for a compile (on this
+# project's CPU a 16-row decode step of the HTTP bench's model takes 17 ms, a compile about a second;
+# on an H100 llama-1b's step some ms, its compile 7 s), and a load meets new shapes long after its
+# warm-up (docs/benchmarks.md: the prefix-caching runs of 2026-11-26).
 CLOSE_ENOUGH_COST = 1.25
-# ... and only once it has run padded this many times: a shape a load meets rarely is not worth
-# a core for a second.
+# ... and in between only once it has run padded this many times: a shape a load meets rarely is
+# not worth a core for a second.
 COMPILE_AFTER_PADDED = 8
 # A step's fixed cost, once measured, counts in PagedEngine.cost up to this many tokens' worth (on an
 # accelerator a step of a few hundred tokens may cost about what one of one token does).
@@ -383,18 +389,33 @@ class PagedEngine:
         if holders:
             shape = min(holders, key=self.cost)
             ratio = self.cost(shape) / self.cost(exact)
-            if ratio <= MAX_PADDED_COST:
-                if ratio > CLOSE_ENOUGH_COST:
-                    self._padded[exact] += 1
-                    if self._padded[exact] >= COMPILE_AFTER_PADDED:
-                        self._enqueue(exact)
-                self.compiles["padded"] += 1
-                with self._lock:
-                    return shape, self._compiled[shape]
+            if ratio > CLOSE_ENOUGH_COST:
+                self._padded[exact] += 1
+                if ratio > MAX_PADDED_COST or self._padded[exact] >= COMPILE_AFTER_PADDED:
+                    self._enqueue(exact)
+            self.compiles["padded"] += 1
+            with self._lock:
+                return shape, self._compiled[shape]
         self.compiles["sync"] += 1
-        log.info("compiling %s now (%d compiled, none holds it at <= %.0fx its cost)", exact, len(holders),
-                 MAX_PADDED_COST)
+        log.info("compiling %s now (%d compiled, none holds it)", exact, len(self._compiled))
         return exact, self._compile(exact)
+
+    def largest_shape(self, max_prefill_rows: int, max_num_batched_tokens: int) -> Shape:
+        """The shape that holds every plan of this engine under a scheduler's ``max_prefill_rows``
+        and ``max_num_batched_tokens`` (without the log-probability variants): compiled at a
+        server's start (:meth:`precompile`), no later plan waits for a compile, only for a width
+        or variant it has not met."""
+        return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(max_prefill_rows),
+                     prefill_tokens=max(bucket(max_num_batched_tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS),
+                     width=self.pages_per_seq)
+
+    def precompile(self, shape: Shape) -> None:
+        """Compile ``shape``: on the background thread with ``compile="background"``, else now."""
+        if self.background_compile:
+            self._enqueue(shape)
+        elif shape not in self.compiled_shapes:
+            self._compile(shape)
+            self.compiles["sync"] += 1
 
     def _compile(self, shape: Shape):
         key = (*self._key, shape)
