@@ -158,6 +158,21 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     assert [s.generated for s in got] == [s.generated for s in want]
 
 
+def test_a_step_cost_timed_on_a_busy_cpu_is_not_taken_for_free_tokens(params, monkeypatch):
+    """A prefill of 24 tokens timed no slower than a 1-row decode (every timing equal, as on a CPU
+    another process keeps busy): per_token is NaN, the fixed cost counts nothing, so padding a
+    plan to a much larger shape still looks as dear as it is (the same shapes as the test above:
+    this process has them compiled)."""
+    import types
+
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
+    clock = iter(range(10**6))
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock) * 0.01))
+    cost = engine.measure_step_cost(24)
+    assert np.isnan(cost.per_token) and cost.overhead_tokens == float("inf") and engine.step_overhead_flops == 0.0
+    assert engine.cost(Shape(4, 2, 24, 8)) > engine_module.MAX_PADDED_COST * engine.cost(Shape(1, 0, 0, 1))
+
+
 @pytest.mark.parametrize("overhead_tokens, queued", [(0, True), (40, False)])
 def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhead_tokens, queued):
     """A 1-row decode runs padded to the compiled 2-row one. By FLOPs alone that costs twice as

@@ -510,9 +510,14 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     if serve.prefill_groups == "auto":
         cost = engine.measure_step_cost(serve.max_num_batched_tokens)
         overhead = cost.overhead_tokens if math.isfinite(cost.overhead_tokens) else None
-        print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
-              f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
-              "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
+        if math.isnan(cost.per_token):
+            print(f"hypertron serve: a step's cost could not be measured here (one of {serve.max_num_batched_tokens} "
+                  "tokens was timed no dearer than one of 1: the CPU is busy); new prompts share a step as the "
+                  "budget allows, and a step's fixed cost is not counted", file=sys.stderr)
+        else:
+            print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
+                  f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
+                  "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
     if serve.compile == "background":  # then no step waits for a compile, but one of a width or variant not met yet
         engine.precompile(engine.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens))
     orchestrator = Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
