@@ -134,8 +134,9 @@ def test_flops_hand_count():
 
 
 def test_blocked_attention_is_dot_product_attention():
-    """Several query and key blocks with padding on both (37 queries in 3 blocks, 300 keys in 5):
-    jax.nn.dot_product_attention's result within float32 rounding; blocks larger than the
+    """Several query and key blocks with padding on both (37 queries in 3 blocks, 300 keys in 5),
+    and keys that fill their blocks: jax.nn.dot_product_attention's result within float32
+    rounding; blocks larger than the
     lengths; bf16 in, bf16 out."""
     from hypertron.models import attention
 
@@ -145,6 +146,8 @@ def test_blocked_attention_is_dot_product_attention():
     k, v = (jnp.asarray(rng.standard_normal((2, 300, 3, 8)), jnp.float32) for _ in "kv")
     got = blocked_attention(q, k, v, block_q=16, block_k=64)
     np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, k, v), atol=2e-6)
+    whole = blocked_attention(q, k[:, :256], v[:, :256], block_q=16, block_k=64)  # 4 key blocks, none padded: no mask
+    np.testing.assert_allclose(whole, jax.nn.dot_product_attention(q, k[:, :256], v[:, :256]), atol=2e-6)
     short = blocked_attention(q[:, :5].astype(jnp.bfloat16), k[:, :3], v[:, :3])
     assert short.dtype == jnp.bfloat16
     np.testing.assert_allclose(short.astype(jnp.float32), jax.nn.dot_product_attention(q[:, :5], k[:, :3], v[:, :3]),

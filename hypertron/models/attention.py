@@ -91,12 +91,16 @@ def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
     return "cudnn" if _cudnn_here(cfg.head_dim, dtype, seq_len) else "xla"
 
 
-# blocked_attention's blocks where full_attention takes it (CPU): 128 queries mapped, 512 keys a
+# blocked_attention's blocks where full_attention takes it (CPU): 256 queries mapped, 512 keys a
 # scan step. Measured 2026-11-26 on this project's 2-core CPU VM (JAX 0.10.2, float32, one
 # thread, median of 3) against jax.nn.dot_product_attention: [2, 4096, 8, 8] 0.33 s against
 # 2.88 s (torch's SDPA: 0.61 s), [2, 1024, 8, 8] 22 ms against 185 ms, [2, 4096, 8, 64] 1.65 s
-# against 3.90 s, [2, 1024, 8, 40] 0.10 s against 0.32 s; 256 x 1024 and 512 x 512 blocks slower.
-BLOCK_Q, BLOCK_K = 128, 512
+# against 3.90 s, [2, 1024, 8, 40] 0.10 s against 0.32 s, with blocks of 128 x 512. Then, the VM
+# alone (medians of 3-5): 256 x 512 against 128 x 512, [2, 4096, 8, 8] 158 against 228 ms,
+# [2, 1024, 8, 16] 15.6 against 21.4, [2, 4096, 8, 64] 617 against 967, [2, 1024, 8, 40] 29 against
+# 55, [1, 528, 2, 16] 1.0 against 1.5; 64 x 256, 128 x 256, 256 x 256, 32 x 512, 512 x 256,
+# 512 x 512, 256 x 1024 and 1024 x 256 were slower than 256 x 512.
+BLOCK_Q, BLOCK_K = 256, 512
 # full_attention blocks on the CPU from this many scores (queries x keys) a head: [2, 256, 4, 16]
 # took 1.6 ms blocked against 13.5 ms, [2, 64, 2, 16] 0.4 ms against 0.2 ms.
 BLOCKED_MIN_SCORES = 256 * 256
@@ -127,12 +131,15 @@ def blocked_attention(q_bsnh: jax.Array, k_btnh: jax.Array, v_btnh: jax.Array, *
     k_kbnhj = k.reshape(b, nk, bk, n, h).transpose(1, 0, 3, 4, 2)
     v_kbnjh = v.reshape(b, nk, bk, n, h).transpose(1, 0, 3, 2, 4)
     valid_kj = (jnp.arange(nk)[:, None] * bk + jnp.arange(bk)[None, :]) < t
+    padded_keys = nk * bk != t
 
     def query_block(q_bnmh):
         def key_block(carry, kv):
             m_bnm, l_bnm, acc_bnmh = carry
             k_bnhj, v_bnjh, valid_j = kv
-            s_bnmj = jnp.where(valid_j, jnp.einsum("bnmh,bnhj->bnmj", q_bnmh, k_bnhj), -jnp.inf)
+            s_bnmj = jnp.einsum("bnmh,bnhj->bnmj", q_bnmh, k_bnhj)
+            if padded_keys:  # static: a pass over the scores only where a key block holds padding
+                s_bnmj = jnp.where(valid_j, s_bnmj, -jnp.inf)
             m_new = jnp.maximum(m_bnm, s_bnmj.max(-1))
             alpha, p_bnmj = jnp.exp(m_bnm - m_new), jnp.exp(s_bnmj - m_new[..., None])
             acc_bnmh = alpha[..., None] * acc_bnmh + jnp.einsum("bnmj,bnjh->bnmh", p_bnmj, v_bnjh)
