@@ -1,7 +1,8 @@
 """Prefix caching over HTTP: ``bench/serve_http.py --workload shared-prefix distinct --prefix-caching on off``.
 
 One model and one build (``bench/serve_http.py``'s), and one ``hypertron serve`` per setting
-(``--enable-prefix-caching`` / ``--no-enable-prefix-caching``), both started at once and loaded in
+(``--enable-prefix-caching`` / ``--no-enable-prefix-caching``), started one after another (each
+once the one before is ready: a server's start measures or compiles) and loaded in
 turn (on, off, on, off, ...), so that the machine's drift falls on both alike. Workloads:
 
 - ``shared-prefix``: every prompt is one shared text of ``--prefix-len`` tokens (1,024) followed by
@@ -151,8 +152,10 @@ def line(key: str, result: dict, system: str) -> str:
 
 
 def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) -> tuple[dict, dict[str, str]]:
-    """One server per system and ``--prefix-caching`` setting (``"SYSTEM SETTING"``), all started
-    in ``stack`` with the same slots, pool and tokens per step; their command lines."""
+    """One server per system and ``--prefix-caching`` setting (``"SYSTEM SETTING"``), started in
+    ``stack`` with the same slots, pool and tokens per step, each once the one before is ready
+    (hypertron measures a step's cost at its start: not while another server compiles beside
+    it); their command lines."""
     max_c = max(args.concurrency)
     longest = max(args.prefix_len + args.suffix_len, args.input_len) + 1 + args.max_tokens + 16
     pages, budget = max_c * -(-longest // 16), max(args.max_num_batched_tokens, max_c)
@@ -169,6 +172,7 @@ def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) 
             commands[key] = " ".join([os.path.basename(argv[0]), *argv[1:]]).replace(setup.work, "$WORK")
             log = os.path.join(setup.work, f"prefix-{system}-{setting}.log")
             servers[key] = stack.enter_context(Server(key.replace(" ", "-"), argv, port, log, env))
+            print(f"{key}: ready in {servers[key].wait_ready(args.ready_timeout):.1f} s", file=sys.stderr)
     return servers, commands
 
 
@@ -185,8 +189,6 @@ def run_workloads(args, prepare) -> int:
     results = {}
     with contextlib.ExitStack() as stack:
         servers, commands = start_servers(stack, setup, args, systems)
-        for key, srv in servers.items():
-            print(f"{key}: ready in {srv.wait_ready(args.ready_timeout):.1f} s", file=sys.stderr)
         logs = {k: stack.enter_context(open(os.path.join(setup.work, f"prefix-{k.replace(' ', '-')}-bench.log"), "w"))
                 for k in servers}
         targets = {k: (srv.base_url, logs[k]) for k, srv in servers.items()}
