@@ -512,8 +512,9 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
         overhead = cost.overhead_tokens if math.isfinite(cost.overhead_tokens) else None
         if math.isnan(cost.per_token):
             print(f"hypertron serve: a step's cost could not be measured here (one of {serve.max_num_batched_tokens} "
-                  "tokens was timed no dearer than one of 1: the CPU is busy); new prompts share a step as the "
-                  "budget allows, and a step's fixed cost is not counted", file=sys.stderr)
+                  "tokens was timed within 5% of one of 1: a busy CPU, or a fixed cost that dwarfs the tokens'); "
+                  "new prompts share a step as the budget allows, and a step's fixed cost is not counted",
+                  file=sys.stderr)
         else:
             print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
                   f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
