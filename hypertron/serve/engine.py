@@ -42,8 +42,8 @@ padding rows and tokens are masked out); its own shape compiles on a background 
 that costs over ``MAX_PADDED_COST`` (4) times as much (:meth:`PagedEngine.cost`), else once it has
 run padded 8 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded);
 with no compiled shape that holds it, the step waits for its own. A server compiles
-:meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a width
-or variant not met yet waits.
+:meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a
+log-probability variant not met yet waits.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 Engines of one process share their compiled steps: one whose model, settings and step shape match
 another's uses that one's executable (:data:`SHARED_EXECUTABLES`).
@@ -104,6 +104,11 @@ MIN_PREFILL_TOKENS = 16
 # quarters): prefill is where a step's compute goes, and a 129-token prompt padded to 160 costs a
 # fifth more for nothing. The extra sizes compile in the background.
 PREFILL_BUCKET_PARTS = 8
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The prefill tokens a step of ``tokens`` prompt tokens is compiled for."""
+    return max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
 # Table entries and history tokens written before a step (write_deltas): at least this many, padded to a
 # power of two, so that few sizes compile.
 MIN_PAGE_WRITES = 16
@@ -315,8 +320,7 @@ class PagedEngine:
         dec, pre = plan.decodes, plan.prefills
         return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
-                     prefill_tokens=max(bucket(sum(len(r.tokens) for r in pre), PREFILL_BUCKET_PARTS),
-                                        MIN_PREFILL_TOKENS) if pre else 0,
+                     prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
                      width=min(next_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
                      logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
 
@@ -355,7 +359,7 @@ class PagedEngine:
         the decode says the machine was busy (or a fixed cost dwarfs the tokens'), not that tokens
         are free (counted so, every step would run padded to the largest compiled shape for good):
         ``per_token`` is then NaN and no fixed part is counted."""
-        tokens = max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
+        tokens = prefill_bucket(tokens)
         width = min(next_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
         shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
                   Shape(num_decode=0, prefill_rows=1, prefill_tokens=tokens, width=width))
@@ -386,8 +390,8 @@ class PagedEngine:
 
     def _executable(self, exact: Shape) -> tuple[Shape, object]:
         """The compiled step a plan of shape ``exact`` runs as: its own; with
-        ``compile="background"``, else the cheapest compiled one that holds it and costs at most
-        :data:`MAX_PADDED_COST` times as much (its own is queued); else its own, compiled now."""
+        ``compile="background"``, else the cheapest compiled one that holds it (its own queued as
+        the module docstring says); else its own, compiled now."""
         with self._lock:
             fn = self._compiled.get(exact)
             holders = [s for s in self._compiled if s.holds(exact)] if fn is None and self.background_compile else []
@@ -410,10 +414,10 @@ class PagedEngine:
     def largest_shape(self, max_prefill_rows: int, max_num_batched_tokens: int) -> Shape:
         """The shape that holds every plan of this engine under a scheduler's ``max_prefill_rows``
         and ``max_num_batched_tokens`` (without the log-probability variants): compiled at a
-        server's start (:meth:`precompile`), no later plan waits for a compile, only for a width
-        or variant it has not met."""
+        server's start (:meth:`precompile`), no later plan waits for a compile but one of a
+        variant not met yet."""
         return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(max_prefill_rows),
-                     prefill_tokens=max(bucket(max_num_batched_tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS),
+                     prefill_tokens=prefill_bucket(max_num_batched_tokens),
                      width=self.pages_per_seq)
 
     def precompile(self, shape: Shape) -> None:

@@ -519,7 +519,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
             print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
                   f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
                   "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
-    if serve.compile == "background":  # then no step waits for a compile, but one of a width or variant not met yet
+    if serve.compile == "background":  # then no step waits for a compile but one of a variant not met yet
         engine.precompile(engine.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens))
     orchestrator = Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
