@@ -75,5 +75,15 @@ def write_tokens(cache: dict, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt
     pages_bt = jnp.where(valid_bt, pages_bt, NULL_PAGE).reshape(-1)
     rows_bt = (positions_bt % page_size).reshape(-1)
     flat = lambda x: x.reshape(b * t, *x.shape[2:])
-    cache = _store(cache, "k", flat(k_btkh), pages_bt, rows_bt)
-    return _store(cache, "v", flat(v_btkh), pages_bt, rows_bt)
+    k, v = flat(k_btkh), flat(v_btkh)
+    if b * t == 1:
+        # A second write, to the null page: XLA turns a scatter of one token into a
+        # dynamic-update-slice, fuses that into the attention's gather of the pages (reading the
+        # old pool) and, the old pool and the new then being live at once, copies the whole pool
+        # in every layer: 98 ms a one-row decode step at 4,737 pages of the HTTP bench's model on
+        # CPU, against 2.1 ms for two rows. Two tokens stay a scatter, in place.
+        pages_bt = jnp.concatenate([pages_bt, jnp.full((1,), NULL_PAGE, pages_bt.dtype)])
+        rows_bt = jnp.concatenate([rows_bt, jnp.zeros((1,), rows_bt.dtype)])
+        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
+    cache = _store(cache, "k", k, pages_bt, rows_bt)
+    return _store(cache, "v", v, pages_bt, rows_bt)

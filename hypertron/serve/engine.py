@@ -356,8 +356,7 @@ class PagedEngine:
         of 5 gave fixed costs of 1.6 to 12.6 ms over server starts on this project's CPU. Call it
         before serving: the steps take the cache. From then on :meth:`cost` counts the fixed part
         (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth). On a CPU a prefill timed within 5 % of
-        the decode says the machine was busy (or a fixed cost dwarfs the tokens'), not that tokens
-        are free (counted so, every step would run padded to the largest compiled shape for good):
+        the decode says the machine was busy, not that tokens are free (counted so, every step would run padded to the largest compiled shape for good):
         ``per_token`` is then NaN and no fixed part is counted."""
         tokens = prefill_bucket(tokens)
         width = min(next_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
@@ -384,7 +383,7 @@ class PagedEngine:
         if self.accelerator or times[1] > 1.05 * times[0]:  # on a CPU a prefill costs a decode many times over
             self.step_overhead_flops = min(cost.overhead_tokens, MAX_OVERHEAD_TOKENS) * dense_flops_per_token(self.cfg)
         else:  # on a CPU compute grows with the tokens: a step of many no dearer than one was timed on a busy
-            # machine, or a fixed cost dwarfs them (2026-11-26: every server of 64 slots and 4,737 pages said so)
+            # machine (or, before write_tokens kept a one-token write a scatter, on a large pool: 2026-11-26)
             cost = StepCost(cost.fixed, math.nan)
         return cost
 

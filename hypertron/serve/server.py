@@ -512,7 +512,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
         overhead = cost.overhead_tokens if math.isfinite(cost.overhead_tokens) else None
         if math.isnan(cost.per_token):
             print(f"hypertron serve: a step's cost could not be measured here (one of {serve.max_num_batched_tokens} "
-                  "tokens was timed within 5% of one of 1: a busy CPU, or a fixed cost that dwarfs the tokens'); "
+                  "tokens was timed within 5% of one of 1: a busy CPU?); "
                   "new prompts share a step as the budget allows, and a step's fixed cost is not counted",
                   file=sys.stderr)
         else:
