@@ -33,6 +33,7 @@ import yaml
 
 from hypertron.config.presets import DLRM_PRESETS, PRESETS
 from hypertron.config.schema import (
+    FINE_TUNING_DATA_KEYS,
     RENAMED_KEYS,
     Config,
     DlrmConfig,
@@ -318,9 +319,13 @@ def to_dict(cfg: Any) -> Any:
 def dump_yaml(cfg: Any) -> str:
     """``cfg`` (any config dataclass) as YAML that the matching loader reads back to an equal config.
     A run's config leaves out the section its task does not read: ``task`` and ``dlrm`` for a
-    language model (as before there were tasks), ``model`` for a recommender."""
+    language model (as before there were tasks), ``model`` for a recommender; and the data keys of
+    fine-tuning (:data:`FINE_TUNING_DATA_KEYS`) but for ``task: sft``."""
     tree = to_dict(cfg)
     if isinstance(cfg, Config):
-        for key in (("task", "dlrm") if cfg.task == "lm" else ("model",)):
+        for key in {"lm": ("task", "dlrm"), "sft": ("dlrm",)}.get(cfg.task, ("model",)):
             tree.pop(key)
+        if cfg.task != "sft":  # the fine-tuning keys, as their defaults (validate refuses others)
+            for key in FINE_TUNING_DATA_KEYS:
+                tree["data"].pop(key)
     return yaml.safe_dump(tree, sort_keys=False)

@@ -72,7 +72,16 @@ DispatchAhead = Literal["auto", "on", "off"]
 # that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
 # CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
 PrefillGroups = Literal["auto", "max"]
-Task = Literal["lm", "dlrm"]  # what a run trains: a language model (model, data) or a DLRM recommender (dlrm)
+# what a run trains: a language model (model, data), a language model fine-tuned on examples (model, data:
+# data.format messages or prompt_completion, each example whole in a row) or a DLRM recommender (dlrm)
+Task = Literal["lm", "sft", "dlrm"]
+# how a record reads: one text (pre-training), a conversation of {role, content} messages, or a prompt and
+# its completion (strings or message lists), as TRL's dataset formats
+DataFormat = Literal["text", "messages", "prompt_completion"]
+# which tokens carry loss in fine-tuning: auto (assistant for messages, completion for prompt_completion),
+# the assistant's turns, the completion, or every token
+LossOn = Literal["auto", "assistant", "completion", "all"]
+Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a row: keep its start, or refuse it
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
 TablePlacement = Literal["auto", "row", "column", "table"]  # auto: hypertron.embed.plan decides per table
@@ -276,6 +285,19 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     eval_fraction: float = 0.0  # documents held out of training for train.eval_every (0 = none)
+    # Fine-tuning (task: sft; docs/finetuning.md): how each record reads, and its fields
+    format: DataFormat = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    loss_on: LossOn = "auto"
+    chat_template: str = ""  # a Jinja file; "" = the tokenizer's (its tokenizer_config.json)
+    overlong: Overlong = "truncate"
+
+
+# DataConfig's keys that only task: sft reads (a run of another task leaves them at their defaults)
+FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "loss_on", "chat_template",
+                         "overlong")
 
 
 @dataclass(frozen=True, kw_only=True)

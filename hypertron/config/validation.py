@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hypertron.config.schema import (
+    FINE_TUNING_DATA_KEYS,
     MODEL_INDEX,
     Config,
+    DataConfig,
     DlrmConfig,
     MeshConfig,
     ModelConfig,
@@ -113,6 +115,25 @@ def validate_dlrm(d: DlrmConfig) -> None:
                               f"{d.dense_features} and {len(d.table_rows)}")
 
 
+def _check_format(cfg: Config) -> None:
+    """``data.format`` and ``data.loss_on`` fit the task: records of text for ``lm``, examples
+    (messages, prompt_completion) for ``sft``, read from jsonl so far."""
+    d = cfg.data
+    if cfg.task == "sft":
+        if d.format == "text":
+            raise ConfigError("task=sft needs examples: set data.format=messages or data.format=prompt_completion")
+        if d.source != "jsonl":
+            raise ConfigError(f"data.source={d.source}: task=sft reads jsonl files so far")
+        allowed = {"messages": ("auto", "assistant", "all"), "prompt_completion": ("auto", "completion", "all")}[d.format]
+        if d.loss_on not in allowed:
+            raise ConfigError(f"data.loss_on={d.loss_on}: data.format={d.format} takes {', '.join(allowed)}")
+    else:
+        default = DataConfig()
+        for key in FINE_TUNING_DATA_KEYS:
+            if getattr(d, key) != getattr(default, key):
+                raise ConfigError(f"data.{key}={getattr(d, key)} is for fine-tuning: set task=sft")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no devices (those are in ``hypertron.train.checks``)."""
     for f in dataclasses.fields(cfg):  # the model's choices are validate_model's
@@ -147,6 +168,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.eval_every={t.eval_every} needs a held-out split: set data.eval_fraction (e.g. 0.01)"
         )
+    _check_format(cfg)
     if t.global_batch % t.grad_accum:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"

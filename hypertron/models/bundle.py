@@ -71,6 +71,21 @@ def copy_tokenizer(tokenizer: str, target: str | Path, names: tuple[str, str] | 
     return True
 
 
+def set_chat_template(path: str | Path, template: str) -> None:
+    """Make ``template`` the chat template of the bundle at ``path`` (its tokenizer's
+    ``tokenizer_config.json``, written or updated): what ``hypertron serve`` renders with. The
+    bundle must hold a tokenizer file (the byte tokenizer has no folder to carry it)."""
+    _, tok = read_config(path)
+    if tok == "byte":
+        raise BundleError(f"{path}: a bundle with the byte tokenizer cannot carry a chat template")
+    config_path = Path(tok) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config["chat_template"] = template
+    tmp = config_path.with_name(config_path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, config_path)
+
+
 def save_model(path: str | Path, cfg: ModelConfig, params: Any, tokenizer: str = "byte") -> None:
     """Write the bundle of ``cfg`` and ``params`` (host or device arrays, any float dtype) with the
     ``tokenizer`` it reads text with. The folder is written beside ``path`` and moved into place

@@ -7,6 +7,7 @@ stream and the settings that decide it (checked on resume), the sharded train st
 evaluation, the throughput's unit and FLOPs, and what is written at the end.
 
 - :class:`LanguageModel` (``task: lm``): decoder LLMs on token streams (:mod:`hypertron.train.step`).
+- :class:`FineTune` (``task: sft``): the same model, step and loss on fine-tuning examples packed whole.
 - :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables.
 
 The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
@@ -16,6 +17,8 @@ restores it whatever the task.
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -24,14 +27,16 @@ from jax.sharding import Mesh
 
 from hypertron.checkpoint import CheckpointError, latest_step, load_params, read_run_config
 from hypertron.config import Config
-from hypertron.data import check_source, make_batches
+from hypertron.data import DataError, check_source, make_batches
+from hypertron.errors import one_line
 from hypertron.models import resolve_dtype
-from hypertron.models.bundle import is_bundle, read_bundle, save_model
+from hypertron.models.bundle import is_bundle, read_bundle, save_model, set_chat_template
 from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.models.flops import device_peak_flops, train_flops_per_token
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.checks import validate_for_devices
 from hypertron.train.metrics import Throughput
+from hypertron.tokenizer import get_tokenizer
 from hypertron.train.step import global_batch, make_trainer
 
 
@@ -165,6 +170,83 @@ class LanguageModel:
         write_bundle(cfg, state["params"], console)
 
 
+class FineTune(LanguageModel):
+    """``task: sft``: a language model fine-tuned on examples (``data.format`` messages or
+    prompt_completion, :mod:`hypertron.data.finetune`), each example whole in a row with loss on
+    the tokens ``data.loss_on`` names. The mesh, train state, step and loss are
+    :class:`LanguageModel`'s: only the rows differ. The examples are read and tokenised once, in
+    :meth:`check_inputs` (a bad record is refused before compiling), and the final bundle
+    carries the chat template they were rendered with, so ``hypertron serve`` renders what the
+    model learned."""
+
+    def __init__(self):
+        self._read: tuple[tuple, Any] | None = None  # (what decides the examples, the examples)
+
+    def check_inputs(self, cfg: Config) -> None:
+        examples = self._examples(cfg)
+        if examples.truncated:
+            print(f"hypertron train: {examples.truncated} of {len(examples.examples)} examples are longer than "
+                  f"train.seq_len={cfg.train.seq_len} + 1 tokens: each keeps its start (data.overlong=error "
+                  "refuses them)", file=sys.stderr)
+
+    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
+        from hypertron.data.finetune import make_sft_batches
+
+        d, t = cfg.data, cfg.train
+        tokenizer = get_tokenizer(d.tokenizer)
+        return make_sft_batches(
+            self._examples(cfg), seq_len=t.seq_len, batch_size=t.global_batch // jax.process_count(), seed=d.seed,
+            shuffle=d.shuffle, process_index=jax.process_index(), process_count=jax.process_count(),
+            pad_id=tokenizer.eos_id or 0, split=split, eval_fraction=d.eval_fraction)
+
+    def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
+        d = cfg.data
+        template = chat_template_of(cfg)
+        return {**super().data_fingerprint(cfg), "format": d.format, "loss_on": d.loss_on, "overlong": d.overlong,
+                "fields": [d.messages_field, d.prompt_field, d.completion_field],
+                "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
+
+    def finish(self, cfg: Config, state: dict, console) -> None:
+        write_bundle(cfg, state["params"], console)
+        template = chat_template_of(cfg)
+        if cfg.data.chat_template and template is not None and jax.process_index() == 0:
+            set_chat_template(Path(cfg.run_dir) / "model", template)
+
+    def _examples(self, cfg: Config):
+        from hypertron.data.finetune import read_examples
+
+        d = cfg.data
+        key = (d.source, tuple(d.paths), d.format, d.messages_field, d.prompt_field, d.completion_field, d.loss_on,
+               d.chat_template, d.tokenizer, d.overlong, cfg.train.seq_len)
+        if self._read is None or self._read[0] != key:
+            tokenizer = get_tokenizer(d.tokenizer)
+            template = chat_template_of(cfg)
+            if d.format == "messages":
+                if template is None:
+                    raise DataError(f"data.format=messages needs a chat template: data.tokenizer={d.tokenizer} has "
+                                    "none (no chat_template in a tokenizer_config.json beside it); set "
+                                    "data.chat_template=FILE")
+                if d.tokenizer == "byte":
+                    raise DataError("data.format=messages with data.tokenizer=byte: the model bundle could not carry "
+                                    "the chat template; use a tokenizer file (a tokenizer.json)")
+            fields = {"messages": d.messages_field, "prompt": d.prompt_field, "completion": d.completion_field}
+            self._read = key, read_examples(source=d.source, paths=d.paths, fmt=d.format, fields=fields,
+                                            tokenizer=tokenizer, loss_on=d.loss_on, template=template,
+                                            seq_len=cfg.train.seq_len, overlong=d.overlong)
+        return self._read[1]
+
+
+def chat_template_of(cfg: Config) -> str | None:
+    """The chat template fine-tuning renders with: ``data.chat_template`` (a file), else the
+    tokenizer's; None if neither has one."""
+    if cfg.data.chat_template:
+        try:
+            return Path(cfg.data.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"data.chat_template={cfg.data.chat_template}: cannot read it ({one_line(e)})") from None
+    return get_tokenizer(cfg.data.tokenizer).chat_template
+
+
 def write_bundle(cfg: Config, params, console) -> None:
     """The model bundle of the final parameters in ``RUN/model`` (:mod:`hypertron.models.bundle`):
     what ``serve`` and ``generate`` read without the run. Every process takes part in gathering the
@@ -186,4 +268,4 @@ def task_for(cfg: Config) -> Task:
         from hypertron.train.dlrm import Recommender
 
         return Recommender()
-    return LanguageModel()
+    return FineTune() if cfg.task == "sft" else LanguageModel()

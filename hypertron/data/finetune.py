@@ -1,0 +1,144 @@
+"""Fine-tuning batches (``task: sft``): records -> examples -> rows packed whole -> batches.
+
+A record is one line of a jsonl file, read as TRL reads its dataset formats (``data.format``):
+
+- ``messages``: a conversation, ``{"messages": [{"role", "content"}, ...]}``, rendered with the
+  chat template (:func:`hypertron.data.chat.chat_example`);
+- ``prompt_completion``: ``{"prompt", "completion"}``, two strings or two message lists
+  (:func:`hypertron.data.chat.prompt_completion_example`).
+
+The field names are settings (``data.messages_field``, ``data.prompt_field``,
+``data.completion_field``). Every record is read and tokenised before training starts, so a bad
+record is refused with its file and line before anything compiles, and the examples of each
+process's share are packed into rows by best-fit decreasing (:mod:`hypertron.data.packing`): an
+example is never split, and one longer than a row keeps its start (``data.overlong=truncate``,
+counted) or is refused (``error``).
+
+The rows of an epoch are a fixed list; the stream is that list repeated, each epoch in its own
+order (``data.shuffle``, seeded by ``data.seed``), batched. It is a Grain ``MapDataset`` underneath,
+so the iterator's state is the index of its next batch and a checkpoint resumes it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from hypertron.data.chat import chat_example, prompt_completion_example
+from hypertron.data.packing import pack_rows
+from hypertron.data.pipeline import _check_sizes, _JsonStateIterator, _ShuffledEpochs, held_out
+from hypertron.data.sources import _corpus_files
+from hypertron.errors import DataError
+from hypertron.tokenizer import Tokenizer
+
+DEFAULT_LOSS_ON = {"messages": "assistant", "prompt_completion": "completion"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """A fine-tuning set, read and tokenised: ``examples[i]`` is ``(ids, loss_mask)`` of the
+    ``i``-th record in file order; ``truncated`` counts those longer than a row."""
+
+    examples: list[tuple[list[int], list[int]]]
+    truncated: int
+
+
+def read_examples(*, source: str, paths: Sequence[str], fmt: str, fields: dict[str, str], tokenizer: Tokenizer,
+                  loss_on: str, template: str | None, seq_len: int, overlong: str) -> Examples:
+    """Every record of the jsonl files ``paths`` as an example (see the module docstring). A
+    :class:`DataError` naming the file and line for a record that is not a JSON object, lacks a
+    field or has one of the wrong type, a message without ``role``, what the chat template
+    refuses (its ``raise_exception`` text), and with ``overlong="error"`` an example longer than
+    ``seq_len + 1`` tokens."""
+    if source != "jsonl":
+        raise DataError(f"data.source={source}: fine-tuning reads jsonl files so far")
+    if loss_on == "auto":
+        loss_on = DEFAULT_LOSS_ON[fmt]
+    examples, truncated = [], 0
+    for path, line_number, record in _jsonl_records(_corpus_files(source, paths)):
+        where = f"line {line_number} of {os.path.basename(path)}"
+        try:
+            ids, mask = _example(record, fmt, fields, tokenizer, loss_on, template)
+        except DataError as e:
+            raise DataError(f"data.paths: {where}: {e}") from None
+        if len(ids) - 1 > seq_len:
+            if overlong == "error":
+                raise DataError(f"data.overlong=error: the example at {where} has {len(ids)} tokens, more than "
+                                f"train.seq_len={seq_len} + 1")
+            truncated += 1
+        examples.append((ids, mask))
+    if not examples:
+        raise DataError(f"data: no examples in {', '.join(paths)}")
+    return Examples(examples, truncated)
+
+
+def make_sft_batches(examples: Examples, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
+                     process_index: int = 0, process_count: int = 1, pad_id: int = 0, split: str = "train",
+                     eval_fraction: float = 0.0) -> Iterator[dict[str, np.ndarray]]:
+    """An endless, deterministic stream of this process's batches of packed examples, each field
+    [batch_size, seq_len] (as :func:`hypertron.data.pipeline.make_batches` gives, ``loss_weights``
+    from the examples' masks). Examples are split (``eval_fraction``: :func:`held_out` over the
+    examples) and sharded by process before packing."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, process_index=process_index,
+                 process_count=process_count, seed=seed)
+    chosen = np.arange(len(examples.examples))
+    if eval_fraction:
+        mask = held_out(len(chosen), eval_fraction)
+        chosen = np.flatnonzero(mask if split == "eval" else ~mask)
+    elif split == "eval":
+        raise DataError("data.eval_fraction=0 holds out no examples for evaluation")
+    shard = [examples.examples[int(i)] for i in chosen[process_index::process_count]]
+    if not shard:
+        raise DataError(f"data: {len(chosen)} {split} examples are too few for {process_count} processes")
+    packed, _ = pack_rows(shard, seq_len, pad_id)
+    rows = grain.MapDataset.source(_Rows(packed))
+    epochs = _ShuffledEpochs(rows, seed=seed) if shuffle else rows.repeat()
+    return _JsonStateIterator(iter(epochs.batch(batch_size, drop_remainder=True).to_iter_dataset()))
+
+
+class _Rows(Sequence):
+    """Row ``i`` of packed fields ``[rows, seq_len]`` as a dict of arrays [seq_len]."""
+
+    def __init__(self, packed: dict[str, np.ndarray]):
+        self._packed = packed
+
+    def __len__(self) -> int:
+        return len(next(iter(self._packed.values())))
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return {k: v[index] for k, v in self._packed.items()}
+
+
+def _jsonl_records(files: Sequence[str]) -> Iterator[tuple[str, int, Any]]:
+    """``(path, line number, parsed record)`` of each non-blank line."""
+    for path in files:
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise DataError(f"data.paths: line {line_number} of {os.path.basename(path)} is not valid JSON") \
+                        from None
+                yield path, line_number, record
+
+
+def _example(record: Any, fmt: str, fields: dict[str, str], tokenizer: Tokenizer, loss_on: str,
+             template: str | None) -> tuple[list[int], list[int]]:
+    names = ("messages",) if fmt == "messages" else ("prompt", "completion")
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object with {', '.join(fields[n] for n in names)}")
+    for name in names:
+        if fields[name] not in record:
+            raise DataError(f"no {fields[name]!r} (data.{name}_field)")
+    if fmt == "messages":
+        return chat_example(tokenizer, record[fields["messages"]], loss_on=loss_on, template=template)
+    return prompt_completion_example(tokenizer, record[fields["prompt"]], record[fields["completion"]],
+                                     loss_on=loss_on, template=template)

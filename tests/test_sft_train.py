@@ -1,0 +1,135 @@
+"""``task: sft`` end to end: a tiny model fine-tuned on conversations learns their replies, the
+bundle carries the chat template, and ``hypertron serve`` on it answers a conversation with the reply
+it learned; bad fine-tuning input is refused in one line before anything compiles.
+
+One tokenizer (the byte-level BPE of tests/support/chat.py, ChatML in its tokenizer_config.json) and
+one 40-step run shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.chat import CHATML_GENERATION, chat_tokenizers  # tests/support
+from support.tiny import TWO_LAYERS
+
+from hypertron.config import ConfigError, load_config
+from hypertron.errors import DataError
+from hypertron.train.loop import train
+
+pytest.importorskip("transformers")
+
+CHATS = [
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "I am fine, thank you."}],
+    [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "The quick brown fox."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What about you?"},
+     {"role": "assistant", "content": "A café in Zürich."}],
+]
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _overrides(tok: Path, data: Path, run: Path, *more: str) -> list[str]:
+    return [*TWO_LAYERS, "model.vocab_size=400", "train.seq_len=48", "train.log_every=1",
+            "task=sft", "data.source=jsonl", f"data.paths={data}", "data.format=messages", f"data.tokenizer={tok}",
+            f"run_dir={run}", *more]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """The 40-step run (its template from a file: CHATML_GENERATION) and what it needs."""
+    root = tmp_path_factory.mktemp("sft")
+    (root / "tok").mkdir()
+    chat_tokenizers(root / "tok")
+    data = _jsonl(root / "chats.jsonl", [{"messages": m} for m in CHATS])
+    template = root / "template.jinja"
+    template.write_text(CHATML_GENERATION)
+    run = root / "run"
+    result = train(load_config(None, _overrides(root / "tok", data, run, "train.steps=40", "train.lr=1e-2",
+                                                "train.warmup_steps=4", f"data.chat_template={template}",
+                                                "checkpoint.every=40")))
+    return root, run, result
+
+
+@pytest.mark.slow
+def test_the_assistant_loss_falls_and_the_bundle_carries_the_template(tuned):
+    root, run, result = tuned
+    first, last = np.mean(result.losses[:2]), np.mean(result.losses[-3:])
+    assert last < first / 5, (first, last)
+    config = json.loads((run / "model" / "tokenizer" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHATML_GENERATION
+    saved = load_config(run / "config.yaml", [])
+    assert (saved.task, saved.data.format) == ("sft", "messages")
+
+
+@pytest.mark.slow
+def test_serve_answers_with_the_reply_it_learned(tuned):
+    openai = pytest.importorskip("openai")
+    from http_harness import ThreadedServer  # tests/
+
+    from hypertron.config.schema import ServeConfig
+    from hypertron.serve.server import build
+
+    _, run, _ = tuned
+    app, _ = build(ServeConfig(checkpoint=str(run / "model"), prefill_groups="max", compile="lazy"))
+    with ThreadedServer(app, lifespan="on") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHATS[0][:1],
+                                               temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content.startswith(CHATS[0][1]["content"])
+
+
+@pytest.mark.parametrize("records, more, message", [
+    ([{"messages": [{"content": "hi"}]}], [], "line 1 of bad.jsonl: messages[0] has no 'role'"),
+    ([{"messages": CHATS[0]}, {"text": "x"}], [], "line 2 of bad.jsonl: no 'messages' (data.messages_field)"),
+    ([{"messages": [{"role": "tool", "content": "x"}]}], ["data.chat_template=CHATML"], "Unknown role: tool"),
+    ([{"messages": CHATS[0] * 8}], ["data.overlong=error"], "data.overlong=error: the example at line 1 of bad.jsonl"),
+])
+def test_bad_fine_tuning_input_is_refused_before_compiling(tmp_path, records, more, message):
+    from support.chat import CHATML
+    from hypertron.train.task import task_for
+
+    (tmp_path / "tok").mkdir()
+    chat_tokenizers(tmp_path / "tok")
+    if "data.chat_template=CHATML" in more:
+        (tmp_path / "chatml.jinja").write_text(CHATML)
+        more = [f"data.chat_template={tmp_path / 'chatml.jinja'}"]
+    cfg = load_config(None, _overrides(tmp_path / "tok", _jsonl(tmp_path / "bad.jsonl", records), tmp_path / "run",
+                                       *more))
+    with pytest.raises(DataError, match=re.escape(message)):
+        task_for(cfg).check_inputs(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("more, message", [
+    (["task=sft", "data.source=jsonl", "data.paths=x"], "task=sft needs examples: set data.format=messages"),
+    (["data.format=messages"], "data.format=messages is for fine-tuning: set task=sft"),
+    (["data.loss_on=all"], "data.loss_on=all is for fine-tuning: set task=sft"),
+    (["task=sft", "data.format=messages", "data.source=stdlib"], "data.source=stdlib: task=sft reads jsonl"),
+    (["task=sft", "data.format=messages", "data.source=jsonl", "data.paths=x", "data.loss_on=completion"],
+     "data.loss_on=completion: data.format=messages takes auto, assistant, all"),
+])
+def test_settings_that_do_not_fit_fine_tuning_are_refused(more, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model=tiny", *more])
+
+
+@pytest.mark.slow
+def test_a_fine_tuning_run_resumes_exactly(tuned, tmp_path):
+    """6 steps straight equal 3, a restart from the checkpoint, then 3 more: the packed stream
+    resumes where it stopped."""
+    root, _, _ = tuned
+    common = _overrides(root / "tok", root / "chats.jsonl", tmp_path / "a", "train.steps=6", "checkpoint.every=3",
+                        "train.warmup_steps=2")
+    straight = train(load_config(None, common))
+    first = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}", "train.steps=3"]))
+    resumed = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}"]))
+    assert resumed.first_step == 3
+    np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
