@@ -1,0 +1,95 @@
+"""The DPO objective against TRL 1.16's ``DPOTrainer.compute_loss``: two different tiny random Llamas
+(policy and reference) converted to hypertron, the pairs TRL's dataset preparation tokenises, its
+collator's batch. Losses, TRL's metrics and the policy's gradients agree (float32; ``bf16=False``,
+since ``DPOConfig`` defaults to bf16 autocast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import jax  # noqa: E402
+from support.chat import chat_tokenizers  # noqa: E402  (tests/support)
+from support.tiny import write_tiny_hf_llama  # noqa: E402
+
+from hypertron.errors import ConfigError  # noqa: E402
+from hypertron.models.hf import from_hf_tensors, load_hf  # noqa: E402
+from hypertron.train.preference import dpo_loss  # noqa: E402
+
+torch.set_num_threads(1)
+
+PROMPTS = ["Hello there, how are you", "Tell me a story about", "The quick brown fox"]
+CHOSEN = [" today? I am fine.", " a café in Zürich.", " jumps over the lazy dog."]
+REJECTED = [" no.", " nothing at all, thank you", " is brown."]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    (root / "tok").mkdir()
+    theirs_tok, _ = chat_tokenizers(root / "tok")
+    theirs_tok.pad_token = theirs_tok.eos_token
+    kw = dict(vocab_size=theirs_tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              scaled_init=True)
+    policy = write_tiny_hf_llama(root / "policy", seed=0, **kw)
+    reference = write_tiny_hf_llama(root / "reference", seed=1, **kw)
+    cfg, policy_params = load_hf(root / "policy")
+    _, reference_params = load_hf(root / "reference")
+    return root, theirs_tok, policy, reference, cfg, policy_params, reference_params
+
+
+def _trl(models, loss_type):
+    """TRL's trainer on the pairs, its collated batch, its loss (backpropagated) and metrics."""
+    root, tok, policy, reference, *_ = models
+    args = trl.DPOConfig(output_dir=str(root / f"out-{loss_type}"), bf16=False, beta=0.1, loss_type=loss_type,
+                         per_device_train_batch_size=len(PROMPTS), report_to=[], use_cpu=True)
+    data = datasets.Dataset.from_dict({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED})
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=data,
+                             processing_class=tok)
+    examples = [trainer.train_dataset[i] for i in range(len(PROMPTS))]
+    batch = trainer.data_collator(examples)
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    pairs = [(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in examples]
+    metrics = {k: trainer._metrics["train"][k][-1] for k in METRICS}
+    grads = {n: p.grad.numpy() for n, p in trainer.model.named_parameters()}
+    return pairs, loss.item(), metrics, grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_loss_metrics_and_gradients_are_trls(models, loss_type):
+    *_, cfg, policy_params, reference_params = models
+    pairs, their_loss, their_metrics, their_grads = _trl(models, loss_type)
+
+    def loss_of(params):
+        return dpo_loss(params, reference_params, pairs, cfg, beta=0.1, loss_type=loss_type)
+
+    (ours, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(policy_params)
+    assert abs(float(ours) - their_loss) <= 1e-6 * abs(their_loss) + 1e-7, (float(ours), their_loss)
+    for key in METRICS:
+        assert abs(float(metrics[key]) - their_metrics[key]) <= 1e-5 * abs(their_metrics[key]) + 1e-6, key
+    theirs = from_hf_tensors(cfg, their_grads)
+    ours_flat, theirs_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves_with_path(theirs)
+    assert [p for p, _ in ours_flat] == [p for p, _ in theirs_flat]
+    for (name, g), (_, t) in zip(ours_flat, theirs_flat, strict=True):
+        t = np.asarray(t)
+        assert np.max(np.abs(np.asarray(g) - t)) <= 1e-5 * np.max(np.abs(t)), jax.tree_util.keystr(name)
+
+
+def test_bad_dpo_settings_are_one_line(models):
+    *_, cfg, policy_params, reference_params = models
+    pairs = [([5, 6], [7], [8])]
+    with pytest.raises(ConfigError, match=r"^dpo.beta=0: must be positive$"):
+        dpo_loss(policy_params, reference_params, pairs, cfg, beta=0)
+    with pytest.raises(ConfigError, match=r"^dpo.loss_type='kto': must be one of sigmoid, ipo, hinge$"):
+        dpo_loss(policy_params, reference_params, pairs, cfg, loss_type="kto")
