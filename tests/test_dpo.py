@@ -93,3 +93,73 @@ def test_bad_dpo_settings_are_one_line(models):
         dpo_loss(policy_params, reference_params, pairs, cfg, beta=0)
     with pytest.raises(ConfigError, match=r"^dpo.loss_type='kto': must be one of sigmoid, ipo, hinge$"):
         dpo_loss(policy_params, reference_params, pairs, cfg, loss_type="kto")
+
+
+PAIRS = [{"prompt": "Is the sky blue?", "chosen": " Yes, it is.", "rejected": " No way."},
+         {"prompt": "Two plus two?", "chosen": " Four.", "rejected": " Five, surely."},
+         {"prompt": "Say hello.", "chosen": " Hello!", "rejected": " Bye."},
+         {"prompt": "Capital of France?", "chosen": " Paris.", "rejected": " Rome."}]
+
+
+def _dpo_overrides(tmp_path, records, *more):
+    import json
+
+    from support.tiny import TWO_LAYERS
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [*TWO_LAYERS, "train.seq_len=64", "train.log_every=1", "task=dpo", "data.source=jsonl",
+            f"data.paths={data}", "data.format=preference", f"run_dir={tmp_path / 'run'}", *more]
+
+
+@pytest.mark.slow
+def test_task_dpo_starts_at_log_2_and_learns_every_pair(tmp_path):
+    """The reference is the starting parameters (the first step's sigmoid loss is log 2, every
+    log-ratio 0); 30 steps rank every chosen completion above its rejected one."""
+    import json
+
+    from hypertron.config import load_config
+    from hypertron.train.loop import train
+
+    result = train(load_config(None, _dpo_overrides(tmp_path, PAIRS, "train.steps=30", "train.lr=3e-3",
+                                                    "train.warmup_steps=3", "dpo.beta=0.5")))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[0]["loss"] - np.log(2)) < 1e-6 and rows[0]["rewards/margins"] == 0
+    assert rows[-1]["rewards/accuracies"] == 1.0 and rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("records, more, message", [
+    ([{"prompt": "a", "chosen": " b"}], [], "line 1 of pairs.jsonl: no 'rejected' (data.rejected_field)"),
+    (PAIRS, ["dpo.beta=0"], "dpo.beta=0.0: must be positive"),
+    (PAIRS, ["dpo.loss_type=kto"], "dpo.loss_type=kto: must be one of sigmoid, ipo, hinge"),
+    (PAIRS, ["data.format=text"], "task=dpo needs preference pairs, not data.format=text"),
+    ([{"prompt": "a" * 40, "chosen": " b", "rejected": " c"}], ["data.overlong=error"],
+     "data.overlong=error: the pair at line 1 of pairs.jsonl"),
+])
+def test_bad_dpo_input_is_one_line_before_compiling(tmp_path, records, more, message):
+    import re
+
+    from hypertron.config import load_config
+    from hypertron.errors import UserError
+    from hypertron.train.task import task_for
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        cfg = load_config(None, _dpo_overrides(tmp_path, records, *more))
+        task_for(cfg).check_inputs(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_task_dpo_resumes_exactly_against_the_same_reference(tmp_path):
+    """4 steps straight equal 2, a restart from the checkpoint (the reference restored with it), then 2."""
+    from hypertron.config import load_config
+    from hypertron.train.loop import train
+
+    common = _dpo_overrides(tmp_path, PAIRS, "train.steps=4", "checkpoint.every=2", "train.warmup_steps=1",
+                            "train.lr=3e-3")
+    straight = train(load_config(None, [*common, f"run_dir={tmp_path / 'a'}"]))
+    first = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}", "train.steps=2"]))
+    resumed = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}"]))
+    assert resumed.first_step == 2
+    np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)

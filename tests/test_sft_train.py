@@ -109,9 +109,9 @@ def test_bad_fine_tuning_input_is_refused_before_compiling(tmp_path, records, mo
 
 
 @pytest.mark.parametrize("more, message", [
-    (["task=sft", "data.source=jsonl", "data.paths=x"], "task=sft needs examples: set data.format=messages"),
-    (["data.format=messages"], "data.format=messages is for fine-tuning: set task=sft"),
-    (["data.loss_on=all"], "data.loss_on=all is for fine-tuning: set task=sft"),
+    (["task=sft", "data.source=jsonl", "data.paths=x"], "task=sft needs examples, not data.format=text: set data.format=messages"),
+    (["data.format=messages"], "data.format=messages is for fine-tuning: set task=sft or task=dpo"),
+    (["data.loss_on=all"], "data.loss_on=all is for fine-tuning: set task=sft or task=dpo"),
     (["task=sft", "data.format=messages", "data.source=stdlib"], "data.source=stdlib: task=sft reads jsonl"),
     (["task=sft", "data.format=messages", "data.source=jsonl", "data.paths=x", "data.loss_on=completion"],
      "data.loss_on=completion: data.format=messages takes auto, assistant, all"),

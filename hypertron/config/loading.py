@@ -320,12 +320,14 @@ def dump_yaml(cfg: Any) -> str:
     """``cfg`` (any config dataclass) as YAML that the matching loader reads back to an equal config.
     A run's config leaves out the section its task does not read: ``task`` and ``dlrm`` for a
     language model (as before there were tasks), ``model`` for a recommender; and the data keys of
-    fine-tuning (:data:`FINE_TUNING_DATA_KEYS`) but for ``task: sft``."""
+    fine-tuning (:data:`FINE_TUNING_DATA_KEYS`) but for ``task: sft`` and ``dpo``, and ``dpo`` but for
+    ``task: dpo``."""
     tree = to_dict(cfg)
     if isinstance(cfg, Config):
-        for key in {"lm": ("task", "dlrm"), "sft": ("dlrm",)}.get(cfg.task, ("model",)):
+        for key in {"lm": ("task", "dlrm", "dpo"), "sft": ("dlrm", "dpo"), "dpo": ("dlrm",)}.get(cfg.task,
+                                                                                           ("model", "dpo")):
             tree.pop(key)
-        if cfg.task != "sft":  # the fine-tuning keys, as their defaults (validate refuses others)
+        if cfg.task not in ("sft", "dpo"):  # the fine-tuning keys, as their defaults (validate refuses others)
             for key in FINE_TUNING_DATA_KEYS:
                 tree["data"].pop(key)
     return yaml.safe_dump(tree, sort_keys=False)

@@ -72,12 +72,13 @@ DispatchAhead = Literal["auto", "on", "off"]
 # that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
 # CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
 PrefillGroups = Literal["auto", "max"]
-# what a run trains: a language model (model, data), a language model fine-tuned on examples (model, data:
-# data.format messages or prompt_completion, each example whole in a row) or a DLRM recommender (dlrm)
-Task = Literal["lm", "sft", "dlrm"]
-# how a record reads: one text (pre-training), a conversation of {role, content} messages, or a prompt and
-# its completion (strings or message lists), as TRL's dataset formats
-DataFormat = Literal["text", "messages", "prompt_completion"]
+# what a run trains: a language model (model, data), one fine-tuned on examples or on preference pairs
+# (docs/finetuning.md), or a DLRM recommender (dlrm)
+Task = Literal["lm", "sft", "dpo", "dlrm"]
+# a record: one text (pre-training), {role, content} messages, a prompt and its completion, or a prompt with
+# a chosen and a rejected completion (strings or message lists): TRL's dataset formats
+DataFormat = Literal["text", "messages", "prompt_completion", "preference"]
+DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
 # which tokens carry loss in fine-tuning: auto (assistant for messages, completion for prompt_completion),
 # the assistant's turns, the completion, or every token
 LossOn = Literal["auto", "assistant", "completion", "all"]
@@ -290,14 +291,25 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     loss_on: LossOn = "auto"
     chat_template: str = ""  # a Jinja file; "" = the tokenizer's (its tokenizer_config.json)
     overlong: Overlong = "truncate"
 
 
 # DataConfig's keys that only task: sft reads (a run of another task leaves them at their defaults)
-FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "loss_on", "chat_template",
-                         "overlong")
+FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "chosen_field",
+                         "rejected_field", "loss_on", "chat_template", "overlong")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoConfig:
+    """Preference tuning, ``task: dpo`` (docs/finetuning.md): the objective over each pair's
+    log-ratios against a frozen reference (the starting parameters)."""
+
+    beta: float = 0.1  # how far the policy may move from the reference
+    loss_type: DpoLossType = "sigmoid"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -433,6 +445,7 @@ class Config:
     task: Task = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
     dlrm: DlrmConfig = field(default_factory=DlrmConfig)  # task: dlrm only
+    dpo: DpoConfig = field(default_factory=DpoConfig)  # task: dpo only
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

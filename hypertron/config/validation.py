@@ -19,6 +19,7 @@ from hypertron.config.schema import (
     Config,
     DataConfig,
     DlrmConfig,
+    DpoConfig,
     MeshConfig,
     ModelConfig,
     ServeConfig,
@@ -120,18 +121,37 @@ def _check_format(cfg: Config) -> None:
     (messages, prompt_completion) for ``sft``, read from jsonl so far."""
     d = cfg.data
     if cfg.task == "sft":
-        if d.format == "text":
-            raise ConfigError("task=sft needs examples: set data.format=messages or data.format=prompt_completion")
+        if d.format in ("text", "preference"):
+            raise ConfigError(f"task=sft needs examples, not data.format={d.format}: set data.format=messages or "
+                              "data.format=prompt_completion")
         if d.source != "jsonl":
             raise ConfigError(f"data.source={d.source}: task=sft reads jsonl files so far")
         allowed = {"messages": ("auto", "assistant", "all"), "prompt_completion": ("auto", "completion", "all")}[d.format]
         if d.loss_on not in allowed:
             raise ConfigError(f"data.loss_on={d.loss_on}: data.format={d.format} takes {', '.join(allowed)}")
+    elif cfg.task == "dpo":
+        if d.format != "preference":
+            raise ConfigError(f"task=dpo needs preference pairs, not data.format={d.format}: set data.format=preference")
+        if d.source != "jsonl":
+            raise ConfigError(f"data.source={d.source}: task=dpo reads jsonl files so far")
+        if d.loss_on != "auto":
+            raise ConfigError(f"data.loss_on={d.loss_on}: task=dpo scores each pair's completions")
+        if not cfg.dpo.beta > 0:
+            raise ConfigError(f"dpo.beta={cfg.dpo.beta}: must be positive")
+        if cfg.train.eval_every:
+            raise ConfigError("train.eval_every: task=dpo has no held-out evaluation yet")
+        if cfg.model.quantization != "none":
+            raise ConfigError(f"model.quantization={cfg.model.quantization}: task=dpo trains in bf16 or float32 so far")
+        if cfg.train.seq_len % 2:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len}: task=dpo puts a pair's two sequences in one row "
+                              "of two halves; make it even")
     else:
         default = DataConfig()
         for key in FINE_TUNING_DATA_KEYS:
             if getattr(d, key) != getattr(default, key):
-                raise ConfigError(f"data.{key}={getattr(d, key)} is for fine-tuning: set task=sft")
+                raise ConfigError(f"data.{key}={getattr(d, key)} is for fine-tuning: set task=sft or task=dpo")
+    if cfg.task != "dpo" and cfg.dpo != DpoConfig():
+        raise ConfigError("dpo: its settings are for task=dpo")
 
 
 def validate(cfg: Config) -> None:

@@ -5,7 +5,10 @@ A record is one line of a jsonl file, read as TRL reads its dataset formats (``d
 - ``messages``: a conversation, ``{"messages": [{"role", "content"}, ...]}``, rendered with the
   chat template (:func:`hypertron.data.chat.chat_example`);
 - ``prompt_completion``: ``{"prompt", "completion"}``, two strings or two message lists
-  (:func:`hypertron.data.chat.prompt_completion_example`).
+  (:func:`hypertron.data.chat.prompt_completion_example`);
+- ``preference`` (``task: dpo``): ``{"prompt", "chosen", "rejected"}``, read as two
+  prompt-completion examples that share their prompt (:func:`read_pairs`), one pair a row
+  (:func:`make_dpo_batches`).
 
 The field names are settings (``data.messages_field``, ``data.prompt_field``,
 ``data.completion_field``). Every record is read and tokenised before training starts, so a bad
@@ -78,6 +81,76 @@ def read_examples(*, source: str, paths: Sequence[str], fmt: str, fields: dict[s
     return Examples(examples, truncated)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """A preference set, read and tokenised: ``pairs[i]`` is ``(prompt, chosen, rejected)`` ids of
+    the ``i``-th record; ``truncated`` counts those with a sequence longer than half a row."""
+
+    pairs: list[tuple[list[int], list[int], list[int]]]
+    truncated: int
+
+
+def read_pairs(*, source: str, paths: Sequence[str], fields: dict[str, str], tokenizer: Tokenizer,
+               template: str | None, seq_len: int, overlong: str) -> Pairs:
+    """Every record of ``paths`` as a preference pair (``{prompt, chosen, rejected}``: three strings,
+    or three message lists, TRL's explicit-prompt preference format). Strings are
+    ``[bos] + prompt`` and ``completion + [eos]``; message lists the prompt rendered with the
+    generation prompt and each completion what rendering it after the prompt adds. A pair's two
+    sequences each take half of a row (``seq_len // 2 + 1`` tokens at most): a longer one keeps its
+    start (counted), or with ``overlong="error"`` is refused. Errors as :func:`read_examples`."""
+    if source != "jsonl":
+        raise DataError(f"data.source={source}: preference tuning reads jsonl files so far")
+    half = seq_len // 2
+    pairs, truncated = [], 0
+    for path, line_number, record in _jsonl_records(_corpus_files(source, paths)):
+        where = f"line {line_number} of {os.path.basename(path)}"
+        try:
+            pair = _pair(record, fields, tokenizer, template)
+        except DataError as e:
+            raise DataError(f"data.paths: {where}: {e}") from None
+        if max(len(pair[0]) + len(pair[1]), len(pair[0]) + len(pair[2])) - 1 > half:
+            if overlong == "error":
+                raise DataError(f"data.overlong=error: the pair at {where} has a sequence longer than half of "
+                                f"train.seq_len={seq_len} + 1 tokens")
+            truncated += 1
+        pairs.append(pair)
+    if not pairs:
+        raise DataError(f"data: no pairs in {', '.join(paths)}")
+    return Pairs(pairs, truncated)
+
+
+def make_dpo_batches(pairs: Pairs, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
+                     process_index: int = 0, process_count: int = 1, pad_id: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """An endless, deterministic stream of this process's batches of pairs, one pair a row (the
+    trainer's fields, [batch_size, seq_len]): the chosen sequence (segment 1) in the first half, the
+    rejected one (segment 2) in the second, positions from 0 in each, ``loss_weights`` on the
+    completions' targets. A pair is never split between rows or batches."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, process_index=process_index,
+                 process_count=process_count, seed=seed)
+    shard = pairs.pairs[process_index::process_count]
+    if not shard:
+        raise DataError(f"data: {len(pairs.pairs)} pairs are too few for {process_count} processes")
+    half = seq_len // 2
+    rows = {"inputs": np.full((len(shard), seq_len), pad_id, np.int32),
+            "targets": np.full((len(shard), seq_len), pad_id, np.int32),
+            "loss_weights": np.zeros((len(shard), seq_len), np.float32),
+            "segment_ids": np.zeros((len(shard), seq_len), np.int32),
+            "positions": np.zeros((len(shard), seq_len), np.int32)}
+    for r, (prompt, chosen, rejected) in enumerate(shard):
+        for segment, completion in ((1, chosen), (2, rejected)):
+            ids = np.asarray((list(prompt) + list(completion))[:half + 1], np.int32)
+            mask = np.asarray(([0] * len(prompt) + [1] * len(completion))[:half + 1], np.float32)
+            n, start = len(ids) - 1, (segment - 1) * half
+            span = slice(start, start + n)
+            rows["inputs"][r, span], rows["targets"][r, span] = ids[:-1], ids[1:]
+            rows["loss_weights"][r, span] = mask[1:]
+            rows["segment_ids"][r, span] = segment
+            rows["positions"][r, span] = np.arange(n)
+    dataset = grain.MapDataset.source(_Rows(rows))
+    epochs = _ShuffledEpochs(dataset, seed=seed) if shuffle else dataset.repeat()
+    return _JsonStateIterator(iter(epochs.batch(batch_size, drop_remainder=True).to_iter_dataset()))
+
+
 def make_sft_batches(examples: Examples, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
                      process_index: int = 0, process_count: int = 1, pad_id: int = 0, split: str = "train",
                      eval_fraction: float = 0.0) -> Iterator[dict[str, np.ndarray]]:
@@ -128,6 +201,29 @@ def _jsonl_records(files: Sequence[str]) -> Iterator[tuple[str, int, Any]]:
                     raise DataError(f"data.paths: line {line_number} of {os.path.basename(path)} is not valid JSON") \
                         from None
                 yield path, line_number, record
+
+
+def _pair(record: Any, fields: dict[str, str], tokenizer: Tokenizer,
+          template: str | None) -> tuple[list[int], list[int], list[int]]:
+    names = ("prompt", "chosen", "rejected")
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object with {', '.join(fields[n] for n in names)}")
+    for name in names:
+        if fields[name] not in record:
+            raise DataError(f"no {fields[name]!r} (data.{name}_field)")
+    prompt = record[fields["prompt"]]
+    out = []
+    for name in ("chosen", "rejected"):
+        ids, mask = prompt_completion_example(tokenizer, prompt, record[fields[name]], loss_on="completion",
+                                              template=template)
+        head = mask.index(1) if 1 in mask else len(mask)
+        out.append((ids[:head], ids[head:]))
+    if out[0][0] != out[1][0]:
+        raise DataError("the chat template renders the prompt differently before the chosen and the rejected "
+                        "completions")
+    if not out[0][1] or not out[1][1]:
+        raise DataError("a completion is empty")
+    return out[0][0], out[0][1], out[1][1]
 
 
 def _example(record: Any, fmt: str, fields: dict[str, str], tokenizer: Tokenizer, loss_on: str,

@@ -15,8 +15,9 @@ and the loss is the mean over pairs. The metrics are TRL's: ``rewards/chosen`` a
 ``rewards/rejected`` (``beta c`` and ``beta r``, means), ``rewards/accuracies`` (the fraction with
 ``c > r``), ``rewards/margins``, ``logps/chosen`` and ``logps/rejected`` (the policy's, means).
 
-This is the library entry point (:func:`dpo_loss`); ``task: dpo`` is not built yet
-(docs/finetuning.md).
+:func:`dpo_loss` is the library entry point over pairs of id lists; ``task: dpo``
+(:mod:`hypertron.train.dpo`) computes the same terms (:func:`dpo_terms`) over rows that each hold a
+pair, chosen and rejected in two halves (:func:`pair_logps`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypertron.config import ModelConfig
+from hypertron.config.schema import DpoLossType, choices
 from hypertron.errors import ConfigError
 from hypertron.models import forward
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = choices(DpoLossType)
 
 Pair = tuple[Sequence[int], Sequence[int], Sequence[int]]
 
@@ -82,10 +84,25 @@ def sequence_logps(params, rows: dict, cfg: ModelConfig) -> jax.Array:
     return jnp.sum(logp * rows["loss_weights"], axis=-1)
 
 
+def pair_logps(params, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """``(log-probabilities [rows, 2], completion tokens [rows, 2])`` of rows that each hold a
+    pair (:func:`hypertron.data.finetune.make_dpo_batches`): segment 1 the chosen sequence,
+    segment 2 the rejected one, ``loss_weights`` on their completions' targets."""
+    logits = forward(params, batch["inputs"], cfg, positions=batch["positions"],
+                     segment_ids=batch["segment_ids"]).logits.astype(jnp.float32)
+    target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    weighted = (target - jax.nn.logsumexp(logits, axis=-1)) * batch["loss_weights"]
+    halves = jnp.stack([batch["segment_ids"] == 1, batch["segment_ids"] == 2], axis=-1)  # [rows, seq, 2]
+    logps = jnp.sum(jnp.where(halves, weighted[..., None], 0.0), axis=1)  # sums, not a dot: exact on any device
+    lengths = jnp.sum(jnp.where(halves, batch["loss_weights"].astype(jnp.float32)[..., None], 0.0), axis=1)
+    return logps, lengths
+
+
 def dpo_terms(policy_logps: jax.Array, reference_logps: jax.Array, lengths: jax.Array, *, beta: float,
               loss_type: str) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``(loss per pair [pairs], metrics)`` from the rows' log-probabilities (chosen rows, then
-    rejected) under the policy and the reference, and their completions' token counts."""
+    """``(loss per pair [pairs], metrics per pair)`` from the rows' log-probabilities (chosen rows,
+    then rejected) under the policy and the reference, and their completions' token counts; the
+    metrics' means over pairs are TRL's."""
     pc, pr = jnp.split(policy_logps, 2)
     rc, rr = jnp.split(reference_logps, 2)
     chosen, rejected = pc - rc, pr - rr
@@ -99,10 +116,10 @@ def dpo_terms(policy_logps: jax.Array, reference_logps: jax.Array, lengths: jax.
     else:
         raise ConfigError(f"dpo.loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
     chosen_rewards, rejected_rewards = beta * jax.lax.stop_gradient(chosen), beta * jax.lax.stop_gradient(rejected)
-    metrics = {"rewards/chosen": jnp.mean(chosen_rewards), "rewards/rejected": jnp.mean(rejected_rewards),
-               "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
-               "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
-               "logps/chosen": jnp.mean(jax.lax.stop_gradient(pc)), "logps/rejected": jnp.mean(jax.lax.stop_gradient(pr))}
+    metrics = {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+               "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(jnp.float32),
+               "rewards/margins": chosen_rewards - rejected_rewards,
+               "logps/chosen": jax.lax.stop_gradient(pc), "logps/rejected": jax.lax.stop_gradient(pr)}
     return loss, metrics
 
 
@@ -116,4 +133,4 @@ def dpo_loss(policy_params, reference_params, pairs: Sequence[Pair], model_cfg: 
     reference = jax.lax.stop_gradient(sequence_logps(reference_params, rows, model_cfg))
     lengths = np.array([len(p[1]) for p in pairs] + [len(p[2]) for p in pairs], np.float32)
     loss, metrics = dpo_terms(policy, reference, lengths, beta=beta, loss_type=loss_type)
-    return jnp.mean(loss), metrics
+    return jnp.mean(loss), {k: jnp.mean(v) for k, v in metrics.items()}

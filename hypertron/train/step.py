@@ -72,10 +72,12 @@ def loss_terms(params, batch: Batch, cfg: Config, histories=None) -> tuple[jax.A
     return objective, aux
 
 
-def _accumulate_grads(params, histories, batch: Batch, cfg: Config):
+def accumulate_grads(params, histories, batch: Batch, cfg: Config, loss_fn=loss_terms):
     """Gradients of the summed objective over ``grad_accum`` micro-batches (a scan), and the
-    fp8 histories updated by them (None without)."""
-    grad_fn = jax.grad(loss_terms, argnums=(0, 3), has_aux=True)
+    fp8 histories updated by them (None without). ``loss_fn(params, batch, cfg, histories) ->
+    (objective_sum, aux)`` (:func:`loss_terms`; ``task: dpo``'s pair objective): sums, so that
+    micro-batches add up exactly."""
+    grad_fn = jax.grad(loss_fn, argnums=(0, 3), has_aux=True)
     n = cfg.train.grad_accum
     if n == 1:
         (grads, new_histories), aux = grad_fn(params, batch, cfg, histories)
@@ -86,7 +88,7 @@ def _accumulate_grads(params, histories, batch: Batch, cfg: Config):
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     # The aux tree's shapes from the forward alone (tracing the gradient twice would double trace time).
-    aux0 = jax.eval_shape(lambda: loss_terms(params, jax.tree.map(lambda x: x[0], micro), cfg)[1])
+    aux0 = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro), cfg, histories)[1])
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux0)
 
     def body(carry, mb):
@@ -106,7 +108,7 @@ def _accumulate_grads(params, histories, batch: Batch, cfg: Config):
 
 def train_step(state: State, batch: Batch, cfg: Config, optimizer: optax.GradientTransformation):
     """One optimiser step on a global batch; returns the new state and device-side metrics."""
-    grads, histories, aux = _accumulate_grads(state["params"], state.get("quant"), batch, cfg)
+    grads, histories, aux = accumulate_grads(state["params"], state.get("quant"), batch, cfg)
     weight = jnp.maximum(aux["weight"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, state["params"])
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])

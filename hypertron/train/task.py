@@ -8,6 +8,8 @@ evaluation, the throughput's unit and FLOPs, and what is written at the end.
 
 - :class:`LanguageModel` (``task: lm``): decoder LLMs on token streams (:mod:`hypertron.train.step`).
 - :class:`FineTune` (``task: sft``): the same model, step and loss on fine-tuning examples packed whole.
+- :class:`PreferenceTune` (``task: dpo``): the same model on preference pairs, the DPO objective against
+  a frozen reference (:mod:`hypertron.train.dpo`).
 - :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables.
 
 The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
@@ -17,6 +19,7 @@ restores it whatever the task.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 from pathlib import Path
@@ -203,7 +206,7 @@ class FineTune(LanguageModel):
         d = cfg.data
         template = chat_template_of(cfg)
         return {**super().data_fingerprint(cfg), "format": d.format, "loss_on": d.loss_on, "overlong": d.overlong,
-                "fields": [d.messages_field, d.prompt_field, d.completion_field],
+                "fields": [d.messages_field, d.prompt_field, d.completion_field, d.chosen_field, d.rejected_field],
                 "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
 
     def finish(self, cfg: Config, state: dict, console) -> None:
@@ -233,6 +236,59 @@ class FineTune(LanguageModel):
             self._read = key, read_examples(source=d.source, paths=d.paths, fmt=d.format, fields=fields,
                                             tokenizer=tokenizer, loss_on=d.loss_on, template=template,
                                             seq_len=cfg.train.seq_len, overlong=d.overlong)
+        return self._read[1]
+
+
+class PreferenceTune(FineTune):
+    """``task: dpo``: a language model tuned on preference pairs (``data.format=preference``) with
+    the DPO objective against a frozen reference, the starting parameters
+    (:mod:`hypertron.train.dpo`; docs/finetuning.md). One pair a row; the rest is
+    :class:`FineTune`'s (the template, the bundle)."""
+
+    def check_inputs(self, cfg: Config) -> None:
+        pairs = self._examples(cfg)
+        if pairs.truncated:
+            print(f"hypertron train: {pairs.truncated} of {len(pairs.pairs)} pairs have a sequence longer than half of "
+                  f"train.seq_len={cfg.train.seq_len} + 1 tokens: each keeps its start (data.overlong=error refuses "
+                  "them)", file=sys.stderr)
+
+    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
+        from hypertron.data.finetune import make_dpo_batches
+
+        d, t = cfg.data, cfg.train
+        return make_dpo_batches(
+            self._examples(cfg), seq_len=t.seq_len, batch_size=t.global_batch // jax.process_count(), seed=d.seed,
+            shuffle=d.shuffle, process_index=jax.process_index(), process_count=jax.process_count(),
+            pad_id=get_tokenizer(d.tokenizer).eos_id or 0)
+
+    def trainer(self, cfg: Config, mesh: Mesh):
+        from hypertron.train.dpo import make_dpo_trainer
+
+        return make_dpo_trainer(cfg, mesh)
+
+    def initial_state(self, cfg: Config, trainer, console) -> dict:
+        state = super().initial_state(cfg, trainer, console)
+        if cfg.train.init_from:  # the reference is where this run starts: the parameters it read
+            state["reference"] = jax.tree.map(lambda a: a.copy(), state["params"])
+        return state
+
+    def throughput(self, cfg: Config) -> Throughput:
+        """Tokens as pre-training's, FLOPs with the reference's forward pass (a third of a training
+        step's) added."""
+        base = super().throughput(cfg)
+        return dataclasses.replace(base, flops_per_step=base.flops_per_step * 4 / 3)
+
+    def _examples(self, cfg: Config):
+        from hypertron.data.finetune import read_pairs
+
+        d = cfg.data
+        key = ("dpo", d.source, tuple(d.paths), d.prompt_field, d.chosen_field, d.rejected_field, d.chat_template,
+               d.tokenizer, d.overlong, cfg.train.seq_len)
+        if self._read is None or self._read[0] != key:
+            fields = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field}
+            self._read = key, read_pairs(source=d.source, paths=d.paths, fields=fields,
+                                         tokenizer=get_tokenizer(d.tokenizer), template=chat_template_of(cfg),
+                                         seq_len=cfg.train.seq_len, overlong=d.overlong)
         return self._read[1]
 
 
@@ -268,4 +324,4 @@ def task_for(cfg: Config) -> Task:
         from hypertron.train.dlrm import Recommender
 
         return Recommender()
-    return FineTune() if cfg.task == "sft" else LanguageModel()
+    return {"sft": FineTune, "dpo": PreferenceTune}.get(cfg.task, LanguageModel)()
