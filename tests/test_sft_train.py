@@ -91,6 +91,8 @@ def test_serve_answers_with_the_reply_it_learned(tuned):
     ([{"messages": CHATS[0]}, {"text": "x"}], [], "line 2 of bad.jsonl: no 'messages' (data.messages_field)"),
     ([{"messages": [{"role": "tool", "content": "x"}]}], ["data.chat_template=CHATML"], "Unknown role: tool"),
     ([{"messages": CHATS[0] * 8}], ["data.overlong=error"], "data.overlong=error: the example at line 1 of bad.jsonl"),
+    ([{"messages": CHATS[0]}], ["data.tokenizer=byte", "model.vocab_size=259"],
+     "data.format=messages needs a chat template: data.tokenizer=byte has none"),
 ])
 def test_bad_fine_tuning_input_is_refused_before_compiling(tmp_path, records, more, message):
     from support.chat import CHATML
