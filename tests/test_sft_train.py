@@ -114,7 +114,8 @@ def test_bad_fine_tuning_input_is_refused_before_compiling(tmp_path, records, mo
     (["task=sft", "data.source=jsonl", "data.paths=x"], "task=sft needs examples, not data.format=text: set data.format=messages"),
     (["data.format=messages"], "data.format=messages is for fine-tuning: set task=sft or task=dpo"),
     (["data.loss_on=all"], "data.loss_on=all is for fine-tuning: set task=sft or task=dpo"),
-    (["task=sft", "data.format=messages", "data.source=stdlib"], "data.source=stdlib: task=sft reads jsonl"),
+    (["task=sft", "data.format=messages", "data.source=stdlib"],
+     "data.source=stdlib: task=sft reads jsonl, parquet or hf records"),
     (["task=sft", "data.format=messages", "data.source=jsonl", "data.paths=x", "data.loss_on=completion"],
      "data.loss_on=completion: data.format=messages takes auto, assistant, all"),
 ])
@@ -135,3 +136,38 @@ def test_a_fine_tuning_run_resumes_exactly(tuned, tmp_path):
     resumed = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}"]))
     assert resumed.first_step == 3
     np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
+
+
+def test_parquet_and_hf_records_and_implicit_prompts_read_as_jsonl(tmp_path):
+    """The same conversations from jsonl, parquet and a saved Hugging Face dataset give the same
+    examples; a preference record whose conversations share their first turns reads as the pair
+    with those turns as its prompt (TRL's extract_prompt)."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hypertron.data.finetune import read_examples, read_pairs
+    from hypertron.tokenizer import get_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    chat_tokenizers(tmp_path / "tok")
+    tok = get_tokenizer(str(tmp_path / "tok"))
+    records = [{"messages": m} for m in CHATS]
+    _jsonl(tmp_path / "c.jsonl", records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_list(records).save_to_disk(tmp_path / "hf")
+    fields = {"messages": "messages", "prompt": "prompt", "completion": "completion"}
+    read = [read_examples(source=source, paths=(str(tmp_path / name),), fmt="messages", fields=fields, tokenizer=tok,
+                          loss_on="auto", template=None, seq_len=64, overlong="truncate").examples
+            for source, name in (("jsonl", "c.jsonl"), ("parquet", "c.parquet"), ("hf", "hf"))]
+    assert read[0] == read[1] == read[2] and len(read[0]) == 3
+
+    chosen, rejected = CHATS[2], CHATS[2][:2] + [{"role": "assistant", "content": "No."}]
+    fields = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    explicit = _jsonl(tmp_path / "p.jsonl", [{"prompt": chosen[:2], "chosen": chosen[2:], "rejected": rejected[2:]}])
+    implicit = _jsonl(tmp_path / "i.jsonl", [{"chosen": chosen, "rejected": rejected}])
+    pairs = [read_pairs(source="jsonl", paths=(str(path),), fields=fields, tokenizer=tok, template=None, seq_len=128,
+                        overlong="truncate").pairs for path in (explicit, implicit)]
+    assert pairs[0] == pairs[1]
+    assert tok.decode(pairs[0][0][2]).startswith("No.")

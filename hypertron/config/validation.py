@@ -124,16 +124,16 @@ def _check_format(cfg: Config) -> None:
         if d.format in ("text", "preference"):
             raise ConfigError(f"task=sft needs examples, not data.format={d.format}: set data.format=messages or "
                               "data.format=prompt_completion")
-        if d.source != "jsonl":
-            raise ConfigError(f"data.source={d.source}: task=sft reads jsonl files so far")
+        if d.source not in ("jsonl", "parquet", "hf"):
+            raise ConfigError(f"data.source={d.source}: task=sft reads jsonl, parquet or hf records")
         allowed = {"messages": ("auto", "assistant", "all"), "prompt_completion": ("auto", "completion", "all")}[d.format]
         if d.loss_on not in allowed:
             raise ConfigError(f"data.loss_on={d.loss_on}: data.format={d.format} takes {', '.join(allowed)}")
     elif cfg.task == "dpo":
         if d.format != "preference":
             raise ConfigError(f"task=dpo needs preference pairs, not data.format={d.format}: set data.format=preference")
-        if d.source != "jsonl":
-            raise ConfigError(f"data.source={d.source}: task=dpo reads jsonl files so far")
+        if d.source not in ("jsonl", "parquet", "hf"):
+            raise ConfigError(f"data.source={d.source}: task=dpo reads jsonl, parquet or hf records")
         if d.loss_on != "auto":
             raise ConfigError(f"data.loss_on={d.loss_on}: task=dpo scores each pair's completions")
         if not cfg.dpo.beta > 0:

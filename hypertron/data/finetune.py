@@ -1,6 +1,7 @@
 """Fine-tuning batches (``task: sft``): records -> examples -> rows packed whole -> batches.
 
-A record is one line of a jsonl file, read as TRL reads its dataset formats (``data.format``):
+A record is one line of a jsonl file, one row of a parquet file or of a saved Hugging Face dataset
+(:func:`hypertron.data.sources.read_records`), read as TRL reads its dataset formats (``data.format``):
 
 - ``messages``: a conversation, ``{"messages": [{"role", "content"}, ...]}``, rendered with the
   chat template (:func:`hypertron.data.chat.chat_example`);
@@ -25,8 +26,6 @@ so the iterator's state is the index of its next batch and a checkpoint resumes 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ import numpy as np
 from hypertron.data.chat import chat_example, prompt_completion_example
 from hypertron.data.packing import pack_rows
 from hypertron.data.pipeline import _check_sizes, _JsonStateIterator, _ShuffledEpochs, held_out
-from hypertron.data.sources import _corpus_files
+from hypertron.data.sources import read_records
 from hypertron.errors import DataError
 from hypertron.tokenizer import Tokenizer
 
@@ -54,18 +53,15 @@ class Examples:
 
 def read_examples(*, source: str, paths: Sequence[str], fmt: str, fields: dict[str, str], tokenizer: Tokenizer,
                   loss_on: str, template: str | None, seq_len: int, overlong: str) -> Examples:
-    """Every record of the jsonl files ``paths`` as an example (see the module docstring). A
-    :class:`DataError` naming the file and line for a record that is not a JSON object, lacks a
+    """Every record of ``paths`` as an example (see the module docstring). A
+    :class:`DataError` naming the file and line (or row) for a record that is not a JSON object, lacks a
     field or has one of the wrong type, a message without ``role``, what the chat template
     refuses (its ``raise_exception`` text), and with ``overlong="error"`` an example longer than
     ``seq_len + 1`` tokens."""
-    if source != "jsonl":
-        raise DataError(f"data.source={source}: fine-tuning reads jsonl files so far")
     if loss_on == "auto":
         loss_on = DEFAULT_LOSS_ON[fmt]
     examples, truncated = [], 0
-    for path, line_number, record in _jsonl_records(_corpus_files(source, paths)):
-        where = f"line {line_number} of {os.path.basename(path)}"
+    for where, record in read_records(source, paths):
         try:
             ids, mask = _example(record, fmt, fields, tokenizer, loss_on, template)
         except DataError as e:
@@ -93,17 +89,15 @@ class Pairs:
 def read_pairs(*, source: str, paths: Sequence[str], fields: dict[str, str], tokenizer: Tokenizer,
                template: str | None, seq_len: int, overlong: str) -> Pairs:
     """Every record of ``paths`` as a preference pair (``{prompt, chosen, rejected}``: three strings,
-    or three message lists, TRL's explicit-prompt preference format). Strings are
+    or three message lists, TRL's explicit-prompt preference format; or ``{chosen, rejected}``, two
+    conversations whose shared first turns are the prompt, as TRL's ``extract_prompt`` splits them). Strings are
     ``[bos] + prompt`` and ``completion + [eos]``; message lists the prompt rendered with the
     generation prompt and each completion what rendering it after the prompt adds. A pair's two
     sequences each take half of a row (``seq_len // 2 + 1`` tokens at most): a longer one keeps its
     start (counted), or with ``overlong="error"`` is refused. Errors as :func:`read_examples`."""
-    if source != "jsonl":
-        raise DataError(f"data.source={source}: preference tuning reads jsonl files so far")
     half = seq_len // 2
     pairs, truncated = [], 0
-    for path, line_number, record in _jsonl_records(_corpus_files(source, paths)):
-        where = f"line {line_number} of {os.path.basename(path)}"
+    for where, record in read_records(source, paths):
         try:
             pair = _pair(record, fields, tokenizer, template)
         except DataError as e:
@@ -188,34 +182,26 @@ class _Rows(Sequence):
         return {k: v[index] for k, v in self._packed.items()}
 
 
-def _jsonl_records(files: Sequence[str]) -> Iterator[tuple[str, int, Any]]:
-    """``(path, line number, parsed record)`` of each non-blank line."""
-    for path in files:
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    raise DataError(f"data.paths: line {line_number} of {os.path.basename(path)} is not valid JSON") \
-                        from None
-                yield path, line_number, record
-
-
 def _pair(record: Any, fields: dict[str, str], tokenizer: Tokenizer,
           template: str | None) -> tuple[list[int], list[int], list[int]]:
     names = ("prompt", "chosen", "rejected")
     if not isinstance(record, dict):
         raise DataError(f"a record must be a JSON object with {', '.join(fields[n] for n in names)}")
-    for name in names:
+    for name in names[1:]:
         if fields[name] not in record:
             raise DataError(f"no {fields[name]!r} (data.{name}_field)")
-    prompt = record[fields["prompt"]]
+    chosen, rejected = record[fields["chosen"]], record[fields["rejected"]]
+    if fields["prompt"] in record:
+        prompt = record[fields["prompt"]]
+    elif isinstance(chosen, list) and isinstance(rejected, list):  # implicit: the turns both share
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        raise DataError(f"no {fields['prompt']!r} (data.prompt_field), and chosen and rejected are not conversations "
+                        "whose shared turns would be the prompt")
     out = []
-    for name in ("chosen", "rejected"):
-        ids, mask = prompt_completion_example(tokenizer, prompt, record[fields[name]], loss_on="completion",
-                                              template=template)
+    for completion in (chosen, rejected):
+        ids, mask = prompt_completion_example(tokenizer, prompt, completion, loss_on="completion", template=template)
         head = mask.index(1) if 1 in mask else len(mask)
         out.append((ids[:head], ids[head:]))
     if out[0][0] != out[1][0]:

@@ -33,7 +33,8 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -321,23 +322,64 @@ def _parquet_metadata(path: str, text_field: str):
 # --- ArrayRecord and Hugging Face datasets -----------------------------------------
 
 
-def _hf_documents(paths: Sequence[str], text_field: str) -> Sequence[str]:
-    """The ``text_field`` column of datasets saved with ``save_to_disk``, concatenated in path order."""
+def read_records(source: str, paths: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """Every record of a ``jsonl``, ``parquet`` or ``hf`` source, whole (all its fields), in file
+    order: ``(where, record)``, ``where`` naming the line or row and file for errors (``line 3 of
+    chats.jsonl``, ``row 3 of chats.parquet``). Fine-tuning reads its examples so
+    (:mod:`hypertron.data.finetune`); pre-training reads one text field lazily
+    (:func:`load_documents`). A jsonl line that is not JSON is a :class:`DataError`."""
+    if source not in ("jsonl", "parquet", "hf"):
+        raise DataError(f"data.source={source}: fine-tuning reads jsonl, parquet or hf records")
+    if source == "hf":
+        check_paths(source, paths)
+        for path in paths:
+            for i, row in enumerate(_load_hf(path)):
+                yield f"row {i} of {os.path.basename(os.path.normpath(path))}", row
+        return
+    for path in _corpus_files(source, paths):
+        name = os.path.basename(path)
+        if source == "parquet":
+            import pyarrow.parquet as pq
+
+            i = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield f"row {i} of {name}", row
+                    i += 1
+            continue
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise DataError(f"data.paths: line {line_number} of {name} is not valid JSON") from None
+                yield f"line {line_number} of {name}", record
+
+
+def _load_hf(path: str):
+    """The ``datasets.Dataset`` saved at ``path`` (memory-mapped: no row is read); a
+    :class:`DataError` without the package, for what is not one, and for a dict of splits."""
     try:
         import datasets
     except ImportError:
         raise DataError("data.source: 'hf' needs the datasets package, which is not installed "
                         "(pip install datasets)") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.paths: {path} is not a saved Hugging Face dataset ({one_line(e)})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DataError(f"data.paths: {path} holds the splits {', '.join(dataset)}; give one split's directory")
+    return dataset
+
+
+def _hf_documents(paths: Sequence[str], text_field: str) -> Sequence[str]:
+    """The ``text_field`` column of datasets saved with ``save_to_disk``, concatenated in path order."""
     parts = []
     for path in paths:
-        try:
-            dataset = datasets.load_from_disk(path)  # memory-maps the Arrow files, reads no rows
-        except (OSError, ValueError) as e:
-            raise DataError(f"data.paths: {path} is not a saved Hugging Face dataset "
-                            f"({one_line(e)})") from None
-        if isinstance(dataset, datasets.DatasetDict):
-            raise DataError(f"data.paths: {path} holds the splits {', '.join(dataset)}; "
-                            "give one split's directory")
+        dataset = _load_hf(path)
         feature = dataset.features.get(text_field)
         if feature is None:
             raise DataError(f"data.text_field: {text_field!r} is not a column of {path} "
@@ -345,7 +387,11 @@ def _hf_documents(paths: Sequence[str], text_field: str) -> Sequence[str]:
         if getattr(feature, "dtype", None) not in ("string", "large_string"):
             raise DataError(f"data.text_field: {text_field!r} of {path} holds {feature}, not strings")
         parts.append(dataset.select_columns([text_field]))
-    return _HFDocuments(datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0], text_field)
+    if len(parts) > 1:
+        import datasets  # _load_hf found it
+
+        return _HFDocuments(datasets.concatenate_datasets(parts), text_field)
+    return _HFDocuments(parts[0], text_field)
 
 
 class _HFDocuments(Sequence):
