@@ -171,3 +171,19 @@ def test_parquet_and_hf_records_and_implicit_prompts_read_as_jsonl(tmp_path):
                         overlong="truncate").pairs for path in (explicit, implicit)]
     assert pairs[0] == pairs[1]
     assert tok.decode(pairs[0][0][2]).startswith("No.")
+
+
+def test_the_cpu_recipes_read_their_data():
+    """recipes/cpu/sft-tiny.yaml and dpo-tiny.yaml (the latter from a random tiny model here: it
+    starts from sft-tiny's bundle) load, and their corpora read before compiling."""
+    from hypertron.train.task import task_for
+
+    root = Path(__file__).parents[1]
+    sft = load_config(root / "recipes" / "cpu" / "sft-tiny.yaml", [f"data.paths={root}/recipes/cpu/data/sft.jsonl"])
+    dpo = load_config(root / "recipes" / "cpu" / "dpo-tiny.yaml", [
+        "model=tiny", "train.init_from=", f"data.paths={root}/recipes/cpu/data/pairs.jsonl"])
+    for cfg, count in ((sft, 300), (dpo, 200)):
+        task = task_for(cfg)
+        task.check_inputs(cfg)
+        read = task._examples(cfg)
+        assert len(getattr(read, "examples", None) or read.pairs) == count and read.truncated == 0
