@@ -13,6 +13,8 @@ model file does not change with the precision:
   accumulation, straight-through gradients.
 * A serving weight quantised to int8 (:class:`~hypertron.quant.int8.QArray`) runs its
   weight-only int8 einsum whatever the mode.
+* A weight with a LoRA adapter (:class:`~hypertron.quant.lora.LoraWeight`) adds its low-rank
+  product to its base's einsum, whatever form the base has.
 
 A call with ``quantize=False`` (the unembedding, unless ``model.quantize_unembed``) stays in
 the compute dtype.
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from hypertron.config.schema import Quantization, choices
-from hypertron.quant import fp8, int8
+from hypertron.quant import fp8, int8, lora
 
 Einsum = Callable[..., jax.Array]
 MODES = choices(Quantization)  # model.quantization
@@ -45,6 +47,9 @@ def einsum_for(mode: str, compute_dtype) -> Einsum:
 
     def einsum(subscripts: str, x: jax.Array, w, out_dtype=None, *, quantize: bool = True) -> jax.Array:
         out = dtype if out_dtype is None else jnp.dtype(out_dtype)
+        if isinstance(w, lora.LoraWeight):
+            base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)
+            return (base + w.scale * lora.delta(subscripts, x, w.a, w.b, dtype, out)).astype(out)
         if isinstance(w, int8.QArray):
             return int8.einsum(subscripts, x, w, dtype, out)
         if isinstance(w, fp8.Fp8Weight):

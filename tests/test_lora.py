@@ -1,0 +1,108 @@
+"""LoRA adapters from the declarations, in the einsum hook, in PEFT's files both ways: a PEFT adapter on a
+converted tiny transformers Llama gives PeftModel's logits, unmerged and merged, and ours read back by
+PeftModel gives ours."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from support.tiny import tiny_hf_llama  # noqa: E402  (tests/support)
+
+from hypertron.config import ConfigError, load_config  # noqa: E402
+from hypertron.models import forward  # noqa: E402
+from hypertron.models.hf import load_hf  # noqa: E402
+from hypertron.models.lora import ALL_LINEAR, LoraSettings, attach, init_adapters, load_peft, merge, save_peft, \
+    targets, unmerge  # noqa: E402
+
+torch.set_num_threads(1)
+TOKENS = np.array([[5, 17, 33, 101, 7, 250, 3, 99, 42, 8]], np.int64)
+_forward = jax.jit(forward, static_argnames="cfg")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama3", "tiny-gemma"])
+def test_adapters_cover_exactly_the_targets_in_the_weights_letters(preset):
+    cfg = load_config(None, [f"model={preset}"]).model
+    settings = LoraSettings(rank=4, alpha=8, targets=("q_proj", "down_proj"))
+    adapters = init_adapters(cfg, settings, jax.random.key(0))
+    assert set(adapters["layers"]) == {"wq", "w_down"}
+    L, d, n, h, f = cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+    assert adapters["layers"]["wq"]["a"].shape == (L, d, 4) and adapters["layers"]["wq"]["b"].shape == (L, 4, n, h)
+    assert adapters["layers"]["w_down"]["a"].shape == (L, f, 4) and adapters["layers"]["w_down"]["b"].shape == (L, 4, d)
+    assert not np.any(np.asarray(adapters["layers"]["wq"]["b"]))  # B starts at zero: no change
+    assert {t.module for t in targets(cfg, "all-linear")} == set(ALL_LINEAR)
+    with pytest.raises(ConfigError, match="has no fc1 to adapt"):
+        targets(cfg, ("q_proj", "fc1"))
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+    """A tiny Llama, PEFT's adapter on it (r=4, alpha 8, all seven projections, A and B random),
+    both saved, and PeftModel's logits."""
+    root = tmp_path_factory.mktemp("lora")
+    base = tiny_hf_llama(seed=0, scaled_init=True, num_hidden_layers=2)
+    base.save_pretrained(root / "base", safe_serialization=True)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), init_lora_weights=False,
+                             lora_dropout=0.0)
+    model = peft.get_peft_model(base, config).eval()
+    model.save_pretrained(root / "adapter")
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS)).logits.numpy()
+        plain = model.get_base_model()
+        with model.disable_adapter():
+            base_logits = plain(torch.tensor(TOKENS)).logits.numpy()
+    return root, logits, base_logits
+
+
+def test_a_peft_adapter_gives_peftmodels_logits_unmerged_and_merged(peft_adapter):
+    root, theirs, base_logits = peft_adapter
+    cfg, params = load_hf(root / "base")
+    adapters, settings = load_peft(root / "adapter", cfg)
+    assert (settings.rank, settings.scale) == (4, 2.0)
+    tokens = jnp.asarray(TOKENS, jnp.int32)
+    ours = np.asarray(_forward(attach(params, adapters, settings), tokens, cfg).logits)
+    assert np.max(np.abs(theirs - base_logits)) > 0.1  # the adapter moves the logits
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    merged = merge(params, adapters, settings)
+    np.testing.assert_allclose(np.asarray(_forward(merged, tokens, cfg).logits), theirs, atol=1e-5, rtol=0)
+    back = unmerge(merged, adapters, settings)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), back, params)
+    np.testing.assert_allclose(np.asarray(_forward(params, tokens, cfg).logits), base_logits, atol=1e-5, rtol=0)
+
+
+def test_our_saved_adapter_is_read_by_peftmodel(peft_adapter, tmp_path):
+    root, _, _ = peft_adapter
+    cfg, params = load_hf(root / "base")
+    settings = LoraSettings(rank=2, alpha=4, targets=("q_proj", "v_proj", "down_proj"))
+    adapters = init_adapters(cfg, settings, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), adapters)  # B != 0
+    save_peft(tmp_path, adapters, settings, cfg, base=str(root / "base"))
+    model = peft.PeftModel.from_pretrained(tiny_hf_llama(seed=0, scaled_init=True, num_hidden_layers=2), tmp_path)
+    with torch.no_grad():
+        theirs = model.eval()(torch.tensor(TOKENS)).logits.numpy()
+    ours = np.asarray(_forward(attach(params, adapters, settings), jnp.asarray(TOKENS, jnp.int32), cfg).logits)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    again, same = load_peft(tmp_path, cfg)
+    assert same == settings
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), again, adapters)
+
+
+def test_a_peft_feature_we_lack_is_refused_naming_its_key(peft_adapter, tmp_path):
+    import json
+    import shutil
+
+    root, _, _ = peft_adapter
+    cfg, _ = load_hf(root / "base")
+    for key, value, message in (("use_dora", True, "use_dora=True is not supported"),
+                                ("bias", "all", "bias='all' is not supported"),
+                                ("peft_type", "IA3", "peft_type 'IA3' is not LORA")):
+        shutil.copytree(root / "adapter", tmp_path / key)
+        config = json.loads((tmp_path / key / "adapter_config.json").read_text())
+        (tmp_path / key / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ConfigError, match=message):
+            load_peft(tmp_path / key, cfg)
