@@ -181,6 +181,11 @@ def test_a_dpo_step_on_a_mesh_equals_one_device(tmp_path):
         trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
         state = trainer.init(jax.random.key(0))
         state = dict(state, params=jax.tree.map(lambda p: p * 1.5, state["params"]))  # policy != reference
+        from hypertron.models import memory
+
+        held = memory.state_bytes(cfg, dict(trainer.mesh.shape))  # the reference is counted
+        assert held.reference == held.params == sum(x.addressable_shards[0].data.nbytes
+                                                    for x in jax.tree.leaves(state["reference"]))
         state, metrics = trainer.step(state, global_batch(next(task.batches(cfg)), trainer.batch_sharding))
         return jax.device_get(metrics), jax.device_get(state["params"])
 

@@ -76,15 +76,17 @@ class StateBytes:
     grads: int
     optimizer: int
     fp8_histories: int
+    reference: int = 0  # task: dpo's frozen reference, a second copy of the parameters
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fp8_histories
+        return self.params + self.grads + self.optimizer + self.fp8_histories + self.reference
 
 
 def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False,
                 rules: dict = DEFAULT_RULES) -> StateBytes:
-    """Parameters, gradients, optimiser state and fp8 histories per device on a mesh of these sizes."""
+    """Parameters, gradients, optimiser state and fp8 histories (and ``task: dpo``'s reference) per
+    device on a mesh of these sizes."""
     size = DTYPE_BYTES[param_dtype(cfg.model, accelerator)]
     specs = declare(cfg.model)
     params = sum(math.prod(shard_shape(s.shape, s.axes, mesh_shape, rules)) * size
@@ -98,7 +100,7 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
         histories = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                         for x in jax.tree.leaves(jax.eval_shape(lambda: fp8_histories(cfg.model))))
     return StateBytes(params=params, grads=params, optimizer=OPTIMIZER_MOMENTS * params + OPTIMIZER_SCALARS,
-                      fp8_histories=histories)
+                      fp8_histories=histories, reference=params if cfg.task == "dpo" else 0)
 
 
 # Activation coefficients, fitted to XLA's own accounting (``compiled.memory_analysis()``'s

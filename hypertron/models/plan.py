@@ -138,6 +138,7 @@ def to_json(p: Plan) -> dict[str, Any]:
     return {
         "hardware": p.hardware.name, "devices": p.devices, "nodes": p.nodes, "mesh": p.mesh,
         "memory": {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "fp8_histories": s.fp8_histories,
+                   "reference": s.reference,
                    "activations": p.memory.activations, "total": p.memory.total, "device": p.device_memory,
                    "fits": p.fits},
         "compute_seconds": p.compute,
@@ -160,10 +161,10 @@ def render(p: Plan):
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     for name, v in (("parameters", s.params), ("gradients", s.grads), ("optimiser state", s.optimizer),
-                    ("fp8 histories", s.fp8_histories),
+                    ("fp8 histories", s.fp8_histories), ("DPO reference", s.reference),
                     (f"activations (estimate: {p.memory.micro_batch} row{'s' * (p.memory.micro_batch != 1)} per "
                      f"device{', flash attention' if p.memory.flash else ''})", p.memory.activations)):
-        if v or name != "fp8 histories":
+        if v or name not in ("fp8 histories", "DPO reference"):
             mem.add_row(name, describe_bytes(v))
     mem.add_row("total", describe_bytes(p.memory.total), style="bold")
     parts: list[Any] = [head, mem]
