@@ -35,7 +35,9 @@ from hypertron.errors import UserError
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "hypertron_manifest.json"
-ITEMS = ("params", "opt_state", "quant", "reference", "meta", "data")  # reference: task: dpo's frozen parameters
+# reference: task: dpo's frozen parameters; base: the frozen weights LoRA adapters train on
+FROZEN = ("reference", "base")
+ITEMS = ("params", "opt_state", "quant", *FROZEN, "meta", "data")
 
 
 class CheckpointError(UserError):
@@ -203,8 +205,9 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardSave(state["opt_state"])
         if "quant" in state:
             items["quant"] = ocp.args.StandardSave(state["quant"])
-        if "reference" in state:
-            items["reference"] = ocp.args.StandardSave(state["reference"])
+        for name in FROZEN:
+            if name in state:
+                items[name] = ocp.args.StandardSave(state[name])
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -249,8 +252,8 @@ class Checkpointer:
         return dict(out["meta"])
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
-        """Restore params and optimiser state (and fp8 histories, and ``task: dpo``'s reference, when
-        ``abstract_state`` has them) into the shardings of ``abstract_state``. Histories a step lacks (it was saved without
+        """Restore params and optimiser state (and fp8 histories, and the frozen trees of
+        :data:`FROZEN`, when ``abstract_state`` has them) into the shardings of ``abstract_state``. Histories a step lacks (it was saved without
         fp8 delayed scaling) start from zeros, as a new run's do."""
         self.require_train_state(step)
         items = {
@@ -258,12 +261,11 @@ class Checkpointer:
             "opt_state": ocp.args.StandardRestore(abstract_state["opt_state"]),
             "meta": ocp.args.JsonRestore(),
         }
-        if "reference" in abstract_state:
-            items["reference"] = ocp.args.StandardRestore(abstract_state["reference"])
+        frozen = [name for name in FROZEN if name in abstract_state]
+        items |= {name: ocp.args.StandardRestore(abstract_state[name]) for name in frozen}
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
-        if "reference" in abstract_state:
-            state["reference"] = out["reference"]
+        state |= {name: out[name] for name in frozen}
         if "quant" in abstract_state:
             state["quant"] = self._restore_quant(step, abstract_state["quant"])
         return state

@@ -106,3 +106,67 @@ def test_a_peft_feature_we_lack_is_refused_naming_its_key(peft_adapter, tmp_path
         (tmp_path / key / "adapter_config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ConfigError, match=message):
             load_peft(tmp_path / key, cfg)
+
+
+@pytest.fixture(scope="module")
+def base_bundle(tmp_path_factory):
+    """A tiny base model bundle (random weights) that adapters train on."""
+    from hypertron.models import init_params
+    from hypertron.models.bundle import save_model
+    from support.tiny import TWO_LAYERS
+
+    path = tmp_path_factory.mktemp("lora_base") / "model"
+    cfg = load_config(None, TWO_LAYERS).model
+    save_model(path, cfg, init_params(cfg, jax.random.key(3)))
+    return path
+
+
+def _lora_overrides(bundle, run, *more):
+    from support.tiny import TWO_LAYERS
+
+    return [*TWO_LAYERS, f"train.init_from={bundle}", f"run_dir={run}", "lora.rank=4", "lora.alpha=8",
+            "train.lr=1e-2", "train.warmup_steps=2", "train.log_every=1", *more]
+
+
+@pytest.mark.slow
+def test_adapters_alone_train_over_a_frozen_base_and_leave_a_peft_adapter(base_bundle, tmp_path):
+    from hypertron.models.bundle import read_bundle
+    from hypertron.train.loop import train
+
+    cfg = load_config(None, _lora_overrides(base_bundle, tmp_path / "run", "train.steps=20", "checkpoint.every=20"))
+    result = train(cfg)
+    assert np.mean(result.losses[-3:]) < np.mean(result.losses[:3]) - 0.3, result.losses
+    adapters, settings = load_peft(tmp_path / "run" / "adapter", cfg.model)
+    assert settings.targets == ALL_LINEAR and settings.rank == 4
+    _, base, _ = read_bundle(base_bundle)
+    _, merged, _ = read_bundle(tmp_path / "run" / "model")
+    tokens = jnp.asarray(TOKENS % cfg.model.vocab_size, jnp.int32)
+    np.testing.assert_allclose(np.asarray(_forward(merged, tokens, cfg.model).logits),
+                               np.asarray(_forward(attach(base, adapters, settings), tokens, cfg.model).logits),
+                               atol=1e-4, rtol=1e-4)
+    saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "20").iterdir()}
+    assert {"params", "opt_state", "base"} <= saved  # the adapters, their moments, the frozen base
+
+
+@pytest.mark.slow
+def test_an_adapter_step_on_fsdp8_equals_one_device(base_bundle, tmp_path):
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.step import global_batch
+    from hypertron.train.task import task_for
+
+    def one_step(mesh, devices):
+        cfg = load_config(None, _lora_overrides(base_bundle, tmp_path / "r", "data.source=synthetic", *mesh))
+        task = task_for(cfg)
+        trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
+        state = task.initial_state(cfg, trainer, console=type("C", (), {"print": lambda *a, **k: None})())
+        state = dict(state, params=jax.tree.map(lambda x: x + 0.01, state["params"]))  # B != 0
+        moments = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
+        assert moments < sum(x.size for x in jax.tree.leaves(state["base"]))  # the adapters' moments only
+        state, metrics = trainer.step(state, global_batch(next(task.batches(cfg)), trainer.batch_sharding))
+        return jax.device_get(metrics), jax.device_get(state["params"])
+
+    want_metrics, want = one_step(["mesh.fsdp=1"], jax.devices()[:1])
+    metrics, got = one_step(["mesh.fsdp=8"], None)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-4), got, want)

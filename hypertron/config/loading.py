@@ -33,10 +33,10 @@ import yaml
 
 from hypertron.config.presets import DLRM_PRESETS, PRESETS
 from hypertron.config.schema import (
-    FINE_TUNING_DATA_KEYS,
     RENAMED_KEYS,
     Config,
     DlrmConfig,
+    LoraConfig,
     ModelConfig,
     MoEConfig,
     RopeScaling,
@@ -44,7 +44,7 @@ from hypertron.config.schema import (
     choice_error,
 )
 from hypertron.config.numbers import parse_number
-from hypertron.config.validation import validate, validate_serve
+from hypertron.config.validation import FINE_TUNING_DATA_KEYS, validate, validate_serve
 from hypertron.errors import ConfigError, UserError, one_line
 
 
@@ -321,12 +321,14 @@ def dump_yaml(cfg: Any) -> str:
     A run's config leaves out the section its task does not read: ``task`` and ``dlrm`` for a
     language model (as before there were tasks), ``model`` for a recommender; and the data keys of
     fine-tuning (:data:`FINE_TUNING_DATA_KEYS`) but for ``task: sft`` and ``dpo``, and ``dpo`` but for
-    ``task: dpo``."""
+    ``task: dpo``, and ``lora`` when it is off."""
     tree = to_dict(cfg)
     if isinstance(cfg, Config):
         for key in {"lm": ("task", "dlrm", "dpo"), "sft": ("dlrm", "dpo"), "dpo": ("dlrm",)}.get(cfg.task,
                                                                                            ("model", "dpo")):
             tree.pop(key)
+        if cfg.lora == LoraConfig():  # LoRA off: the section as its defaults
+            tree.pop("lora")
         if cfg.task not in ("sft", "dpo"):  # the fine-tuning keys, as their defaults (validate refuses others)
             for key in FINE_TUNING_DATA_KEYS:
                 tree["data"].pop(key)

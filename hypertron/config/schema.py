@@ -72,16 +72,10 @@ DispatchAhead = Literal["auto", "on", "off"]
 # that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
 # CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
 PrefillGroups = Literal["auto", "max"]
-# what a run trains: a language model (model, data), one fine-tuned on examples or on preference pairs
-# (docs/finetuning.md), or a DLRM recommender (dlrm)
-Task = Literal["lm", "sft", "dpo", "dlrm"]
-# a record: one text (pre-training), {role, content} messages, a prompt and its completion, or a prompt with
-# a chosen and a rejected completion (strings or message lists): TRL's dataset formats
-DataFormat = Literal["text", "messages", "prompt_completion", "preference"]
+Task = Literal["lm", "sft", "dpo", "dlrm"]  # a language model; fine-tuned on examples or pairs; a recommender
+DataFormat = Literal["text", "messages", "prompt_completion", "preference"]  # a record, as TRL's dataset formats
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
-# which tokens carry loss in fine-tuning: auto (assistant for messages, completion for prompt_completion),
-# the assistant's turns, the completion, or every token
-LossOn = Literal["auto", "assistant", "completion", "all"]
+LossOn = Literal["auto", "assistant", "completion", "all"]  # auto: assistant for messages, else completion
 Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a row: keep its start, or refuse it
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
@@ -298,18 +292,22 @@ class DataConfig:
     overlong: Overlong = "truncate"
 
 
-# DataConfig's keys that only task: sft reads (a run of another task leaves them at their defaults)
-FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "chosen_field",
-                         "rejected_field", "loss_on", "chat_template", "overlong")
-
-
 @dataclass(frozen=True, kw_only=True)
 class DpoConfig:
-    """Preference tuning, ``task: dpo`` (docs/finetuning.md): the objective over each pair's
-    log-ratios against a frozen reference (the starting parameters)."""
+    """``task: dpo`` (docs/finetuning.md): the pair objective against a frozen reference."""
 
     beta: float = 0.1  # how far the policy may move from the reference
     loss_type: DpoLossType = "sigmoid"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA (hypertron.models.lora): with ``rank`` > 0, only adapters on ``train.init_from``'s frozen base train."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's scale is alpha / rank (alpha / sqrt(rank) with rslora)
+    targets: tuple[str, ...] = ("all-linear",)  # PEFT's module names (q_proj ...), or all-linear
+    rslora: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -446,6 +444,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     dlrm: DlrmConfig = field(default_factory=DlrmConfig)  # task: dlrm only
     dpo: DpoConfig = field(default_factory=DpoConfig)  # task: dpo only
+    lora: LoraConfig = field(default_factory=LoraConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hypertron.config.schema import (
-    FINE_TUNING_DATA_KEYS,
     MODEL_INDEX,
     Config,
     DataConfig,
@@ -116,6 +115,11 @@ def validate_dlrm(d: DlrmConfig) -> None:
                               f"{d.dense_features} and {len(d.table_rows)}")
 
 
+# DataConfig's keys that only task: sft and dpo read (a run of another task leaves them at their defaults)
+FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "chosen_field",
+                         "rejected_field", "loss_on", "chat_template", "overlong")
+
+
 def _check_format(cfg: Config) -> None:
     """``data.format`` and ``data.loss_on`` fit the task: records of text for ``lm``, examples
     (messages, prompt_completion) for ``sft``, read from jsonl so far."""
@@ -152,6 +156,18 @@ def _check_format(cfg: Config) -> None:
                 raise ConfigError(f"data.{key}={getattr(d, key)} is for fine-tuning: set task=sft or task=dpo")
     if cfg.task != "dpo" and cfg.dpo != DpoConfig():
         raise ConfigError("dpo: its settings are for task=dpo")
+    lo = cfg.lora
+    if lo.rank < 0 or lo.alpha <= 0:
+        raise ConfigError(f"lora.rank={lo.rank}, lora.alpha={lo.alpha}: the rank must not be negative (0: off), "
+                          "alpha must be positive")
+    if lo.rank:
+        if cfg.task not in ("lm", "sft"):
+            raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters yet (lm and sft do)")
+        if not cfg.train.init_from:
+            raise ConfigError(f"lora.rank={lo.rank}: adapters train on a frozen base: set train.init_from")
+        if cfg.model.quantization != "none" or cfg.train.eval_every:
+            raise ConfigError(f"lora.rank={lo.rank}: model.quantization and train.eval_every are not taken with "
+                              "adapters yet")
 
 
 def validate(cfg: Config) -> None:

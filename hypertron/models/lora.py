@@ -113,6 +113,16 @@ def init_adapters(cfg: ModelConfig, settings: LoraSettings, key: jax.Array, dtyp
     return out
 
 
+def adapter_axes(cfg: ModelConfig, settings: LoraSettings) -> dict:
+    """The logical axes of :func:`init_adapters`' tree: each weight's own for ``A``'s input and
+    ``B``'s output dimensions (and the stacking ``layers``), None (never sharded) for the rank."""
+    out: dict = {}
+    for t in targets(cfg, settings.targets):
+        axes, n_stack, n_in = t.spec.axes, len(t.stack), len(t.ins)
+        _put(out, t.path, {"a": (*axes[:n_stack + n_in], None), "b": (*axes[:n_stack], None, *axes[n_stack + n_in:])})
+    return out
+
+
 def attach(params: dict, adapters: dict, settings: LoraSettings) -> dict:
     """``params`` with each adapted weight wrapped as :class:`LoraWeight` (the einsum hook adds the
     adapter; the base is not changed)."""
@@ -213,8 +223,9 @@ def save_peft(path: str | Path, adapters: dict, settings: LoraSettings, cfg: Mod
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, settings.rank).T)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[index].reshape(settings.rank, -1).T)
     save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    modules = sorted({t.module for t in targets(cfg, settings.targets)})  # all-linear spelled out
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
-              "target_modules": sorted(settings.targets), "use_rslora": settings.rslora, "lora_dropout": 0.0,
+              "target_modules": modules, "use_rslora": settings.rslora, "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "use_dora": False, "base_model_name_or_path": base,
               "inference_mode": True}
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

@@ -133,21 +133,27 @@ class LanguageModel:
                 "process_count": jax.process_count()}
 
     def trainer(self, cfg: Config, mesh: Mesh):
+        if cfg.lora.rank:  # adapters only, over a frozen base (hypertron.train.lora)
+            from hypertron.train.lora import make_lora_trainer
+
+            return make_lora_trainer(cfg, mesh)
         return make_trainer(cfg, mesh)
 
     def initial_state(self, cfg: Config, trainer, console) -> dict:
         state = trainer.init(jax.random.key(cfg.train.seed))
         if cfg.train.init_from:
-            console.print(f"starting from the parameters in {cfg.train.init_from}")
-            shardings = trainer.abstract_state()["params"]
+            where = "base" if cfg.lora.rank else "params"  # LoRA: the frozen base the adapters train on
+            console.print(f"starting from the parameters in {cfg.train.init_from}"
+                          + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""))
+            shardings = trainer.abstract_state()[where]
             if is_bundle(cfg.train.init_from):
                 _, params, _ = read_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
                 # Each process places the slices its devices hold, from the whole array it read.
-                state["params"] = jax.tree.map(
+                state[where] = jax.tree.map(
                     lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
                     params, shardings)
             else:
-                _, state["params"] = load_params(cfg.train.init_from, shardings=shardings)
+                _, state[where] = load_params(cfg.train.init_from, shardings=shardings)
         return state
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
@@ -170,7 +176,18 @@ class LanguageModel:
                           None if q == "none" else device_peak_flops(0.0, fmt=q), quantized=q != "none")
 
     def finish(self, cfg: Config, state: dict, console) -> None:
-        write_bundle(cfg, state["params"], console)
+        if not cfg.lora.rank:
+            write_bundle(cfg, state["params"], console)
+            return
+        from hypertron.models.lora import merge, save_peft
+        from hypertron.train.lora import lora_settings
+
+        settings = lora_settings(cfg)
+        write_bundle(cfg, merge(state["base"], state["params"], settings), console)  # what serve reads today
+        if jax.process_index() == 0:
+            path = Path(cfg.run_dir) / "adapter"
+            save_peft(path, jax.device_get(state["params"]), settings, cfg.model, base=cfg.train.init_from)
+            console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
 
 
 class FineTune(LanguageModel):
@@ -210,7 +227,7 @@ class FineTune(LanguageModel):
                 "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
 
     def finish(self, cfg: Config, state: dict, console) -> None:
-        write_bundle(cfg, state["params"], console)
+        super().finish(cfg, state, console)
         template = chat_template_of(cfg)
         if cfg.data.chat_template and template is not None and jax.process_index() == 0:
             set_chat_template(Path(cfg.run_dir) / "model", template)

@@ -1,0 +1,78 @@
+"""Training only LoRA adapters (``lora.rank`` > 0) over a frozen base: the train state is
+``{"params": adapters, "base": the frozen weights, "opt_state": over the adapters only, "step"}``,
+so no gradient, moment or master copy of the base exists. The step is pre-training's loss
+(:func:`hypertron.train.step.loss_terms`) on the base with the adapters attached
+(:func:`hypertron.models.lora.attach`), its gradients taken with respect to the adapters alone.
+
+The base is ``train.init_from``'s parameters, held in the parameter dtype; it is checkpointed with
+the adapters (so a resumed run needs nothing else), which issue 41 means to drop for the base's
+path and hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hypertron.config import Config
+from hypertron.models.lora import LoraSettings, adapter_axes, attach, init_adapters
+from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, use_rules
+from hypertron.train.optimizer import make_optimizer, schedule
+from hypertron.train.step import Trainer, accumulate_grads, loss_terms, make_trainer
+
+
+def lora_settings(cfg: Config) -> LoraSettings:
+    lo = cfg.lora
+    return LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), rslora=lo.rslora)
+
+
+def adapted_loss(adapters, batch, cfg: Config, histories=None, *, base, settings: LoraSettings):
+    """:func:`loss_terms` of the base with ``adapters`` attached (differentiable in the adapters)."""
+    return loss_terms(attach(base, adapters, settings), batch, cfg, histories)
+
+
+def lora_step(state, batch, cfg: Config, optimizer: optax.GradientTransformation, settings: LoraSettings):
+    """One optimiser step of the adapters; the base passes through unchanged."""
+    loss_fn = functools.partial(adapted_loss, base=state["base"], settings=settings)
+    grads, _, aux = accumulate_grads(state["params"], None, batch, cfg, loss_fn)
+    weight = jnp.maximum(aux["weight"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    metrics = {"loss": aux["nll_sum"] / weight, "z_loss": aux["z_sum"] / weight, "grad_norm": optax.global_norm(grads),
+               "lr": schedule(cfg.train)(state["step"]), "tokens": aux["weight"]}
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+            "step": state["step"] + 1, "base": state["base"]}, metrics
+
+
+def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
+    """The adapters' sharded init and step (see the module docstring); the base's shardings are
+    pre-training's parameters'."""
+    base = make_trainer(cfg, mesh, rules)
+    settings = lora_settings(cfg)
+    optimizer = make_optimizer(cfg.train)
+    abstract = jax.eval_shape(lambda: init_adapters(cfg.model, settings, jax.random.key(0)))
+    a_shard = shardings_for(adapter_axes(cfg.model, settings), abstract, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract), a_shard,
+                                      transform_non_params=lambda _: replicated)
+    shardings = {"params": a_shard, "opt_state": opt_shard, "step": replicated,
+                 "base": base.state_shardings["params"]}
+
+    def init_fn(key):
+        adapters = init_adapters(cfg.model, settings, jax.random.fold_in(key, 1))
+        return {"params": adapters, "opt_state": optimizer.init(adapters), "step": jnp.zeros((), jnp.int32),
+                "base": base.init(key)["params"]}  # a placeholder: the task puts train.init_from's there
+
+    def step_fn(state, batch):
+        with use_rules(mesh, rules):
+            return lora_step(state, batch, cfg, optimizer, settings)
+
+    step = jax.jit(step_fn, in_shardings=(shardings, base.batch_sharding), out_shardings=(shardings, replicated),
+                   donate_argnums=0)
+    return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings,
+                               init=jax.jit(init_fn, out_shardings=shardings), step=step)
