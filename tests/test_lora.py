@@ -160,8 +160,13 @@ def test_an_adapter_step_on_fsdp8_equals_one_device(base_bundle, tmp_path):
         trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
         state = task.initial_state(cfg, trainer, console=type("C", (), {"print": lambda *a, **k: None})())
         state = dict(state, params=jax.tree.map(lambda x: x + 0.01, state["params"]))  # B != 0
-        moments = sum(x.size for x in jax.tree.leaves(state["opt_state"]))
-        assert moments < sum(x.size for x in jax.tree.leaves(state["base"]))  # the adapters' moments only
+        from hypertron.models import memory
+
+        held = memory.state_bytes(cfg, dict(trainer.mesh.shape))  # the memory model: adapters, moments, base
+        first = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+        assert (held.params, held.optimizer, held.base) == (first(state["params"]), first(state["opt_state"]),
+                                                            first(state["base"]))
+        assert held.optimizer < held.base  # the adapters' moments only
         state, metrics = trainer.step(state, global_batch(next(task.batches(cfg)), trainer.batch_sharding))
         return jax.device_get(metrics), jax.device_get(state["params"])
 

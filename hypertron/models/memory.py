@@ -77,16 +77,18 @@ class StateBytes:
     optimizer: int
     fp8_histories: int
     reference: int = 0  # task: dpo's frozen reference, a second copy of the parameters
+    base: int = 0  # with LoRA: the frozen base (params, grads and optimizer are then the adapters')
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fp8_histories + self.reference
+        return self.params + self.grads + self.optimizer + self.fp8_histories + self.reference + self.base
 
 
 def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False,
                 rules: dict = DEFAULT_RULES) -> StateBytes:
     """Parameters, gradients, optimiser state and fp8 histories (and ``task: dpo``'s reference) per
-    device on a mesh of these sizes."""
+    device on a mesh of these sizes. With LoRA (``lora.rank``) the first three are the adapters'
+    and ``base`` the frozen base's."""
     size = DTYPE_BYTES[param_dtype(cfg.model, accelerator)]
     specs = declare(cfg.model)
     params = sum(math.prod(shard_shape(s.shape, s.axes, mesh_shape, rules)) * size
@@ -99,6 +101,19 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
 
         histories = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                         for x in jax.tree.leaves(jax.eval_shape(lambda: fp8_histories(cfg.model))))
+    if cfg.lora.rank:  # the adapters train (float32, as initialised); the base is held, frozen
+        from hypertron.models.lora import LoraSettings, adapter_axes, init_adapters
+
+        lo = cfg.lora
+        settings = LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), rslora=lo.rslora)
+        import jax
+
+        shapes = jax.eval_shape(lambda: init_adapters(cfg.model, settings, jax.random.key(0)))
+        axes = jax.tree.leaves(adapter_axes(cfg.model, settings), is_leaf=lambda x: isinstance(x, tuple))
+        adapters = sum(math.prod(shard_shape(x.shape, a, mesh_shape, rules)) * x.dtype.itemsize
+                       for x, a in zip(jax.tree.leaves(shapes), axes, strict=True))
+        return StateBytes(params=adapters, grads=adapters, optimizer=OPTIMIZER_MOMENTS * adapters + OPTIMIZER_SCALARS,
+                          fp8_histories=histories, base=params)
     return StateBytes(params=params, grads=params, optimizer=OPTIMIZER_MOMENTS * params + OPTIMIZER_SCALARS,
                       fp8_histories=histories, reference=params if cfg.task == "dpo" else 0)
 

@@ -138,7 +138,7 @@ def to_json(p: Plan) -> dict[str, Any]:
     return {
         "hardware": p.hardware.name, "devices": p.devices, "nodes": p.nodes, "mesh": p.mesh,
         "memory": {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "fp8_histories": s.fp8_histories,
-                   "reference": s.reference,
+                   "reference": s.reference, "frozen_base": s.base,
                    "activations": p.memory.activations, "total": p.memory.total, "device": p.device_memory,
                    "fits": p.fits},
         "compute_seconds": p.compute,
@@ -161,10 +161,10 @@ def render(p: Plan):
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     for name, v in (("parameters", s.params), ("gradients", s.grads), ("optimiser state", s.optimizer),
-                    ("fp8 histories", s.fp8_histories), ("DPO reference", s.reference),
+                    ("fp8 histories", s.fp8_histories), ("DPO reference", s.reference), ("frozen base (LoRA)", s.base),
                     (f"activations (estimate: {p.memory.micro_batch} row{'s' * (p.memory.micro_batch != 1)} per "
                      f"device{', flash attention' if p.memory.flash else ''})", p.memory.activations)):
-        if v or name not in ("fp8 histories", "DPO reference"):
+        if v or name not in ("fp8 histories", "DPO reference", "frozen base (LoRA)"):
             mem.add_row(name, describe_bytes(v))
     mem.add_row("total", describe_bytes(p.memory.total), style="bold")
     parts: list[Any] = [head, mem]

@@ -66,7 +66,8 @@ def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
     raise ConfigError(
         f"this run needs about {describe_bytes(need.total)} per device (parameters {describe_bytes(s.params)}, "
         f"gradients {describe_bytes(s.grads)}, optimiser {describe_bytes(s.optimizer)}, "
-        f"{f'the DPO reference {describe_bytes(s.reference)}, ' if s.reference else ''}activations "
+        f"{f'the DPO reference {describe_bytes(s.reference)}, ' if s.reference else ''}"
+        f"{f'the frozen base {describe_bytes(s.base)}, ' if s.base else ''}activations "
         f"{describe_bytes(need.activations)} for {need.micro_batch} rows of {cfg.train.seq_len}), more than the "
         f"{describe_bytes(limit)} a device has: fewer rows "
         "per device (train.global_batch, train.grad_accum, more devices), model.remat=full, a larger mesh.fsdp, "
