@@ -50,6 +50,9 @@ class Examples:
     examples: list[tuple[list[int], list[int]]]
     truncated: int
 
+    def __len__(self) -> int:
+        return len(self.examples)
+
 
 def read_examples(*, source: str, paths: Sequence[str], fmt: str, fields: dict[str, str], tokenizer: Tokenizer,
                   loss_on: str, template: str | None, seq_len: int, overlong: str) -> Examples:
@@ -84,6 +87,9 @@ class Pairs:
 
     pairs: list[tuple[list[int], list[int], list[int]]]
     truncated: int
+
+    def __len__(self) -> int:
+        return len(self.pairs)
 
 
 def read_pairs(*, source: str, paths: Sequence[str], fields: dict[str, str], tokenizer: Tokenizer,
@@ -140,9 +146,7 @@ def make_dpo_batches(pairs: Pairs, *, seq_len: int, batch_size: int, seed: int =
             rows["loss_weights"][r, span] = mask[1:]
             rows["segment_ids"][r, span] = segment
             rows["positions"][r, span] = np.arange(n)
-    dataset = grain.MapDataset.source(_Rows(rows))
-    epochs = _ShuffledEpochs(dataset, seed=seed) if shuffle else dataset.repeat()
-    return _JsonStateIterator(iter(epochs.batch(batch_size, drop_remainder=True).to_iter_dataset()))
+    return _stream(rows, batch_size=batch_size, seed=seed, shuffle=shuffle)
 
 
 def make_sft_batches(examples: Examples, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
@@ -164,7 +168,13 @@ def make_sft_batches(examples: Examples, *, seq_len: int, batch_size: int, seed:
     if not shard:
         raise DataError(f"data: {len(chosen)} {split} examples are too few for {process_count} processes")
     packed, _ = pack_rows(shard, seq_len, pad_id)
-    rows = grain.MapDataset.source(_Rows(packed))
+    return _stream(packed, batch_size=batch_size, seed=seed, shuffle=shuffle)
+
+
+def _stream(fields: dict[str, np.ndarray], *, batch_size: int, seed: int, shuffle: bool) -> Iterator[dict]:
+    """Batches of the rows of ``fields`` ([rows, seq_len] each), repeated, each epoch in its own
+    seeded order (or in order); the iterator's state is its next batch's index."""
+    rows = grain.MapDataset.source(_Rows(fields))
     epochs = _ShuffledEpochs(rows, seed=seed) if shuffle else rows.repeat()
     return _JsonStateIterator(iter(epochs.batch(batch_size, drop_remainder=True).to_iter_dataset()))
 

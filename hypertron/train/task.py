@@ -199,15 +199,16 @@ class FineTune(LanguageModel):
     carries the chat template they were rendered with, so ``hypertron serve`` renders what the
     model learned."""
 
+    TOO_LONG = "examples are longer than train.seq_len={} + 1 tokens"  # what data.overlong=truncate cut
+
     def __init__(self):
         self._read: tuple[tuple, Any] | None = None  # (what decides the examples, the examples)
 
     def check_inputs(self, cfg: Config) -> None:
-        examples = self._examples(cfg)
-        if examples.truncated:
-            print(f"hypertron train: {examples.truncated} of {len(examples.examples)} examples are longer than "
-                  f"train.seq_len={cfg.train.seq_len} + 1 tokens: each keeps its start (data.overlong=error "
-                  "refuses them)", file=sys.stderr)
+        read = self._examples(cfg)
+        if read.truncated:
+            print(f"hypertron train: {read.truncated} of {len(read)} {self.TOO_LONG.format(cfg.train.seq_len)}: each "
+                  "keeps its start (data.overlong=error refuses them)", file=sys.stderr)
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         from hypertron.data.finetune import make_sft_batches
@@ -262,12 +263,7 @@ class PreferenceTune(FineTune):
     (:mod:`hypertron.train.dpo`; docs/finetuning.md). One pair a row; the rest is
     :class:`FineTune`'s (the template, the bundle)."""
 
-    def check_inputs(self, cfg: Config) -> None:
-        pairs = self._examples(cfg)
-        if pairs.truncated:
-            print(f"hypertron train: {pairs.truncated} of {len(pairs.pairs)} pairs have a sequence longer than half of "
-                  f"train.seq_len={cfg.train.seq_len} + 1 tokens: each keeps its start (data.overlong=error refuses "
-                  "them)", file=sys.stderr)
+    TOO_LONG = "pairs have a sequence longer than half of train.seq_len={} + 1 tokens"
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         from hypertron.data.finetune import make_dpo_batches
