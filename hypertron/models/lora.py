@@ -58,6 +58,11 @@ class LoraSettings:
         order = {m: i for i, m in enumerate(ALL_LINEAR)}  # one spelling of a set of targets: the layer's order
         object.__setattr__(self, "targets", tuple(sorted(set(self.targets), key=lambda m: (order.get(m, 99), m))))
 
+    @classmethod
+    def of(cls, lora) -> LoraSettings:
+        """The settings of a run's ``lora:`` section (:class:`hypertron.config.schema.LoraConfig`)."""
+        return cls(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), rslora=lora.rslora)
+
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)

@@ -104,8 +104,7 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
     if cfg.lora.rank:  # the adapters train (float32, as initialised); the base is held, frozen
         from hypertron.models.lora import LoraSettings, adapter_axes, init_adapters
 
-        lo = cfg.lora
-        settings = LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), rslora=lo.rslora)
+        settings = LoraSettings.of(cfg.lora)
         import jax
 
         shapes = jax.eval_shape(lambda: init_adapters(cfg.model, settings, jax.random.key(0)))

@@ -27,8 +27,7 @@ from hypertron.train.step import Trainer, accumulate_grads, loss_terms, make_tra
 
 
 def lora_settings(cfg: Config) -> LoraSettings:
-    lo = cfg.lora
-    return LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets), rslora=lo.rslora)
+    return LoraSettings.of(cfg.lora)
 
 
 def adapted_loss(adapters, batch, cfg: Config, histories=None, *, base, settings: LoraSettings):
