@@ -2,7 +2,7 @@
 
     python bench/serve.py [PRESET] [key=value ...] [--batch-sizes 1 4 16] [--kv-dtypes float32 int8]
                           [--context 512] [--steps 32] [--warmup 3] [--page-size 16] [--top-logprobs 20]
-                          [--peak-bw B/s] [--torch-threads N] [--no-hf]
+                          [--peak-bw B/s] [--torch-threads N] [--no-hf] [--profile [--trace DIR]]
 
 One model, random weights (``init_params``) in the compute dtype (``auto``: float32 on
 CPU, bfloat16 on an accelerator); ``key=value`` overrides change the preset's fields
@@ -26,6 +26,10 @@ time leaves the prefill out: a logits processor stamps the clock at each new tok
 step is (last stamp - first) / (N - 1); the median of 3 runs after a warm-up run. Its KV
 cache is the default dynamic one, in the compute dtype.
 Both sides' greedy tokens for the first prompt are compared, to show they run one model.
+
+``--profile``: instead, the serving loop at each batch size, readied as ``hypertron serve`` readies
+it, without HTTP, and where its turns' time goes, phase by phase (``bench/serve_profile.py``;
+``--trace DIR``: its measured round under ``jax.profiler.trace``, for Perfetto or TensorBoard).
 """
 
 from __future__ import annotations
@@ -221,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the engine scans the stacked layer weights (default: unrolled, per-layer weights)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="default: the number of cores")
+    p.add_argument("--profile", action="store_true",
+                   help="the serving loop without HTTP, each turn's time by phase (bench/serve_profile.py)")
+    p.add_argument("--budget", type=int, default=512, help="--profile: tokens a step (max_num_batched_tokens)")
+    p.add_argument("--trace", default=None, metavar="DIR", help="--profile: a jax.profiler trace of the measured round")
     args = p.parse_args(argv)
 
     from hypertron.config import ConfigError
@@ -242,6 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     params = init_params(cfg, jax.random.key(0), dtype)
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (max(args.batch_sizes), args.context))
 
+    if args.profile:
+        from serve_profile import print_profile, profile_batch  # bench/serve_profile.py
+
+        rows = [profile_batch(params, cfg, b, args.context, args.steps, args.page_size, kv_dtypes[0], args.budget,
+                              args.trace and os.path.join(args.trace, f"batch{b}"), scan_layers=args.scan_layers)
+                for b in args.batch_sizes]
+        print(f"{cfg.name}, compute {dtype}, KV {kv_dtypes[0]}, context {args.context}, {args.steps} tokens out, "
+              f"page size {args.page_size}, {args.budget} tokens a step")
+        print_profile(rows)
+        print(f"versions: python {platform.python_version()}, jax {jax.__version__}; device {jax.devices()[0]}")
+        print(("command: python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip())
+        return 0
     rows = []
     for batch in args.batch_sizes:
         for kv in kv_dtypes:

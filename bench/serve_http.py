@@ -77,8 +77,8 @@ figure is the streams' inter-token gaps from the first long prompt on (p50, p99,
 
 The servers and the load generator share the machine. Prints one table per concurrency
 (request throughput, output tokens/s, TTFT / TPOT mean p50 p99, end to end p50 p99, errors),
-then the checks, the device, the versions and the command lines; ``--output`` writes all of it,
-with both servers' full reports, as JSON.
+then the checks (hypertron's loop by phase in each concurrency's measured runs, from its
+``/metrics``), the device, versions and command lines; ``--output``: all of it, reports too, as JSON.
 """
 
 from __future__ import annotations
@@ -107,9 +107,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import MAX_SEQ_LEN, add_model_args, build_model, write_prompts  # bench/serve_model.py, this directory
 from serve_http_prefix import add_workload_args, run_workloads  # bench/serve_http_prefix.py, this directory
 from serve_http_vllm import check_peer  # bench/serve_http_vllm.py, this directory
-from serve_http_servers import (  # bench/serve_http_servers.py, this directory
-    Server, bench, compile_counts, counts_since, greedy_text, missing_serve_deps, script,
-)
+from serve_http_servers import (Server, bench, breakdown_line, compile_counts, counts_since,  # bench/, here
+                                greedy_text, missing_serve_deps, script, step_breakdown, step_times)
 
 SERVERS = ("hypertron", "transformers")
 # hypertron, per concurrency: after the warm-up run of 2 N requests, up to this many more of N while
@@ -446,11 +445,11 @@ def measure_concurrency(t: Target, c: int) -> dict:
     before = compile_counts(t.base_url) if hyp else {}
     t.bench(f"c{c}w", c, 2 * n, f"c{c}-warmup")  # this load's step shapes
     extra = extra_warmups(t, c, before) if hyp else 0
-    before = compile_counts(t.base_url) if hyp else {}
+    before, steps = (compile_counts(t.base_url), step_times(t.base_url)) if hyp else ({}, {})
     report = median_report([t.bench(f"c{c}r{i}", c, n, f"c{c}-r{i}") for i in range(t.setup.args.repeats)])
     if hyp:
-        report["compiles"] = counts_since(before, compile_counts(t.base_url))
-        report["extra_warmups"] = extra
+        report |= {"compiles": counts_since(before, compile_counts(t.base_url)), "extra_warmups": extra,
+                   "step_breakdown": step_breakdown(steps, step_times(t.base_url))}
     print(f"  ... {t.name} concurrency {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return report
 
@@ -518,7 +517,8 @@ def print_checks(s: Setup, m: Measured) -> None:
             k = results["hypertron"][c]["compiles"]
             print(f"concurrency {c}: hypertron's measured runs (after {results['hypertron'][c]['extra_warmups']} "
                   f"more warm-up runs): {k['sync']} compiles waited for, {k['background']} in the background, "
-                  f"{k['padded']} steps run padded")
+                  f"{k['padded']} steps run padded\nconcurrency {c}: "
+                  + breakdown_line(results["hypertron"][c]["step_breakdown"]))
     for label, r in m.interference.items():
         k = r.get("compiles", {})
         print(f"interference, {label}: measured runs: {k.get('sync', 0)} compiles waited for, "

@@ -134,6 +134,33 @@ def compile_counts(base_url: str) -> dict[str, float]:
     return {m: float(v) for m, v in re.findall(r'^hypertron_step_compiles_total\{mode="(\w+)"\} (\S+)$', text, re.M)}
 
 
+def step_times(base_url: str) -> dict[str, float]:
+    """hypertron's serving loop so far, from ``/metrics``: ``turns``, their ``seconds``, and the
+    seconds of each phase (``hypertron_step_phase_seconds``, hypertron.serve.metrics.STEP_PHASES)."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out = {p: float(v) for p, v in re.findall(r'^hypertron_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M)}
+    for key, name in (("turns", "count"), ("seconds", "sum")):
+        found = re.search(rf"^hypertron_step_seconds_{name} (\S+)$", text, re.M)
+        out[key] = float(found.group(1)) if found else 0.0
+    return out
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Between two :func:`step_times`: ``turns``, and the mean turn and each phase in ms a turn."""
+    turns = after.get("turns", 0) - before.get("turns", 0)
+    out = {k: 1e3 * (v - before.get(k, 0.0)) / max(turns, 1) for k, v in after.items() if k != "turns"}
+    return {"turns": turns, **out}
+
+
+def breakdown_line(b: dict[str, float]) -> str:
+    """A :func:`step_breakdown` in words."""
+    phases = ", ".join(f"{p} {v:.2f}" for p, v in b.items() if p not in ("turns", "seconds"))
+    return (f"hypertron's serving loop in the measured runs: {b['turns']:.0f} turns of {b['seconds']:.2f} ms on "
+            f"average: {phases} (ms a turn; hypertron_step_phase_seconds)")
+
+
 def counts_since(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     return {m: int(after.get(m, 0) - before.get(m, 0)) for m in ("sync", "background", "padded")}
 

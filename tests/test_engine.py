@@ -204,6 +204,45 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
     assert engine.compiles == {"sync": 0, "background": 0, "padded": engine_module.COMPILE_AFTER_PADDED}
 
 
+class _Letters:
+    """A tokenizer's decode, all a Generation needs: one letter a token."""
+
+    @staticmethod
+    def decode(ids) -> str:
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+def test_the_step_breakdown_over_the_engine_adds_up_and_times_its_assembly_and_its_wait(params):
+    """Over the real engine each serving loop turn's phases (hypertron_step_phase_seconds) add up to
+    the turn, the engine's own split of its dispatch (assembling the step's arrays) and of its
+    collect (waiting for the device) included; the tokens are those of the scheduler run alone."""
+    import asyncio
+
+    from hypertron.serve.orchestrator import Orchestrator
+    from hypertron.serve.metrics import STEP_PHASES
+
+    prompts = [[5, 17, 33, 101, 7], [40, 41, 42]]
+    want, _, _ = run(PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy")),
+                     prompts, [GREEDY, GREEDY])
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=20, compile="lazy"))
+    orch = Orchestrator(engine, _Letters(), SchedulerConfig(dispatch_ahead="on")).start()
+
+    async def generate():
+        gens = [orch.submit(p, GREEDY) for p in prompts]
+        return [[t for c in [c async for c in g] for t in c.token_ids] for g in gens]
+
+    try:
+        got = asyncio.run(generate())
+    finally:
+        orch.stop()
+    assert got == [s.generated for s in want]
+    get = orch.metrics.registry.get_sample_value
+    parts = {p: get("hypertron_step_phase_seconds_sum", {"phase": p}) for p in STEP_PHASES}
+    assert sum(parts.values()) == pytest.approx(get("hypertron_step_seconds_sum"), rel=0.1)
+    assert parts["assemble"] > 0 and parts["wait"] > 0 and parts["launch"] > 0
+    assert get("hypertron_step_seconds_count") >= 8  # a step a token at least, and one to collect the last
+
+
 def test_a_step_waits_for_a_compile_only_when_no_compiled_shape_holds_it(params):
     """A plan whose only compiled holder costs over MAX_PADDED_COST times its own still runs
     padded to it, its own shape queued for the background at once (a wait costs every stream a

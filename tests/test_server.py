@@ -395,6 +395,38 @@ def test_orchestrator_ends_a_lone_sequence_past_the_pool_and_drops_cancelled_one
         asyncio.run(_submit_one(orch))
 
 
+def phase_seconds(registry) -> tuple[dict[str, float], float, float]:
+    """``(seconds by phase, seconds of the turns, turns)`` from a server's metrics."""
+    from hypertron.serve.metrics import STEP_PHASES
+
+    get = registry.get_sample_value
+    return ({p: get("hypertron_step_phase_seconds_sum", {"phase": p}) for p in STEP_PHASES},
+            get("hypertron_step_seconds_sum"), get("hypertron_step_seconds_count"))
+
+
+def test_the_step_breakdown_charges_the_engines_wait_and_adds_up_to_each_turn():
+    """Each serving loop turn's time by phase (hypertron_step_phase_seconds) adds up to the turn
+    (hypertron_step_seconds); an engine whose steps take 10 ms on the "device" (the fake sleeps in
+    collect) shows them as "wait", every step's, and the turns as at least that long."""
+    engine = FakeEngine(max_slots=4, step_delay=0.01)
+    orch = Orchestrator(engine, TOK, SchedulerConfig()).start()
+
+    async def run():
+        gens = [orch.submit(TOK.encode(f"prompt {i}"), SamplingParams(max_tokens=6, seed=i, ignore_eos=True))
+                for i in range(4)]
+        return [[c async for c in g] for g in gens]
+
+    try:
+        asyncio.run(run())
+    finally:
+        orch.stop()
+    parts, total, turns = phase_seconds(orch.metrics.registry)
+    assert turns >= engine.steps >= 6
+    assert sum(parts.values()) == pytest.approx(total, rel=0.1)
+    assert parts["wait"] >= 0.01 * engine.steps and total >= parts["wait"]
+    assert parts["assemble"] == 0  # the fake times nothing of its dispatch: all of it is "launch"
+
+
 async def _submit_one(orch: Orchestrator):
     return orch.submit([5], SamplingParams())
 

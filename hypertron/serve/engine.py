@@ -235,12 +235,15 @@ class StepCost:
 @dataclasses.dataclass
 class _Pending:
     """A dispatched step: its plan, the shape it ran as, where its prefill rows' tokens start,
-    and its outputs (device arrays, on their way to the host)."""
+    its outputs (device arrays, on their way to the host), and what the host spent on it
+    (``assemble``: building its arrays; ``wait``: in :meth:`PagedEngine.collect`, for its outputs;
+    seconds, for the server's step breakdown)."""
 
     plan: StepPlan
     shape: Shape
     prefill_offsets: list[int]
     out: dict
+    times: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _spec(x):
@@ -335,6 +338,12 @@ class PagedEngine:
         pairs = (shape.num_decode + shape.prefill_rows + shape.prefill_tokens) * keys
         return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * dense_flops_per_token(self.cfg)
                 + attention_flops(self.cfg, pairs))
+
+    @property
+    def queued_compiles(self) -> int:
+        """Shapes queued for the background compiler or being compiled."""
+        with self._lock:
+            return len(self._queued)
 
     @property
     def compiled_shapes(self) -> list[Shape]:
@@ -477,8 +486,10 @@ class PagedEngine:
 
     def dispatch(self, plan: StepPlan) -> _Pending:
         shape, fn = self._executable(self.shape(plan))
+        start = time.perf_counter()
         batch, offsets = self._batch(plan, shape)
         pages, tokens, tables = self._deltas(plan)
+        assembled = time.perf_counter() - start
         if len(pages) or len(tokens):
             self.state = write_deltas(self.state, pages, tokens)
         for slot, table in tables.items():  # what the device now holds
@@ -486,10 +497,12 @@ class PagedEngine:
         self.cache, self.state, out = fn(self.params, self.cache, self.state, batch)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
-        return _Pending(plan, shape, offsets, out)
+        return _Pending(plan, shape, offsets, out, {"assemble": assembled})
 
     def collect(self, pending: _Pending) -> StepResult:
+        start = time.perf_counter()
         out = jax.device_get(pending.out)
+        pending.times["wait"] = time.perf_counter() - start
         plan, nd = pending.plan, pending.shape.num_decode
         rows = list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
         pick = lambda x: None if x is None or not plan.logprobs else x[rows]  # noqa: E731

@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Where a serving loop turn's time goes (hypertron_step_phase_seconds{phase}), in the order a turn
+# runs them; together they are the turn (hypertron_step_seconds). With dispatch ahead a turn
+# dispatches step n + 1 and then collects step n, so "wait" is the device time the host's own work
+# did not hide. See docs/serving.md, "Where a step's time goes".
+STEP_PHASES = (
+    "intake",    # new requests, cancellations and cache resets handed to the scheduler
+    "schedule",  # Scheduler.schedule: the next step's rows
+    "assemble",  # the step's host arrays and what changed in the device's state (the engine)
+    "launch",    # the compiled step queued on the device (the engine; a compile it waits for too)
+    "wait",      # the previous step's outputs reaching the host: device time not hidden
+    "unpack",    # those outputs made a StepResult
+    "update",    # Scheduler.update: tokens, stops, pages, outputs
+    "deliver",   # outputs handed to the requests' event loops, gauges
+)
+STEP_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)
+
 
 class ServeMetrics:
     """The server's Prometheus metrics, in a registry of its own (several servers per process)."""
@@ -35,6 +51,12 @@ class ServeMetrics:
         self.compiles = Counter(p + "step_compiles", "engine step shapes compiled (sync: a step waited for it; "
                                 "background) and steps run padded to a larger compiled shape (padded)", ["mode"],
                                 registry=r)
+        self.step = Histogram(p + "step_seconds", "serving loop turns (each dispatches a step and/or collects "
+                              "one), idle waits left out", registry=r, buckets=STEP_BUCKETS)
+        self.step_phase = Histogram(p + "step_phase_seconds", "a serving loop turn's time by phase (they add "
+                                    "up to hypertron_step_seconds)", ["phase"], registry=r, buckets=STEP_BUCKETS)
+        self.detokenize = Counter(p + "detokenize_seconds", "event-loop time turning tokens into text chunks "
+                                  "(detokenisation and stop strings)", registry=r)
 
 
 class ImageMetrics:

@@ -26,13 +26,15 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from hypertron.serve.metrics import ServeMetrics
+from hypertron.serve.metrics import STEP_PHASES, ServeMetrics
 from hypertron.serve.output import Chunk, Generation
 from hypertron.config import SchedulerConfig
 from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS
@@ -190,6 +192,7 @@ class Orchestrator:
                         self._cv.wait()
                     if self._stopping:
                         break
+                    clock = _Clock()  # a turn starts when there is something to do
                     incoming, self._incoming = self._incoming, []
                     cancelled, self._cancelled = self._cancelled, []
                     resets, self._resets = self._resets, []
@@ -202,21 +205,27 @@ class Orchestrator:
                 for req in cancelled:
                     sched.abort(req.seq)
                     self._requests.pop(req.seq.id, None)
+                clock.lap("intake")
                 plan = sched.schedule() if sched.has_work else None
+                clock.lap("schedule")
                 current = self._dispatch(plan) if plan is not None else None
+                clock.split("launch", "assemble", _times(current[1]).get("assemble", 0.0) if current else 0.0)
                 if pending is not None:  # step n, collected once step n + 1 is dispatched
-                    self._collect(pending)
+                    self._collect(pending, clock)
                     pending = None
                 if current is None and plan is not None:  # its dispatch raised; step n is in first
                     self._isolate(plan)
+                    clock.lap("launch")
                 elif current is not None:
                     if self._ahead(plan):
                         pending = current
                     else:
-                        self._collect(current)
+                        self._collect(current, clock)
                 self._route(sched.take_outputs())
                 self._flush()
                 self._update_gauges()
+                clock.lap("deliver")
+                clock.observe(self.metrics)
         except Exception:  # a bug here must not leave clients waiting forever
             log.exception("orchestrator loop failed")
         finally:
@@ -246,10 +255,10 @@ class Orchestrator:
                           [r.request for r in plan.rows])
             return None
 
-    def _collect(self, pending) -> None:
+    def _collect(self, pending, clock: _Clock | None = None) -> None:
         """Hand a dispatched step's result to the scheduler. A step that fails here failed on the
         device, which it may have changed in part (its rows' next tokens, their pages): it is not
-        run again, its requests fail."""
+        run again, its requests fail. ``clock``: the turn's, which it laps (wait, unpack, update)."""
         plan, handle = pending
         try:
             result = self.engine.collect(handle)
@@ -257,7 +266,12 @@ class Orchestrator:
             log.exception("step %d failed (requests %s)", plan.step, [r.request for r in plan.rows])
             self.scheduler.fail(plan, STEP_FAILED)
             return
+        finally:
+            if clock is not None:  # an engine that does not time its wait: all of collect is waiting
+                clock.split("unpack", "wait", _times(handle).get("wait", math.inf))
         self.scheduler.update(plan, result)
+        if clock is not None:
+            clock.lap("update")
 
     def _isolate(self, plan) -> None:
         """``plan``'s dispatch raised before the device saw it (an engine writes a step's arrays on
@@ -325,6 +339,39 @@ class Orchestrator:
         for mode, n in getattr(self.engine, "compiles", {}).items():  # the engine's counts, since it started
             m.compiles.labels(mode).inc(n - self._compiles.get(mode, 0))
             self._compiles[mode] = n
+
+
+def _times(handle) -> dict[str, float]:
+    """What an engine timed of a step (its handle's ``times``: ``assemble`` in dispatch, ``wait``
+    in collect, seconds); an engine may time nothing."""
+    return getattr(handle, "times", None) or {}
+
+
+class _Clock:
+    """One loop turn's time by phase (:data:`~hypertron.serve.metrics.STEP_PHASES`): each lap
+    charges the time since the last one to a phase, so the phases add up to the turn."""
+
+    def __init__(self):
+        self.parts = dict.fromkeys(STEP_PHASES, 0.0)
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.parts[phase] += now - self.last
+        self.last = now
+
+    def split(self, phase: str, part: str, part_seconds: float) -> None:
+        """:meth:`lap` with ``part_seconds`` of it (at most all) charged to ``part`` instead."""
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        inner = min(max(part_seconds, 0.0), elapsed)
+        self.parts[part] += inner
+        self.parts[phase] += elapsed - inner
+
+    def observe(self, metrics: ServeMetrics) -> None:
+        metrics.step.observe(self.last - self.start)
+        for phase, seconds in self.parts.items():
+            metrics.step_phase.labels(phase).observe(seconds)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Output]]) -> None:

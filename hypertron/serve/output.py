@@ -75,7 +75,10 @@ class Generation:
 
     async def __anext__(self) -> Chunk:
         while self.finish_reason is None:
-            chunk = self._on_event(await self._queue.get())
+            out = await self._queue.get()
+            start = time.perf_counter()
+            chunk = self._on_event(out)
+            self._metrics.detokenize.inc(time.perf_counter() - start)
             if chunk is not None:
                 return chunk
         raise StopAsyncIteration

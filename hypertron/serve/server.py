@@ -503,9 +503,21 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     """The app and its orchestrator (not started) for ``serve``: the engine of ``serve.checkpoint``
     with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
     from hypertron.serve.engine import load_engine
-    from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
 
     engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize)
+    orchestrator = orchestrate(engine, tokenizer, serve)
+    app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
+                     max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
+                     chat_template=tokenizer.chat_template, openapi=serve.openapi)
+    return app, orchestrator
+
+
+def orchestrate(engine, tokenizer, serve: ServeConfig) -> Orchestrator:
+    """The orchestrator (not started) of ``engine`` as ``hypertron serve`` readies it: a step's cost
+    measured (``prefill_groups: auto``), the largest shape compiling in the background
+    (``compile: background``), ``serve.scheduler`` whole. ``bench/serve.py --profile`` uses it too."""
+    from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
+
     overhead = None
     if serve.prefill_groups == "auto":
         cost = engine.measure_step_cost(serve.max_num_batched_tokens)
@@ -521,11 +533,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
                   "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
     if serve.compile == "background":  # then no step waits for a compile but one of a variant not met yet
         engine.precompile(engine.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens))
-    orchestrator = Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
-    app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
-                     max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
-                     chat_template=tokenizer.chat_template, openapi=serve.openapi)
-    return app, orchestrator
+    return Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
 
 
 def main(serve: ServeConfig) -> int:
