@@ -371,7 +371,7 @@ class _Clock:
     def observe(self, metrics: ServeMetrics) -> None:
         metrics.step.observe(self.last - self.start)
         for phase, seconds in self.parts.items():
-            metrics.step_phase.labels(phase).observe(seconds)
+            metrics.step_phases[phase].observe(seconds)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Output]]) -> None:
