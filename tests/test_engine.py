@@ -9,6 +9,7 @@ scheduler's own logic (budget, pages, pre-emption, stops) over a fake engine in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -314,6 +315,25 @@ def test_sample_rows_applies_each_rows_settings():
     assert (draws[:, 1] == 0).all()  # top-1
     assert (draws[:, 2] == 0).all()  # top-p 0.4: the 0.5 token alone reaches it
     assert set(draws[:, 3]) == {0, 1}  # top-2: both kept tokens drawn, nothing else
+
+
+def test_sample_rows_without_its_conditional_draws_the_same_tokens_and_lowers_to_no_branch():
+    """A GPU step samples with ``skip_greedy=False``: no conditional for XLA to read back to the
+    host, and the same tokens as the conditional gives, greedy rows and sampled ones alike."""
+    logits = jax.random.normal(jax.random.key(3), (4, 64))
+    rows = (jnp.array([0.0, 0.8, 0.0, 1.3]), jnp.array([0, 5, 0, 0]), jnp.array([1.0, 1.0, 1.0, 0.9]),
+            jnp.arange(4, dtype=jnp.uint32), jnp.arange(10, 14, dtype=jnp.int32))
+    all_greedy = (jnp.zeros(4), *rows[1:])
+    for skip in (True, False):
+        fn = jax.jit(functools.partial(sample_rows, skip_greedy=skip))
+        text = fn.lower(logits, *rows).as_text()
+        assert ("stablehlo.case" in text or "stablehlo.if" in text) == skip
+        if skip:
+            mixed, greedy = fn(logits, *rows), fn(logits, *all_greedy)
+    branch_free = jax.jit(functools.partial(sample_rows, skip_greedy=False))
+    np.testing.assert_array_equal(branch_free(logits, *rows), mixed)
+    np.testing.assert_array_equal(branch_free(logits, *all_greedy), greedy)
+    np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
 
 
 def test_bytes_per_cached_token_int8_vs_bf16():

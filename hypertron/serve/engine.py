@@ -123,9 +123,10 @@ SHARED_EXECUTABLES = 512
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "width", "want_logprobs", "prompt_logprobs"))
+                   static_argnames=("cfg", "top_n", "num_decode", "width", "want_logprobs", "prompt_logprobs",
+                                    "skip_greedy"))
 def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int, width: int,
-         want_logprobs: bool, prompt_logprobs: bool):
+         want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
     ``state``: the slots' sequences (:func:`init_state`). ``batch``: prefill tokens
@@ -137,7 +138,7 @@ def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num
     with ``prompt_logprobs``, ``targets [P]``. Each row reads the first ``width`` columns of its
     slot's page table. Returns ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and,
     when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
-    every prefill token's target).
+    every prefill token's target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU).
     """
     b, nd = batch, num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
@@ -161,7 +162,8 @@ def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num
                   logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
-    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths)
+    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
+                      skip_greedy=skip_greedy)
     out = {"tokens": nxt}
     if want_logprobs:
         out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
@@ -447,7 +449,8 @@ class PagedEngine:
             params, cache, state = self._specs
             fn = step.lower(params, cache, state, self._empty_batch(shape), cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode, width=shape.width,
-                            want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs).compile()
+                            want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
+                            skip_greedy=jax.default_backend() != "gpu").compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
