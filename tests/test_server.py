@@ -122,6 +122,26 @@ def test_incremental_detokenizer_keeps_spaces_that_depend_on_the_left_neighbour(
     assert [detok.add(t) for t in (1, 2, 0)] == [" b", "c", " a"]
 
 
+def test_a_streamed_events_template_writes_what_its_model_would():
+    """The server streams a request's text-only events from a template made once
+    (``server._Template``): the same JSON, byte for byte, as dumping each event's model."""
+    from hypertron.serve.api import ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice, Delta
+    from hypertron.serve.server import _TEXT_MARK, _Template, _dump_event
+
+    def completion(text):
+        return Completion(id="cmpl-1", created=5, model="m", choices=[CompletionChoice(text=text, finish_reason=None)])
+
+    def chat(text):
+        return ChatCompletionChunk(id="chatcmpl-1", created=5, model="m", choices=[ChatChunkChoice(delta=Delta(content=text))])
+
+    texts = ["plain", 'a "quote", a \\ backslash', "new\nline\ttab", "h\u00e9llo \u2713 \U0001f389", "\x00\x1f", _TEXT_MARK]
+    for exclude in (None, {"usage"}):
+        for make in (completion, chat):
+            template = _Template(make(_TEXT_MARK), exclude)
+            for text in texts:
+                assert template(text) == _dump_event(make(text), exclude)
+
+
 def test_openai_client_completes_chats_and_streams(server):
     c = client(server)
     assert [m.id for m in c.models.list().data] == [MODEL]

@@ -257,11 +257,17 @@ class _Api:
             return Completion(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
 
         if req.stream:
+            text_only = None if n_logprobs is not None else _Template(
+                completion(_TEXT_MARK, [], [], [], None, False), _sse_exclude(req.include_usage))
+
             async def events():
                 first = True
                 async for c in gen:
                     _raise_if_failed(c)
-                    yield completion(c.text, c.token_ids, c.logprobs, c.offsets, c.finish_reason, first)
+                    if text_only is not None and not first and c.finish_reason is None:
+                        yield text_only(c.text)
+                    else:
+                        yield completion(c.text, c.token_ids, c.logprobs, c.offsets, c.finish_reason, first)
                     first = False
             head = Completion(id=rid, created=created, model=self.model_name, choices=[])
             return self._sse(gen, events(), head, req.include_usage, len(prompt))
@@ -320,10 +326,16 @@ class _Api:
             def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
 
+            text_only = None if want_logprobs else _Template(
+                chunk(ChatChunkChoice(delta=Delta(content=_TEXT_MARK))), _sse_exclude(req.include_usage))
+
             async def events():
                 yield chunk(ChatChunkChoice(delta=Delta(role="assistant", content="")))
                 async for c in gen:
                     _raise_if_failed(c)
+                    if text_only is not None and c.text and c.finish_reason is None:
+                        yield text_only(c.text)
+                        continue
                     yield chunk(ChatChunkChoice(delta=Delta(content=c.text or None), finish_reason=c.finish_reason,
                                                 logprobs=logprobs(c.token_ids, c.logprobs) if c.token_ids else None))
             head = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[])
@@ -373,14 +385,15 @@ class _Api:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
     def _sse(self, gen: Generation, events, head: BaseModel, include_usage: bool, n_prompt: int) -> StreamingResponse:
-        """Server-sent events of ``events`` (response models); with ``include_usage``, each has
-        ``usage: null`` and a last one (``head``, no choices) has the usage."""
-        exclude = None if include_usage else {"usage"}
+        """Server-sent events of ``events`` (response models, or their JSON made by a
+        :class:`_Template`); with ``include_usage``, each has ``usage: null`` and a last one
+        (``head``, no choices) has the usage."""
+        exclude = _sse_exclude(include_usage)
 
         async def stream():
             try:
                 async for event in events:
-                    yield f"data: {_dump_event(event, exclude)}\n\n"
+                    yield f"data: {event if isinstance(event, str) else _dump_event(event, exclude)}\n\n"
                 if include_usage:
                     head.usage = Usage.of(n_prompt, gen.completion_tokens, gen.cached_tokens)
                     yield f"data: {head.model_dump_json()}\n\n"
@@ -417,6 +430,28 @@ class _Api:
             return TopLogprob(token=self.token_text(i), logprob=v, bytes=list(self.tok.token_bytes(i)))
         return TokenLogprob(**entry(token_id, lp.logprob).model_dump(),
                             top_logprobs=[entry(i, v) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:n]])
+
+
+def _sse_exclude(include_usage: bool) -> set[str] | None:
+    """What a streamed event leaves out: ``usage`` unless the request asked for it."""
+    return None if include_usage else {"usage"}
+
+
+_TEXT_MARK = "hypertron-text-mark"  # stands for an event's text in a _Template; JSON escapes nothing in it
+
+
+class _Template:
+    """A request's commonest streamed event (new text alone: no log-probabilities, no finish
+    reason, not the first) as the JSON before and after its text, made once from the response
+    model; each such event is then ``json.dumps`` of its text between the two, the same text
+    :func:`_dump_event` makes, without a model built and dumped for every token."""
+
+    def __init__(self, event: BaseModel, exclude):
+        self.prefix, mark, self.suffix = _dump_event(event, exclude).partition(json.dumps(_TEXT_MARK))
+        assert mark, "the template's event holds no text mark"
+
+    def __call__(self, text: str) -> str:
+        return self.prefix + json.dumps(text) + self.suffix
 
 
 def _dump_event(event: BaseModel, exclude) -> str:
