@@ -80,13 +80,13 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
     assert engine.shape(plan) == Shape(4, 0, 0, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
-    batch, _ = engine._batch(plan, engine.shape(plan))
+    batch = engine._batch(plan, engine.shape(plan))[0].fields
     assert batch["slot"].shape == (4,) and "table" not in batch  # the device holds the tables
     # A new prompt: prefill rows to a power of two, at least 16 tokens.
     chunk = Row(7, 7, 0, tuple(range(3, 14)), tuple(range(20, 23)), GREEDY)  # 11 prompt tokens
     plan = StepPlan(1, rows[:1], (chunk,))
     assert engine.shape(plan) == Shape(1, 1, 16, 4)
-    batch, _ = engine._batch(plan, engine.shape(plan))
+    batch = engine._batch(plan, engine.shape(plan))[0].fields
     assert (batch["pre_tokens"].shape, batch["slot"].shape) == ((16,), (2,))
     # A chunk after a cached prefix is no other variant: its columns follow its length.
     later = Row(7, 7, 11, tuple(range(40, 61)), tuple(range(20, 28)), GREEDY)  # 21 tokens, to position 32

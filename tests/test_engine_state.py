@@ -33,7 +33,8 @@ def params():
 
 def _count_uploads(engine, monkeypatch) -> list[int]:
     """Spy on what the engine hands the device from the host: the numbers in the numpy arrays
-    passed to each call of a compiled step or of ``write_deltas`` go to the list returned."""
+    passed to each call of a compiled step (one int32 array) or of ``write_deltas`` go to the
+    list returned."""
     sent, executable, deltas = [], engine._executable, engine_module.write_deltas
 
     def numbers(*trees) -> int:
@@ -44,6 +45,7 @@ def _count_uploads(engine, monkeypatch) -> list[int]:
 
         def counted(params, cache, state, batch):
             assert numbers(params, cache, state) == 0  # the model, pool and state stay on the device
+            assert isinstance(batch, np.ndarray) and batch.dtype == np.int32  # one copy a step (step_batch)
             sent.append(numbers(batch))
             return fn(params, cache, state, batch)
 
@@ -119,3 +121,26 @@ def test_the_device_holds_each_slots_length_pages_and_tokens_as_the_host_knows_t
     assert slots[2] == slots[1] and seqs[2].cached_tokens == 8  # the ended one's slot; a page found cached
     assert any(r.decodes and r.prefills for r in sched.records) and len(engine.compiled_shapes) == 1
     assert all(len(s.generated) == s.sampling.max_tokens for s in seqs)
+
+
+def test_a_steps_inputs_travel_in_one_int32_array_and_come_back_as_written():
+    from hypertron.serve.step_batch import StepBatch, unpack
+
+    sb = StepBatch(rows=3, tokens=5, targets=True, nowhere=7)
+    f = sb.fields
+    f["pre_tokens"][:] = [5, 6, 7, 8, 9]
+    f["pre_valid"][:3] = 1
+    f["targets"][:] = [-1, 2, 3, 4, 5]
+    f["temperature"][:] = [0.0, 0.7, 1.5]
+    f["top_p"][1] = 0.25
+    f["seed"][:] = [0, 2**32 - 1, 12345]
+    f["slot"][0] = 2
+    out = jax.jit(lambda a: unpack(a, 3, 5, True))(sb.array)
+    assert sb.array.dtype == np.int32 and sb.array.size == 5 * 5 + 3 * 8
+    assert np.asarray(out["pre_valid"]).tolist() == [True] * 3 + [False] * 2
+    assert np.asarray(out["temperature"]).tolist() == np.float32([0.0, 0.7, 1.5]).tolist()
+    assert np.asarray(out["top_p"]).tolist() == np.float32([1.0, 0.25, 1.0]).tolist()
+    assert out["seed"].dtype == np.uint32 and np.asarray(out["seed"]).tolist() == [0, 2**32 - 1, 12345]
+    assert np.asarray(out["slot"]).tolist() == [2, 7, 7] and np.asarray(out["out_slot"]).tolist() == [7, 7, 7]
+    assert np.asarray(out["targets"]).tolist() == [-1, 2, 3, 4, 5]
+    assert np.asarray(out["pre_tokens"]).tolist() == [5, 6, 7, 8, 9]

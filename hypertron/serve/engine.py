@@ -78,6 +78,7 @@ from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.serve.sampling import logprobs, sample_rows
+from hypertron.serve.step_batch import StepBatch, unpack
 from hypertron.serve.types import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -123,13 +124,14 @@ SHARED_EXECUTABLES = 512
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "width", "want_logprobs", "prompt_logprobs",
-                                    "skip_greedy"))
-def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num_decode: int, width: int,
-         want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True):
+                   static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens", "width",
+                                    "want_logprobs", "prompt_logprobs", "skip_greedy"))
+def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
+         prefill_tokens: int, width: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
-    ``state``: the slots' sequences (:func:`init_state`). ``batch``: prefill tokens
+    ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
+    :class:`~hypertron.serve.step_batch.StepBatch`'s array, holding the prefill tokens
     ``pre_tokens`` / ``pre_pos`` / ``pre_row`` / ``pre_valid [P]``; per row (decode rows, then
     prefill rows) ``slot`` (``max_slots``: padding), ``lengths`` (tokens after this step; 0:
     padding; a decode row's input is ``last_tokens[slot]`` at ``lengths - 1``; the sample's key is
@@ -140,7 +142,7 @@ def step(params, cache, state, batch: dict, *, cfg: ModelConfig, top_n: int, num
     when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
     every prefill token's target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU).
     """
-    b, nd = batch, num_decode
+    b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
     slot, lengths = b["slot"], b["lengths"]
     tokens = jnp.concatenate([state["last_tokens"][slot[:nd]], b["pre_tokens"]])
@@ -380,7 +382,7 @@ class PagedEngine:
             if fn is None:
                 fn = self._compile(shape)
                 self.compiles["sync"] += 1
-            runs.append((fn, self._empty_batch(shape)))
+            runs.append((fn, self._empty_batch(shape).array))
         times = [math.inf] * len(runs)
         for r in range(repeats + 1):  # the first round warms up
             for i, (fn, batch) in enumerate(runs):
@@ -447,8 +449,9 @@ class PagedEngine:
         if fn is None:
             start = time.perf_counter()
             params, cache, state = self._specs
-            fn = step.lower(params, cache, state, self._empty_batch(shape), cfg=self.cfg,
-                            top_n=self.max_top_logprobs, num_decode=shape.num_decode, width=shape.width,
+            fn = step.lower(params, cache, state, self._empty_batch(shape).array, cfg=self.cfg,
+                            top_n=self.max_top_logprobs, num_decode=shape.num_decode,
+                            prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens, width=shape.width,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
                             skip_greedy=jax.default_backend() != "gpu").compile()
             with self._lock:
@@ -497,7 +500,7 @@ class PagedEngine:
             self.state = write_deltas(self.state, pages, tokens)
         for slot, table in tables.items():  # what the device now holds
             self._tables[slot] = table
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, batch)
+        self.cache, self.state, out = fn(self.params, self.cache, self.state, batch.array)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         return _Pending(plan, shape, offsets, out, {"assemble": assembled})
@@ -522,37 +525,29 @@ class PagedEngine:
         """:meth:`dispatch` then :meth:`collect`: one step, synchronously."""
         return self.collect(self.dispatch(plan))
 
-    def _empty_batch(self, shape: Shape) -> dict:
-        """The arrays of a step of ``shape`` (see :func:`step`), all padding."""
-        rows, n_pad = shape.num_decode + shape.prefill_rows, shape.prefill_tokens
-        i32 = lambda n, fill=0: np.full(n, fill, np.int32)  # noqa: E731
-        b = {"pre_tokens": i32(n_pad), "pre_pos": i32(n_pad), "pre_row": i32(n_pad),
-             "pre_valid": np.zeros(n_pad, bool), "slot": i32(rows, self.max_slots),
-             "lengths": i32(rows), "out_idx": i32(rows), "out_slot": i32(rows, self.max_slots),
-             "temperature": np.zeros(rows, np.float32), "top_k": i32(rows), "top_p": np.ones(rows, np.float32),
-             "seed": np.zeros(rows, np.uint32)}
-        if shape.prompt_logprobs:
-            b["targets"] = i32(n_pad)
-        return b
+    def _empty_batch(self, shape: Shape) -> StepBatch:
+        """The inputs of a step of ``shape`` (see :func:`step`), all padding."""
+        return StepBatch(shape.num_decode + shape.prefill_rows, shape.prefill_tokens, shape.prompt_logprobs,
+                         nowhere=self.max_slots)
 
-    def _batch(self, plan: StepPlan, shape: Shape) -> tuple[dict, list[int]]:
-        """The arrays of ``plan`` padded to ``shape`` (which holds it), and where each prefill
+    def _batch(self, plan: StepPlan, shape: Shape) -> tuple[StepBatch, list[int]]:
+        """The inputs of ``plan`` padded to ``shape`` (which holds it), and where each prefill
         row's tokens start."""
-        b, nd = self._empty_batch(shape), shape.num_decode
-        offsets = []
+        packed, nd = self._empty_batch(shape), shape.num_decode
+        b, offsets = packed.fields, []
         for i, row in enumerate(plan.decodes):
             self._row(b, i, row, i)
         off = 0
         for j, row in enumerate(plan.prefills):
             n, sl = len(row.tokens), slice(off, off + len(row.tokens))
-            b["pre_tokens"][sl], b["pre_row"][sl], b["pre_valid"][sl] = row.tokens, j, True
+            b["pre_tokens"][sl], b["pre_row"][sl], b["pre_valid"][sl] = row.tokens, j, 1
             b["pre_pos"][sl] = np.arange(row.start, row.end)
             if row.prompt_targets is not None:
                 b["targets"][sl] = row.prompt_targets
             self._row(b, nd + j, row, nd + off + n - 1)
             offsets.append(off)
             off += n
-        return b, offsets
+        return packed, offsets
 
     def _row(self, b: dict, i: int, row, out_idx: int) -> None:
         b["slot"][i], b["lengths"][i], b["out_idx"][i] = row.slot, row.end, out_idx
