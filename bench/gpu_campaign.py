@@ -74,9 +74,9 @@ os.environ.setdefault("HYPERTRON_RECIPES", os.path.join(REPO, "recipes"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 from gpu_measure import (  # noqa: E402  (bench/gpu_measure.py: the T2 and T3 measurements, and the sizes)
-    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, MONITOR_FIELDS, MOE_FIELDS, ROW_ID, SMOKE, TRAIN_FIELDS,
-    Ctx, Sizes, decode_row, device_row, dlrm_row, gmm_row, layers_row, monitor_row, moe_row, profile_row, train_case,
-    train_row,
+    DECODE_FIELDS, DLRM_FIELDS, GMM_FIELDS, GPU, LAYERS_FIELDS, LOOP_FIELDS, MONITOR_FIELDS, MOE_FIELDS, ROW_ID, SMOKE,
+    TRAIN_FIELDS, Ctx, Sizes, decode_row, device_row, dlrm_row, gmm_row, layers_row, loop_row, monitor_row, moe_row,
+    profile_row, train_case, train_row,
 )
 from gpu_attention import (  # noqa: E402  (bench/gpu_attention.py: the attention rows)
     CUDNN_FIELDS, PAGED_FIELDS, RAGGED_FIELDS, cudnn_grid_row, paged_row, ragged_row,
@@ -347,6 +347,7 @@ def plan(tier: str) -> list[Row]:
             for kv in ("bfloat16", "int8"):
                 for ci, c in enumerate(GPU.decode_contexts):
                     rows.append(Row(f"t2.decode.b{b}.{kv}.ctx{c}", DECODE_FIELDS, decode_row(bi, kv, ci)))
+        rows.append(Row(f"t2.loop.b{GPU.loop[0]}", LOOP_FIELDS, loop_row))
     elif tier == "T3":
         rows = [
             Row("t3.device", dev_fields, device_row),

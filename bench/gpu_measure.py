@@ -50,6 +50,7 @@ class Sizes:
     decode_contexts: tuple[int, int] = (512, 8192)
     decode_steps: int = 16
     decode_max_seq: int = 8192 + 256  # the context, + a token per slot while the others prefill, + the steps
+    loop: tuple[int, int, int, int] = (1, 512, 32, 512)  # the serving loop's row: batch, context, tokens out, budget
     t3_seq: int = 4096
     t3_batches: tuple[int, int] = (4, 16)
     moe: tuple[int, int, int, int] = (8192, 2048, 2048, 2)  # tokens, d_model, d_ff, top_k
@@ -72,7 +73,7 @@ SMOKE = Sizes(
     t0_overrides=("model=tiny", "model.num_layers=1", "train.global_batch=2", "train.seq_len=32"),
     matmul=128, copy_elems=2**16, iters=1, warm_s=0.0, gmm=(64, 32, 32, 4), ragged=(2, 48, 2, 1, 16, 16),
     paged=(2, 16, 48, 2, 1, 16, 16), cudnn_grid=(("bfloat16",), (64,), (32,)),
-    decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, t3_seq=128,
+    decode_batches=(1, 2), decode_contexts=(16, 40), decode_steps=2, decode_max_seq=128, loop=(1, 16, 4, 32), t3_seq=128,
     t3_batches=(1, 4), moe=(64, 32, 32, 2), moe_experts=(4, 8, 16, 32), t3_decode_batches=(1, 2, 3, 4),
     t3_decode_context=16,
     gmm_tilings=((16, 16, 16), (32, 16, 16), (16, 16, 32), (32, 16, 32)), dlrm=("dlrm-v2-tiny", 64, 0),
@@ -458,6 +459,28 @@ def decode_row(batch_index: int, kv: str, context_index: int | None, *, t3: bool
                 "bw_fraction_measured": r["bytes_per_step"] / r["step_s"] / measured_peaks(ctx)["bw"],
                 "bw_fraction_datasheet": None if peak is None else r["bytes_per_step"] / r["step_s"] / peak}
     return run
+
+
+LOOP_FIELDS = ("preset", "batch", "context", "tokens_s", "ms_turn", "launch_ms", "wait_ms", "host_ms")
+
+
+def loop_row(ctx):
+    """The serving loop at ``Sizes.loop``'s batch and tokens a step (``bench/serve.py --profile``: the engine readied
+    as ``hypertron serve`` readies it, no HTTP, greedy): a turn's time, and of it ``launch_ms`` (the
+    compiled step queued), ``wait_ms`` (the previous step's outputs reaching the host) and
+    ``host_ms`` (the rest: scheduling, assembling, updating, delivering). A launch that waits for
+    the device shows as ``launch_ms`` near the turn and ``wait_ms`` near 0: the sampler's
+    conditional did that on a GPU (2026-11-27, docs/benchmarks.md)."""
+    from serve_profile import profile_batch  # bench/serve_profile.py
+
+    batch, context, steps, budget = ctx.s.loop
+    cfg, params = _decode_model(ctx)
+    r = profile_batch(params, cfg, batch, context, steps, 16, "bfloat16", budget, None)
+    phases = r["phases"]
+    gc.collect()
+    return {"preset": cfg.name, "batch": batch, "context": context, "tokens_s": r["tokens_s"], "ms_turn": r["ms_turn"],
+            "launch_ms": phases["launch"], "wait_ms": phases["wait"],
+            "host_ms": sum(v for k, v in phases.items() if k not in ("launch", "wait"))}
 
 
 LAYERS_FIELDS = ("preset", "layers", "scan_layers", "batch", "context", "compiles", "compile_s", "prefill_s", "step_ms",

@@ -38,7 +38,8 @@ def _campaign(*args, timeout=600):
 # t3.moe.e8 with more experts); HYPERTRON_SMOKE_ALL=1 runs every row, as the campaign does.
 SMOKE_ROWS = {
     "T2": ["t2.device", "t2.train.dots", "t2.monitor", "t2.train.packed", "t2.profile", "t2.quant.fp8",
-           "t2.gmm.pallas", "t2.ragged.pallas", "t2.paged.int8", "t2.cudnn_grid", "t2.decode.b64.int8.ctx8192"],
+           "t2.gmm.pallas", "t2.ragged.pallas", "t2.paged.int8", "t2.cudnn_grid", "t2.decode.b64.int8.ctx8192",
+           "t2.loop"],
     "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.decode.b8", "t3.serve.layers", "t3.gmm.pallas.64x64x64"],
 }
 
