@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=8, help="interference: decode streams")
     p.add_argument("--stream-tokens", type=int, default=384, help="interference: tokens per stream")
     p.add_argument("--long-prompts", type=int, default=8, help="interference: long prompts per run")
-    p.add_argument("--long-len", type=int, default=2000, help="interference: tokens per long prompt")
+    p.add_argument("--long-len", type=int, default=2000, help="interference and --workload long: tokens per long prompt")
     p.add_argument("--long-interval", type=float, default=0.3, help="interference: seconds between long prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, before BOS")

@@ -7,7 +7,9 @@ turn (on, off, on, off, ...), so that the machine's drift falls on both alike. W
 
 - ``shared-prefix``: every prompt is one shared text of ``--prefix-len`` tokens (1,024) followed by
   a text of its own of ``--suffix-len`` tokens (64), BOS first;
-- ``distinct``: prompts of ``--input-len`` tokens, none shared (``bench/serve_http.py``'s).
+- ``distinct``: prompts of ``--input-len`` tokens, none shared (``bench/serve_http.py``'s);
+- ``long``: prompts of ``--long-len`` tokens (2,000), none shared: prefill throughput, ``in_tok_s``
+  (the prompt tokens of a run over its duration; issue 49's long-prompt workload).
 
 Per workload and concurrency C: a warm-up run of 2 N requests on each server (not reported: it
 compiles the load's step shapes and, with caching, fills the cache as a server in its steady
@@ -20,7 +22,7 @@ S while a step waited, B in the background (``hypertron_step_compiles_total``: a
 the load's shapes shows there). Prints per workload and concurrency, as soon as it
 is measured::
 
-    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B compiles on S+B off S+B
+    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B in_tok_s on I off J compiles on S+B off S+B
 
 (R = Y / X), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
 server runs beside them with its prefix caching on and off, with the same slots, pool and tokens per
@@ -50,7 +52,7 @@ from serve_http_vllm import (  # bench/serve_http_vllm.py, this directory
     COUNTERS, add_peer_args, vllm_argv, vllm_env, vllm_version,
 )
 
-WORKLOADS = ("shared-prefix", "distinct")
+WORKLOADS = ("shared-prefix", "distinct", "long")
 
 
 def add_workload_args(p) -> None:
@@ -100,8 +102,8 @@ def runs_of(args) -> dict[str, list[tuple[str, int]]]:
 
 def write_workload_prompts(hf_dir: str, work: str, args, runs: dict) -> dict[str, str]:
     """Every run's prompts file: shared-prefix runs are the one prefix + a suffix of their own."""
-    counts = {name: (n, args.suffix_len if name.startswith("shared") else args.input_len)
-              for each in runs.values() for name, n in each}
+    lengths = {"shared-prefix": args.suffix_len, "distinct": args.input_len, "long": args.long_len}
+    counts = {name: (n, lengths[name.rsplit("-c", 1)[0]]) for each in runs.values() for name, n in each}
     paths = write_prompts(hf_dir, work, {"prefix": (1, args.prefix_len), **counts}, args.input_len, seed=1)
     with open(paths.pop("prefix"), encoding="utf-8") as f:
         prefix = json.loads(f.readline())["prompt"]
@@ -132,6 +134,7 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
         q, h, sync, background = (a - b for a, b in zip(counters(url, key.split()[0]), before[key]))
         out[key] = {"ttft_mean_ms": float(np.median([r["ttft_ms"]["mean"] for r in reports[key]])),
                     "out_tok_s": float(np.median([r["output_throughput"] for r in reports[key]])),
+                    "in_tok_s": float(np.median([r["total_input_tokens"] / r["duration_s"] for r in reports[key]])),
                     "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[key]),
                     "compiles": f"{sync:.0f}+{background:.0f}",
                     "runs": reports[key]}
@@ -147,7 +150,8 @@ def line(key: str, result: dict, system: str) -> str:
     name = "" if system == "hypertron" else f"{system} "
     return (f"prefix-caching {name}{workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
             f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
-            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} compiles on "
+            f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} in_tok_s on {get(on, 'in_tok_s', '.1f')} "
+            f"off {get(off, 'in_tok_s', '.1f')} compiles on "
             f"{get(on, 'compiles', 's')} off {get(off, 'compiles', 's')}")
 
 
@@ -157,7 +161,8 @@ def start_servers(stack: contextlib.ExitStack, setup, args, systems: list[str]) 
     (hypertron measures a step's cost at its start: not while another server compiles beside
     it); their command lines."""
     max_c = max(args.concurrency)
-    longest = max(args.prefix_len + args.suffix_len, args.input_len) + 1 + args.max_tokens + 16
+    longest = max(args.prefix_len + args.suffix_len, args.input_len,
+                  args.long_len if "long" in args.workload else 0) + 1 + args.max_tokens + 16
     pages, budget = max_c * -(-longest // 16), max(args.max_num_batched_tokens, max_c)
     servers, commands = {}, {}
     for system in systems:
