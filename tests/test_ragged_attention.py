@@ -348,3 +348,9 @@ def test_paged_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
                                       backend="pallas", block_q=32, interpret=False)
 
     assert _triton_kernels(export, step, specs) == ["ragged_paged_attention"]
+
+
+def test_the_references_blocks_follow_the_queries_a_row_has():
+    from hypertron.kernels.ragged_paged_attention import reference_block_q
+
+    assert [reference_block_q(n) for n in (None, 1, 64, 100, 256, 512, 2000)] == [64, 64, 64, 128, 256, 256, 256]

@@ -61,8 +61,19 @@ from hypertron.kernels.ragged_attention import (
 # step of its loop over a block's pages. Measured on this project's CPU (bench/chunk_attention.py,
 # 512 queries after 1,024 tokens): 64 and 256 were fastest of 32-128 and 256-2,048 (larger steps
 # miss the cache).
+# A row whose queries fill larger blocks runs faster in them: 512 queries of one row after 1,536
+# cached tokens, 21.4 ms a layer in blocks of 64, 12.4 in blocks of 256, 12.8 in 512; 8 rows of 64
+# after 1,024, 16.1 ms in blocks of 64, 24.3 in 256 (2026-11-27): blocks follow the queries a row has.
 DEFAULT_BLOCK_Q = 64
+MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
+
+
+def reference_block_q(queries_per_row: int | None) -> int:
+    """The reference's queries per block for rows of about ``queries_per_row`` queries."""
+    if queries_per_row is None:
+        return DEFAULT_BLOCK_Q
+    return min(max(pl.next_power_of_2(max(queries_per_row, 1)), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
 # The decode kernel's table is its own. GPU: 2026-11-26, one H200, JAX 0.11.2 (bench/gpu_campaign.py
 # t2.paged, docs/benchmarks.md): one mixed step at llama-1b's heads (16 decode rows and a 2,048-token
 # chunk, each at 4,096 tokens of context) took the kernel 0.69 ms with bf16 pages and 0.81 ms with
@@ -81,7 +92,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sm_scale: float | None = None, window: int | jax.Array | None = None,
                            backend: str = "auto", block_q: int | None = None,
                            pages_per_block: int | None = None, interpret: bool | None = None,
-                           decode_only: bool = False) -> jax.Array:
+                           decode_only: bool = False, queries_per_row: int | None = None) -> jax.Array:
     """Causal attention of the last queries of many rows over each row's pages of the KV cache.
 
     Row ``r``'s queries are ``q[query_start[r]:query_start[r + 1]]``, the last
@@ -100,8 +111,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       page_table: int ``[rows, pages_per_seq]``.
       query_start: int ``[rows + 1]``, non-decreasing, from 0.
       backend: one of :data:`BACKENDS`.
-      block_q: queries per block (static, a power of two); default :data:`DEFAULT_BLOCK_Q`
-        (reference), :data:`PALLAS_BLOCK_ROWS` rows of q (pallas).
+      block_q: queries per block (static, a power of two); default (reference): the power of two
+        of ``queries_per_row`` within :data:`DEFAULT_BLOCK_Q` and :data:`MAX_REFERENCE_BLOCK_Q`,
+        else :data:`DEFAULT_BLOCK_Q`; :data:`PALLAS_BLOCK_ROWS` rows of q (pallas).
+      queries_per_row: about how many queries a row with several has (static; the engine's
+        prefill tokens over its prefill rows), for the reference's default block.
       decode_only: the caller's promise that no row has more than one query (static): the
         reference then builds no loop over blocks (a decode step compiles faster), and with
         ``backend="auto"`` where the decode kernel's own table picks Pallas (a GPU), the rows go
@@ -133,7 +147,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     window = jnp.asarray(capacity if window is None else window, jnp.int32)
     if block_q is None:
         group = pl.next_power_of_2(q.shape[1] // k_pages.shape[0])
-        block_q = DEFAULT_BLOCK_Q if backend == "reference" else max(1, PALLAS_BLOCK_ROWS // group)
+        block_q = reference_block_q(queries_per_row) if backend == "reference" else \
+            max(1, PALLAS_BLOCK_ROWS // group)
     return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
                       window, cfg, block_q, decode_only)
 

@@ -63,6 +63,8 @@ class PagedCache:
     token_rows: jax.Array
     token_valid: jax.Array
     decode_only: bool = dataclasses.field(default=False, metadata={"static": True})  # one token a row
+    # About how many queries a row of several has (the step's prefill tokens over its prefill rows)
+    queries_per_row: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     def attend(self, layer, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
         table = layer_page_table(self.page_table, layer, pages_per_layer(self.pages, cfg.num_layers))
@@ -71,5 +73,5 @@ class PagedCache:
         attn = ragged_paged_attention(q_btnh[0], pages["k_pages"], pages["v_pages"], self.lengths, table,
                                       self.query_start, k_scales=pages.get("k_scales"),
                                       v_scales=pages.get("v_scales"), window=cfg.sliding_window,
-                                      decode_only=self.decode_only)
+                                      decode_only=self.decode_only, queries_per_row=self.queries_per_row)
         return attn[None], dataclasses.replace(self, pages=pages)

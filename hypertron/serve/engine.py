@@ -156,7 +156,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
     paged = PagedCache(cache, state["table"][slot, :width], lengths, query_start, token_rows, token_valid,
-                       decode_only=n_pre == 0)
+                       decode_only=n_pre == 0, queries_per_row=-(-n_pre // prefill_rows) if prefill_rows else None)
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
