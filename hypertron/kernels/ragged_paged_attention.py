@@ -74,6 +74,8 @@ def reference_block_q(queries_per_row: int | None) -> int:
     if queries_per_row is None:
         return DEFAULT_BLOCK_Q
     return min(max(pl.next_power_of_2(max(queries_per_row, 1)), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
+
+
 # The decode kernel's table is its own. GPU: 2026-11-26, one H200, JAX 0.11.2 (bench/gpu_campaign.py
 # t2.paged, docs/benchmarks.md): one mixed step at llama-1b's heads (16 decode rows and a 2,048-token
 # chunk, each at 4,096 tokens of context) took the kernel 0.69 ms with bf16 pages and 0.81 ms with
