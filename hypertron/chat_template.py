@@ -117,8 +117,19 @@ def _render(chat: ChatTemplate, messages: list[dict], add_generation_prompt: boo
             chunks.append(chunk)
             recorder.length += len(chunk)
     except jinja2.TemplateError as e:
-        raise DataError(f"the chat template refused the messages: {e}") from None
+        raise DataError(f"the chat template refused the messages{_template_line(e)}: {e}") from None
     return "".join(chunks), recorder.spans
+
+
+def _template_line(error: BaseException) -> str:
+    """`` at line N``: where in the template ``error`` was raised (Jinja gives its traceback the
+    template's lines), or "" if no frame of it is the template's."""
+    line, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return "" if line is None else f" at line {line}"
 
 
 def _prefix_spans(chat: ChatTemplate, messages: list[dict], text: str, variables: dict) -> list[tuple[int, int]]:

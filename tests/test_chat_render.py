@@ -73,8 +73,8 @@ def test_template_refusals_are_one_line(tokenizers):
     assert "\n" not in str(e.value)
     # its ids need no mask, so without one it renders
     assert render_chat(ours, CONVERSATION[:3], template=REWRITING, with_mask=False).assistant_mask is None
-    with pytest.raises(DataError, match=r"^the chat template refused the messages: Unknown role: tool$"):
-        render_chat(ours, [{"role": "tool", "content": "42"}], template=CHATML)
+    with pytest.raises(DataError, match=r"^the chat template refused the messages at line 3: Unknown role: tool$"):
+        render_chat(ours, [{"role": "tool", "content": "42"}], template="\n\n" + CHATML)  # the template's line
     with pytest.raises(DataError, match=r"^chat_template does not compile: .* \(line 2\)$"):
         render_chat(ours, CONVERSATION, template="ok\n{% for %}")
     with pytest.raises(DataError, match="the tokenizer byte has no chat_template"):

@@ -152,17 +152,74 @@ def test_bad_dpo_input_is_one_line_before_compiling(tmp_path, records, more, mes
 
 @pytest.mark.slow
 def test_task_dpo_resumes_exactly_against_the_same_reference(tmp_path):
-    """4 steps straight equal 2, a restart from the checkpoint (the reference restored with it), then 2."""
+    """4 steps straight equal 2, a restart from the checkpoint (the reference restored with it), then 2.
+    A precomputed reference (``dpo.reference=precomputed``: no reference in the state, its
+    log-probabilities of every pair computed before step 1) gives the frozen one's losses, resumed
+    with its table read back, and resumed again with the table gone (computed again)."""
     from hypertron.config import load_config
     from hypertron.train.loop import train
 
-    common = _dpo_overrides(tmp_path, PAIRS, "train.steps=4", "checkpoint.every=2", "train.warmup_steps=1",
-                            "train.lr=3e-3")
+    common = _dpo_overrides(tmp_path, PAIRS, "train.steps=4", "checkpoint.every=1", "train.warmup_steps=1",
+                            "train.lr=3e-3", "train.schedule=constant")  # runs cut short keep the schedule
     straight = train(load_config(None, [*common, f"run_dir={tmp_path / 'a'}"]))
     first = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}", "train.steps=2"]))
     resumed = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}"]))
     assert resumed.first_step == 2
     np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
+    assert straight.losses[2] < 0.5 * straight.losses[0]  # the policy has moved off the reference
+
+    precomputed = [*common, f"run_dir={tmp_path / 'c'}", "dpo.reference=precomputed"]
+    losses = train(load_config(None, [*precomputed, "train.steps=2"])).losses
+    (table,) = (tmp_path / "c" / "reference_logps").iterdir()
+    losses += train(load_config(None, [*precomputed, "train.steps=3"])).losses  # reads the table back
+    table.unlink()
+    losses += train(load_config(None, precomputed)).losses  # computes it again from the start
+    np.testing.assert_allclose(losses, straight.losses, rtol=1e-6)
+    assert table.exists()
+    from hypertron.models import memory
+
+    held = {precomputed[-1]: 0, "dpo.reference=frozen": memory.state_bytes(load_config(None, common), {}).params}
+    for setting, reference in held.items():  # the memory model counts no reference when it is precomputed
+        assert memory.state_bytes(load_config(None, [*common, setting]), {}).reference == reference
+
+
+@pytest.mark.slow
+def test_a_reference_from_a_model_bundle(tmp_path):
+    """``dpo.reference=BUNDLE``: the first step's loss and metrics are :func:`dpo_loss`'s of the
+    batch's pairs, with the starting parameters as the policy and the bundle's as the reference; a
+    path that holds no model is one line before compiling."""
+    from rich.console import Console
+
+    from hypertron.checkpoint import CheckpointError
+    from hypertron.config import load_config
+    from hypertron.models.bundle import read_bundle, save_model
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.task import task_for
+
+    cfg = load_config(None, _dpo_overrides(tmp_path, PAIRS, f"dpo.reference={tmp_path / 'nothing'}"))
+    task = task_for(cfg)
+    with pytest.raises(CheckpointError, match=r"^dpo.reference=.*nothing: not a model bundle .* or a run with "
+                                              r"checkpoints$"):
+        task.check_init_from(cfg)
+    trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    other = jax.device_get(trainer.init(jax.random.key(7))["params"])
+    save_model(tmp_path / "ref", cfg.model, other, cfg.data.tokenizer)
+    cfg = load_config(None, _dpo_overrides(tmp_path, PAIRS, f"dpo.reference={tmp_path / 'ref'}", "dpo.beta=0.5"))
+    task = task_for(cfg)
+    task.check_inputs(cfg)
+    task.check_init_from(cfg)
+    trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    state = task.initial_state(cfg, trainer, Console(quiet=True))
+    policy = jax.device_get(state["params"])
+    local = next(task.batches(cfg))
+    _, metrics = task.step(trainer, state, local)
+    pairs = task._examples(cfg).pairs
+    _, reference, _ = read_bundle(tmp_path / "ref")
+    want_loss, want = dpo_loss(policy, reference, [pairs[i] for i in local["pair"]], cfg.model, beta=0.5)
+    assert abs(float(want_loss) - np.log(2)) > 0.01  # not the starting parameters
+    np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5)
+    for key in METRICS:
+        np.testing.assert_allclose(float(metrics[key]), float(want[key]), rtol=1e-5, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.slow

@@ -138,6 +138,43 @@ def test_a_fine_tuning_run_resumes_exactly(tuned, tmp_path):
     np.testing.assert_allclose(first.losses + resumed.losses, straight.losses, rtol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_fine_tuning_step_on_a_mesh_equals_one_device(tuned):
+    """The packed examples' step on (fsdp=8) and (data=2, fsdp=2, tensor=2) gives one device's
+    loss and updates (2e-5 of each leaf's largest); ``truncated`` counts the batch's examples cut
+    to their row."""
+    import jax
+
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.task import task_for
+
+    root, _, _ = tuned
+    data = _jsonl(root / "overlong.jsonl", [{"messages": m} for m in CHATS + [CHATS[0] * 4]])
+
+    def one_step(mesh, devices):
+        # eps=1 makes Adam's first update about lr * gradient (not lr * its sign, which float32 noise
+        # flips for gradients near 0): the updates compare as the gradients would
+        cfg = load_config(None, _overrides(root / "tok", data, root / "unused", *mesh, "train.warmup_steps=0",
+                                           "train.lr=1.0", "train.eps=1.0", "train.weight_decay=0"))
+        task = task_for(cfg)
+        task.check_inputs(cfg)
+        trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
+        local = next(task.batches(cfg))
+        state = trainer.init(jax.random.key(0))
+        before = jax.device_get(state["params"])
+        state, metrics = task.step(trainer, state, local)
+        assert metrics["truncated"] == local["truncated"].sum() > 0
+        return jax.device_get(metrics), jax.tree.map(np.subtract, jax.device_get(state["params"]), before)
+
+    want_metrics, want_updates = one_step(["mesh.fsdp=1"], jax.devices()[:1])
+    for mesh in (["mesh.fsdp=8"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
+        metrics, updates = one_step(mesh, None)
+        for key in ("loss", "grad_norm", "tokens"):
+            np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=2e-5, err_msg=f"{mesh} {key}")
+        for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(want_updates), strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), err_msg=str(mesh))
+
+
 def test_parquet_and_hf_records_and_implicit_prompts_read_as_jsonl(tmp_path):
     """The same conversations from jsonl, parquet and a saved Hugging Face dataset give the same
     examples; a preference record whose conversations share their first turns reads as the pair

@@ -294,10 +294,12 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DpoConfig:
-    """``task: dpo`` (docs/finetuning.md): the pair objective against a frozen reference."""
+    """``task: dpo`` (docs/finetuning.md): the pair objective against a reference."""
 
     beta: float = 0.1  # how far the policy may move from the reference
     loss_type: DpoLossType = "sigmoid"
+    # "frozen" (the starting parameters, in the state), "precomputed" (their log-probabilities of every
+    reference: str = "frozen"  # pair, one pass before step 1), or a model bundle or run to score against
 
 
 @dataclass(frozen=True, kw_only=True)

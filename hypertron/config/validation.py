@@ -142,6 +142,8 @@ def _check_format(cfg: Config) -> None:
             raise ConfigError(f"data.loss_on={d.loss_on}: task=dpo scores each pair's completions")
         if not cfg.dpo.beta > 0:
             raise ConfigError(f"dpo.beta={cfg.dpo.beta}: must be positive")
+        if not cfg.dpo.reference.strip():
+            raise ConfigError("dpo.reference is empty: frozen, precomputed, or a model bundle or run to score against")
         if cfg.train.eval_every:
             raise ConfigError("train.eval_every: task=dpo has no held-out evaluation yet")
         if cfg.model.quantization != "none":

@@ -121,22 +121,35 @@ def read_pairs(*, source: str, paths: Sequence[str], fields: dict[str, str], tok
 
 def make_dpo_batches(pairs: Pairs, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
                      process_index: int = 0, process_count: int = 1, pad_id: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """An endless, deterministic stream of this process's batches of pairs, one pair a row (the
-    trainer's fields, [batch_size, seq_len]): the chosen sequence (segment 1) in the first half, the
-    rejected one (segment 2) in the second, positions from 0 in each, ``loss_weights`` on the
-    completions' targets. A pair is never split between rows or batches."""
+    """An endless, deterministic stream of this process's batches of pairs, one pair a row
+    (:func:`dpo_rows`; the pairs ``process_index::process_count``). A pair is never split between
+    rows or batches."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, process_index=process_index,
                  process_count=process_count, seed=seed)
-    shard = pairs.pairs[process_index::process_count]
-    if not shard:
+    indices = np.arange(len(pairs.pairs))[process_index::process_count]
+    if not len(indices):
         raise DataError(f"data: {len(pairs.pairs)} pairs are too few for {process_count} processes")
+    return _stream(dpo_rows(pairs, indices, seq_len=seq_len, pad_id=pad_id), batch_size=batch_size, seed=seed,
+                   shuffle=shuffle)
+
+
+def dpo_rows(pairs: Pairs, indices: Sequence[int], *, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """The rows of the pairs ``indices``, one a row (the trainer's fields, [pairs, seq_len]): the
+    chosen sequence (segment 1) in the first half, the rejected one (segment 2) in the second,
+    positions from 0 in each, ``loss_weights`` on the completions' targets; ``pair`` [pairs], each
+    row's index in ``pairs`` (what a precomputed reference is looked up by); and ``truncated``
+    [pairs], 1 where a sequence was cut to its half."""
     half = seq_len // 2
-    rows = {"inputs": np.full((len(shard), seq_len), pad_id, np.int32),
-            "targets": np.full((len(shard), seq_len), pad_id, np.int32),
-            "loss_weights": np.zeros((len(shard), seq_len), np.float32),
-            "segment_ids": np.zeros((len(shard), seq_len), np.int32),
-            "positions": np.zeros((len(shard), seq_len), np.int32)}
-    for r, (prompt, chosen, rejected) in enumerate(shard):
+    count = len(indices)
+    rows = {"inputs": np.full((count, seq_len), pad_id, np.int32),
+            "targets": np.full((count, seq_len), pad_id, np.int32),
+            "loss_weights": np.zeros((count, seq_len), np.float32),
+            "segment_ids": np.zeros((count, seq_len), np.int32),
+            "positions": np.zeros((count, seq_len), np.int32),
+            "pair": np.asarray(indices, np.int32), "truncated": np.zeros(count, np.int32)}
+    for r, index in enumerate(indices):
+        prompt, chosen, rejected = pairs.pairs[int(index)]
+        rows["truncated"][r] = len(prompt) + max(len(chosen), len(rejected)) > half + 1
         for segment, completion in ((1, chosen), (2, rejected)):
             ids = np.asarray((list(prompt) + list(completion))[:half + 1], np.int32)
             mask = np.asarray(([0] * len(prompt) + [1] * len(completion))[:half + 1], np.float32)
@@ -146,7 +159,7 @@ def make_dpo_batches(pairs: Pairs, *, seq_len: int, batch_size: int, seed: int =
             rows["loss_weights"][r, span] = mask[1:]
             rows["segment_ids"][r, span] = segment
             rows["positions"][r, span] = np.arange(n)
-    return _stream(rows, batch_size=batch_size, seed=seed, shuffle=shuffle)
+    return rows
 
 
 def make_sft_batches(examples: Examples, *, seq_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,

@@ -62,8 +62,9 @@ def pack_rows(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: 
     (an example of n tokens fills n-1 slots: ``ids[:-1]`` predicting ``ids[1:]``),
     ``loss_weights`` float32 (``loss_mask[1:]``: the mask shifted onto the targets),
     ``segment_ids`` int32 (1, 2, ... per example in a row; 0 on padding) and ``positions`` int32
-    (from 0 in each example). Padding has ``pad_id`` tokens and weight 0. An example longer than
-    ``seq_len + 1`` tokens keeps its first ``seq_len + 1``; ``truncated`` counts them.
+    (from 0 in each example); and ``truncated`` int32 [rows], the row's examples that were cut.
+    Padding has ``pad_id`` tokens and weight 0. An example longer than ``seq_len + 1`` tokens keeps
+    its first ``seq_len + 1``; ``truncated`` counts them.
     """
     for ids, mask in examples:
         if len(ids) != len(mask):
@@ -73,11 +74,12 @@ def pack_rows(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: 
     shape = (len(rows), seq_len)
     batch = {"inputs": np.full(shape, pad_id, np.int32), "targets": np.full(shape, pad_id, np.int32),
              "loss_weights": np.zeros(shape, np.float32), "segment_ids": np.zeros(shape, np.int32),
-             "positions": np.zeros(shape, np.int32)}
+             "positions": np.zeros(shape, np.int32), "truncated": np.zeros(len(rows), np.int32)}
     for r, row in enumerate(rows):
         start, segment = 0, 0
         for index in row:
             ids, mask = examples[index]
+            batch["truncated"][r] += len(ids) > seq_len + 1
             ids = np.asarray(ids[:seq_len + 1], np.int32)
             n = len(ids) - 1
             if n <= 0:  # one token predicts nothing

@@ -274,6 +274,9 @@ class Recommender:
     def initial_state(self, cfg: Config, trainer: DlrmTrainer, console) -> dict:
         return trainer.init(jax.random.key(cfg.train.seed))
 
+    def restored(self, cfg: Config, trainer: DlrmTrainer, state: dict, console) -> None:
+        pass
+
     def step(self, trainer: DlrmTrainer, state: dict, local: dict) -> tuple[dict, dict]:
         return trainer.step(state, local)
 

@@ -172,6 +172,7 @@ def _initial_state(cfg: Config, task: Task, trainer, ckpt: Checkpointer | None, 
     if start is not None:
         state, start = _restore(cfg, task, trainer, ckpt, start, data, tracking, console)
         state["step"] = jax.device_put(np.int32(start), trainer.state_shardings["step"])
+        task.restored(cfg, trainer, state, console)
         return state, start
     return task.initial_state(cfg, trainer, console), 0
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -210,6 +211,13 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     evaluate = jax.jit(eval_fn, in_shardings=(p_shard, batch_sharding, state_shardings.get("quant")),
                        out_shardings=replicated)
     return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step, evaluate)
+
+
+def row_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A field of one value (or vector) a row, [rows, ...], of this process's rows as a global
+    array whose rows are sharded as the batch's (``sharding``)."""
+    spec = P(sharding.spec[0], *([None] * (local.ndim - 1)))
+    return jax.make_array_from_process_local_data(NamedSharding(sharding.mesh, spec), local)
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> Batch:

@@ -9,7 +9,7 @@ evaluation, the throughput's unit and FLOPs, and what is written at the end.
 - :class:`LanguageModel` (``task: lm``): decoder LLMs on token streams (:mod:`hypertron.train.step`).
 - :class:`FineTune` (``task: sft``): the same model, step and loss on fine-tuning examples packed whole.
 - :class:`PreferenceTune` (``task: dpo``): the same model on preference pairs, the DPO objective against
-  a frozen reference (:mod:`hypertron.train.dpo`).
+  a reference: frozen in the state, or its log-probabilities precomputed (:mod:`hypertron.train.dpo`).
 - :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables.
 
 The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from hypertron.checkpoint import CheckpointError, latest_step, load_params, read_run_config
@@ -40,7 +44,7 @@ from hypertron.parallel.mesh import make_mesh
 from hypertron.train.checks import validate_for_devices
 from hypertron.train.metrics import Throughput
 from hypertron.tokenizer import get_tokenizer
-from hypertron.train.step import global_batch, make_trainer
+from hypertron.train.step import global_batch, make_trainer, row_array
 
 
 class Task(Protocol):
@@ -66,6 +70,10 @@ class Task(Protocol):
 
     def initial_state(self, cfg: Config, trainer: Any, console) -> dict:
         """A new run's state: random, or ``train.init_from``'s parameters."""
+
+    def restored(self, cfg: Config, trainer: Any, state: dict, console) -> None:
+        """After a checkpoint was restored into ``state``: what the task keeps beside it (``task: dpo``'s
+        precomputed reference)."""
 
     def step(self, trainer: Any, state: dict, local: dict) -> tuple[dict, dict]:
         """One optimiser step on this process's rows; returns the new state and device-side metrics
@@ -97,23 +105,8 @@ class LanguageModel:
         if is_bundle(cfg.run_dir) and not (Path(cfg.run_dir) / "config.yaml").exists():
             raise CheckpointError(f"run_dir={cfg.run_dir} holds a model bundle; to train from it, use a new "
                                   f"run_dir and train.init_from={cfg.run_dir}")
-        if not cfg.train.init_from:
-            return
-        from hypertron.models import declare
-        from hypertron.models.params import abstract
-
-        if is_bundle(cfg.train.init_from):
-            src_model, _ = read_bundle_config(cfg.train.init_from)
-        else:
-            src_model = read_run_config(cfg.train.init_from).model
-            latest_step(cfg.train.init_from)  # refuses a run without usable checkpoints, before compiling
-        shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
-        if shapes(src_model) != shapes(cfg.model):
-            raise CheckpointError(
-                f"train.init_from={cfg.train.init_from} holds a {src_model.name} model whose parameter "
-                f"shapes differ from model={cfg.model.name}; set model to match it (model={cfg.train.init_from} "
-                "for a model bundle)"
-            )
+        if cfg.train.init_from:
+            check_params_source(cfg, "train.init_from", cfg.train.init_from)
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         d, t = cfg.data, cfg.train
@@ -145,16 +138,11 @@ class LanguageModel:
             where = "base" if cfg.lora.rank else "params"  # LoRA: the frozen base the adapters train on
             console.print(f"starting from the parameters in {cfg.train.init_from}"
                           + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""))
-            shardings = trainer.abstract_state()[where]
-            if is_bundle(cfg.train.init_from):
-                _, params, _ = read_bundle(cfg.train.init_from, dtype=resolve_dtype(cfg.model.param_dtype))
-                # Each process places the slices its devices hold, from the whole array it read.
-                state[where] = jax.tree.map(
-                    lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
-                    params, shardings)
-            else:
-                _, state[where] = load_params(cfg.train.init_from, shardings=shardings)
+            state[where] = read_params(cfg, cfg.train.init_from, trainer.abstract_state()[where])
         return state
+
+    def restored(self, cfg: Config, trainer, state: dict, console) -> None:
+        pass
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
         return trainer.step(state, global_batch(local, trainer.batch_sharding))
@@ -220,6 +208,14 @@ class FineTune(LanguageModel):
             shuffle=d.shuffle, process_index=jax.process_index(), process_count=jax.process_count(),
             pad_id=tokenizer.eos_id or 0, split=split, eval_fraction=d.eval_fraction)
 
+    def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
+        """Pre-training's step, and ``truncated``: the examples of the global batch cut to their row."""
+        state, metrics = trainer.step(state, self._batch(trainer, local))
+        return state, {**metrics, "truncated": jnp.sum(row_array(local["truncated"], trainer.batch_sharding))}
+
+    def _batch(self, trainer, local: dict) -> dict:
+        return global_batch(local, trainer.batch_sharding)
+
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
         d = cfg.data
         template = chat_template_of(cfg)
@@ -259,11 +255,24 @@ class FineTune(LanguageModel):
 
 class PreferenceTune(FineTune):
     """``task: dpo``: a language model tuned on preference pairs (``data.format=preference``) with
-    the DPO objective against a frozen reference, the starting parameters
-    (:mod:`hypertron.train.dpo`; docs/finetuning.md). One pair a row; the rest is
-    :class:`FineTune`'s (the template, the bundle)."""
+    the DPO objective against a reference (:mod:`hypertron.train.dpo`; docs/finetuning.md):
+    ``dpo.reference`` ``frozen`` (the starting parameters, in the train state), a model bundle or
+    run (its parameters, in the train state), or ``precomputed`` (the starting parameters'
+    log-probabilities of every pair, computed once before step 1 and kept in
+    ``RUN/reference_logps/`` under a digest of the pairs' rows and of where the parameters came
+    from, so a resumed run reads them back). One pair a row; the rest is :class:`FineTune`'s (the
+    template, the bundle)."""
 
     TOO_LONG = "pairs have a sequence longer than half of train.seq_len={} + 1 tokens"
+
+    def __init__(self):
+        super().__init__()
+        self._reference_logps: np.ndarray | None = None  # [pairs, 2], with dpo.reference=precomputed
+
+    def check_init_from(self, cfg: Config) -> None:
+        super().check_init_from(cfg)
+        if cfg.dpo.reference not in ("frozen", "precomputed"):
+            check_params_source(cfg, "dpo.reference", cfg.dpo.reference)
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         from hypertron.data.finetune import make_dpo_batches
@@ -281,14 +290,73 @@ class PreferenceTune(FineTune):
 
     def initial_state(self, cfg: Config, trainer, console) -> dict:
         state = super().initial_state(cfg, trainer, console)
-        if cfg.train.init_from:  # the reference is where this run starts: the parameters it read
+        reference = cfg.dpo.reference
+        if reference == "precomputed":
+            self._reference_logps = self._precompute(cfg, trainer, state["params"], console)
+        elif reference != "frozen":
+            console.print(f"scoring against the parameters in {reference} (dpo.reference)", highlight=False)
+            state["reference"] = read_params(cfg, reference, trainer.abstract_state()["reference"])
+        elif cfg.train.init_from:  # the reference is where this run starts: the parameters it read
             state["reference"] = jax.tree.map(lambda a: a.copy(), state["params"])
         return state
 
+    def restored(self, cfg: Config, trainer, state: dict, console) -> None:
+        if cfg.dpo.reference == "precomputed":  # read back; computed again (from the start) if it is gone
+            self._reference_logps = self._precompute(cfg, trainer, None, console)
+
+    def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
+        if self._reference_logps is None and trainer.cfg.dpo.reference == "precomputed":
+            raise RuntimeError("dpo.reference=precomputed: step before initial_state or restored")
+        return super().step(trainer, state, local)
+
+    def _batch(self, trainer, local: dict) -> dict:
+        batch = super()._batch(trainer, local)
+        if self._reference_logps is not None:
+            from hypertron.train.dpo import reference_logps_sharding
+
+            logps = self._reference_logps[local["pair"]]
+            batch["reference_logps"] = jax.make_array_from_process_local_data(reference_logps_sharding(trainer), logps)
+        return batch
+
+    def _precompute(self, cfg: Config, trainer, params, console) -> np.ndarray:
+        """The reference's log-probabilities of every pair [pairs, 2]: read from the run directory
+        if this run computed them before, else one pass of ``params`` (None: the starting
+        parameters, read again) over every pair, written there by process 0."""
+        from hypertron.data.finetune import dpo_rows
+        from hypertron.train.dpo import reference_logps
+
+        pairs = self._examples(cfg)
+        rows = dpo_rows(pairs, range(len(pairs)), seq_len=cfg.train.seq_len,
+                        pad_id=get_tokenizer(cfg.data.tokenizer).eos_id or 0)
+        digest = hashlib.sha256()
+        for key in ("inputs", "targets", "loss_weights", "segment_ids", "positions"):
+            digest.update(rows[key].tobytes())
+        digest.update(json.dumps(reference_source(cfg), sort_keys=True, default=str).encode())
+        path = Path(cfg.run_dir) / "reference_logps" / f"{digest.hexdigest()[:32]}.npy"
+        if path.exists():
+            table = np.load(path)
+            if table.shape == (len(pairs), 2):
+                console.print(f"read the reference's log-probabilities of {len(pairs)} pairs from {path}",
+                              highlight=False)
+                return table
+        if params is None:
+            params = LanguageModel.initial_state(self, cfg, trainer, console)["params"]
+        console.print(f"computing the reference's log-probabilities of {len(pairs)} pairs (dpo.reference="
+                      "precomputed)", highlight=False)
+        table = reference_logps(cfg, trainer, params, rows)
+        if jax.process_index() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial.npy")
+            np.save(partial, table)
+            os.replace(partial, path)
+        return table
+
     def throughput(self, cfg: Config) -> Throughput:
-        """Tokens as pre-training's, FLOPs with the reference's forward pass (a third of a training
-        step's) added."""
+        """Tokens as pre-training's; FLOPs with the reference's forward pass (a third of a training
+        step's) added, unless it was precomputed."""
         base = super().throughput(cfg)
+        if cfg.dpo.reference == "precomputed":
+            return base
         return dataclasses.replace(base, flops_per_step=base.flops_per_step * 4 / 3)
 
     def _examples(self, cfg: Config):
@@ -303,6 +371,55 @@ class PreferenceTune(FineTune):
                                          tokenizer=get_tokenizer(d.tokenizer), template=chat_template_of(cfg),
                                          seq_len=cfg.train.seq_len, overlong=d.overlong)
         return self._read[1]
+
+
+def check_params_source(cfg: Config, key: str, path: str) -> None:
+    """``path`` (the setting ``key``) names a model bundle, or a run with a checkpoint, whose
+    parameters have ``cfg.model``'s shapes; one line otherwise, before compiling."""
+    from hypertron.models import declare
+    from hypertron.models.params import abstract
+
+    if is_bundle(path):
+        src_model, _ = read_bundle_config(path)
+    elif (Path(path) / "config.yaml").exists():
+        src_model = read_run_config(path).model
+        latest_step(path)  # refuses a run without usable checkpoints, before compiling
+    else:
+        raise CheckpointError(f"{key}={path}: not a model bundle (config.json and weights) or a run with "
+                              "checkpoints")
+    shapes = lambda m: jax.tree.map(lambda a: a.shape, abstract(declare(m), "float32"))
+    if shapes(src_model) != shapes(cfg.model):
+        raise CheckpointError(
+            f"{key}={path} holds a {src_model.name} model whose parameter shapes differ from "
+            f"model={cfg.model.name}; set model to match it (model={path} for a model bundle)"
+        )
+
+
+def read_params(cfg: Config, path: str, shardings):
+    """The parameters of a model bundle or a run's newest checkpoint, placed as ``shardings``."""
+    if is_bundle(path):
+        _, params, _ = read_bundle(path, dtype=resolve_dtype(cfg.model.param_dtype))
+        # Each process places the slices its devices hold, from the whole array it read.
+        return jax.tree.map(
+            lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
+            params, shardings)
+    return load_params(path, shardings=shardings)[1]
+
+
+def reference_source(cfg: Config) -> dict[str, Any]:
+    """Where a precomputed reference's parameters come from: ``train.init_from`` and a digest of
+    its files (the checkpoint step read, for a run), or the random start (model and seed)."""
+    source = cfg.train.init_from
+    if not source:
+        return {"random": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
+    root = Path(source) if is_bundle(source) else Path(source) / "checkpoints" / str(latest_step(source))
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return {"init_from": source, "files": digest.hexdigest(), "dtype": cfg.model.param_dtype}
 
 
 def chat_template_of(cfg: Config) -> str | None:
