@@ -35,9 +35,10 @@ from hypertron.errors import UserError
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "hypertron_manifest.json"
-# reference: task: dpo's frozen parameters; base: the frozen weights LoRA adapters train on
-FROZEN = ("reference", "base")
-ITEMS = ("params", "opt_state", "quant", *FROZEN, "meta", "data")
+# reference: task: dpo's frozen parameters. (The frozen base LoRA adapters train on is not saved: a
+# resumed run reads it from train.init_from again, checked by its digest; older runs saved "base".)
+FROZEN = ("reference",)
+ITEMS = ("params", "opt_state", "quant", *FROZEN, "base", "meta", "data")
 
 
 class CheckpointError(UserError):

@@ -184,6 +184,32 @@ def test_task_dpo_resumes_exactly_against_the_same_reference(tmp_path):
 
 
 @pytest.mark.slow
+def test_task_dpo_trains_lora_adapters_against_the_base(tmp_path):
+    """With ``lora.rank`` the adapters train over a frozen base, which is the reference with the
+    adapters off (TRL's for PEFT models): the first loss is log 2, the pairs are learnt, and no
+    checkpoint holds a reference or the base; a precomputed reference gives the same losses."""
+    from hypertron.config import load_config
+    from hypertron.models import init_params
+    from hypertron.models.bundle import save_model
+    from hypertron.train.loop import train
+
+    common = _dpo_overrides(tmp_path, PAIRS, "train.steps=15", "train.lr=2e-2", "train.warmup_steps=2",
+                            "train.schedule=constant", "dpo.beta=0.5", "lora.rank=4", "lora.alpha=8",
+                            f"train.init_from={tmp_path / 'base'}", "checkpoint.every=15")
+    save_model(tmp_path / "base", load_config(None, common).model,
+               init_params(load_config(None, common).model, jax.random.key(3)))
+    frozen = train(load_config(None, common))
+    assert abs(frozen.losses[0] - np.log(2)) < 1e-6
+    assert frozen.rows[-1]["rewards/accuracies"] == 1.0 and frozen.losses[-1] < 0.5 * frozen.losses[0]
+    saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "15").iterdir()}
+    assert "params" in saved and not {"reference", "base"} & saved
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+    pre = train(load_config(None, [*common, "train.steps=3", "dpo.reference=precomputed",
+                                   f"run_dir={tmp_path / 'pre'}"]))
+    np.testing.assert_allclose(pre.losses, frozen.losses[:3], rtol=1e-6)
+
+
+@pytest.mark.slow
 def test_a_reference_from_a_model_bundle(tmp_path):
     """``dpo.reference=BUNDLE``: the first step's loss and metrics are :func:`dpo_loss`'s of the
     batch's pairs, with the starting parameters as the policy and the bundle's as the reference; a

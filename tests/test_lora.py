@@ -145,7 +145,59 @@ def test_adapters_alone_train_over_a_frozen_base_and_leave_a_peft_adapter(base_b
                                np.asarray(_forward(attach(base, adapters, settings), tokens, cfg.model).logits),
                                atol=1e-4, rtol=1e-4)
     saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "20").iterdir()}
-    assert {"params", "opt_state", "base"} <= saved  # the adapters, their moments, the frozen base
+    assert {"params", "opt_state"} <= saved and "base" not in saved  # the adapters and their moments only
+
+    # hypertron convert --lora ADAPTER --merge --out: the bundle the run left (its base from the adapter's config)
+    from support.cli import run_cli
+
+    done = run_cli(["convert", "--lora", str(tmp_path / "run" / "adapter"), "--merge", "--out", str(tmp_path / "m")])
+    assert done.rc == 0, done.stderr
+    _, converted, _ = read_bundle(tmp_path / "m")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), converted, merged)
+    again = run_cli(["convert", "--lora", str(tmp_path / "run" / "adapter"), "--out", str(tmp_path / "m2")])
+    assert again.rc == 2 and again.stderr.strip() == "error: convert --lora needs --merge (the adapter directory is " \
+        "already PEFT's format)"
+
+    # train.init_from=ADAPTER continues it over its base (base_model_name_or_path): it starts trained
+    adapter = tmp_path / "run" / "adapter"
+    more = _lora_overrides(adapter, tmp_path / "more", "train.steps=2", "checkpoint.every=2")
+    again = train(load_config(None, more))
+    assert again.losses[0] < np.mean(result.losses[:3]) - 0.3, (again.losses, result.losses)
+    from hypertron.checkpoint import CheckpointError
+    from hypertron.train.task import task_for
+
+    for setting, message in (("lora.rank=8", "its adapter has rank 4, not lora.rank=8"),
+                             ("lora.rank=0", "is a LoRA adapter: set lora.rank")):
+        cfg = load_config(None, [*more, setting, f"run_dir={tmp_path / 'refused'}"])
+        with pytest.raises(CheckpointError, match=message):
+            task_for(cfg).check_init_from(cfg)
+
+
+@pytest.mark.slow
+def test_an_adapter_run_resumes_bit_for_bit_and_refuses_another_base(base_bundle, tmp_path):
+    """4 steps straight equal 2, a restart (the base read from train.init_from again), then 2; a
+    base whose files changed since the run began is refused in one line."""
+    import shutil
+
+    from hypertron.checkpoint import CheckpointError
+    from hypertron.models import init_params
+    from hypertron.models.bundle import save_model
+    from hypertron.train.loop import train
+
+    base = tmp_path / "base"
+    shutil.copytree(base_bundle, base)
+    common = _lora_overrides(base, tmp_path / "a", "train.steps=4", "checkpoint.every=2", "train.schedule=constant")
+    straight = train(load_config(None, common))
+    first = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}", "train.steps=2"]))
+    saved = {p.name for p in (tmp_path / "b" / "checkpoints" / "2").iterdir()}
+    assert "base" not in saved
+    resumed = train(load_config(None, [*common, f"run_dir={tmp_path / 'b'}"]))
+    assert resumed.first_step == 2
+    np.testing.assert_array_equal(first.losses + resumed.losses, straight.losses)
+    cfg = load_config(None, [*common, f"run_dir={tmp_path / 'b'}", "train.steps=6"])
+    save_model(base, cfg.model, init_params(cfg.model, jax.random.key(9)))  # another base at the same path
+    with pytest.raises(CheckpointError, match=r"train.init_from=.*base: not the base this run's adapters trained on"):
+        train(cfg)
 
 
 @pytest.mark.slow

@@ -53,12 +53,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    c = add_command(sub, "convert", cmd_convert, help="import or export Hugging Face checkpoints")
+    c = add_command(sub, "convert", cmd_convert,
+                    help="import or export Hugging Face checkpoints, or merge a LoRA adapter into its base")
     c.add_argument("--from-hf", metavar="DIR", help="HF directory (config.json + safetensors) to import")
-    c.add_argument("--out", metavar="DIR", help="model bundle to write (with --from-hf): a new or empty directory")
+    c.add_argument("--out", metavar="DIR",
+                   help="model bundle to write (with --from-hf or --lora): a new or empty directory")
     c.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
     c.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
-                   help="model bundle or run directory to export (with --to-hf)")
+                   help="model bundle or run directory to export (with --to-hf), or the base of --lora (default: "
+                        "the adapter's base_model_name_or_path)")
+    c.add_argument("--lora", metavar="DIR", help="PEFT LoRA adapter directory to merge into its base (with --merge "
+                   "and --out)")
+    c.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")
 
 
 def _add_embed(sub: argparse._SubParsersAction) -> None:
@@ -199,19 +205,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    if args.from_hf and not args.out:
-        raise ConfigError("convert --from-hf needs --out DIR")
-    if bool(args.from_hf) == bool(args.to_hf):
-        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf DIR")
+    if (args.from_hf or args.lora) and not args.out:
+        raise ConfigError(f"convert {'--lora' if args.lora else '--from-hf'} needs --out DIR")
+    if sum(map(bool, (args.from_hf, args.to_hf, args.lora))) != 1:
+        raise ConfigError("convert: give exactly one of --from-hf DIR, --to-hf DIR or --lora DIR")
+    if args.merge and not args.lora:
+        raise ConfigError("convert --merge is for --lora DIR")
     from pathlib import Path
 
-    from hypertron.checkpoint import load_params
     from hypertron.models import bundle, hf
 
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not an empty directory; choose a new one")
+    if args.lora:
+        return _merge_lora(args, out)
     if args.from_hf:
-        out = Path(args.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ConfigError(f"{out} already exists and is not an empty directory; choose a new one")
         model_cfg, params = hf.load_hf(args.from_hf)
         has_tokenizer = any((Path(args.from_hf) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
         bundle.save_model(out, model_cfg, params, args.from_hf if has_tokenizer else "byte")
@@ -219,15 +228,52 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         if not args.checkpoint:
             raise ConfigError("convert --to-hf needs --checkpoint RUN_DIR (or a model bundle)")
-        if bundle.is_bundle(args.checkpoint):
-            _, tokenizer = bundle.read_config(args.checkpoint)
-            model_cfg, params, _ = bundle.read_bundle(args.checkpoint)
-        else:
-            cfg, params = load_params(args.checkpoint)
-            model_cfg, tokenizer = cfg.model, cfg.data.tokenizer
+        model_cfg, params, tokenizer = _read_model(args.checkpoint)
         hf.save_hf(args.to_hf, model_cfg, params)
         copied = bundle.copy_tokenizer(tokenizer, args.to_hf, names=("tokenizer.json", "tokenizer.model"))
         print(f"wrote Hugging Face checkpoint {args.to_hf}" + (" with its tokenizer" if copied else ""))
+    return 0
+
+
+def _read_model(path: str):
+    """``(model config, parameters, tokenizer)`` of a model bundle or a run's newest checkpoint."""
+    from hypertron.checkpoint import load_params
+    from hypertron.models import bundle
+
+    if bundle.is_bundle(path):
+        _, tokenizer = bundle.read_config(path)
+        model_cfg, params, _ = bundle.read_bundle(path)
+        return model_cfg, params, tokenizer
+    cfg, params = load_params(path)
+    return cfg.model, params, cfg.data.tokenizer
+
+
+def _merge_lora(args: argparse.Namespace, out) -> int:
+    """``convert --lora ADAPTER --merge --out OUT [--model BASE]``: the base's bundle with the adapter
+    merged into its weights (what ``hypertron serve`` reads)."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from hypertron.models import bundle
+    from hypertron.models.lora import CONFIG_FILE, load_peft, merge
+
+    if not args.merge:
+        raise ConfigError("convert --lora needs --merge (the adapter directory is already PEFT's format)")
+    try:
+        adapter_config = json.loads((Path(args.lora) / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--lora {args.lora}: not a PEFT adapter directory ({type(e).__name__})") from None
+    base = args.checkpoint or adapter_config.get("base_model_name_or_path") or ""
+    if not base:
+        raise ConfigError(f"--lora {args.lora}: its adapter_config.json names no base_model_name_or_path; give --model "
+                          "BASE")
+    model_cfg, params, tokenizer = _read_model(base)
+    adapters, settings = load_peft(args.lora, model_cfg)
+    merged = jax.device_get(merge(params, adapters, settings))
+    bundle.save_model(out, model_cfg, merged, tokenizer)
+    print(f"wrote the model bundle {out}: {base} with the adapter {args.lora} merged (rank {settings.rank})")
     return 0
 
 

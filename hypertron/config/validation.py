@@ -163,8 +163,11 @@ def _check_format(cfg: Config) -> None:
         raise ConfigError(f"lora.rank={lo.rank}, lora.alpha={lo.alpha}: the rank must not be negative (0: off), "
                           "alpha must be positive")
     if lo.rank:
-        if cfg.task not in ("lm", "sft"):
-            raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters yet (lm and sft do)")
+        if cfg.task not in ("lm", "sft", "dpo"):
+            raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters (lm, sft and dpo do)")
+        if cfg.task == "dpo" and cfg.dpo.reference not in ("frozen", "precomputed"):
+            raise ConfigError(f"dpo.reference={cfg.dpo.reference} with lora.rank={lo.rank}: the reference is the "
+                              "base with the adapters off (frozen, or precomputed)")
         if not cfg.train.init_from:
             raise ConfigError(f"lora.rank={lo.rank}: adapters train on a frozen base: set train.init_from")
         if cfg.model.quantization != "none" or cfg.train.eval_every:

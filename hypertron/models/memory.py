@@ -113,8 +113,9 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
                        for x, a in zip(jax.tree.leaves(shapes), axes, strict=True))
         return StateBytes(params=adapters, grads=adapters, optimizer=OPTIMIZER_MOMENTS * adapters + OPTIMIZER_SCALARS,
                           fp8_histories=histories, base=params)
+    held = cfg.task == "dpo" and cfg.dpo.reference != "precomputed"  # a reference in the state
     return StateBytes(params=params, grads=params, optimizer=OPTIMIZER_MOMENTS * params + OPTIMIZER_SCALARS,
-                      fp8_histories=histories, reference=params if cfg.task == "dpo" and cfg.dpo.reference != "precomputed" else 0)
+                      fp8_histories=histories, reference=params if held else 0)
 
 
 # Activation coefficients, fitted to XLA's own accounting (``compiled.memory_analysis()``'s

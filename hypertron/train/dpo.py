@@ -5,7 +5,9 @@ With ``dpo.reference=frozen`` (or a model path) the state adds ``reference``: th
 run scores against the same reference). With ``precomputed`` the state holds no reference: its
 log-probabilities of every pair are computed once before step 1 (:func:`reference_logps`, as TRL's
 ``precompute_ref_log_probs``) and each batch carries its rows' (``reference_logps`` [rows, 2]), so a
-step runs the policy's forward pass alone and the reference's memory is free. Each row of a batch
+step runs the policy's forward pass alone and the reference's memory is free. With LoRA
+(``lora.rank``) the state is the adapters' (:mod:`hypertron.train.lora`) and the reference is the
+base with the adapters off, as TRL's for PEFT models: nothing is added. Each row of a batch
 holds one pair (:func:`hypertron.data.finetune.make_dpo_batches`); the step sums the objective of
 :func:`hypertron.train.preference.dpo_terms` over the pairs of its micro-batches (so
 ``train.grad_accum`` and the mesh change nothing) and divides by the pairs: the loss is the mean
@@ -27,6 +29,8 @@ from hypertron.config import Config
 from hypertron.parallel.rules import DEFAULT_RULES, use_rules
 from hypertron.train.optimizer import schedule
 from hypertron.train.preference import dpo_terms, pair_logps
+from hypertron.models.lora import attach
+from hypertron.train.lora import lora_settings, make_lora_trainer
 from hypertron.train.step import BATCH_KEYS, Trainer, accumulate_grads, make_trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -52,9 +56,20 @@ def pair_sums(params, batch, cfg: Config, histories=None, *, reference):
     return aux["objective"], aux
 
 
-def dpo_step(state, batch, cfg: Config, optimizer: optax.GradientTransformation):
-    """One optimiser step of the pair objective; returns the new state and device-side metrics."""
-    loss_fn = functools.partial(pair_sums, reference=state.get("reference"))
+def adapted_pair_sums(adapters, batch, cfg: Config, histories=None, *, base, settings, reference):
+    """:func:`pair_sums` of the base with LoRA ``adapters`` attached (differentiable in the adapters)."""
+    return pair_sums(attach(base, adapters, settings), batch, cfg, histories, reference=reference)
+
+
+def dpo_step(state, batch, cfg: Config, optimizer: optax.GradientTransformation, settings=None):
+    """One optimiser step of the pair objective; returns the new state and device-side metrics.
+    With LoRA ``settings`` the state's ``params`` are the adapters over its ``base``, and the
+    reference (unless precomputed) is the base with the adapters off, as TRL's for PEFT models."""
+    if settings is None:
+        loss_fn = functools.partial(pair_sums, reference=state.get("reference"))
+    else:
+        loss_fn = functools.partial(adapted_pair_sums, base=state["base"], settings=settings,
+                                    reference=None if precomputed(cfg) else state["base"])
     grads, _, aux = accumulate_grads(state["params"], None, batch, cfg, loss_fn)
     pairs = jnp.maximum(aux["weight"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / pairs).astype(p.dtype), grads, state["params"])
@@ -64,8 +79,9 @@ def dpo_step(state, batch, cfg: Config, optimizer: optax.GradientTransformation)
                "lr": schedule(cfg.train)(state["step"]), "tokens": aux["tokens"], "pairs": aux["weight"],
                **{k: aux[k] / pairs for k in METRICS}}
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-    if "reference" in state:
-        new_state["reference"] = state["reference"]
+    for frozen in ("reference", "base"):
+        if frozen in state:
+            new_state[frozen] = state[frozen]
     return new_state, metrics
 
 
@@ -80,23 +96,26 @@ def reference_logps_sharding(trainer: Trainer) -> NamedSharding:
 
 
 def make_dpo_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
-    """Pre-training's trainer (:func:`make_trainer`) with :func:`dpo_step` as its step and, but with
-    a precomputed reference, ``reference`` in the state (initialised as the parameters)."""
-    base = make_trainer(cfg, mesh, rules)
+    """Pre-training's trainer (:func:`make_trainer`), or the adapters' (:func:`make_lora_trainer`,
+    with ``lora.rank``), with :func:`dpo_step` as its step and, but with a precomputed reference or
+    adapters, ``reference`` in the state (initialised as the parameters)."""
+    settings = lora_settings(cfg) if cfg.lora.rank else None
+    base = make_trainer(cfg, mesh, rules) if settings is None else make_lora_trainer(cfg, mesh, rules)
     shardings, batch_shardings = dict(base.state_shardings), base.batch_sharding
+    held = not precomputed(cfg) and settings is None  # the reference in the state
     if precomputed(cfg):
         batch_shardings = {**{k: base.batch_sharding for k in BATCH_KEYS},
                            "reference_logps": reference_logps_sharding(base)}
-    else:
+    if held:
         shardings["reference"] = base.state_shardings["params"]
 
     def init_fn(key):
         state = base.init(key)
-        return state if precomputed(cfg) else {**state, "reference": state["params"]}
+        return {**state, "reference": state["params"]} if held else state
 
     def step_fn(state, batch):
         with use_rules(mesh, rules):
-            return dpo_step(state, batch, cfg, base.optimizer)
+            return dpo_step(state, batch, cfg, base.optimizer, settings)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(step_fn, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, replicated),
@@ -118,8 +137,7 @@ def reference_logps(cfg: Config, trainer: Trainer, params, rows: dict[str, np.nd
         with use_rules(mesh, rules):
             return pair_logps(p, batch, cfg.model)[0]
 
-    run = jax.jit(logps, in_shardings=(trainer.state_shardings["params"], trainer.batch_sharding),
-                  out_shardings=NamedSharding(mesh, PartitionSpec()))
+    run = jax.jit(logps, out_shardings=NamedSharding(mesh, PartitionSpec()))  # as placed: the base's, with LoRA
     count = len(rows["inputs"])
     out = []
     for start in range(0, count, chunk):

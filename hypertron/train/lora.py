@@ -4,9 +4,10 @@ so no gradient, moment or master copy of the base exists. The step is pre-traini
 (:func:`hypertron.train.step.loss_terms`) on the base with the adapters attached
 (:func:`hypertron.models.lora.attach`), its gradients taken with respect to the adapters alone.
 
-The base is ``train.init_from``'s parameters, held in the parameter dtype; it is checkpointed with
-the adapters (so a resumed run needs nothing else), which issue 41 means to drop for the base's
-path and hash.
+The base is ``train.init_from``'s parameters, held in the parameter dtype. Checkpoints hold the
+adapters, their moments and the step, not the base: a resumed run reads it from ``train.init_from``
+again, refused if its files' digest differs from the one ``RUN/lora_base.json`` kept when the run
+began (:class:`hypertron.train.task.LanguageModel`).
 """
 
 from __future__ import annotations

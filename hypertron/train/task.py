@@ -105,7 +105,12 @@ class LanguageModel:
         if is_bundle(cfg.run_dir) and not (Path(cfg.run_dir) / "config.yaml").exists():
             raise CheckpointError(f"run_dir={cfg.run_dir} holds a model bundle; to train from it, use a new "
                                   f"run_dir and train.init_from={cfg.run_dir}")
-        if cfg.train.init_from:
+        if not cfg.train.init_from:
+            return
+        if is_adapter(cfg.train.init_from):
+            check_adapter(cfg)
+            check_params_source(cfg, f"{cfg.train.init_from}'s base_model_name_or_path", lora_base(cfg))
+        else:
             check_params_source(cfg, "train.init_from", cfg.train.init_from)
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
@@ -136,13 +141,38 @@ class LanguageModel:
         state = trainer.init(jax.random.key(cfg.train.seed))
         if cfg.train.init_from:
             where = "base" if cfg.lora.rank else "params"  # LoRA: the frozen base the adapters train on
-            console.print(f"starting from the parameters in {cfg.train.init_from}"
-                          + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""))
-            state[where] = read_params(cfg, cfg.train.init_from, trainer.abstract_state()[where])
+            console.print(f"starting from the parameters in {lora_base(cfg)}"
+                          + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""), highlight=False)
+            state[where] = read_params(cfg, lora_base(cfg), trainer.abstract_state()[where])
+            if is_adapter(cfg.train.init_from):  # continuing an adapter: its tensors are the start
+                from hypertron.models.lora import load_peft
+
+                console.print(f"continuing the LoRA adapter {cfg.train.init_from}", highlight=False)
+                adapters, _ = load_peft(cfg.train.init_from, cfg.model)
+                state["params"] = jax.tree.map(
+                    lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda i, a=np.asarray(a): a[i]),
+                    adapters, trainer.abstract_state()["params"])
+            if cfg.lora.rank and jax.process_index() == 0:  # what a resumed run checks the base by
+                base = {"init_from": lora_base(cfg), "files": files_digest(lora_base(cfg))}
+                Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+                (Path(cfg.run_dir) / LORA_BASE_FILE).write_text(json.dumps(base, indent=1) + "\n")
         return state
 
     def restored(self, cfg: Config, trainer, state: dict, console) -> None:
-        pass
+        """LoRA: the frozen base is not in the checkpoints; it is read from ``train.init_from``
+        again, whose files must be those the run started from (``RUN/lora_base.json``)."""
+        if not cfg.lora.rank:
+            return
+        record = Path(cfg.run_dir) / LORA_BASE_FILE
+        if record.exists():
+            started = json.loads(record.read_text())
+            if started["files"] != files_digest(lora_base(cfg)):
+                raise CheckpointError(
+                    f"train.init_from={cfg.train.init_from}: not the base this run's adapters trained on (the files "
+                    f"of {lora_base(cfg)} differ from those of {started['init_from']} when the run began; {record}); "
+                    "resume on that base, or start a new run_dir")
+        console.print(f"reading the frozen base from {lora_base(cfg)}", highlight=False)
+        state["base"] = read_params(cfg, lora_base(cfg), trainer.abstract_state()["base"])
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
         return trainer.step(state, global_batch(local, trainer.batch_sharding))
@@ -174,7 +204,7 @@ class LanguageModel:
         write_bundle(cfg, merge(state["base"], state["params"], settings), console)  # what serve reads today
         if jax.process_index() == 0:
             path = Path(cfg.run_dir) / "adapter"
-            save_peft(path, jax.device_get(state["params"]), settings, cfg.model, base=cfg.train.init_from)
+            save_peft(path, jax.device_get(state["params"]), settings, cfg.model, base=lora_base(cfg))
             console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
 
 
@@ -291,12 +321,13 @@ class PreferenceTune(FineTune):
     def initial_state(self, cfg: Config, trainer, console) -> dict:
         state = super().initial_state(cfg, trainer, console)
         reference = cfg.dpo.reference
-        if reference == "precomputed":
-            self._reference_logps = self._precompute(cfg, trainer, state["params"], console)
+        if reference == "precomputed":  # the starting parameters; with LoRA the base, adapters off
+            self._reference_logps = self._precompute(cfg, trainer, state["base" if cfg.lora.rank else "params"],
+                                                     console)
         elif reference != "frozen":
             console.print(f"scoring against the parameters in {reference} (dpo.reference)", highlight=False)
             state["reference"] = read_params(cfg, reference, trainer.abstract_state()["reference"])
-        elif cfg.train.init_from:  # the reference is where this run starts: the parameters it read
+        elif cfg.train.init_from and not cfg.lora.rank:  # the reference is where this run starts: what it read
             state["reference"] = jax.tree.map(lambda a: a.copy(), state["params"])
         return state
 
@@ -340,7 +371,7 @@ class PreferenceTune(FineTune):
                               highlight=False)
                 return table
         if params is None:
-            params = LanguageModel.initial_state(self, cfg, trainer, console)["params"]
+            params = LanguageModel.initial_state(self, cfg, trainer, console)["base" if cfg.lora.rank else "params"]
         console.print(f"computing the reference's log-probabilities of {len(pairs)} pairs (dpo.reference="
                       "precomputed)", highlight=False)
         table = reference_logps(cfg, trainer, params, rows)
@@ -406,20 +437,69 @@ def read_params(cfg: Config, path: str, shardings):
     return load_params(path, shardings=shardings)[1]
 
 
+LORA_BASE_FILE = "lora_base.json"  # in the run directory: the base LoRA adapters train on, by digest
+
+
+def is_adapter(path: str) -> bool:
+    """Whether ``path`` is a PEFT adapter directory (``train.init_from`` then continues it)."""
+    from hypertron.models.lora import CONFIG_FILE
+
+    return bool(path) and (Path(path) / CONFIG_FILE).is_file()
+
+
+def lora_base(cfg: Config) -> str:
+    """Where the frozen base is read from: ``train.init_from``, or, for an adapter there, its
+    ``base_model_name_or_path``."""
+    if not is_adapter(cfg.train.init_from):
+        return cfg.train.init_from
+    from hypertron.models.lora import CONFIG_FILE
+
+    return str(json.loads((Path(cfg.train.init_from) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or "")
+
+
+def check_adapter(cfg: Config) -> None:
+    """``train.init_from`` names an adapter: ``lora.*`` must be its settings, and it must name its base."""
+    from hypertron.models.lora import load_peft
+    from hypertron.train.lora import lora_settings
+
+    where = f"train.init_from={cfg.train.init_from}"
+    if not cfg.lora.rank:
+        raise CheckpointError(f"{where} is a LoRA adapter: set lora.rank (and lora.alpha, lora.targets) to its "
+                              "settings to train it further, or merge it into its base first (hypertron convert --lora)")
+    _, theirs = load_peft(cfg.train.init_from, cfg.model)
+    ours = lora_settings(cfg)
+    from hypertron.models.lora import targets
+
+    for name, a, b in (("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha),
+                       ("rslora", theirs.rslora, ours.rslora),
+                       ("targets", sorted(t.module for t in targets(cfg.model, theirs.targets)),
+                        sorted(t.module for t in targets(cfg.model, ours.targets)))):
+        if a != b:
+            raise CheckpointError(f"{where}: its adapter has {name} {a}, not lora.{name}={b}")
+    if not lora_base(cfg):
+        raise CheckpointError(f"{where}: its adapter_config.json names no base_model_name_or_path")
+
+
 def reference_source(cfg: Config) -> dict[str, Any]:
     """Where a precomputed reference's parameters come from: ``train.init_from`` and a digest of
-    its files (the checkpoint step read, for a run), or the random start (model and seed)."""
+    its files, or the random start (model and seed)."""
     source = cfg.train.init_from
     if not source:
         return {"random": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
-    root = Path(source) if is_bundle(source) else Path(source) / "checkpoints" / str(latest_step(source))
+    return {"init_from": source, "files": files_digest(source), "dtype": cfg.model.param_dtype}
+
+
+def files_digest(path: str) -> str:
+    """A SHA-256 of the files parameters are read from: a model bundle's, or a run's newest
+    checkpoint step's (names and contents)."""
+    root = Path(path) if is_bundle(path) else Path(path) / "checkpoints" / str(latest_step(path))
     digest = hashlib.sha256()
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
         digest.update(str(file.relative_to(root)).encode())
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-    return {"init_from": source, "files": digest.hexdigest(), "dtype": cfg.model.param_dtype}
+    return digest.hexdigest()
 
 
 def chat_template_of(cfg: Config) -> str | None:
