@@ -61,8 +61,7 @@ MODEL_INDEX = "model_index.json"
 # num_inference_steps, and prompts whose text-encoder outputs are kept (LRU; 0: none).
 IMAGE_DEFAULTS = {"max_batch": 4, "max_steps": 100, "embedding_cache": 32}
 # background: a new step shape compiles on a background thread while its steps run padded to a compiled
-# shape that holds it (if none, the step waits); lazy: each step shape compiles when first met, and that
-# step waits
+# shape that holds it (if none, the step waits); lazy: each step shape compiles when first met, and waits
 CompileMode = Literal["background", "lazy"]
 # on: dispatch step n + 1 before step n's tokens reach the host; off: collect each step first; auto: on
 # where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
@@ -76,6 +75,7 @@ Task = Literal["lm", "sft", "dpo", "dlrm"]  # a language model; fine-tuned on ex
 DataFormat = Literal["text", "messages", "prompt_completion", "preference"]  # a record, as TRL's dataset formats
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
 LossOn = Literal["auto", "assistant", "completion", "all"]  # auto: assistant for messages, else completion
+LoraBaseDtype = Literal["auto", "bfloat16", "int8"]  # auto: the parameter dtype; int8: per-channel (QLoRA-style)
 Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a row: keep its start, or refuse it
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
@@ -298,8 +298,7 @@ class DpoConfig:
 
     beta: float = 0.1  # how far the policy may move from the reference
     loss_type: DpoLossType = "sigmoid"
-    # "frozen" (the starting parameters, in the state), "precomputed" (their log-probabilities of every
-    reference: str = "frozen"  # pair, one pass before step 1), or a model bundle or run to score against
+    reference: str = "frozen"  # frozen, precomputed, or a model bundle or run to score against (docs/finetuning.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,6 +309,7 @@ class LoraConfig:
     alpha: float = 16.0  # the adapter's scale is alpha / rank (alpha / sqrt(rank) with rslora)
     targets: tuple[str, ...] = ("all-linear",)  # PEFT's module names (q_proj ...), or all-linear
     rslora: bool = False
+    base_dtype: LoraBaseDtype = "auto"  # how the frozen base is held (its matmul weights; norms stay float32)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ the HF weight being ``[out, in]``: ours is its transpose reshaped (the ``linear`
 ``heads_out`` layouts of :mod:`hypertron.models.hf`), so ``A`` is ``lora_A``'s transpose reshaped
 and ``B`` ``lora_B``'s.
 
-Not yet (issue 41): training only the adapters, a quantised base's training, serving many
-adapters; MoE expert weights, DoRA, biases and other PEFT features are refused in one line.
+Not yet (issue 41): serving many adapters; MoE expert weights, DoRA, biases and other PEFT
+features are refused in one line.
 """
 
 from __future__ import annotations
@@ -126,6 +126,19 @@ def adapter_axes(cfg: ModelConfig, settings: LoraSettings) -> dict:
         axes, n_stack, n_in = t.spec.axes, len(t.stack), len(t.ins)
         _put(out, t.path, {"a": (*axes[:n_stack + n_in], None), "b": (*axes[:n_stack], None, *axes[n_stack + n_in:])})
     return out
+
+
+def held_base(cfg: ModelConfig, params: dict, base_dtype: str) -> dict:
+    """A frozen base as adapters train on it (``lora.base_dtype``): ``auto`` as it is; ``bfloat16``
+    its matmul weights in bfloat16; ``int8`` its matmul weights int8 with a scale per output
+    channel (:func:`hypertron.models.params.quantize_params`, serving's int8). Norms stay float32."""
+    from hypertron.models.params import cast_params, quantize_params
+
+    if base_dtype == "int8":
+        return quantize_params(declare(cfg), params)
+    if base_dtype == "bfloat16":
+        return cast_params(declare(cfg), params, jnp.bfloat16)
+    return params
 
 
 def attach(params: dict, adapters: dict, settings: LoraSettings) -> dict:

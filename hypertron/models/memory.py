@@ -112,10 +112,27 @@ def state_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fal
         adapters = sum(math.prod(shard_shape(x.shape, a, mesh_shape, rules)) * x.dtype.itemsize
                        for x, a in zip(jax.tree.leaves(shapes), axes, strict=True))
         return StateBytes(params=adapters, grads=adapters, optimizer=OPTIMIZER_MOMENTS * adapters + OPTIMIZER_SCALARS,
-                          fp8_histories=histories, base=params)
+                          fp8_histories=histories, base=_held_base_bytes(cfg, specs, mesh_shape, rules, accelerator))
     held = cfg.task == "dpo" and cfg.dpo.reference != "precomputed"  # a reference in the state
     return StateBytes(params=params, grads=params, optimizer=OPTIMIZER_MOMENTS * params + OPTIMIZER_SCALARS,
                       fp8_histories=histories, reference=params if held else 0)
+
+
+def _held_base_bytes(cfg: Config, specs, mesh_shape: dict[str, int], rules: dict, accelerator: bool) -> int:
+    """Per-device bytes of LoRA's frozen base as ``lora.base_dtype`` holds it (an int8 weight's
+    values and scales each sharded by their own shape)."""
+    import jax
+
+    from hypertron.models.lora import held_base
+
+    abstract = param_lib.abstract(specs, param_dtype(cfg.model, accelerator))
+    held = jax.eval_shape(lambda p: held_base(cfg.model, p, cfg.lora.base_dtype), abstract)
+    def one(spec, value) -> int:
+        arrays = (value.values, value.scales) if hasattr(value, "scales") else (value,)
+        return sum(math.prod(shard_shape(tuple(a.shape), spec.axes, mesh_shape, rules)) * a.dtype.itemsize
+                   for a in arrays)
+
+    return sum(jax.tree.leaves(jax.tree.map(one, specs, held, is_leaf=param_lib.is_spec)))
 
 
 # Activation coefficients, fitted to XLA's own accounting (``compiled.memory_analysis()``'s

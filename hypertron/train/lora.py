@@ -4,7 +4,10 @@ so no gradient, moment or master copy of the base exists. The step is pre-traini
 (:func:`hypertron.train.step.loss_terms`) on the base with the adapters attached
 (:func:`hypertron.models.lora.attach`), its gradients taken with respect to the adapters alone.
 
-The base is ``train.init_from``'s parameters, held in the parameter dtype. Checkpoints hold the
+The base is ``train.init_from``'s parameters, held as ``lora.base_dtype`` says (:func:`hold_base`):
+``auto`` in the parameter dtype, ``bfloat16`` its matmul weights in bfloat16, ``int8`` its matmul
+weights int8 with a scale per output channel (the serving int8 weights, QLoRA-style; the einsum hook
+adds the adapter to the int8 product). Norms stay float32. Checkpoints hold the
 adapters, their moments and the step, not the base: a resumed run reads it from ``train.init_from``
 again, refused if its files' digest differs from the one ``RUN/lora_base.json`` kept when the run
 began (:class:`hypertron.train.task.LanguageModel`).
@@ -21,14 +24,38 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypertron.config import Config
-from hypertron.models.lora import LoraSettings, adapter_axes, attach, init_adapters
-from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, use_rules
+from hypertron.models import declare
+from hypertron.models.lora import LoraSettings, adapter_axes, attach, held_base, init_adapters
+from hypertron.models.params import is_spec
+from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
+from hypertron.quant import QArray
 from hypertron.train.optimizer import make_optimizer, schedule
 from hypertron.train.step import Trainer, accumulate_grads, loss_terms, make_trainer
 
 
 def lora_settings(cfg: Config) -> LoraSettings:
     return LoraSettings.of(cfg.lora)
+
+
+def hold_base(cfg: Config, params):
+    """The base as the train state holds it (``lora.base_dtype``; see the module docstring)."""
+    return held_base(cfg.model, params, cfg.lora.base_dtype)
+
+
+def base_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
+    """The held base's shardings: each weight's by its declared axes (an int8 weight's values and
+    scales each by their own shape: a size-1 scale axis stays whole)."""
+    from hypertron.models import params as param_lib
+    from hypertron.models import resolve_dtype
+
+    specs = declare(cfg.model)
+    held = jax.eval_shape(lambda p: hold_base(cfg, p), param_lib.abstract(specs, resolve_dtype(cfg.model.param_dtype)))
+
+    def one(spec, value):
+        put = lambda a: NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape)))  # noqa: E731
+        return QArray(put(value.values), put(value.scales)) if isinstance(value, QArray) else put(value)
+
+    return jax.tree.map(one, specs, held, is_leaf=is_spec)
 
 
 def adapted_loss(adapters, batch, cfg: Config, histories=None, *, base, settings: LoraSettings):
@@ -61,12 +88,12 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract), a_shard,
                                       transform_non_params=lambda _: replicated)
     shardings = {"params": a_shard, "opt_state": opt_shard, "step": replicated,
-                 "base": base.state_shardings["params"]}
+                 "base": base_shardings(cfg, mesh, rules)}
 
     def init_fn(key):
         adapters = init_adapters(cfg.model, settings, jax.random.fold_in(key, 1))
         return {"params": adapters, "opt_state": optimizer.init(adapters), "step": jnp.zeros((), jnp.int32),
-                "base": base.init(key)["params"]}  # a placeholder: the task puts train.init_from's there
+                "base": hold_base(cfg, base.init(key)["params"])}  # a placeholder: the task puts train.init_from's there
 
     def step_fn(state, batch):
         with use_rules(mesh, rules):

@@ -143,7 +143,7 @@ class LanguageModel:
             where = "base" if cfg.lora.rank else "params"  # LoRA: the frozen base the adapters train on
             console.print(f"starting from the parameters in {lora_base(cfg)}"
                           + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""), highlight=False)
-            state[where] = read_params(cfg, lora_base(cfg), trainer.abstract_state()[where])
+            state[where] = read_params(cfg, lora_base(cfg), trainer.abstract_state()[where], _held(cfg))
             if is_adapter(cfg.train.init_from):  # continuing an adapter: its tensors are the start
                 from hypertron.models.lora import load_peft
 
@@ -172,7 +172,7 @@ class LanguageModel:
                     f"of {lora_base(cfg)} differ from those of {started['init_from']} when the run began; {record}); "
                     "resume on that base, or start a new run_dir")
         console.print(f"reading the frozen base from {lora_base(cfg)}", highlight=False)
-        state["base"] = read_params(cfg, lora_base(cfg), trainer.abstract_state()["base"])
+        state["base"] = read_params(cfg, lora_base(cfg), trainer.abstract_state()["base"], _held(cfg))
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
         return trainer.step(state, global_batch(local, trainer.batch_sharding))
@@ -201,11 +201,28 @@ class LanguageModel:
         from hypertron.train.lora import lora_settings
 
         settings = lora_settings(cfg)
-        write_bundle(cfg, merge(state["base"], state["params"], settings), console)  # what serve reads today
+        base = state["base"]
+        if cfg.lora.base_dtype != "auto":  # merged into the base as read, not as held (QLoRA's practice)
+            base = read_params(cfg, lora_base(cfg), self._float_base_shardings(cfg, base))
+        write_bundle(cfg, merge(base, state["params"], settings), console)  # what serve reads today
         if jax.process_index() == 0:
             path = Path(cfg.run_dir) / "adapter"
             save_peft(path, jax.device_get(state["params"]), settings, cfg.model, base=lora_base(cfg))
             console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
+
+
+    @staticmethod
+    def _float_base_shardings(cfg: Config, held):
+        """The shardings of the base as read: the held base's, an int8 weight's those of its values."""
+        from hypertron.models import declare
+        from hypertron.models import params as param_lib
+        from hypertron.quant import QArray
+
+        specs = declare(cfg.model)
+        shapes = param_lib.abstract(specs, resolve_dtype(cfg.model.param_dtype))
+        shardings = jax.tree.map(lambda x: x.values.sharding if isinstance(x, QArray) else x.sharding, held,
+                                 is_leaf=lambda x: isinstance(x, QArray))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 class FineTune(LanguageModel):
@@ -426,18 +443,33 @@ def check_params_source(cfg: Config, key: str, path: str) -> None:
         )
 
 
-def read_params(cfg: Config, path: str, shardings):
-    """The parameters of a model bundle or a run's newest checkpoint, placed as ``shardings``."""
+def read_params(cfg: Config, path: str, shardings, hold=None):
+    """The parameters of a model bundle or a run's newest checkpoint, placed as ``shardings``
+    (``hold``: what to make of them first, e.g. :func:`hypertron.train.lora.hold_base`)."""
     if is_bundle(path):
         _, params, _ = read_bundle(path, dtype=resolve_dtype(cfg.model.param_dtype))
-        # Each process places the slices its devices hold, from the whole array it read.
-        return jax.tree.map(
-            lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
-            params, shardings)
-    return load_params(path, shardings=shardings)[1]
+    elif hold is None:
+        return load_params(path, shardings=shardings)[1]
+    else:
+        params = load_params(path)[1]
+    if hold is not None:
+        params = jax.device_get(hold(cfg, params))
+    # Each process places the slices its devices hold, from the whole array it read.
+    return jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
+        params, shardings)
 
 
 LORA_BASE_FILE = "lora_base.json"  # in the run directory: the base LoRA adapters train on, by digest
+
+
+def _held(cfg: Config):
+    """How the base is held (:func:`hypertron.train.lora.hold_base`), with LoRA; None without."""
+    if not cfg.lora.rank:
+        return None
+    from hypertron.train.lora import hold_base
+
+    return hold_base
 
 
 def is_adapter(path: str) -> bool:
