@@ -238,6 +238,42 @@ def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp
         load_config(None, overrides("auto", "mesh.fsdp=8")), dict(trainer.mesh.shape)).base / 2
 
 
+def test_the_adapter_step_computes_no_base_weight_gradient(base_bundle, tmp_path):
+    """No matmul of the traced adapter step yields a base weight's shape (a weight gradient), where
+    full fine-tuning's step has one for every weight: the base gets no gradient, not one thrown away."""
+    from hypertron.models import declare
+    from hypertron.models.params import leaves_with_paths
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.step import global_batch
+    from hypertron.train.task import task_for
+
+    def matmul_shapes(lora):
+        cfg = load_config(None, _lora_overrides(base_bundle, tmp_path / "r", "data.source=synthetic",
+                                                *(() if lora else ("lora.rank=0",))))
+        task = task_for(cfg)
+        trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+        state = jax.eval_shape(trainer.init, jax.random.key(0))
+        batch = global_batch(next(task.batches(cfg)), trainer.batch_sharding)
+        shapes = set()
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "dot_general":  # its dimensions in any order
+                    shapes.add(tuple(sorted(eqn.outvars[0].aval.shape)))
+                for sub in jax.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jax.make_jaxpr(trainer.step)(state, batch).jaxpr)
+        return cfg, shapes
+
+    cfg, full = matmul_shapes(lora=False)
+    weights = {tuple(sorted(s.shape[1:] if s.axes[:1] == ("layers",) else s.shape))
+               for _, s in leaves_with_paths(declare(cfg.model)) if s.einsum is not None}
+    assert weights <= full  # the probe sees full fine-tuning's weight gradients
+    _, adapted = matmul_shapes(lora=True)
+    assert not weights & adapted, weights & adapted
+
+
 @pytest.mark.slow
 def test_an_adapter_step_on_fsdp8_equals_one_device(base_bundle, tmp_path):
     from hypertron.parallel.mesh import make_mesh
