@@ -7,8 +7,9 @@ import pytest
 
 from hypertron.config import (PRESETS, TOKENIZABLE_SOURCES, ConfigError, ServeConfig, choices, dump_yaml,
                               from_dict, load_config)
-from hypertron.config.schema import (DataSource, DiffusionDtype, DiffusionQuantization, GmmBackend, KvCacheDtype,
-                                     Quantization, WeightQuantization)
+from hypertron.config.schema import (DataSource, DiffusionDtype, DiffusionQuantization, GmmBackend, Quantization,
+                                     WeightQuantization)
+from hypertron.config.serving import KvCacheDtype
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 

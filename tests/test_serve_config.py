@@ -54,7 +54,7 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
         _config(["--config", _yaml(tmp_path, "checkpoint: runs/x\nenable_prefix_caching: false\n")]) == \
         ServeConfig(checkpoint="runs/x", enable_prefix_caching=False)
     # dispatch_ahead=auto: every step one ahead on an accelerator, only small ones on a CPU.
-    from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS
+    from hypertron.config.serving import CPU_AHEAD_MAX_TOKENS
     from hypertron.serve.orchestrator import resolve_dispatch_ahead
     assert resolve_dispatch_ahead("auto", accelerator=False) == (True, CPU_AHEAD_MAX_TOKENS)
     assert resolve_dispatch_ahead("auto", accelerator=True) == (True, None)

@@ -74,7 +74,7 @@ def test_serve_answers_with_the_reply_it_learned(tuned):
     openai = pytest.importorskip("openai")
     from http_harness import ThreadedServer  # tests/
 
-    from hypertron.config.schema import ServeConfig
+    from hypertron.config.serving import ServeConfig
     from hypertron.serve.server import build
 
     _, run, _ = tuned

@@ -10,7 +10,8 @@ import os
 
 from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
 from hypertron.config import ServeConfig, load_serve_config
-from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS, DIFFUSION_DTYPE, IMAGE_DEFAULTS
+from hypertron.config.schema import DIFFUSION_DTYPE
+from hypertron.config.serving import CPU_AHEAD_MAX_TOKENS, IMAGE_DEFAULTS
 from hypertron.loadgen import BenchSettings
 
 

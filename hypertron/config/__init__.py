@@ -26,21 +26,19 @@ from hypertron.config.schema import (
     DataConfig,
     DlrmConfig,
     DistributedConfig,
-    EngineConfig,
     LaunchConfig,
     MeshConfig,
     MonitorConfig,
     ModelConfig,
     MoEConfig,
     RopeScaling,
-    SchedulerConfig,
-    ServeConfig,
     Setting,
     TrainConfig,
     choices,
     dtype_on,
     flag_field,
 )
+from hypertron.config.serving import EngineConfig, SchedulerConfig, ServeConfig
 from hypertron.config.validation import validate, validate_model, validate_serve
 from hypertron.errors import ConfigError
 

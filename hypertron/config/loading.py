@@ -4,7 +4,7 @@ A run is described by one :class:`~hypertron.config.schema.Config`, built in
 order from the defaults, an optional YAML recipe and command-line overrides
 (``train.steps=100``, ``model=llama3-8b``, ``model.num_layers=2``). ``model``
 may be given as a preset name; the remaining ``model.*`` keys then modify that
-preset. A server's :class:`~hypertron.config.schema.ServeConfig` is built the
+preset. A server's :class:`~hypertron.config.serving.ServeConfig` is built the
 same way from a YAML file and the flags given.
 
 Unknown keys, wrong types and values outside a ``Literal`` choice raise
@@ -40,9 +40,9 @@ from hypertron.config.schema import (
     ModelConfig,
     MoEConfig,
     RopeScaling,
-    ServeConfig,
     choice_error,
 )
+from hypertron.config.serving import ServeConfig
 from hypertron.config.numbers import parse_number
 from hypertron.config.validation import FINE_TUNING_DATA_KEYS, validate, validate_serve
 from hypertron.errors import ConfigError, UserError, one_line

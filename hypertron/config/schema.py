@@ -47,7 +47,6 @@ Gating = Literal["topk_softmax", "softmax_topk"]
 GmmBackend = Literal["auto", "pallas", "ragged_dot", "grouped", "reference"]
 DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens"]
 Schedule = Literal["cosine", "linear", "constant"]
-KvCacheDtype = Literal["auto", "bfloat16", "float32", "int8"]  # auto: the model's compute dtype
 WeightQuantization = Literal["none", "int8"]  # weight precision for generation and serving
 # A diffusion pipeline (hypertron diffuse, the image server): its weights' dtype (float32 the default,
 # as diffusers loads one) and its denoiser's matmuls (int8 weights, or fp8 e4m3 operands).
@@ -56,21 +55,6 @@ DIFFUSION_DTYPE: DiffusionDtype = "float32"
 DiffusionQuantization = Literal["none", "int8", "fp8"]
 # A diffusers pipeline folder holds this index; hypertron serve serves images for such a folder.
 MODEL_INDEX = "model_index.json"
-# The image server's limits where ServeConfig leaves them None (None there, so that a text model,
-# which has no use for them, can refuse them rather than ignore them): images per request (n),
-# num_inference_steps, and prompts whose text-encoder outputs are kept (LRU; 0: none).
-IMAGE_DEFAULTS = {"max_batch": 4, "max_steps": 100, "embedding_cache": 32}
-# background: a new step shape compiles on a background thread while its steps run padded to a compiled
-# shape that holds it (if none, the step waits); lazy: each step shape compiles when first met, and waits
-CompileMode = Literal["background", "lazy"]
-# on: dispatch step n + 1 before step n's tokens reach the host; off: collect each step first; auto: on
-# where the model runs on an accelerator, on a CPU only for small steps (a large one takes the cores the
-# host needs to stream the last step's tokens: docs/serving.md)
-DispatchAhead = Literal["auto", "on", "off"]
-# auto: measure a step's fixed cost when the server starts, and give each step the number of new prompts
-# that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
-# CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
-PrefillGroups = Literal["auto", "max"]
 Task = Literal["lm", "sft", "dpo", "dlrm"]  # a language model; fine-tuned on examples or pairs; a recommender
 DataFormat = Literal["text", "messages", "prompt_completion", "preference"]  # a record, as TRL's dataset formats
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
@@ -454,147 +438,3 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-
-
-# ---------------------------------------------------------------------------
-# A server
-
-
-# A step of the serving engine whose shape is not compiled yet runs padded to a compiled shape that holds it;
-# if that costs over this many times its own (hypertron.serve.engine.PagedEngine.cost), its own is compiled in
-# the background at once (else only once it has been met a few times).
-MAX_PADDED_COST = 4.0
-# dispatch_ahead=auto on a CPU: only steps of at most this many tokens run while the next is
-# dispatched. A small step leaves a core to the host; a larger one takes both of a small machine's,
-# and streaming the last step's tokens then waits for it (docs/benchmarks.md: on 2 cores, one step
-# ahead helped at 1 and 4 streams and cost a third of the throughput at 16).
-CPU_AHEAD_MAX_TOKENS = 8
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """The serving engine's settings (:class:`hypertron.serve.engine.PagedEngine`), handed to it
-    whole; the scheduler reads its slots, pages and limits from the engine that holds it.
-    Checked when made (:func:`check_engine_settings`), so nothing below
-    checks them again. :attr:`ServeConfig.engine` derives it from a server's settings."""
-
-    max_slots: int = 8  # sequences decoding at once, at most
-    page_size: int = 16  # tokens per KV page (a power of two)
-    num_pages: int | None = None  # KV pages, the null page 0 included; None: every slot at max_seq_len
-    kv_cache_dtype: KvCacheDtype = "auto"
-    max_top_logprobs: int = 20  # the most log-probabilities a request may ask for per token
-    compile: CompileMode = "background"  # see CompileMode
-
-    def __post_init__(self):
-        check_engine_settings(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """How the serving loop fills and runs its steps (:class:`hypertron.serve.scheduler.Scheduler`,
-    :class:`hypertron.serve.orchestrator.Orchestrator`), handed to them whole. Checked when made;
-    that the budget holds every slot's decode token is checked where both are known
-    (:func:`check_budget`). :attr:`ServeConfig.scheduler` derives it."""
-
-    max_num_batched_tokens: int = 512  # tokens per engine step: decode tokens + prefill chunks (>= max_slots)
-    max_prefill_rows: int = 8  # prompts (or chunks of prompts) prefilled in one step, at most
-    prefill_groups: PrefillGroups = "auto"  # see PrefillGroups
-    max_queue: int = 256  # requests waiting for a slot before new ones get 429
-    dispatch_ahead: DispatchAhead = "auto"  # see DispatchAhead
-    # share the KV pages of prompts' common prefixes between requests: the scheduler's pages, host only
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self):
-        check_scheduler_settings(self)
-
-
-def check_engine_settings(e: EngineConfig | ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
-    """The serving engine's settings, each in its range (run when an :class:`EngineConfig` is made,
-    and by :func:`validate_serve`). ``name`` turns a key into what the user wrote (``--max-slots``
-    for a flag)."""
-    check_choices(e, name=name)
-    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs"):
-        value = getattr(e, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name(key)}={value}: must be positive")
-    if e.page_size & (e.page_size - 1):
-        raise ConfigError(f"{name('page_size')}={e.page_size}: must be a power of two")
-    if e.num_pages is not None and e.num_pages < 2:
-        raise ConfigError(f"{name('num_pages')}={e.num_pages}: needs at least 2 (page 0 is reserved)")
-
-
-def check_scheduler_settings(s: SchedulerConfig | ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
-    """The scheduler's and the serving loop's settings, each in its range (run when a
-    :class:`SchedulerConfig` is made, and by :func:`validate_serve`)."""
-    check_choices(s, name=name)
-    for key in ("max_num_batched_tokens", "max_prefill_rows", "max_queue"):
-        if getattr(s, key) <= 0:
-            raise ConfigError(f"{name(key)}={getattr(s, key)}: must be positive")
-
-
-def check_budget(max_num_batched_tokens: int, max_slots: int, name: Callable[[str], str] = lambda key: key) -> None:
-    """A step's token budget holds a decode token of every slot: the one rule, for
-    :func:`validate_serve` (a flag or a file) and the scheduler's constructor (Python)."""
-    if max_num_batched_tokens < max_slots:
-        raise ConfigError(f"{name('max_num_batched_tokens')}={max_num_batched_tokens}: must be at least "
-                          f"{name('max_slots')}={max_slots} (each decoding sequence takes a token of every step)")
-
-
-_E, _S = EngineConfig, SchedulerConfig  # ServeConfig's defaults are theirs
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServeConfig:
-    """What ``hypertron serve`` runs: the flags of the same names (``max_slots`` is
-    ``--max-slots``), or the keys of a ``--config`` YAML file. It holds no training setting."""
-
-    checkpoint: str = ""  # run directory (its latest checkpoint) or Hugging Face model directory; required
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # require 'Authorization: Bearer KEY' on /v1 endpoints
-    max_slots: int = _E.max_slots
-    max_num_batched_tokens: int = _S.max_num_batched_tokens
-    max_prefill_rows: int = _S.max_prefill_rows
-    prefill_groups: PrefillGroups = _S.prefill_groups
-    page_size: int = _E.page_size
-    num_pages: int | None = _E.num_pages
-    kv_cache_dtype: KvCacheDtype = _E.kv_cache_dtype
-    max_top_logprobs: int = _E.max_top_logprobs
-    quantize: DiffusionQuantization = "none"  # a run or Hugging Face directory: a WeightQuantization (no fp8)
-    compile: CompileMode = _E.compile
-    dispatch_ahead: DispatchAhead = _S.dispatch_ahead
-    max_queue: int = _S.max_queue
-    max_prompt_tokens: int | None = None  # None: max_seq_len - 1
-    max_tokens_limit: int | None = None  # largest max_tokens; None: max_seq_len
-    model_name: str | None = None  # the id in /v1/models; None: the run directory's name
-    openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)
-    enable_prefix_caching: bool = _S.enable_prefix_caching
-    # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
-    sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
-    max_batch: int | None = None  # images per request (n), at most; None: IMAGE_DEFAULTS's (a text model: refused)
-    max_steps: int | None = None  # num_inference_steps, at most; None: IMAGE_DEFAULTS's (text: refused)
-    embedding_cache: int | None = None  # prompts whose encodings are kept; None: IMAGE_DEFAULTS's (text: refused)
-    mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the sharding rules; None: one device
-    dtype: DiffusionDtype | None = None  # the pipeline's weights; None: DIFFUSION_DTYPE (a text model: refused)
-    text_encoder_quantize: WeightQuantization | None = None  # the text encoders' matmuls; None: none (text: refused)
-
-    def image_limit(self, key: str) -> int:
-        """``max_batch``, ``max_steps`` or ``embedding_cache``: as set, else :data:`IMAGE_DEFAULTS`'s."""
-        value = getattr(self, key)
-        return IMAGE_DEFAULTS[key] if value is None else value
-
-    @property
-    def serves_images(self) -> bool:
-        """Whether ``checkpoint`` is a diffusers pipeline folder (its ``model_index.json``), served
-        as ``POST /v1/images/generations`` rather than by the text server."""
-        return (Path(self.checkpoint) / MODEL_INDEX).is_file()
-
-    @property
-    def engine(self) -> EngineConfig:
-        """The engine's settings of this server."""
-        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
-
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        """The scheduler's and the serving loop's settings of this server."""
-        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})

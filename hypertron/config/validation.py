@@ -21,15 +21,12 @@ from hypertron.config.schema import (
     DpoConfig,
     MeshConfig,
     ModelConfig,
-    ServeConfig,
     WeightQuantization,
-    check_budget,
     check_choices,
-    check_engine_settings,
-    check_scheduler_settings,
     check_sizes,
     choices,
 )
+from hypertron.config.serving import ServeConfig, check_budget, check_engine_settings, check_scheduler_settings
 from hypertron.errors import ConfigError, one_line
 
 

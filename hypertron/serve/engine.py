@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypertron.config import EngineConfig, ModelConfig
-from hypertron.config.schema import MAX_PADDED_COST
+from hypertron.config.serving import MAX_PADDED_COST
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2

@@ -44,7 +44,8 @@ from pydantic import BaseModel, Field
 
 from hypertron.config import ServeConfig
 from hypertron.config.numbers import shown
-from hypertron.config.schema import DIFFUSION_DTYPE, IMAGE_DEFAULTS
+from hypertron.config.schema import DIFFUSION_DTYPE
+from hypertron.config.serving import IMAGE_DEFAULTS
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.generate import png_bytes

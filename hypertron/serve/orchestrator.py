@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from hypertron.serve.metrics import STEP_PHASES, ServeMetrics
 from hypertron.serve.output import Chunk, Generation
 from hypertron.config import SchedulerConfig
-from hypertron.config.schema import CPU_AHEAD_MAX_TOKENS
+from hypertron.config.serving import CPU_AHEAD_MAX_TOKENS
 from hypertron.serve.scheduler import (
     ABORT,
     ERROR,

@@ -57,7 +57,7 @@ import math
 from collections.abc import Callable
 
 from hypertron.config import SchedulerConfig
-from hypertron.config.schema import check_budget
+from hypertron.config.serving import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
 from hypertron.serve.types import Engine, Row, SamplingError, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
