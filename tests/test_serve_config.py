@@ -197,7 +197,8 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
 # Every engine and scheduler setting off its default (prefill_groups=max: no step is measured at start).
 OFF_DEFAULT = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "max_top_logprobs": 7,
                "compile": "lazy", "max_num_batched_tokens": 100, "max_prefill_rows": 3, "prefill_groups": "max",
-               "max_queue": 9, "dispatch_ahead": "off", "enable_prefix_caching": False}
+               "max_queue": 9, "dispatch_ahead": "off", "enable_prefix_caching": False, "enable_lora": True,
+               "max_loras": 2, "max_lora_rank": 4}
 
 
 def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_whole(run_dir):
@@ -214,7 +215,7 @@ def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_who
     assert orch.config == sched.config == serve.scheduler == SchedulerConfig(**parts[SchedulerConfig])
     # ... and each does what its settings say
     assert (engine.max_slots, engine.page_size, engine.num_pages, str(engine.kv_dtype), engine.max_top_logprobs,
-            engine.background_compile) == (3, 8, 39, "int8", 7, False)
+            engine.background_compile, engine.lora.max_loras, engine.lora.max_rank) == (3, 8, 39, "int8", 7, False, 2, 4)
     assert (sched.max_slots, sched.num_pages, sched.max_num_batched_tokens, sched.max_prefill_rows, sched.pool.enabled,
             sched.step_overhead_tokens, orch.max_queue, orch.ahead) == (3, 39, 100, 3, False, None, 9, False)
 

@@ -33,6 +33,12 @@ _SERVE_FLAGS: dict[str, dict] = {
     "page_size": dict(metavar="N", help="tokens per KV page"),
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
+    "enable_lora": dict(help="serve LoRA adapters (PEFT directories) in the batch: --lora-modules, "
+                             "POST /v1/load_lora_adapter and /v1/unload_lora_adapter; a request's model names one"),
+    "max_loras": dict(metavar="N", help="LoRA adapters loaded at once, at most"),
+    "max_lora_rank": dict(metavar="R", help="the highest LoRA rank an adapter may have"),
+    "lora_modules": dict(nargs="+", metavar="NAME=PATH", help="LoRA adapters (PEFT directories) to load at "
+                                                             "start, each served as the model NAME"),
     "max_top_logprobs": dict(metavar="N", help="the most log-probabilities a request may ask for per token "
                                                "(logprobs, top_logprobs); a step that returns them computes "
                                                "this many"),

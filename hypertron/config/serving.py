@@ -60,6 +60,10 @@ class EngineConfig:
     kv_cache_dtype: KvCacheDtype = "auto"
     max_top_logprobs: int = 20  # the most log-probabilities a request may ask for per token
     compile: CompileMode = "background"  # see CompileMode
+    # LoRA adapters served in the batch (hypertron.serve.lora_slots): slots and the highest rank, as vLLM's flags
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         check_engine_settings(self)
@@ -89,7 +93,7 @@ def check_engine_settings(e: EngineConfig | ServeConfig, name: Callable[[str], s
     and by :func:`validate_serve`). ``name`` turns a key into what the user wrote (``--max-slots``
     for a flag)."""
     check_choices(e, name=name)
-    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs"):
+    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "max_loras", "max_lora_rank"):
         value = getattr(e, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")
@@ -97,6 +101,20 @@ def check_engine_settings(e: EngineConfig | ServeConfig, name: Callable[[str], s
         raise ConfigError(f"{name('page_size')}={e.page_size}: must be a power of two")
     if e.num_pages is not None and e.num_pages < 2:
         raise ConfigError(f"{name('num_pages')}={e.num_pages}: needs at least 2 (page 0 is reserved)")
+
+
+def check_lora_modules(s: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
+    """Each of ``lora_modules`` is ``NAME=PATH``, the names distinct, at most ``max_loras`` of them."""
+    names = []
+    for module in s.lora_modules:
+        adapter, eq, path = module.partition("=")
+        if not (eq and adapter.strip() and path.strip()):
+            raise ConfigError(f"{name('lora_modules')}: {module!r} is not NAME=PATH (a PEFT adapter directory)")
+        if adapter in names:
+            raise ConfigError(f"{name('lora_modules')}: the name {adapter!r} is given twice")
+        names.append(adapter)
+    if len(names) > s.max_loras:
+        raise ConfigError(f"{name('lora_modules')}: {len(names)} adapters, more than {name('max_loras')}={s.max_loras}")
 
 
 def check_scheduler_settings(s: SchedulerConfig | ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
@@ -145,6 +163,10 @@ class ServeConfig:
     model_name: str | None = None  # the id in /v1/models; None: the run directory's name
     openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)
     enable_prefix_caching: bool = _S.enable_prefix_caching
+    enable_lora: bool = _E.enable_lora  # serve LoRA adapters: --lora-modules, /v1/load_lora_adapter
+    max_loras: int = _E.max_loras
+    max_lora_rank: int = _E.max_lora_rank
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH: PEFT adapters loaded at start (enable_lora implied)
     # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
     sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
     max_batch: int | None = None  # images per request (n), at most; None: IMAGE_DEFAULTS's (a text model: refused)
@@ -168,7 +190,12 @@ class ServeConfig:
     @property
     def engine(self) -> EngineConfig:
         """The engine's settings of this server."""
-        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
+        settings = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return EngineConfig(**{**settings, "enable_lora": self.enable_lora or bool(self.lora_modules)})
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as ``(name, path)`` pairs (checked by :func:`check_lora_modules`)."""
+        return [tuple(m.split("=", 1)) for m in self.lora_modules]
 
     @property
     def scheduler(self) -> SchedulerConfig:

@@ -26,7 +26,8 @@ from hypertron.config.schema import (
     check_sizes,
     choices,
 )
-from hypertron.config.serving import ServeConfig, check_budget, check_engine_settings, check_scheduler_settings
+from hypertron.config.serving import (ServeConfig, check_budget, check_engine_settings, check_lora_modules,
+                                      check_scheduler_settings)
 from hypertron.errors import ConfigError, one_line
 
 
@@ -335,6 +336,7 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
     check_engine_settings(cfg, name)
     check_scheduler_settings(cfg, name)
     check_budget(cfg.max_num_batched_tokens, cfg.max_slots, name)
+    check_lora_modules(cfg, name)
     for key in ("max_prompt_tokens", "max_tokens_limit", "max_batch", "max_steps"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:

@@ -14,7 +14,8 @@ model file does not change with the precision:
 * A serving weight quantised to int8 (:class:`~hypertron.quant.int8.QArray`) runs its
   weight-only int8 einsum whatever the mode.
 * A weight with a LoRA adapter (:class:`~hypertron.quant.lora.LoraWeight`) adds its low-rank
-  product to its base's einsum, whatever form the base has.
+  product to its base's einsum, whatever form the base has; one with many
+  (:class:`~hypertron.quant.lora.StackedLoraWeight`) adds each token's adapter's.
 
 A call with ``quantize=False`` (the unembedding, unless ``model.quantize_unembed``) stays in
 the compute dtype.
@@ -47,6 +48,12 @@ def einsum_for(mode: str, compute_dtype) -> Einsum:
 
     def einsum(subscripts: str, x: jax.Array, w, out_dtype=None, *, quantize: bool = True) -> jax.Array:
         out = dtype if out_dtype is None else jnp.dtype(out_dtype)
+        if isinstance(w, lora.StackedLoraWeight):  # many adapters, one per token (or none)
+            base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)
+            ids = lora.active_adapter_tokens()
+            if ids is None:
+                return base
+            return (base + lora.stacked_delta(subscripts, x, w, ids, dtype, out)).astype(out)
         if isinstance(w, lora.LoraWeight):
             base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)
             return (base + w.scale * lora.delta(subscripts, x, w.a, w.b, dtype, out)).astype(out)

@@ -21,7 +21,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 from pydantic.json_schema import models_json_schema
 
 MAX_STOP_STRINGS = 16
@@ -357,6 +357,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "hypertron"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):
@@ -454,3 +456,29 @@ def _limit(prop: dict, key: str, value: int, description: str) -> None:
         if branch.get("type") == "integer":
             branch[key] = value
     prop["description"] = description
+
+
+async def read_request(request, model: type[BaseModel], max_body: int, model_name: str,
+                       adapters=frozenset()):
+    """The body as ``model``: 413 past ``max_body`` bytes, 400 for bad JSON or a schema error, 404
+    for another model's name than ``model_name`` or one of ``adapters`` (a request without one,
+    where ``model`` allows that, is for the model served)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_body:
+        raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > max_body:
+            raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
+    body = parse_json(bytes(raw))
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise schema_error(e.errors(include_url=False)) from None
+    asked = getattr(req, "model", None)
+    if asked is not None and asked != model_name and asked not in adapters:
+        served = ", ".join(repr(m) for m in (model_name, *sorted(adapters)))
+        raise ApiError(404, f"model {asked!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+    return req

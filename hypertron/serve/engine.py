@@ -77,9 +77,10 @@ from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
+from hypertron.quant.lora import adapter_tokens
 from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.step_batch import StepBatch, unpack
-from hypertron.serve.types import StepPlan, StepResult
+from hypertron.serve.types import StepCost, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +161,9 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
-                  logits_at=at[None])
+    with adapter_tokens(b["adapter"][token_rows][None] - 1):  # each token's LoRA slot, -1 none
+        fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
+                      logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
     nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
@@ -222,20 +224,6 @@ class Shape:
                 and self.prompt_logprobs >= other.prompt_logprobs)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    """A step's time as ``fixed + per_token * tokens`` seconds (:meth:`PagedEngine.measure_step_cost`)."""
-
-    fixed: float
-    per_token: float
-
-    @property
-    def overhead_tokens(self) -> float:
-        """The fixed cost in tokens' worth: small where compute grows with the tokens (a CPU),
-        large where a step of a few hundred tokens costs about what one does (an accelerator)."""
-        return self.fixed / self.per_token if self.per_token > 0 else math.inf
-
-
 @dataclasses.dataclass
 class _Pending:
     """A dispatched step: its plan, the shape it ran as, where its prefill rows' tokens start,
@@ -287,8 +275,9 @@ class PagedEngine:
     """
 
     def __init__(self, params, cfg: ModelConfig, config: EngineConfig, *, eos_ids: frozenset[int] = frozenset(),
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, lora=None):
         self.params = params if scan_layers else unstack_layers(params)
+        self.lora, self._attached = lora, (-1, None)  # LoRA adapters (serve.lora_slots.LoraSlots), and their weights
         self.cfg, self.config = cfg, config
         max_slots, page_size, max_top_logprobs = config.max_slots, config.page_size, config.max_top_logprobs
         self.max_slots, self.page_size, self.max_top_logprobs = max_slots, page_size, max_top_logprobs
@@ -305,7 +294,7 @@ class PagedEngine:
         self._tables: list[tuple[int, ...]] = [()] * max_slots  # the pages state["table"] holds per slot
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
-        self._specs = jax.tree.map(_spec, (self.params, self.cache, self.state))
+        self._specs = jax.tree.map(_spec, (self.step_params(), self.cache, self.state))
         leaves, treedef = jax.tree.flatten(self._specs)
         self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
         self.background_compile = config.compile == "background"
@@ -319,6 +308,14 @@ class PagedEngine:
         self._queued: set[Shape] = set()
         self._padded: collections.Counter[Shape] = collections.Counter()
         self._compiler: threading.Thread | None = None
+
+    def step_params(self):
+        """What a step takes as its weights: :attr:`params`, with the LoRA slots' attached."""
+        if self.lora is None:
+            return self.params
+        if self._attached[0] != self.lora.version:
+            self._attached = (self.lora.version, self.lora.attach(self.params))
+        return self._attached[1]
 
     # -- shapes and compiles --------------------------------------------------------------
 
@@ -387,7 +384,7 @@ class PagedEngine:
         for r in range(repeats + 1):  # the first round warms up
             for i, (fn, batch) in enumerate(runs):
                 t = time.perf_counter()
-                self.cache, self.state, out = fn(self.params, self.cache, self.state, batch)
+                self.cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch)
                 jax.device_get(out)
                 if r:
                     times[i] = min(times[i], time.perf_counter() - t)
@@ -500,7 +497,7 @@ class PagedEngine:
             self.state = write_deltas(self.state, pages, tokens)
         for slot, table in tables.items():  # what the device now holds
             self._tables[slot] = table
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, batch.array)
+        self.cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch.array)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         return _Pending(plan, shape, offsets, out, {"assemble": assembled})
@@ -556,6 +553,7 @@ class PagedEngine:
         s = row.sampling
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
         b["seed"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
+        b["adapter"][i] = row.adapter + 1
 
     def _deltas(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...]]]:
         """What ``plan`` changes in the device's state before it runs: ``pages [K, 3]`` (slot,
@@ -586,10 +584,13 @@ class PagedEngine:
         return out
 
 
-def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none"):
+def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none", lora_modules=()):
     """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
-    engine's ``eos_ids`` are the tokenizer's."""
+    engine's ``eos_ids`` are the tokenizer's; with ``config.enable_lora`` its LoRA slots, holding
+    ``lora_modules`` (``(name, path)`` pairs)."""
+    from hypertron.serve.lora_slots import slots_for
     from hypertron.serve.model import load_for_inference, served_name
 
     model, params, tok = load_for_inference(checkpoint, quantize)
-    return PagedEngine(params, model, config, eos_ids=tok.eos_ids), tok, served_name(checkpoint)
+    lora = slots_for(model, config, lora_modules)
+    return PagedEngine(params, model, config, eos_ids=tok.eos_ids, lora=lora), tok, served_name(checkpoint)

@@ -53,7 +53,8 @@ from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, read_pipeline
 from hypertron.serve.api import HEALTH_RESPONSES, METRICS_RESPONSES, ApiError, ModelCard, ModelList, _Strict, responses
 from hypertron.serve.metrics import ImageMetrics
 from hypertron.serve.model import served_name
-from hypertron.serve.server import DEFAULT_MAX_BODY_BYTES, add_error_handlers, authorizer, read_request, run
+from hypertron.serve.api import read_request
+from hypertron.serve.server import DEFAULT_MAX_BODY_BYTES, add_error_handlers, authorizer, run
 
 log = logging.getLogger(__name__)
 

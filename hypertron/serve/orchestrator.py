@@ -47,7 +47,7 @@ from hypertron.serve.scheduler import (
     Request,
     Scheduler,
 )
-from hypertron.serve.types import Engine, SamplingParams, check_token_ids
+from hypertron.serve.types import Engine, LoraError, SamplingParams, check_token_ids
 
 log = logging.getLogger(__name__)
 # What a request whose step failed is told (500): the server's log has the traceback, keyed on the
@@ -114,11 +114,14 @@ class Orchestrator:
     # -- the asyncio side ---------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, stop: Sequence[str] = (),
-               want_prompt_logprobs: bool = False, cache_salt: str | None = None) -> Generation:
+               want_prompt_logprobs: bool = False, cache_salt: str | None = None,
+               adapter: str | None = None) -> Generation:
         """Queue a request; call from the event loop that will consume it.
 
         ``prompt`` is 1 .. ``max_seq_len - 1`` token ids; ``sampling.seed`` None draws one;
-        ``cache_salt``: it shares cached pages only with requests of the same salt.
+        ``cache_salt``: it shares cached pages only with requests of the same salt. ``adapter``: the
+        LoRA adapter loaded under that name in the engine's :attr:`lora` slots (None: the base model;
+        a :class:`~hypertron.serve.lora_slots.LoraError` 404 for one not loaded), held until the request ends.
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
@@ -127,12 +130,21 @@ class Orchestrator:
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
-        seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs, cache_salt)
+        lora = None
+        if adapter is not None:
+            if getattr(self.engine, "lora", None) is None:
+                raise LoraError(f"model {adapter!r} does not exist (this server serves no LoRA adapters)", status=404,
+                                param="model")
+            lora = self.engine.lora.acquire(adapter)
+        seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs, cache_salt,
+                      adapter=-1 if lora is None else lora.slot, adapter_key=None if lora is None else lora.key)
         req = _Submission(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
-            if not self.running:
-                raise RuntimeError("the orchestrator is not running")
-            if self._waiting >= self.max_queue:
+            if not self.running or self._waiting >= self.max_queue:
+                if lora is not None:
+                    self.engine.lora.release(lora.slot)
+                if not self.running:
+                    raise RuntimeError("the orchestrator is not running")
                 raise QueueFull(f"{self._waiting} requests are waiting already (max_queue)")
             self._incoming.append(req)
             self._waiting += 1
@@ -204,7 +216,7 @@ class Orchestrator:
                     self.metrics.prompt_tokens.inc(len(req.seq.prompt))
                 for req in cancelled:
                     sched.abort(req.seq)
-                    self._requests.pop(req.seq.id, None)
+                    self._forget(req.seq.id)
                 clock.lap("intake")
                 plan = sched.schedule() if sched.has_work else None
                 clock.lap("schedule")
@@ -304,7 +316,7 @@ class Orchestrator:
             if out.token is not None:
                 m.generation_tokens.inc()
             if out.finish_reason is not None:
-                del self._requests[out.seq.id]
+                self._forget(out.seq.id)
             self._outbox.append((req, out))
 
     def _flush(self) -> None:
@@ -319,7 +331,13 @@ class Orchestrator:
             except RuntimeError:  # that event loop is closed: nobody consumes its requests
                 for queue, out in pairs:
                     self.scheduler.abort(out.seq)
-                    self._requests.pop(out.seq.id, None)
+                    self._forget(out.seq.id)
+
+    def _forget(self, request: int) -> None:
+        """A request has ended: drop it, and give back its LoRA adapter's slot."""
+        req = self._requests.pop(request, None)
+        if req is not None and req.seq.adapter >= 0:
+            self.engine.lora.release(req.seq.adapter)
 
     def _update_gauges(self) -> None:
         stats, m = self.scheduler.stats(), self.metrics

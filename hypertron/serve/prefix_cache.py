@@ -25,14 +25,19 @@ import struct
 from collections.abc import Sequence
 
 
-def page_key(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
+def page_key(parent: bytes | None, tokens: Sequence[int], salt: str | None = None,
+             adapter: str | None = None) -> bytes:
     """The key of a full page holding ``tokens`` after the page keyed ``parent`` (None: the
-    sequence's first page), for requests of ``salt`` (None: no salt): a SHA-256 digest."""
+    sequence's first page), for requests of ``salt`` (None: no salt) under the LoRA adapter
+    loaded as ``adapter`` (its :attr:`~hypertron.serve.lora_slots.Adapter.key`; None: the base
+    model): a SHA-256 digest. Each extra key is tagged and length-prefixed, so no salt spells an
+    adapter."""
     h = hashlib.sha256(parent if parent is not None else b"root")
     h.update(struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens))
-    if salt is not None:
-        data = salt.encode("utf-8", "surrogatepass")
-        h.update(struct.pack("<I", len(data)) + data)
+    for tag, extra in ((b"", salt), (b"lora", adapter)):
+        if extra is not None:
+            data = extra.encode("utf-8", "surrogatepass")
+            h.update(tag + struct.pack("<I", len(data)) + data)
     return h.digest()
 
 

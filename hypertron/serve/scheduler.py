@@ -74,6 +74,8 @@ class Request:
     sampling: SamplingParams
     want_prompt_logprobs: bool = False
     cache_salt: str | None = None  # only requests of the same salt share cached pages
+    adapter: int = -1  # its LoRA slot (hypertron.serve.lora_slots); -1: the base model
+    adapter_key: str | None = None  # its adapter's load, a key of its pages (only the same adapter shares them)
     generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens found cached at its first admission
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' keys, computed so far
@@ -221,7 +223,8 @@ class Scheduler:
                 preempted.append(victim.id)
             if seq.status != RUNNING or seq.computed // self.page_size >= len(seq.pages):
                 continue
-            decodes.append(Row(seq.id, seq.slot, seq.computed, (), tuple(seq.pages), seq.sampling))
+            decodes.append(Row(seq.id, seq.slot, seq.computed, (), tuple(seq.pages), seq.sampling,
+                               adapter=seq.adapter))
             seq.computed += 1
             budget -= 1
         for seq in list(self.running.values()):  # prompts partly in the cache: their next chunk
@@ -329,7 +332,7 @@ class Scheduler:
         while len(seq.keys) <= i:
             a, b = len(seq.keys) * ps, (len(seq.keys) + 1) * ps
             tokens = seq.prompt[a:b] + seq.generated[max(a - n, 0):max(b - n, 0)]
-            seq.keys.append(page_key(seq.keys[-1] if seq.keys else None, tokens, seq.cache_salt))
+            seq.keys.append(page_key(seq.keys[-1] if seq.keys else None, tokens, seq.cache_salt, seq.adapter_key))
         return seq.keys[i]
 
     def _key_pages(self, seq: Request) -> None:
@@ -391,7 +394,7 @@ class Scheduler:
             targets = tuple(seq.fill[p + 1] if p + 1 < len(seq.fill) else -1 for p in range(start, start + n))
         return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
                    sample=seq.computed == len(seq.fill), prompt_targets=targets,
-                   prefix=tuple(seq.fill[:start]) if first else ())
+                   prefix=tuple(seq.fill[:start]) if first else (), adapter=seq.adapter)
 
     def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:

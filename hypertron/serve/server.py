@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ServeConfig
 from hypertron.errors import DataError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from hypertron.serve.api import (
     HEALTH_RESPONSES,
@@ -64,13 +64,14 @@ from hypertron.serve.api import (
     TopLogprob,
     Usage,
     openapi_schema,
-    parse_json,
+    read_request,
     responses,
     schema_error,
 )
 from hypertron.serve.detokenize import detokenizer
+from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
-from hypertron.serve.types import SamplingError, SamplingParams, TokenLogprobs, check_token_ids
+from hypertron.serve.types import LoraError, SamplingError, SamplingParams, TokenLogprobs, check_token_ids
 from hypertron.tokenizer import compile_chat_template, render_chat
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,10 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
                      responses=responses(Completion, stream=True))
     v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"], summary="Answer a chat",
                      responses=responses(ChatCompletion, stream=True))
-    v1.add_api_route("/models", api.models, methods=["GET"], summary="The model served",
+    v1.add_api_route("/models", api.models, methods=["GET"], summary="The model served (and its LoRA adapters)",
                      responses=responses(ModelList))
+    if api.lora is not None:
+        add_lora_routes(v1, api.lora, api._read)
     app.include_router(v1)
 
     @app.get("/health", summary="Liveness: 200 while the engine loop runs, else 503", responses=HEALTH_RESPONSES)
@@ -198,46 +201,27 @@ def internal_error(what: str, detail: str = "", exc: BaseException | None = None
     return ApiError(500, f"internal error (request id {rid}); the server log has the details", type="server_error")
 
 
-async def read_request(request: Request, model: type[BaseModel], max_body: int, model_name: str):
-    """The body as ``model``: 413 past ``max_body`` bytes, 400 for bad JSON or a schema error, 404
-    for another model's name than ``model_name`` (a request without one, where ``model`` allows
-    that, is for the model served)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_body:
-        raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > max_body:
-            raise ApiError(413, f"request body over {max_body} bytes", code="request_too_large")
-    body = parse_json(bytes(raw))
-    try:
-        req = model.model_validate(body)
-    except ValidationError as e:
-        raise schema_error(e.errors(include_url=False)) from None
-    if req.model is not None and req.model != model_name:
-        raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
-    return req
-
-
 class _Api:
     """The /v1 handlers and what they share."""
 
     def __init__(self, orch: Orchestrator, tokenizer, model_name, max_prompt, max_tokens_limit, max_body, render_chat):
         self.orch, self.tok, self.model_name, self.render_chat = orch, tokenizer, model_name, render_chat
+        self.lora = getattr(orch.engine, "lora", None)  # LoRA adapters, each served as a model
         self.max_prompt, self.max_tokens_limit, self.max_body = max_prompt, max_tokens_limit, max_body
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
 
     async def models(self):
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.orch.max_seq_len)]).model_dump()
+        cards = [ModelCard(id=self.model_name, created=self.created, max_model_len=self.orch.max_seq_len)]
+        if self.lora is not None:
+            cards += adapter_cards(self.lora, self.model_name, self.created, self.orch.max_seq_len)
+        return ModelList(data=cards).model_dump(exclude_none=True)
 
     # -- POST /v1/completions -----------------------------------------------------------
 
     async def completions(self, request: Request):
         req = await self._read(request, CompletionRequest)
+        served = req.model or self.model_name  # the model or the LoRA adapter asked for
         prompt = self._completion_prompt(req.prompt)
         echo, n_logprobs = bool(req.echo), req.logprobs
         sampling = self._sampling(req, req.max_tokens, 16, n_logprobs, "logprobs")
@@ -254,7 +238,7 @@ class _Api:
                     logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
             choice = CompletionChoice(text=(echo_text if first else "") + text, finish_reason=finish,
                                       logprobs=None if logprobs is None else CompletionLogprobs(**logprobs))
-            return Completion(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
+            return Completion(id=rid, created=created, model=served, choices=[choice], usage=usage)
 
         if req.stream:
             text_only = None if n_logprobs is not None else _Template(
@@ -269,7 +253,7 @@ class _Api:
                     else:
                         yield completion(c.text, c.token_ids, c.logprobs, c.offsets, c.finish_reason, first)
                     first = False
-            head = Completion(id=rid, created=created, model=self.model_name, choices=[])
+            head = Completion(id=rid, created=created, model=served, choices=[])
             return self._sse(gen, events(), head, req.include_usage, len(prompt))
         chunks = await _collect(gen, request)
         if chunks is None:
@@ -306,6 +290,7 @@ class _Api:
 
     async def chat_completions(self, request: Request):
         req = await self._read(request, ChatCompletionRequest)
+        served = req.model or self.model_name
         messages = [{**m.model_dump(exclude={"content"}), "content": m.text()} for m in req.messages]
         prompt = self._check_prompt_len(self.render_chat(messages), "messages")
         want_logprobs, top_n = bool(req.logprobs), req.top_logprobs
@@ -324,7 +309,7 @@ class _Api:
 
         if req.stream:
             def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice])
+                return ChatCompletionChunk(id=rid, created=created, model=served, choices=[choice])
 
             text_only = None if want_logprobs else _Template(
                 chunk(ChatChunkChoice(delta=Delta(content=_TEXT_MARK))), _sse_exclude(req.include_usage))
@@ -338,7 +323,7 @@ class _Api:
                         continue
                     yield chunk(ChatChunkChoice(delta=Delta(content=c.text or None), finish_reason=c.finish_reason,
                                                 logprobs=logprobs(c.token_ids, c.logprobs) if c.token_ids else None))
-            head = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[])
+            head = ChatCompletionChunk(id=rid, created=created, model=served, choices=[])
             return self._sse(gen, events(), head, req.include_usage, len(prompt))
         chunks = await _collect(gen, request)
         if chunks is None:
@@ -346,13 +331,14 @@ class _Api:
         ids, lps = _cat(chunks, "token_ids"), _cat(chunks, "logprobs")
         choice = ChatChoice(message=ChatMessageOut(content="".join(c.text for c in chunks)),
                             logprobs=logprobs(ids, lps), finish_reason=chunks[-1].finish_reason)
-        return ChatCompletion(id=rid, created=created, model=self.model_name, choices=[choice],
+        return ChatCompletion(id=rid, created=created, model=served, choices=[choice],
                               usage=Usage.of(len(prompt), gen.completion_tokens, gen.cached_tokens)).model_dump()
 
     # -- shared -------------------------------------------------------------------------
 
     async def _read(self, request: Request, model: type[BaseModel]):
-        return await read_request(request, model, self.max_body, self.model_name)
+        adapters = frozenset(a.name for a in self.lora.adapters()) if self.lora is not None else frozenset()
+        return await read_request(request, model, self.max_body, self.model_name, adapters)
 
     def _sampling(self, req, max_tokens: int | None, max_default: int | None, logprobs: int | None,
                   logprobs_key: str, max_key: str = "max_tokens") -> SamplingParams:
@@ -375,7 +361,10 @@ class _Api:
     def _submit(self, prompt, sampling, req, want_prompt_logprobs: bool) -> Generation:
         try:
             return self.orch.submit(prompt, sampling, stop=req.stop or [], want_prompt_logprobs=want_prompt_logprobs,
-                                    cache_salt=req.cache_salt)
+                                    cache_salt=req.cache_salt, adapter=None if req.model in (None, self.model_name)
+                                    else req.model)
+        except LoraError as e:  # unloaded since the request was read
+            raise api_error(e) from None
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
@@ -539,7 +528,8 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
     from hypertron.serve.engine import load_engine
 
-    engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize)
+    engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize,
+                                                lora_modules=serve.lora_adapters())
     orchestrator = orchestrate(engine, tokenizer, serve)
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,

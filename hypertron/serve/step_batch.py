@@ -2,8 +2,8 @@
 
 A step (:func:`hypertron.serve.engine.step`) takes its prefill tokens ``pre_tokens`` /
 ``pre_pos`` / ``pre_row`` / ``pre_valid`` (and, for prompt log-probabilities, ``targets``), and
-per row ``slot``, ``lengths``, ``out_idx``, ``out_slot``, ``temperature``, ``top_k``, ``top_p``
-and ``seed``. They travel as one array, each field a slice of it at an offset that the step's
+per row ``slot``, ``lengths``, ``out_idx``, ``out_slot``, ``temperature``, ``top_k``, ``top_p``,
+``seed`` and ``adapter`` (its LoRA slot + 1; 0: none). They travel as one array, each field a slice of it at an offset that the step's
 sizes fix (float32 and uint32 fields as their bits), so a step costs one host-to-device copy,
 not twelve: on a GPU each copy is its own transfer (about 60 us each in a traced `llama-1b`
 step on an H100), and on a CPU each is a release and retake of the GIL that the event loop's
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TOKEN_FIELDS = ("pre_tokens", "pre_pos", "pre_row", "pre_valid")
-ROW_FIELDS = ("slot", "lengths", "out_idx", "out_slot", "temperature", "top_k", "top_p", "seed")
+ROW_FIELDS = ("slot", "lengths", "out_idx", "out_slot", "temperature", "top_k", "top_p", "seed", "adapter")
 _VIEWED = {"temperature": np.float32, "top_p": np.float32, "seed": np.uint32}  # carried as their bits
 
 

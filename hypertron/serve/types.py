@@ -136,6 +136,7 @@ class Row:
     sample: bool = True
     prompt_targets: tuple[int, ...] | None = None
     prefix: tuple[int, ...] = ()
+    adapter: int = -1  # the LoRA slot of its tokens (hypertron.serve.lora_slots); -1: none
 
     @property
     def num_tokens(self) -> int:
@@ -217,3 +218,26 @@ class Engine(Protocol):
 
     def collect(self, handle: object) -> StepResult:
         """Wait for a dispatched step and return what it produced."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A step's time as ``fixed + per_token * tokens`` seconds (:meth:`hypertron.serve.engine.PagedEngine.measure_step_cost`)."""
+
+    fixed: float
+    per_token: float
+
+    @property
+    def overhead_tokens(self) -> float:
+        """The fixed cost in tokens' worth: small where compute grows with the tokens (a CPU),
+        large where a step of a few hundred tokens costs about what one does (an accelerator)."""
+        return self.fixed / self.per_token if self.per_token > 0 else math.inf
+
+
+class LoraError(ValueError):
+    """A LoRA adapter (:mod:`hypertron.serve.lora_slots`) that cannot be loaded, unloaded or used: ``status`` (400, 404) and ``param``
+    for the API's error."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
