@@ -66,7 +66,8 @@ class BenchSettings:
 
     base_url: str = flag_field("http://127.0.0.1:8000", "default %(default)s", "URL")
     api_key: str | None = flag_field(None, "sent as a Bearer token (default: $OPENAI_API_KEY)", "KEY")
-    model: str | None = flag_field(None, "default: the first id from GET /v1/models")
+    model: str | None = flag_field(None, "default: the first id from GET /v1/models; A,B,...: request i asks for "
+                                         "the (i mod n)-th (LoRA adapters round-robin)")
     num_requests: int = flag_field(100, "default %(default)s", "N")
     request_rate: float | None = flag_field(  # None (and no concurrency) = inf
         None, "Poisson arrivals, requests/s; inf = all at once (the default)", "R")
@@ -421,10 +422,10 @@ async def run_benchmark(
         timeout=httpx.Timeout(settings.request_timeout),
     ) as client:
         model = await resolve_model(client, settings)
-        body = request_body(settings, model)
+        bodies = [request_body(settings, m) for m in model.split(",")]  # round-robin over several models
 
         async def one(i: int) -> RequestRecord:
-            rec = await send_request(client, i, prompts[i], body)
+            rec = await send_request(client, i, prompts[i], bodies[i % len(bodies)])
             if on_done is not None:
                 on_done(rec)
             return rec

@@ -156,3 +156,41 @@ def test_a_bad_adapter_at_start_is_one_line(setup, capsys, flags, message):
     argv = ["serve", "--model", str(root / "base"), *[f.format(root=root) for f in flags]]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == f"error: {message.format(root=root)}\n"
+
+
+def test_streams_keep_their_adapters_while_another_loads_and_unloads(setup):
+    """32 streams over the base and three adapters, while a fourth adapter is loaded, used,
+    unloaded, loaded again and unloaded: every stream gets the text its prompt and model get
+    alone, and after it every slot, page and adapter slot is free."""
+    root, server = setup
+    prompts = {MODEL: [5, 6, 7, 8, 9], "a1": [100, 101, 102, 103, 104], "a2": [42] * 5, "a3": [250, 9, 31, 7, 7]}
+    alone = {m: _complete(server, m, p, max_tokens=8)["choices"][0]["text"] for m, p in prompts.items()}
+
+    def stream(model):
+        body = {"model": model, "prompt": prompts[model], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        text = ""
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
+        return model, text
+
+    def churn():
+        post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60).status_code  # noqa: E731
+        codes = [post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a1")}),
+                 _complete(server, "a4", prompts["a1"], max_tokens=8)["choices"][0]["text"] == alone["a1"],
+                 post("/v1/unload_lora_adapter", {"lora_name": "a4"}),
+                 post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a2")}),
+                 post("/v1/unload_lora_adapter", {"lora_name": "a4"})]
+        return codes
+
+    with concurrent.futures.ThreadPoolExecutor(33) as pool:
+        changes = pool.submit(churn)
+        done = list(pool.map(stream, [m for _ in range(8) for m in prompts]))
+    assert changes.result() == [200, True, 200, 200, 200]
+    assert all(text == alone[model] for model, text in done), [(m, t) for m, t in done if t != alone[m]][:3]
+    server.wait_idle()
+    assert not +server.engine.lora._users and {a.name for a in server.engine.lora.adapters()} == set(ADAPTERS)
