@@ -98,6 +98,9 @@ def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
         np.testing.assert_allclose(got[1:], want[1:], atol=1e-4, err_msg=model)
         texts.add(choice["text"])
     assert len(texts) == len(models)  # each adapter changes what is generated
+    # a step with an adapter row computes the adapters' product; one without (the base's alone) skips it
+    _complete(server, MODEL, [9, 8, 7])
+    assert {s.lora for s in server.engine.compiled_shapes} == {False, True}
 
 
 def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):

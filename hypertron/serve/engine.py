@@ -58,6 +58,7 @@ this module only runs plans.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -126,9 +127,10 @@ SHARED_EXECUTABLES = 512
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
                    static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens", "width",
-                                    "want_logprobs", "prompt_logprobs", "skip_greedy"))
+                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora"))
 def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
-         prefill_tokens: int, width: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True):
+         prefill_tokens: int, width: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
+         lora: bool = False):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
     ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
@@ -141,7 +143,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     with ``prompt_logprobs``, ``targets [P]``. Each row reads the first ``width`` columns of its
     slot's page table. Returns ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and,
     when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
-    every prefill token's target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU).
+    every prefill token's target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row.
     """
     b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
@@ -161,7 +163,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    with adapter_tokens(b["adapter"][token_rows][None] - 1):  # each token's LoRA slot, -1 none
+    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext():
         fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
                       logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
@@ -214,13 +216,14 @@ class Shape:
     width: int
     logprobs: bool = False
     prompt_logprobs: bool = False
+    lora: bool = False  # some row has a LoRA adapter
 
     def holds(self, other: Shape) -> bool:
         """Whether a plan of shape ``other`` can run padded to this one: every size at least
         ``other``'s, and no variant it lacks."""
         return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
                 and self.prefill_tokens >= other.prefill_tokens and self.width >= other.width
-                and self.logprobs >= other.logprobs
+                and self.logprobs >= other.logprobs and self.lora >= other.lora
                 and self.prompt_logprobs >= other.prompt_logprobs)
 
 
@@ -326,7 +329,8 @@ class PagedEngine:
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
                      width=min(next_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
-                     logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+                     logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs,
+                     lora=any(r.adapter >= 0 for r in plan.rows))
 
     def cost(self, shape: Shape) -> float:
         """A step's FLOPs as the model counts them: every token through the weights, and each
@@ -426,8 +430,8 @@ class PagedEngine:
         server's start (:meth:`precompile`), no later plan waits for a compile but one of a
         variant not met yet."""
         return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(max_prefill_rows),
-                     prefill_tokens=prefill_bucket(max_num_batched_tokens),
-                     width=self.pages_per_seq)
+                     prefill_tokens=prefill_bucket(max_num_batched_tokens), width=self.pages_per_seq,
+                     lora=self.lora is not None)
 
     def precompile(self, shape: Shape) -> None:
         """Compile ``shape``: on the background thread with ``compile="background"``, else now."""
@@ -450,7 +454,7 @@ class PagedEngine:
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens, width=shape.width,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
-                            skip_greedy=jax.default_backend() != "gpu").compile()
+                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
