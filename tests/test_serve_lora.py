@@ -61,6 +61,9 @@ def setup(tmp_path_factory):
                 if "lora_" in n:
                     p.mul_(3.0)
         model.save_pretrained(root / name)
+    other = peft.get_peft_model(tiny_hf_llama(seed=0, num_hidden_layers=2), peft.LoraConfig(  # another base's
+        r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False, lora_dropout=0.0))
+    other.save_pretrained(root / "other")
     cfg, params = load_hf(root / "base")
     config = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_top_logprobs=5, compile="lazy",
                           enable_lora=True, max_loras=4, max_lora_rank=8)
@@ -125,7 +128,9 @@ def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):
     for body, status, message in (
             ({"lora_name": "a1", "lora_path": str(root / "a1")}, 400, "'a1' is loaded already"),
             ({"lora_name": "x", "lora_path": str(root / "nothing")}, 400, "is not a PEFT adapter directory"),
-            ({"lora_name": "x", "lora_path": str(root / "big")}, 400, "has rank 16, above --max-lora-rank=8")):
+            ({"lora_name": "x", "lora_path": str(root / "big")}, 400, "has rank 16, above --max-lora-rank=8"),
+            ({"lora_name": "x", "lora_path": str(root / "other")}, 400,
+             "base_model.model.model.layers.0.self_attn.q_proj has lora_A (2, 32)")):
         r = post("/v1/load_lora_adapter", body)
         assert r.status_code == status and message in r.json()["error"]["message"], r.json()
     assert post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a1")}).status_code == 200
