@@ -203,13 +203,12 @@ def test_an_adapter_run_resumes_bit_for_bit_and_refuses_another_base(base_bundle
 @pytest.mark.slow
 def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp_path):
     """100 steps of the tiny SFT recipe's data over the base held int8 (``lora.base_dtype=int8``,
-    QLoRA-style) end within 5 % of the float base's loss; the run's bundle merges the adapter into
+    QLoRA-style) end within 5 % of the float base's loss; a run's bundle merges the adapter into
     the base as read (float); on fsdp=8 the held base's bytes are the memory model's."""
     from hypertron.models import memory
     from hypertron.models.bundle import read_bundle
     from hypertron.parallel.mesh import make_mesh
     from hypertron.quant import QArray
-    from hypertron.train.loop import train
     from hypertron.train.task import task_for
 
     def overrides(mode, *more):
@@ -218,7 +217,20 @@ def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp
                                "train.seq_len=32", "train.steps=100", "train.warmup_steps=10", "train.log_every=50",
                                "checkpoint.every=100", f"lora.base_dtype={mode}", *more)
 
-    final = {mode: np.mean(train(load_config(None, overrides(mode))).losses[-10:]) for mode in ("auto", "int8")}
+    def final_loss(mode):  # the loop's steps on one device, then what a run leaves (its bundle and adapter)
+        cfg = load_config(None, overrides(mode))
+        task = task_for(cfg)
+        task.check_inputs(cfg)
+        trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+        state, batches, losses = task.initial_state(cfg, trainer, quiet), task.batches(cfg), []
+        for _ in range(cfg.train.steps):
+            state, metrics = task.step(trainer, state, next(batches))
+            losses.append(metrics["loss"])
+        task.finish(cfg, state, quiet)
+        return float(np.mean(jax.device_get(losses)[-10:]))
+
+    quiet = type("C", (), {"print": lambda *a, **k: None})()
+    final = {mode: final_loss(mode) for mode in ("auto", "int8")}
     assert abs(final["int8"] - final["auto"]) <= 0.05 * final["auto"], final
     cfg = load_config(None, overrides("int8"))
     adapters, settings = load_peft(tmp_path / "int8" / "adapter", cfg.model)
@@ -230,7 +242,7 @@ def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp
     cfg = load_config(None, overrides("int8", "mesh.fsdp=8", f"run_dir={tmp_path / 'fsdp'}"))
     task = task_for(cfg)
     trainer = task.trainer(cfg, make_mesh(cfg.mesh, None))
-    state = task.initial_state(cfg, trainer, console=type("C", (), {"print": lambda *a, **k: None})())
+    state = task.initial_state(cfg, trainer, quiet)
     assert isinstance(state["base"]["layers"]["wq"], QArray) and state["base"]["layers"]["wq"].values.dtype == np.int8
     first = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     held = memory.state_bytes(cfg, dict(trainer.mesh.shape))
