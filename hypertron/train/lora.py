@@ -93,7 +93,7 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     def init_fn(key):
         adapters = init_adapters(cfg.model, settings, jax.random.fold_in(key, 1))
         return {"params": adapters, "opt_state": optimizer.init(adapters), "step": jnp.zeros((), jnp.int32),
-                "base": hold_base(cfg, base.init(key)["params"])}  # a placeholder: the task puts train.init_from's there
+                "base": hold_base(cfg, base.init(key)["params"])}  # a placeholder for train.init_from's
 
     def step_fn(state, batch):
         with use_rules(mesh, rules):

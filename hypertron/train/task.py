@@ -497,7 +497,8 @@ def check_adapter(cfg: Config) -> None:
     where = f"train.init_from={cfg.train.init_from}"
     if not cfg.lora.rank:
         raise CheckpointError(f"{where} is a LoRA adapter: set lora.rank (and lora.alpha, lora.targets) to its "
-                              "settings to train it further, or merge it into its base first (hypertron convert --lora)")
+                              "settings to train it further, or merge it into its base first "
+                              "(hypertron convert --lora)")
     _, theirs = load_peft(cfg.train.init_from, cfg.model)
     ours = lora_settings(cfg)
     from hypertron.models.lora import targets
