@@ -187,7 +187,7 @@ def test_task_dpo_resumes_exactly_against_the_same_reference(tmp_path):
 def test_task_dpo_trains_lora_adapters_against_the_base(tmp_path):
     """With ``lora.rank`` the adapters train over a frozen base, which is the reference with the
     adapters off (TRL's for PEFT models): the first loss is log 2, the pairs are learnt, and no
-    checkpoint holds a reference or the base; a precomputed reference gives the same losses."""
+    checkpoint holds a reference or the base; a precomputed reference gives the same losses, resumed too."""
     from hypertron.config import load_config
     from hypertron.models import init_params
     from hypertron.models.bundle import save_model
@@ -204,9 +204,11 @@ def test_task_dpo_trains_lora_adapters_against_the_base(tmp_path):
     saved = {p.name for p in (tmp_path / "run" / "checkpoints" / "15").iterdir()}
     assert "params" in saved and not {"reference", "base"} & saved
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
-    pre = train(load_config(None, [*common, "train.steps=3", "dpo.reference=precomputed",
-                                   f"run_dir={tmp_path / 'pre'}"]))
-    np.testing.assert_allclose(pre.losses, frozen.losses[:3], rtol=1e-6)
+    pre = [*common, "dpo.reference=precomputed", "checkpoint.every=1", f"run_dir={tmp_path / 'pre'}"]
+    losses = train(load_config(None, [*pre, "train.steps=2"])).losses
+    resumed = train(load_config(None, [*pre, "train.steps=3"]))  # the base read again, the table read back
+    assert resumed.first_step == 2
+    np.testing.assert_allclose(losses + resumed.losses, frozen.losses[:3], rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -100,7 +100,9 @@ def test_a_peft_feature_we_lack_is_refused_naming_its_key(peft_adapter, tmp_path
     cfg, _ = load_hf(root / "base")
     for key, value, message in (("use_dora", True, "use_dora=True is not supported"),
                                 ("bias", "all", "bias='all' is not supported"),
-                                ("peft_type", "IA3", "peft_type 'IA3' is not LORA")):
+                                ("peft_type", "IA3", "peft_type 'IA3' is not LORA"),
+                                ("r", "four", "r and lora_alpha must be numbers"),
+                                ("target_modules", ".*proj", "target_modules='.*proj' is a pattern")):
         shutil.copytree(root / "adapter", tmp_path / key)
         config = json.loads((tmp_path / key / "adapter_config.json").read_text())
         (tmp_path / key / "adapter_config.json").write_text(json.dumps({**config, key: value}))

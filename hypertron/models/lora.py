@@ -15,8 +15,8 @@ the HF weight being ``[out, in]``: ours is its transpose reshaped (the ``linear`
 ``heads_out`` layouts of :mod:`hypertron.models.hf`), so ``A`` is ``lora_A``'s transpose reshaped
 and ``B`` ``lora_B``'s.
 
-Not yet (issue 41): serving many adapters; MoE expert weights, DoRA, biases and other PEFT
-features are refused in one line.
+Serving many adapters in one batch is :mod:`hypertron.serve.lora_slots`'s. MoE expert weights,
+DoRA, biases and other PEFT features are refused in one line.
 """
 
 from __future__ import annotations
@@ -190,15 +190,22 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, LoraSettings]:
         tensors = load_file(path / WEIGHTS_FILE)
     except (OSError, ValueError) as e:
         raise ConfigError(f"lora: {path} is not a PEFT adapter directory ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"lora: {path}/{CONFIG_FILE} is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"lora: {path}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, plain in (("use_dora", False), ("bias", "none"), ("modules_to_save", None), ("fan_in_fan_out", False)):
         if config.get(key, plain) not in (plain, [] if plain is None else plain):
             raise ConfigError(f"lora: {path}: {key}={config[key]!r} is not supported")
     modules = config.get("target_modules") or ()
+    if isinstance(modules, str) and modules != "all-linear":
+        raise ConfigError(f"lora: {path}: target_modules={modules!r} is a pattern; a list of module names is supported")
     modules = ALL_LINEAR if modules in ("all-linear", ["all-linear"]) else tuple(modules)
-    settings = LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=modules,
-                            rslora=bool(config.get("use_rslora", False)))
+    try:
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"lora: {path}/{CONFIG_FILE}: r and lora_alpha must be numbers ({e!r})") from None
+    settings = LoraSettings(rank=rank, alpha=alpha, targets=modules, rslora=bool(config.get("use_rslora", False)))
     adapters: dict = {}
     used = set()
     for t in targets(cfg, settings.targets):

@@ -34,12 +34,14 @@ def adapter_cards(slots, model_name: str, created: int, max_model_len: int) -> l
             for a in slots.adapters()]
 
 
-def add_lora_routes(router: APIRouter, slots, read) -> None:
+def add_lora_routes(router: APIRouter, slots, read, model_name: str) -> None:
     """The two endpoints on ``router`` (behind its API key) for ``slots`` (a
     :class:`~hypertron.serve.lora_slots.LoraSlots`); ``read(request, model)`` reads a body."""
 
     async def load_lora_adapter(request: Request):
         req = await read(request, LoadLoraAdapter)
+        if req.lora_name == model_name:
+            raise ApiError(400, f"{model_name!r} is the base model's name", param="lora_name")
         try:  # reading the files and writing the slot's arrays: off the event loop
             adapter = await asyncio.to_thread(slots.load, req.lora_name, req.lora_path)
         except LoraError as e:

@@ -64,6 +64,7 @@ class LoraSlots:
         self._lock = threading.Lock()
         self._adapters: dict[str, Adapter] = {}
         self._loading: set[str] = set()  # names being loaded
+        self._writing = threading.Lock()  # one load writes the stacks at a time (each write replaces them)
         self._free = list(range(n))
         self._users: collections.Counter[int] = collections.Counter()
         self._retired: set[int] = set()
@@ -103,7 +104,8 @@ class LoraSlots:
             slot = self._free.pop(0)
             self._loading.add(name)
         try:
-            self._write(slot, adapters, settings)
+            with self._writing:
+                self._write(slot, adapters, settings)
         except BaseException:
             with self._lock:
                 self._free.insert(0, slot)

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hypertron.config import ServeConfig
+from hypertron.config import ConfigError, ServeConfig
 from hypertron.errors import DataError
 from pydantic import BaseModel
 
@@ -116,7 +116,9 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
     v1.add_api_route("/models", api.models, methods=["GET"], summary="The model served (and its LoRA adapters)",
                      responses=responses(ModelList))
     if api.lora is not None:
-        add_lora_routes(v1, api.lora, api._read)
+        add_lora_routes(v1, api.lora, api._read, model_name)
+        if model_name in {a.name for a in api.lora.adapters()}:
+            raise ConfigError(f"--lora-modules: {model_name!r} is the base model's name (--model-name)")
     app.include_router(v1)
 
     @app.get("/health", summary="Liveness: 200 while the engine loop runs, else 503", responses=HEALTH_RESPONSES)

@@ -207,7 +207,8 @@ class LanguageModel:
         write_bundle(cfg, merge(base, state["params"], settings), console)  # what serve reads today
         if jax.process_index() == 0:
             path = Path(cfg.run_dir) / "adapter"
-            save_peft(path, jax.device_get(state["params"]), settings, cfg.model, base=lora_base(cfg))
+            save_peft(path, jax.device_get(state["params"]), settings, cfg.model,
+                      base=str(Path(lora_base(cfg)).resolve()))  # found from any working directory
             console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
 
 
@@ -349,8 +350,9 @@ class PreferenceTune(FineTune):
         return state
 
     def restored(self, cfg: Config, trainer, state: dict, console) -> None:
+        super().restored(cfg, trainer, state, console)  # LoRA: the base, read again
         if cfg.dpo.reference == "precomputed":  # read back; computed again (from the start) if it is gone
-            self._reference_logps = self._precompute(cfg, trainer, None, console)
+            self._reference_logps = self._precompute(cfg, trainer, state["base"] if cfg.lora.rank else None, console)
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
         if self._reference_logps is None and trainer.cfg.dpo.reference == "precomputed":
@@ -387,8 +389,10 @@ class PreferenceTune(FineTune):
                 console.print(f"read the reference's log-probabilities of {len(pairs)} pairs from {path}",
                               highlight=False)
                 return table
-        if params is None:
-            params = LanguageModel.initial_state(self, cfg, trainer, console)["base" if cfg.lora.rank else "params"]
+        if params is None:  # the starting parameters, as a new run reads them (the restored policy has moved)
+            shardings = trainer.abstract_state()["params"]
+            params = (read_params(cfg, cfg.train.init_from, shardings) if cfg.train.init_from
+                      else trainer.init(jax.random.key(cfg.train.seed))["params"])
         console.print(f"computing the reference's log-probabilities of {len(pairs)} pairs (dpo.reference="
                       "precomputed)", highlight=False)
         table = reference_logps(cfg, trainer, params, rows)
@@ -516,10 +520,11 @@ def check_adapter(cfg: Config) -> None:
 def reference_source(cfg: Config) -> dict[str, Any]:
     """Where a precomputed reference's parameters come from: ``train.init_from`` and a digest of
     its files, or the random start (model and seed)."""
-    source = cfg.train.init_from
+    source = lora_base(cfg)  # with LoRA the reference is the base (held as lora.base_dtype)
     if not source:
         return {"random": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
-    return {"init_from": source, "files": files_digest(source), "dtype": cfg.model.param_dtype}
+    return {"init_from": source, "files": files_digest(source), "dtype": cfg.model.param_dtype,
+            **({"base_dtype": cfg.lora.base_dtype} if cfg.lora.rank else {})}
 
 
 def files_digest(path: str) -> str:
