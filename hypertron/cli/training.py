@@ -251,21 +251,14 @@ def _read_model(path: str):
 def _merge_lora(args: argparse.Namespace, out) -> int:
     """``convert --lora ADAPTER --merge --out OUT [--model BASE]``: the base's bundle with the adapter
     merged into its weights (what ``hypertron serve`` reads)."""
-    import json
-    from pathlib import Path
-
     import jax
 
     from hypertron.models import bundle
-    from hypertron.models.lora import CONFIG_FILE, load_peft, merge
+    from hypertron.models.lora import load_peft, merge, peft_config
 
     if not args.merge:
         raise ConfigError("convert --lora needs --merge (the adapter directory is already PEFT's format)")
-    try:
-        adapter_config = json.loads((Path(args.lora) / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--lora {args.lora}: not a PEFT adapter directory ({type(e).__name__})") from None
-    base = args.checkpoint or adapter_config.get("base_model_name_or_path") or ""
+    base = args.checkpoint or peft_config(args.lora).get("base_model_name_or_path") or ""
     if not base:
         raise ConfigError(f"--lora {args.lora}: its adapter_config.json names no base_model_name_or_path; give --model "
                           "BASE")

@@ -178,6 +178,27 @@ def _product(a: jax.Array, b: jax.Array, weight_ndim: int) -> jax.Array:
 # PEFT's files
 
 
+def peft_config(path: str | Path) -> dict:
+    """A PEFT adapter directory's ``adapter_config.json``; a :class:`ConfigError` if it has none
+    or it is not a JSON object."""
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"lora: {path} is not a PEFT adapter directory ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"lora: {path}/{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def peft_modules(config: dict, path: str | Path) -> tuple[str, ...]:
+    """The module names an adapter config targets (``all-linear`` spelled out); a pattern is refused."""
+    modules = config.get("target_modules") or ()
+    if isinstance(modules, str) and modules != "all-linear":
+        raise ConfigError(f"lora: {path}: target_modules={modules!r} is a pattern; a list of module names is supported")
+    return ALL_LINEAR if modules in ("all-linear", ["all-linear"]) else tuple(modules)
+
+
 def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, LoraSettings]:
     """A PEFT LoRA adapter directory for a model of ``cfg``: ``(adapters, settings)``. A
     :class:`ConfigError` naming the key for what is not a plain LoRA of our projections (DoRA,
@@ -185,22 +206,17 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, LoraSettings]:
     from safetensors.numpy import load_file
 
     path = Path(path)
+    config = peft_config(path)
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
         tensors = load_file(path / WEIGHTS_FILE)
     except (OSError, ValueError) as e:
         raise ConfigError(f"lora: {path} is not a PEFT adapter directory ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"lora: {path}/{CONFIG_FILE} is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"lora: {path}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, plain in (("use_dora", False), ("bias", "none"), ("modules_to_save", None), ("fan_in_fan_out", False)):
         if config.get(key, plain) not in (plain, [] if plain is None else plain):
             raise ConfigError(f"lora: {path}: {key}={config[key]!r} is not supported")
-    modules = config.get("target_modules") or ()
-    if isinstance(modules, str) and modules != "all-linear":
-        raise ConfigError(f"lora: {path}: target_modules={modules!r} is a pattern; a list of module names is supported")
-    modules = ALL_LINEAR if modules in ("all-linear", ["all-linear"]) else tuple(modules)
+    modules = peft_modules(config, path)
     try:
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
     except (KeyError, TypeError, ValueError) as e:

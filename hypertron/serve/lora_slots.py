@@ -21,9 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import threading
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ import numpy as np
 from hypertron.config import EngineConfig, ModelConfig
 from hypertron.errors import ConfigError
 from hypertron.models import resolve_dtype
-from hypertron.models.lora import ALL_LINEAR, CONFIG_FILE, LoraSettings, load_peft, targets
+from hypertron.models.lora import ALL_LINEAR, LoraSettings, load_peft, peft_config, peft_modules, targets
 from hypertron.quant.lora import StackedLoraWeight
 from hypertron.serve.types import LoraError
 
@@ -196,11 +194,9 @@ def slots_for(cfg: ModelConfig, config: EngineConfig, adapters=()) -> LoraSlots 
     modules = set()
     for name, path in adapters:
         try:
-            found = json.loads((Path(path) / CONFIG_FILE).read_text()).get("target_modules") or ()
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--lora-modules {name}={path}: not a PEFT adapter directory ({e})") from None
-        modules |= set(ALL_LINEAR if found in ("all-linear", ["all-linear"]) else
-                       [found] if isinstance(found, str) else found)
+            modules |= set(peft_modules(peft_config(path), path))
+        except ConfigError as e:
+            raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
     slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, tuple(modules) or ALL_LINEAR,
                       dtype=resolve_dtype(cfg.dtype))
     for name, path in adapters:

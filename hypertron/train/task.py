@@ -488,9 +488,9 @@ def lora_base(cfg: Config) -> str:
     ``base_model_name_or_path``."""
     if not is_adapter(cfg.train.init_from):
         return cfg.train.init_from
-    from hypertron.models.lora import CONFIG_FILE
+    from hypertron.models.lora import peft_config
 
-    return str(json.loads((Path(cfg.train.init_from) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or "")
+    return str(peft_config(cfg.train.init_from).get("base_model_name_or_path") or "")
 
 
 def check_adapter(cfg: Config) -> None:
