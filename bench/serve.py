@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="the serving loop without HTTP, each turn's time by phase (bench/serve_profile.py)")
     p.add_argument("--budget", type=int, default=512, help="--profile: tokens a step (max_num_batched_tokens)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="--profile: the engine's slots, with pages for all (a server's --max-slots; default: the batch)")
     p.add_argument("--trace", default=None, metavar="DIR", help="--profile: a jax.profiler trace of the measured round")
     args = p.parse_args(argv)
 
@@ -254,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         from serve_profile import print_profile, profile_batch  # bench/serve_profile.py
 
         rows = [profile_batch(params, cfg, b, args.context, args.steps, args.page_size, kv_dtypes[0], args.budget,
-                              args.trace and os.path.join(args.trace, f"batch{b}"), scan_layers=args.scan_layers)
+                              args.trace and os.path.join(args.trace, f"batch{b}"), scan_layers=args.scan_layers,
+                              slots=args.slots)
                 for b in args.batch_sizes]
         print(f"{cfg.name}, compute {dtype}, KV {kv_dtypes[0]}, context {args.context}, {args.steps} tokens out, "
               f"page size {args.page_size}, {args.budget} tokens a step")

@@ -4,6 +4,7 @@
     python bench/serve_lora.py [--concurrency 16] [--num-requests 64] [--max-tokens 64] [--input-len 128]
                                [--adapters 8] [--rank 8] [--targets attention all] [--repeats 3]
                                [--max-num-batched-tokens 512] [--no-peft] [--keep DIR]
+                               [--model-size small|llama-1b] [--device cpu|cuda]
 
 The model and prompts are ``bench/serve_http.py``'s (a random Llama in Hugging Face format with a
 BPE trained on the standard library's sources; ``hypertron convert --from-hf`` makes the bundle).
@@ -23,7 +24,8 @@ is the median output tokens/s.
 PEFT's peer (``--no-peft`` skips it): ``PeftModel`` with every adapter loaded (``load_adapter``),
 the same prompts in batches of C, left-padded, ``generate(adapter_names=[...], do_sample=False,
 max_new_tokens=M)`` (PEFT's mixed-adapter batch: each row its adapter, round-robin), torch's
-default threads, float32; its output tokens/s over ``ceil(N / C)`` batches after one warm-up batch.
+default threads, float32 (``--device cuda``: on the GPU in bfloat16, the servers' weights and pages
+bfloat16 too, JAX on the GPU); its output tokens/s over ``ceil(N / C)`` batches after one warm-up batch.
 
 Prints per target set and concurrency::
 
@@ -65,6 +67,7 @@ def parse_args(argv):
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--no-peft", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     add_model_args(p)
     return p.parse_args(argv)
 
@@ -91,7 +94,9 @@ def make_adapters(hf_dir: str, out: str, modules: list[str], n: int, rank: int) 
 
 def measure_server(argv: list[str], port: int, models: str, prompts: dict, args, work: str, name: str) -> dict:
     """Median output tokens/s per concurrency of one server."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     out = {}
     with Server(name, argv, port, os.path.join(work, f"{name}.log"), env) as srv, \
             open(os.path.join(work, f"{name}-bench.log"), "w") as log, srv.tail_on_error():
@@ -121,8 +126,9 @@ def measure_peft(hf_dir: str, adapters: list[str], prompts: dict, args) -> dict:
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
-    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir), adapters[0],
-                                           adapter_name="a0").eval()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(args.device)
+    model = peft.PeftModel.from_pretrained(base, adapters[0], adapter_name="a0").eval()
     for k, path in enumerate(adapters[1:], 1):
         model.load_adapter(path, adapter_name=f"a{k}")
     out = {}
@@ -132,7 +138,7 @@ def measure_peft(hf_dir: str, adapters: list[str], prompts: dict, args) -> dict:
         batches = math.ceil(max(args.num_requests, 2 * c) / c)
 
         def generate(batch):
-            enc = tok(batch, return_tensors="pt", padding=True)
+            enc = tok(batch, return_tensors="pt", padding=True).to(args.device)
             names = [f"a{i % len(adapters)}" for i in range(len(batch))]
             with torch.no_grad():
                 ids = model.generate(**enc, adapter_names=names, do_sample=False, max_new_tokens=args.max_tokens,
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
 
     def server_argv(port, *more):
         return [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots", str(max_c),
-                "--page-size", "16", "--kv-cache-dtype", "float32", "--model-name", "bench",
+                "--page-size", "16", "--kv-cache-dtype", "float32" if args.device == "cpu" else "auto", "--model-name", "bench",
                 "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, max_c)), "--num-pages",
                 str(pages + 1), *more]
 

@@ -53,8 +53,9 @@ async def _read_all(orch, prompts: np.ndarray, sampling) -> int:
 
 
 def profile_batch(params, cfg, batch: int, context: int, steps: int, page_size: int, kv_dtype: str,
-                  budget: int, trace: str | None, scan_layers: bool = False) -> dict:
-    """The figures of one batch size (see the module docstring)."""
+                  budget: int, trace: str | None, scan_layers: bool = False, slots: int | None = None) -> dict:
+    """The figures of one batch size (see the module docstring). ``slots``: the engine's (and pages
+    for every one of them), as a server's ``--max-slots`` (default: ``batch``)."""
     import jax
 
     from hypertron.config import ServeConfig
@@ -62,8 +63,9 @@ def profile_batch(params, cfg, batch: int, context: int, steps: int, page_size: 
     from hypertron.serve.server import orchestrate
     from hypertron.serve.types import SamplingParams
 
-    pages = batch * -(-(context + steps + 1) // page_size) + 1
-    serve = ServeConfig(max_slots=batch, page_size=page_size, num_pages=pages, kv_cache_dtype=kv_dtype,
+    slots = max(batch, slots or batch)
+    pages = slots * -(-(context + steps + 1) // page_size) + 1
+    serve = ServeConfig(max_slots=slots, page_size=page_size, num_pages=pages, kv_cache_dtype=kv_dtype,
                         max_num_batched_tokens=max(budget, batch))
     engine = PagedEngine(params, cfg, serve.engine, scan_layers=scan_layers)
     orch = orchestrate(engine, Letters(), serve).start()
