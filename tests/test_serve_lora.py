@@ -1,15 +1,20 @@
 """Many LoRA adapters served in one batch, against PEFT 0.21: a tiny random ``transformers`` Llama,
 three PEFT adapters on it (all seven projections at rank 4, the attention's at rank 8, q and v at
-rank 2), the real engine behind the OpenAI-compatible server with the adapters in its slots.
+rank 2; five more of rank 2 on q and v for the load test), the real engine behind the
+OpenAI-compatible server with the adapters in its slots.
 
 A request's ``model`` picks an adapter; each request's tokens and log-probabilities are PEFT's
-with its adapter on (or off, for the base), whatever else shares the step; adapters load and
-unload at run time; the prefix cache never shares one adapter's pages with another's.
+with its adapter on (or off, for the base), and its merged weights', whatever else shares the step;
+adapters load and unload at run time; the prefix cache never shares one adapter's pages with
+another's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
+import json
 
 import httpx
 import numpy as np
@@ -24,6 +29,7 @@ from test_server import MODEL, TOK, Server  # noqa: E402  (tests/)
 
 from hypertron.config import EngineConfig  # noqa: E402
 from hypertron.models.hf import load_hf  # noqa: E402
+from hypertron.models.lora import load_peft, merge  # noqa: E402
 from hypertron.serve.engine import PagedEngine  # noqa: E402
 from hypertron.serve.lora_slots import slots_for  # noqa: E402
 
@@ -33,7 +39,9 @@ ADAPTERS = {  # name: (rank, targets, seed)
     "a2": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2),
     "a3": (2, ["q_proj", "v_proj"], 3),
 }
+MORE = {f"b{k}": (2, ["q_proj", "v_proj"], 10 + k) for k in range(1, 6)}  # saved, loaded by the load test
 BIG = (16, ["q_proj"], 4)  # saved, not loaded: above the server's --max-lora-rank
+MAX_LORAS = 9
 PROMPT = [17, 250, 3, 99, 140, 7, 64, 201, 33, 12, 5, 6, 7, 8, 9, 10, 11, 12]  # two full 8-token pages
 
 
@@ -49,7 +57,7 @@ def setup(tmp_path_factory):
     base = tiny_hf_llama(seed=0, scaled_init=True, num_hidden_layers=2, hidden_size=48, intermediate_size=96,
                          num_attention_heads=4, num_key_value_heads=2)
     base.save_pretrained(root / "base", safe_serialization=True)
-    for name, (rank, modules, seed) in {**ADAPTERS, "big": BIG}.items():
+    for name, (rank, modules, seed) in {**ADAPTERS, **MORE, "big": BIG}.items():
         torch.manual_seed(seed)
         model = peft.get_peft_model(tiny_hf_llama(seed=0, scaled_init=True, num_hidden_layers=2, hidden_size=48,
                                                   intermediate_size=96, num_attention_heads=4,
@@ -66,11 +74,11 @@ def setup(tmp_path_factory):
     other.save_pretrained(root / "other")
     cfg, params = load_hf(root / "base")
     config = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_top_logprobs=5, compile="lazy",
-                          enable_lora=True, max_loras=4, max_lora_rank=8)
+                          enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=8)
     engine = PagedEngine(params, cfg, config, lora=slots_for(cfg, config, [(n, str(root / n)) for n in ADAPTERS]))
     assert engine.lora.max_rank == 8
-    with Server(engine) as server:
-        yield root, server
+    with Server(engine, max_queue=1024) as server:
+        yield root, server, (cfg, params, config)
 
 
 def _complete(server, model, prompt, **more):
@@ -81,8 +89,9 @@ def _complete(server, model, prompt, **more):
 def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
     """``echo`` + ``logprobs`` of a prompt and its greedy tokens, each request under its adapter
     (or none), all four at once: PeftModel's log-softmax with that adapter on (1e-4), and its
-    greedy tokens."""
-    root, server = setup
+    greedy tokens; and the same request alone on an engine of the adapter's merged weights: the same
+    tokens, log-probabilities within 1e-5."""
+    root, server, (cfg, params, config) = setup
     models = [MODEL, *ADAPTERS]
     with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
         answers = dict(zip(models, pool.map(lambda m: _complete(server, m, PROMPT, echo=True, logprobs=1), models)))
@@ -101,6 +110,15 @@ def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
         np.testing.assert_allclose(got[1:], want[1:], atol=1e-4, err_msg=model)
         texts.add(choice["text"])
     assert len(texts) == len(models)  # each adapter changes what is generated
+    plain = dataclasses.replace(config, enable_lora=False)
+    for name in ADAPTERS:
+        adapters, settings = load_peft(root / name, cfg)
+        with Server(PagedEngine(merge(params, adapters, settings), cfg, plain)) as merged:
+            alone = _complete(merged, MODEL, PROMPT, echo=True, logprobs=1)["choices"][0]
+        choice = answers[name]["choices"][0]
+        assert alone["text"] == choice["text"], name
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], alone["logprobs"]["token_logprobs"][1:],
+                                   atol=1e-5, rtol=0, err_msg=name)
     # a step with an adapter row computes the adapters' product; one without (the base's alone) skips it
     _complete(server, MODEL, [9, 8, 7])
     assert {s.lora for s in server.engine.compiled_shapes} == {False, True}
@@ -109,7 +127,7 @@ def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
 def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):
     """``/v1/models`` lists each adapter with the base as parent; an adapter unloaded is a 404 and
     a name loaded again serves again; bad loads are 400s naming the limit; nothing recompiles."""
-    root, server = setup
+    root, server, _ = setup
     cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
     assert set(cards) == {MODEL, *ADAPTERS} and cards["a2"]["parent"] == MODEL
     before = _complete(server, "a3", PROMPT, cache_salt="before")["choices"][0]["text"]  # salted: prefilled whole
@@ -133,10 +151,12 @@ def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):
              "base_model.model.model.layers.0.self_attn.q_proj has lora_A (2, 32)")):
         r = post("/v1/load_lora_adapter", body)
         assert r.status_code == status and message in r.json()["error"]["message"], r.json()
-    assert post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a1")}).status_code == 200
-    full = post("/v1/load_lora_adapter", {"lora_name": "a5", "lora_path": str(root / "a1")})
-    assert full.status_code == 400 and "--max-loras=4" in full.json()["error"]["message"]
-    assert post("/v1/unload_lora_adapter", {"lora_name": "a4"}).status_code == 200
+    extra = [f"x{k}" for k in range(MAX_LORAS - len(ADAPTERS))]  # fill every slot
+    assert [post("/v1/load_lora_adapter", {"lora_name": n, "lora_path": str(root / "a1")}).status_code
+            for n in extra] == [200] * len(extra)
+    full = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "a1")})
+    assert full.status_code == 400 and f"--max-loras={MAX_LORAS}" in full.json()["error"]["message"]
+    assert [post("/v1/unload_lora_adapter", {"lora_name": n}).status_code for n in extra] == [200] * len(extra)
     assert server.engine.compiles == compiles  # nothing compiled for any of it
     server.wait_idle()
 
@@ -144,7 +164,7 @@ def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):
 def test_a_shared_prompt_shares_cached_pages_under_one_adapter_only(setup):
     """With prefix caching on, a prompt of two full pages is prefilled again under another
     adapter (and under the base), and found cached under the same one."""
-    _, server = setup
+    _, server, _ = setup
     prompt = [3 + i for i in range(17)]
     cached = []
     for model in ("a1", "a1", "a2", MODEL):
@@ -160,45 +180,57 @@ def test_a_shared_prompt_shares_cached_pages_under_one_adapter_only(setup):
 def test_a_bad_adapter_at_start_is_one_line(setup, capsys, flags, message):
     from hypertron import cli
 
-    root, _ = setup
+    root, _, _ = setup
     argv = ["serve", "--model", str(root / "base"), *[f.format(root=root) for f in flags]]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == f"error: {message.format(root=root)}\n"
 
 
-def test_streams_keep_their_adapters_while_another_loads_and_unloads(setup):
-    """32 streams over the base and three adapters, while a fourth adapter is loaded, used,
-    unloaded, loaded again and unloaded: every stream gets the text its prompt and model get
-    alone, and after it every slot, page and adapter slot is free."""
-    root, server = setup
-    prompts = {MODEL: [5, 6, 7, 8, 9], "a1": [100, 101, 102, 103, 104], "a2": [42] * 5, "a3": [250, 9, 31, 7, 7]}
-    alone = {m: _complete(server, m, p, max_tokens=8)["choices"][0]["text"] for m, p in prompts.items()}
+def test_256_requests_over_8_adapters_keep_their_own_while_a_ninth_loads_and_unloads(setup):
+    """256 concurrent requests, 64 of them streamed, over 8 adapters and the base (five adapters
+    loaded for it), while a ninth is loaded, used, unloaded, loaded again and unloaded: each request
+    gets the text its prompt and model get alone, and after it every slot, page and adapter slot is
+    free and the five are unloaded."""
+    root, server, _ = setup
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60).status_code  # noqa: E731
+    assert [post("/v1/load_lora_adapter", {"lora_name": n, "lora_path": str(root / n)}) for n in MORE] == [200] * 5
+    models = [MODEL, *ADAPTERS, *MORE]
+    prompts = {m: [(7 * i + 3 * j) % 250 + 3 for j in range(5)] for i, m in enumerate(models)}
+    alone = {m: _complete(server, m, p, max_tokens=4)["choices"][0]["text"] for m, p in prompts.items()}
+    assert len(set(alone.values())) == len(models)
 
-    def stream(model):
-        body = {"model": model, "prompt": prompts[model], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+    async def one(client, k):
+        model = models[k % len(models)]
+        body = {"model": model, "prompt": prompts[model], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "stream": k % 4 == 0}
+        if not body["stream"]:
+            r = await client.post("/v1/completions", json=body)
+            return model, r.json()["choices"][0]["text"]
         text = ""
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    import json
-
-                    text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and (chunk := json.loads(line[6:]))["choices"]:
+                    text += chunk["choices"][0]["text"]
         return model, text
 
-    def churn():
-        post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60).status_code  # noqa: E731
-        codes = [post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a1")}),
-                 _complete(server, "a4", prompts["a1"], max_tokens=8)["choices"][0]["text"] == alone["a1"],
-                 post("/v1/unload_lora_adapter", {"lora_name": "a4"}),
-                 post("/v1/load_lora_adapter", {"lora_name": "a4", "lora_path": str(root / "a2")}),
-                 post("/v1/unload_lora_adapter", {"lora_name": "a4"})]
-        return codes
+    async def run_all():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, k) for k in range(256)))
 
-    with concurrent.futures.ThreadPoolExecutor(33) as pool:
+    def churn():
+        return [post("/v1/load_lora_adapter", {"lora_name": "c9", "lora_path": str(root / "a1")}),
+                _complete(server, "c9", prompts["a1"], max_tokens=4)["choices"][0]["text"] == alone["a1"],
+                post("/v1/unload_lora_adapter", {"lora_name": "c9"}),
+                post("/v1/load_lora_adapter", {"lora_name": "c9", "lora_path": str(root / "a2")}),
+                post("/v1/unload_lora_adapter", {"lora_name": "c9"})]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         changes = pool.submit(churn)
-        done = list(pool.map(stream, [m for _ in range(8) for m in prompts]))
+        done = asyncio.run(run_all())
     assert changes.result() == [200, True, 200, 200, 200]
-    assert all(text == alone[model] for model, text in done), [(m, t) for m, t in done if t != alone[m]][:3]
+    assert len(done) == 256 and all(text == alone[model] for model, text in done), \
+        [(m, t) for m, t in done if t != alone[m]][:3]
+    assert [post("/v1/unload_lora_adapter", {"lora_name": n}) for n in MORE] == [200] * 5
     server.wait_idle()
     assert not +server.engine.lora._users and {a.name for a in server.engine.lora.adapters()} == set(ADAPTERS)

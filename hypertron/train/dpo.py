@@ -120,7 +120,8 @@ def make_dpo_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     replicated = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(step_fn, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, replicated),
                    donate_argnums=0)
-    return dataclasses.replace(base, state_shardings=shardings, init=jax.jit(init_fn, out_shardings=shardings),
+    made = {k: v for k, v in shardings.items() if k not in base.external}
+    return dataclasses.replace(base, state_shardings=shardings, init=jax.jit(init_fn, out_shardings=made),
                                step=step)
 
 

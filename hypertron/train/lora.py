@@ -7,7 +7,9 @@ so no gradient, moment or master copy of the base exists. The step is pre-traini
 The base is ``train.init_from``'s parameters, held as ``lora.base_dtype`` says (:func:`hold_base`):
 ``auto`` in the parameter dtype, ``bfloat16`` its matmul weights in bfloat16, ``int8`` its matmul
 weights int8 with a scale per output channel (the serving int8 weights, QLoRA-style; the einsum hook
-adds the adapter to the int8 product). Norms stay float32. Checkpoints hold the
+adds the adapter to the int8 product). Norms stay float32. The trainer's ``init`` makes no base (not
+even a random placeholder: at scale that would be a second copy while the real one is read); the
+task reads it into :func:`abstract_base`'s shardings (``Trainer.external``). Checkpoints hold the
 adapters, their moments and the step, not the base: a resumed run reads it from ``train.init_from``
 again, refused if its files' digest differs from the one ``RUN/lora_base.json`` kept when the run
 began (:class:`hypertron.train.task.LanguageModel`).
@@ -42,20 +44,21 @@ def hold_base(cfg: Config, params):
     return held_base(cfg.model, params, cfg.lora.base_dtype)
 
 
-def base_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
-    """The held base's shardings: each weight's by its declared axes (an int8 weight's values and
-    scales each by their own shape: a size-1 scale axis stays whole)."""
+def abstract_base(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
+    """The held base's shapes, dtypes and shardings: each weight's by its declared axes (an int8
+    weight's values and scales each by their own shape: a size-1 scale axis stays whole)."""
     from hypertron.models import params as param_lib
     from hypertron.models import resolve_dtype
 
     specs = declare(cfg.model)
     held = jax.eval_shape(lambda p: hold_base(cfg, p), param_lib.abstract(specs, resolve_dtype(cfg.model.param_dtype)))
 
-    def one(spec, value):
-        put = lambda a: NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape)))  # noqa: E731
-        return QArray(put(value.values), put(value.scales)) if isinstance(value, QArray) else put(value)
+    def put(spec, a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                    sharding=NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape))))
 
-    return jax.tree.map(one, specs, held, is_leaf=is_spec)
+    return jax.tree.map(lambda spec, value: QArray(put(spec, value.values), put(spec, value.scales))
+                        if isinstance(value, QArray) else put(spec, value), specs, held, is_leaf=is_spec)
 
 
 def adapted_loss(adapters, batch, cfg: Config, histories=None, *, base, settings: LoraSettings):
@@ -87,13 +90,13 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract), a_shard,
                                       transform_non_params=lambda _: replicated)
+    held = abstract_base(cfg, mesh, rules)
     shardings = {"params": a_shard, "opt_state": opt_shard, "step": replicated,
-                 "base": base_shardings(cfg, mesh, rules)}
+                 "base": jax.tree.map(lambda a: a.sharding, held)}
 
-    def init_fn(key):
+    def init_fn(key):  # the base is train.init_from's, read in (Trainer.external)
         adapters = init_adapters(cfg.model, settings, jax.random.fold_in(key, 1))
-        return {"params": adapters, "opt_state": optimizer.init(adapters), "step": jnp.zeros((), jnp.int32),
-                "base": hold_base(cfg, base.init(key)["params"])}  # a placeholder for train.init_from's
+        return {"params": adapters, "opt_state": optimizer.init(adapters), "step": jnp.zeros((), jnp.int32)}
 
     def step_fn(state, batch):
         with use_rules(mesh, rules):
@@ -101,5 +104,6 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
 
     step = jax.jit(step_fn, in_shardings=(shardings, base.batch_sharding), out_shardings=(shardings, replicated),
                    donate_argnums=0)
-    return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings,
-                               init=jax.jit(init_fn, out_shardings=shardings), step=step)
+    made = {k: v for k, v in shardings.items() if k != "base"}
+    return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings, external={"base": held},
+                               init=jax.jit(init_fn, out_shardings=made), step=step)

@@ -8,7 +8,7 @@ rules; the optimiser state mirrors the parameters' shardings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -145,13 +145,17 @@ class Trainer:
     init: Callable[[jax.Array], State]
     step: Callable[[State, Batch], tuple[State, dict]]
     eval: Callable[..., dict]  # (params, batch, fp8 histories or None) -> {"nll_sum", "weight"}
+    # Entries of the state that ``init`` does not make, read from files instead (LoRA's frozen
+    # base): name -> its tree of ShapeDtypeStructs with shardings. No random placeholder is made
+    # (or compiled) for them only to be replaced.
+    external: dict[str, Any] = field(default_factory=dict)
 
     def abstract_state(self) -> State:
-        """Shapes, dtypes and shardings of the train state (for restoring a checkpoint)."""
+        """Shapes, dtypes and shardings of the train state (for restoring a checkpoint), ``external``'s too."""
         shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
-        )
+        made = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            {k: self.state_shardings[k] for k in shapes})
+        return {**made, **self.external}
 
 
 def param_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
