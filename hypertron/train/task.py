@@ -203,7 +203,7 @@ class LanguageModel:
         settings = lora_settings(cfg)
         base = state["base"]
         if cfg.lora.base_dtype != "auto":  # merged into the base as read, not as held (QLoRA's practice)
-            base = read_params(cfg, lora_base(cfg), self._float_base_shardings(cfg, base))
+            base = read_params(cfg, lora_base(cfg), float_shardings(cfg, base))
         write_bundle(cfg, merge(base, state["params"], settings), console)  # what serve reads today
         if jax.process_index() == 0:
             path = Path(cfg.run_dir) / "adapter"
@@ -212,18 +212,6 @@ class LanguageModel:
             console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
 
 
-    @staticmethod
-    def _float_base_shardings(cfg: Config, held):
-        """The shardings of the base as read: the held base's, an int8 weight's those of its values."""
-        from hypertron.models import declare
-        from hypertron.models import params as param_lib
-        from hypertron.quant import QArray
-
-        specs = declare(cfg.model)
-        shapes = param_lib.abstract(specs, resolve_dtype(cfg.model.param_dtype))
-        shardings = jax.tree.map(lambda x: x.values.sharding if isinstance(x, QArray) else x.sharding, held,
-                                 is_leaf=lambda x: isinstance(x, QArray))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 class FineTune(LanguageModel):
@@ -449,19 +437,33 @@ def check_params_source(cfg: Config, key: str, path: str) -> None:
 
 def read_params(cfg: Config, path: str, shardings, hold=None):
     """The parameters of a model bundle or a run's newest checkpoint, placed as ``shardings``
-    (``hold``: what to make of them first, e.g. :func:`hypertron.train.lora.hold_base`)."""
-    if is_bundle(path):
-        _, params, _ = read_bundle(path, dtype=resolve_dtype(cfg.model.param_dtype))
-    elif hold is None:
-        return load_params(path, shardings=shardings)[1]
-    else:
-        params = load_params(path)[1]
+    (``hold``: what to make of them first, e.g. :func:`hypertron.train.lora.hold_base`: they are
+    placed as read, each weight by the shardings of what it becomes, and held there under
+    ``jit``, so no device ever holds a whole float weight)."""
     if hold is not None:
-        params = jax.device_get(hold(cfg, params))
+        made = read_params(cfg, path, float_shardings(cfg, shardings))
+        return jax.jit(lambda p: hold(cfg, p), out_shardings=jax.tree.map(lambda s: s.sharding, shardings),
+                       donate_argnums=0)(made)
+    if not is_bundle(path):
+        return load_params(path, shardings=shardings)[1]
+    _, params, _ = read_bundle(path, dtype=resolve_dtype(cfg.model.param_dtype))
     # Each process places the slices its devices hold, from the whole array it read.
     return jax.tree.map(
         lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda index, a=a: a[index]),
         params, shardings)
+
+
+def float_shardings(cfg: Config, held):
+    """The parameters as read (shapes, dtypes, shardings) for a base held as ``held`` (abstract or
+    not): each weight placed as what it becomes, an int8 weight as its values."""
+    from hypertron.models import declare
+    from hypertron.models import params as param_lib
+    from hypertron.quant import QArray
+
+    shapes = param_lib.abstract(declare(cfg.model), resolve_dtype(cfg.model.param_dtype))
+    placed = jax.tree.map(lambda x: x.values.sharding if isinstance(x, QArray) else x.sharding, held,
+                          is_leaf=lambda x: isinstance(x, QArray))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, placed)
 
 
 LORA_BASE_FILE = "lora_base.json"  # in the run directory: the base LoRA adapters train on, by digest
