@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="the serving loop without HTTP, each turn's time by phase (bench/serve_profile.py)")
     p.add_argument("--budget", type=int, default=512, help="--profile: tokens a step (max_num_batched_tokens)")
-    p.add_argument("--slots", type=int, default=None,
-                   help="--profile: the engine's slots, with pages for all (a server's --max-slots; default: the batch)")
+    p.add_argument("--slots", type=int, help="--profile: the engine's slots, with pages for all (default: the batch)")
     p.add_argument("--trace", default=None, metavar="DIR", help="--profile: a jax.profiler trace of the measured round")
     args = p.parse_args(argv)
 

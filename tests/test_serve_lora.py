@@ -77,7 +77,7 @@ def setup(tmp_path_factory):
                           enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=8)
     engine = PagedEngine(params, cfg, config, lora=slots_for(cfg, config, [(n, str(root / n)) for n in ADAPTERS]))
     assert engine.lora.max_rank == 8
-    with Server(engine, max_queue=1024) as server:
+    with Server(engine, max_queue=1024, lora_updates=True) as server:
         yield root, server, (cfg, params, config)
 
 
@@ -126,8 +126,19 @@ def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
 
 def test_models_lists_the_adapters_and_they_load_and_unload_at_run_time(setup):
     """``/v1/models`` lists each adapter with the base as parent; an adapter unloaded is a 404 and
-    a name loaded again serves again; bad loads are 400s naming the limit; nothing recompiles."""
+    a name loaded again serves again; bad loads are 400s naming the limit; nothing recompiles.
+    A server without ``--allow-runtime-lora`` answers both endpoints 403."""
+    from fastapi.testclient import TestClient
+
+    from hypertron.serve.orchestrator import Orchestrator
+    from hypertron.serve.server import create_app
+
     root, server, _ = setup
+    fixed = TestClient(create_app(Orchestrator(server.engine, TOK), TOK, MODEL))  # not started: refused first
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "a1")}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a1"})):
+        r = fixed.post(path, json=body)
+        assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"], r.json()
     cards = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}
     assert set(cards) == {MODEL, *ADAPTERS} and cards["a2"]["parent"] == MODEL
     before = _complete(server, "a3", PROMPT, cache_salt="before")["choices"][0]["text"]  # salted: prefilled whole
@@ -176,6 +187,7 @@ def test_a_shared_prompt_shares_cached_pages_under_one_adapter_only(setup):
 @pytest.mark.parametrize("flags, message", [
     (["--lora-modules", "nope"], "--lora-modules: 'nope' is not NAME=PATH (a PEFT adapter directory)"),
     (["--lora-modules", "a1={root}/a1", "a2={root}/a2"], "--lora-modules: 2 adapters, more than --max-loras=1"),
+    (["--allow-runtime-lora"], "--allow-runtime-lora: needs --enable-lora (or --lora-modules)"),
 ])
 def test_a_bad_adapter_at_start_is_one_line(setup, capsys, flags, message):
     from hypertron import cli

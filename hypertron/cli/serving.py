@@ -33,8 +33,11 @@ _SERVE_FLAGS: dict[str, dict] = {
     "page_size": dict(metavar="N", help="tokens per KV page"),
     "num_pages": dict(metavar="N", help="KV pages (default: every slot at max_seq_len)"),
     "kv_cache_dtype": dict(help="auto = the model's compute dtype"),
-    "enable_lora": dict(help="serve LoRA adapters (PEFT directories) in the batch: --lora-modules, "
-                             "POST /v1/load_lora_adapter and /v1/unload_lora_adapter; a request's model names one"),
+    "enable_lora": dict(help="serve LoRA adapters (PEFT directories) in the batch, from --lora-modules (and "
+                             "--allow-runtime-lora); a request's model names one"),
+    "allow_runtime_lora": dict(help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the "
+                                    "adapters served (a load reads a path on the server: use --api-key); off, "
+                                    "they answer 403"),
     "max_loras": dict(metavar="N", help="LoRA adapters loaded at once, at most"),
     "max_lora_rank": dict(metavar="R", help="the highest LoRA rank an adapter may have"),
     "lora_modules": dict(nargs="+", metavar="NAME=PATH", help="LoRA adapters (PEFT directories) to load at "

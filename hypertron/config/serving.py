@@ -115,6 +115,8 @@ def check_lora_modules(s: ServeConfig, name: Callable[[str], str] = lambda key: 
         names.append(adapter)
     if len(names) > s.max_loras:
         raise ConfigError(f"{name('lora_modules')}: {len(names)} adapters, more than {name('max_loras')}={s.max_loras}")
+    if s.allow_runtime_lora and not (s.enable_lora or s.lora_modules):
+        raise ConfigError(f"{name('allow_runtime_lora')}: needs {name('enable_lora')} (or {name('lora_modules')})")
 
 
 def check_scheduler_settings(s: SchedulerConfig | ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:
@@ -167,6 +169,9 @@ class ServeConfig:
     max_loras: int = _E.max_loras
     max_lora_rank: int = _E.max_lora_rank
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: PEFT adapters loaded at start (enable_lora implied)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters (a load reads a
+    # path on the server); off: they answer 403 (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora: bool = False
     # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
     sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default
     max_batch: int | None = None  # images per request (n), at most; None: IMAGE_DEFAULTS's (a text model: refused)

@@ -1,6 +1,7 @@
 """The LoRA adapters' endpoints, vLLM's: ``POST /v1/load_lora_adapter`` ``{"lora_name",
 "lora_path"}`` and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` change the adapters served
-while requests run (no restart, no recompile: :class:`~hypertron.serve.lora_slots.LoraSlots`); a
+while requests run (no restart, no recompile: :class:`~hypertron.serve.lora_slots.LoraSlots`), when
+the server allows it (``--allow-runtime-lora``: a load reads a path on the server; else a 403); a
 request's ``model`` names an adapter, and ``GET /v1/models`` lists each with its base as ``parent``.
 """
 
@@ -34,11 +35,18 @@ def adapter_cards(slots, model_name: str, created: int, max_model_len: int) -> l
             for a in slots.adapters()]
 
 
-def add_lora_routes(router: APIRouter, slots, read, model_name: str) -> None:
+def add_lora_routes(router: APIRouter, slots, read, model_name: str, updates: bool) -> None:
     """The two endpoints on ``router`` (behind its API key) for ``slots`` (a
-    :class:`~hypertron.serve.lora_slots.LoraSlots`); ``read(request, model)`` reads a body."""
+    :class:`~hypertron.serve.lora_slots.LoraSlots`); ``read(request, model)`` reads a body;
+    ``updates``: whether they may change the adapters (else each answers 403)."""
+
+    def allowed() -> None:
+        if not updates:
+            raise ApiError(403, "loading and unloading LoRA adapters at run time is off: start the server with "
+                                "--allow-runtime-lora", type="permission_error")
 
     async def load_lora_adapter(request: Request):
+        allowed()
         req = await read(request, LoadLoraAdapter)
         if req.lora_name == model_name:
             raise ApiError(400, f"{model_name!r} is the base model's name", param="lora_name")
@@ -49,6 +57,7 @@ def add_lora_routes(router: APIRouter, slots, read, model_name: str) -> None:
         return {"lora_name": adapter.name, "lora_path": adapter.path, "rank": adapter.rank}
 
     async def unload_lora_adapter(request: Request):
+        allowed()
         req = await read(request, UnloadLoraAdapter)
         try:
             slots.unload(req.lora_name)

@@ -86,13 +86,14 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_key: str | None = None,
                max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
-               openapi: bool = True) -> FastAPI:
+               openapi: bool = True, lora_updates: bool = False) -> FastAPI:
     """The FastAPI app. It starts ``orchestrator`` at startup and stops it at shutdown.
 
     ``max_prompt_tokens`` defaults to (and is capped at) the engine's ``max_seq_len - 1``;
     ``max_tokens_limit`` to its ``max_seq_len``. ``chat_template`` is Jinja source (see the
     module docstring). ``openapi``: serve the API's description at ``GET /openapi.json`` (behind
-    the API key when there is one). Raises :class:`UserError` for a template that does not compile.
+    the API key when there is one). ``lora_updates``: the LoRA endpoints may load and unload adapters
+    (``--allow-runtime-lora``; else they answer 403). Raises :class:`UserError` for a template that does not compile.
     """
     max_prompt = min(max_prompt_tokens or orchestrator.max_seq_len, orchestrator.max_seq_len - 1)
     max_tokens_limit = max_tokens_limit or orchestrator.max_seq_len
@@ -116,7 +117,7 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
     v1.add_api_route("/models", api.models, methods=["GET"], summary="The model served (and its LoRA adapters)",
                      responses=responses(ModelList))
     if api.lora is not None:
-        add_lora_routes(v1, api.lora, api._read, model_name)
+        add_lora_routes(v1, api.lora, api._read, model_name, updates=lora_updates)
         if model_name in {a.name for a in api.lora.adapters()}:
             raise ConfigError(f"--lora-modules: {model_name!r} is the base model's name (--model-name)")
     app.include_router(v1)
@@ -535,7 +536,8 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     orchestrator = orchestrate(engine, tokenizer, serve)
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
-                     chat_template=tokenizer.chat_template, openapi=serve.openapi)
+                     chat_template=tokenizer.chat_template, openapi=serve.openapi,
+                     lora_updates=serve.allow_runtime_lora)
     return app, orchestrator
 
 
