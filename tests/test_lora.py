@@ -203,9 +203,9 @@ def test_an_adapter_run_resumes_bit_for_bit_and_refuses_another_base(base_bundle
 
 
 @pytest.mark.slow
-def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp_path):
+def test_an_int8_or_fp8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp_path):
     """100 steps of the tiny SFT recipe's data over the base held int8 (``lora.base_dtype=int8``,
-    QLoRA-style) end within 5 % of the float base's loss; a run's bundle merges the adapter into
+    QLoRA-style), and in fp8 (e4m3 with per-channel scales), end within 5 % of the float base's loss; a run's bundle merges the adapter into
     the base as read (float); on fsdp=8 the held base's bytes are the memory model's."""
     from hypertron.models import memory
     from hypertron.models.bundle import read_bundle
@@ -232,8 +232,8 @@ def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp
         return float(np.mean(jax.device_get(losses)[-10:]))
 
     quiet = type("C", (), {"print": lambda *a, **k: None})()
-    final = {mode: final_loss(mode) for mode in ("auto", "int8")}
-    assert abs(final["int8"] - final["auto"]) <= 0.05 * final["auto"], final
+    final = {mode: final_loss(mode) for mode in ("auto", "int8", "fp8")}
+    assert all(abs(final[m] - final["auto"]) <= 0.05 * final["auto"] for m in ("int8", "fp8")), final
     cfg = load_config(None, overrides("int8"))
     adapters, settings = load_peft(tmp_path / "int8" / "adapter", cfg.model)
     _, base, _ = read_bundle(base_bundle)
@@ -250,6 +250,9 @@ def test_an_int8_base_trains_adapters_as_well_as_the_float_base(base_bundle, tmp
     held = memory.state_bytes(cfg, dict(trainer.mesh.shape))
     assert held.base == first(state["base"]) < memory.state_bytes(
         load_config(None, overrides("auto", "mesh.fsdp=8")), dict(trainer.mesh.shape)).base / 2
+    fp8 = load_config(None, overrides("fp8", "mesh.fsdp=8"))  # one byte a weight too
+    assert task_for(fp8).trainer(fp8, trainer.mesh).abstract_state()["base"]["layers"]["wq"].values.dtype == \
+        jnp.float8_e4m3fn and memory.state_bytes(fp8, dict(trainer.mesh.shape)).base == held.base
 
 
 def test_the_adapter_step_computes_no_base_weight_gradient(base_bundle, tmp_path):

@@ -59,7 +59,8 @@ Task = Literal["lm", "sft", "dpo", "dlrm"]  # a language model; fine-tuned on ex
 DataFormat = Literal["text", "messages", "prompt_completion", "preference"]  # a record, as TRL's dataset formats
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
 LossOn = Literal["auto", "assistant", "completion", "all"]  # auto: assistant for messages, else completion
-LoraBaseDtype = Literal["auto", "bfloat16", "int8"]  # auto: the parameter dtype; int8: per-channel (QLoRA-style)
+# auto: the parameter dtype; int8, fp8 (e4m3): per-channel scales, one byte a weight (QLoRA-style)
+LoraBaseDtype = Literal["auto", "bfloat16", "int8", "fp8"]
 Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a row: keep its start, or refuse it
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS

@@ -170,13 +170,13 @@ def initialize(specs: Any, key: jax.Array, dtype: Any) -> Any:
 # Derived from the declarations: int8 weights for serving, fp8 amax histories for training
 
 
-_quantize_jit = jax.jit(int8.quantize, static_argnums=1)
+_quantize_jit = jax.jit(int8.quantize, static_argnums=(1, 2))
 
 
-def quantize_params(specs: Any, params: Any) -> Any:
-    """``params`` with every weight declared ``quantize=True`` replaced by an int8
-    :class:`~hypertron.quant.int8.QArray` (one scale per output channel of its einsum, per index of
-    its stacking axes); the others, and weights already quantised, are kept. A parameter that is not
+def quantize_params(specs: Any, params: Any, dtype: Any = jnp.int8) -> Any:
+    """``params`` with every weight declared ``quantize=True`` replaced by an int8 (or ``dtype``
+    float8_e4m3fn) :class:`~hypertron.quant.int8.QArray` (one scale per output channel of its
+    einsum, per index of its stacking axes); the others, and weights already quantised, are kept. A parameter that is not
     declared, or whose shape is not its declaration's, is refused rather than guessed at. Each
     weight is quantised by its own small jitted program, so the temporaries are one weight's."""
 
@@ -187,7 +187,7 @@ def quantize_params(specs: Any, params: Any) -> Any:
             stacked = f", stacked over {spec.shape[0]} layers" if spec.axes[:1] == ("layers",) else ""
             raise ValueError(f"{path}: shape {tuple(w.shape)} does not fit its use {spec.einsum}{stacked} "
                              f"(declared {tuple(spec.shape)})")
-        return _quantize_jit(w, spec.contracting_axes())
+        return _quantize_jit(w, spec.contracting_axes(), jnp.dtype(dtype))
 
     return _map_declared(one, specs, params, "quantize_params")
 

@@ -42,8 +42,9 @@ QMAX = 127  # symmetric: -127..127, so the grid is the same on both sides of zer
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
 @dataclass(frozen=True, eq=False)  # holds arrays: identity, not elementwise, equality
 class QArray:
-    """A quantised weight: ``values`` int8 of the weight's shape, ``scales`` float32 of the same
-    rank, size 1 along the contracted axes (``w ~= values * scales``)."""
+    """A quantised weight: ``values`` int8 (or float8_e4m3fn: a frozen LoRA base held in fp8) of
+    the weight's shape, ``scales`` float32 of the same rank, size 1 along the contracted axes
+    (``w ~= values * scales``)."""
 
     values: jax.Array
     scales: jax.Array
@@ -57,15 +58,18 @@ class QArray:
         return len(self.values.shape)
 
 
-def quantize(w: jax.Array, contracting: tuple[int, ...]) -> QArray:
+def quantize(w: jax.Array, contracting: tuple[int, ...], dtype=jnp.int8) -> QArray:
     """Symmetric int8 quantisation of ``w`` with one scale per channel of the axes not in
     ``contracting``: ``scales = max|w| / 127`` over ``contracting`` (kept as size-1 axes), and
-    ``values = round(w / scales)``, so ``|w - values * scales| <= scales / 2``."""
+    ``values = round(w / scales)``, so ``|w - values * scales| <= scales / 2``. ``dtype``
+    float8_e4m3fn: ``scales = max|w| / 448`` and the values rounded to e4m3 (3 mantissa bits)."""
     w32 = jnp.asarray(w).astype(jnp.float32)
-    scales = jnp.max(jnp.abs(w32), axis=contracting, keepdims=True) / QMAX
+    top = QMAX if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
+    scales = jnp.max(jnp.abs(w32), axis=contracting, keepdims=True) / top
     safe = jnp.where(scales == 0, 1.0, scales)  # an all-zero channel stays zero
-    values = jnp.clip(jnp.round(w32 / safe), -QMAX, QMAX).astype(jnp.int8)
-    return QArray(values, scales)
+    scaled = w32 / safe
+    values = jnp.round(scaled) if jnp.dtype(dtype) == jnp.int8 else scaled
+    return QArray(jnp.clip(values, -top, top).astype(dtype), scales)
 
 
 def dense(w: QArray | jax.Array, dtype) -> jax.Array:
@@ -77,8 +81,8 @@ def dense(w: QArray | jax.Array, dtype) -> jax.Array:
 
 
 def einsum(subscripts: str, x: jax.Array, w: QArray, dtype, out_dtype) -> jax.Array:
-    """``einsum(subscripts, x, w)`` with a quantised ``w``: the int8 values cast to ``dtype``
-    (exact: int8 fits bf16 and wider), accumulated in float32, then the output times the
+    """``einsum(subscripts, x, w)`` with a quantised ``w``: the int8 (or e4m3) values cast to ``dtype``
+    (exact: both fit bf16 and wider), accumulated in float32, then the output times the
     scales, which ``w``'s contracted axes (its letters missing from the output) must not vary along.
     Returns ``out_dtype``."""
     _, w_sub, out_sub = split_subscripts(subscripts)
