@@ -318,3 +318,26 @@ def test_an_adapter_step_on_fsdp8_equals_one_device(base_bundle, tmp_path):
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-4), got, want)
+
+
+def test_a_base_digest_is_kept_by_the_run_and_read_back_while_its_files_are_unchanged(base_bundle, tmp_path):
+    """A resumed run checks its base by the digest kept in RUN/files_digests.json while the files'
+    names, sizes and times are those it hashed; a file touched since is read and hashed again."""
+    import json
+    import os
+    import shutil
+
+    from hypertron.train.task import DIGESTS_FILE, files_digest
+
+    base = tmp_path / "base"
+    shutil.copytree(base_bundle, base)
+    run = tmp_path / "run"
+    digest = files_digest(str(base), str(run))
+    assert digest == files_digest(str(base))  # the same digest, kept or not
+    kept = json.loads((run / DIGESTS_FILE).read_text())
+    kept[str(base.resolve())]["sha256"] = "kept"  # what a second call returns if it reads nothing
+    (run / DIGESTS_FILE).write_text(json.dumps(kept))
+    assert files_digest(str(base), str(run)) == "kept"
+    weights = next(p for p in base.iterdir() if p.suffix == ".safetensors")
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    assert files_digest(str(base), str(run)) == digest

@@ -12,7 +12,8 @@ even a random placeholder: at scale that would be a second copy while the real o
 task reads it into :func:`abstract_base`'s shardings (``Trainer.external``). Checkpoints hold the
 adapters, their moments and the step, not the base: a resumed run reads it from ``train.init_from``
 again, refused if its files' digest differs from the one ``RUN/lora_base.json`` kept when the run
-began (:class:`hypertron.train.task.LanguageModel`).
+began (:class:`hypertron.train.task.LanguageModel`; while the files' names, sizes and times are
+unchanged the digest is read back from ``RUN/files_digests.json``, not computed again).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class LanguageModel:
                     lambda a, s: jax.make_array_from_callback(a.shape, s.sharding, lambda i, a=np.asarray(a): a[i]),
                     adapters, trainer.abstract_state()["params"])
             if cfg.lora.rank and jax.process_index() == 0:  # what a resumed run checks the base by
-                base = {"init_from": lora_base(cfg), "files": files_digest(lora_base(cfg))}
+                base = {"init_from": lora_base(cfg), "files": files_digest(lora_base(cfg), cfg.run_dir)}
                 Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
                 (Path(cfg.run_dir) / LORA_BASE_FILE).write_text(json.dumps(base, indent=1) + "\n")
         return state
@@ -166,7 +166,7 @@ class LanguageModel:
         record = Path(cfg.run_dir) / LORA_BASE_FILE
         if record.exists():
             started = json.loads(record.read_text())
-            if started["files"] != files_digest(lora_base(cfg)):
+            if started["files"] != files_digest(lora_base(cfg), cfg.run_dir):
                 raise CheckpointError(
                     f"train.init_from={cfg.train.init_from}: not the base this run's adapters trained on (the files "
                     f"of {lora_base(cfg)} differ from those of {started['init_from']} when the run began; {record}); "
@@ -525,20 +525,40 @@ def reference_source(cfg: Config) -> dict[str, Any]:
     source = lora_base(cfg)  # with LoRA the reference is the base (held as lora.base_dtype)
     if not source:
         return {"random": cfg.train.seed, "model": dataclasses.asdict(cfg.model)}
-    return {"init_from": source, "files": files_digest(source), "dtype": cfg.model.param_dtype,
+    return {"init_from": source, "files": files_digest(source, cfg.run_dir), "dtype": cfg.model.param_dtype,
             **({"base_dtype": cfg.lora.base_dtype} if cfg.lora.rank else {})}
 
 
-def files_digest(path: str) -> str:
+DIGESTS_FILE = "files_digests.json"  # in a run directory: digests of the files it read, by their names, sizes, times
+
+
+def files_digest(path: str, run_dir: str | None = None) -> str:
     """A SHA-256 of the files parameters are read from: a model bundle's, or a run's newest
-    checkpoint step's (names and contents)."""
+    checkpoint step's (names and contents). With ``run_dir``, kept in its :data:`DIGESTS_FILE`
+    with the files' names, sizes and modification times, and read back while those are the same:
+    a resumed run checks a base of many GB without reading it again (process 0 writes it)."""
     root = Path(path) if is_bundle(path) else Path(path) / "checkpoints" / str(latest_step(path))
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    stat = [[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cache, key = (Path(run_dir) / DIGESTS_FILE if run_dir else None), str(root.resolve())
+    try:
+        known = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), dict) and known[key].get("stat") == stat:
+        return known[key]["sha256"]
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+    for file in files:
         digest.update(str(file.relative_to(root)).encode())
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
+    if cache is not None and jax.process_index() == 0:
+        known[key] = {"stat": stat, "sha256": digest.hexdigest()}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known) + "\n")
+        tmp.replace(cache)
     return digest.hexdigest()
 
 
