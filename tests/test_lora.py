@@ -341,3 +341,26 @@ def test_a_base_digest_is_kept_by_the_run_and_read_back_while_its_files_are_unch
     weights = next(p for p in base.iterdir() if p.suffix == ".safetensors")
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
     assert files_digest(str(base), str(run)) == digest
+
+
+def test_held_out_loss_with_adapters_is_the_merged_models(base_bundle, tmp_path):
+    """train.eval_every with adapters: the evaluation of a LoRA state (the base with its adapters
+    attached) equals full fine-tuning's evaluation of the merged parameters on the same batches."""
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.task import task_for
+
+    quiet = type("C", (), {"print": lambda *a, **k: None})()
+    more = ("data.source=synthetic", "train.eval_every=1", "train.eval_batches=2",
+            "lora.targets=[q_proj,v_proj,down_proj]")
+    cfg = load_config(None, _lora_overrides(base_bundle, tmp_path / "r", *more))
+    task = task_for(cfg)
+    trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    state = task.initial_state(cfg, trainer, quiet)
+    state["params"] = jax.tree.map(lambda a: a + 0.05, state["params"])  # B non-zero: the adapters count
+    full_cfg = load_config(None, _lora_overrides(base_bundle, tmp_path / "f", *more, "lora.rank=0"))
+    full = task_for(full_cfg).trainer(full_cfg, trainer.mesh)
+    merged = {"params": merge(state["base"], state["params"], LoraSettings.of(cfg.lora))}
+    batches = [task.batches(cfg, "eval") for _ in range(2)]
+    got = task.evaluate(trainer, state, batches[0], 2)
+    want = task.evaluate(full, merged, batches[1], 2)
+    assert got["tokens"] == want["tokens"] and abs(got["loss"] - want["loss"]) < 1e-5, (got, want)

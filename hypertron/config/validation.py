@@ -168,9 +168,9 @@ def _check_format(cfg: Config) -> None:
                               "base with the adapters off (frozen, or precomputed)")
         if not cfg.train.init_from:
             raise ConfigError(f"lora.rank={lo.rank}: adapters train on a frozen base: set train.init_from")
-        if cfg.model.quantization != "none" or cfg.train.eval_every:
-            raise ConfigError(f"lora.rank={lo.rank}: model.quantization and train.eval_every are not taken with "
-                              "adapters yet")
+        if cfg.model.quantization != "none":
+            raise ConfigError(f"lora.rank={lo.rank}: model.quantization (fp8 or int8 training) is not taken with "
+                              "adapters yet (lora.base_dtype holds the base in int8 or fp8)")
 
 
 def validate(cfg: Config) -> None:

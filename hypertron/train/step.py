@@ -144,7 +144,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], State]
     step: Callable[[State, Batch], tuple[State, dict]]
-    eval: Callable[..., dict]  # (params, batch, fp8 histories or None) -> {"nll_sum", "weight"}
+    eval: Callable[..., dict]  # (state, batch) -> {"nll_sum", "weight"}: the loss sums of held-out batches
     # Entries of the state that ``init`` does not make, read from files instead (LoRA's frozen
     # base): name -> its tree of ShapeDtypeStructs with shardings. No random placeholder is made
     # (or compiled) for them only to be replaced.
@@ -190,19 +190,8 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         with use_rules(mesh, rules):
             return train_step(state, batch, cfg, optimizer)
 
-    def eval_fn(params, batch, histories=None):
-        # In the train step's micro-batches: a batch that needs grad_accum to fit does here too.
-        n = cfg.train.grad_accum
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
-
-        def body(total, mb):
-            with use_rules(mesh, rules):
-                _, aux = loss_terms(params, mb, cfg, histories)
-            return {k: total[k] + aux[k] for k in total}, None
-
-        zeros = {"nll_sum": jnp.zeros((), jnp.float32), "weight": jnp.zeros((), jnp.float32)}
-        totals, _ = jax.lax.scan(body, zeros, micro)
-        return totals
+    def eval_fn(state, batch):
+        return eval_totals(state["params"], batch, cfg, state.get("quant"), mesh, rules)
 
     batch_sharding = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
     init = jax.jit(init_fn, out_shardings=state_shardings)
@@ -212,9 +201,26 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
-    evaluate = jax.jit(eval_fn, in_shardings=(p_shard, batch_sharding, state_shardings.get("quant")),
+    read = [k for k in ("params", "quant") if k in state_shardings]  # what the evaluation reads of a state
+    evaluate = jax.jit(eval_fn, in_shardings=({k: state_shardings[k] for k in read}, batch_sharding),
                        out_shardings=replicated)
-    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step, evaluate)
+    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step,
+                   lambda state, batch: evaluate({k: state[k] for k in read}, batch))
+
+
+def eval_totals(params, batch: Batch, cfg: Config, histories, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+    """The loss sums ``{"nll_sum", "weight"}`` of a held-out batch, in the train step's
+    micro-batches (a batch that needs grad_accum to fit does here too)."""
+    n = cfg.train.grad_accum
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def body(total, mb):
+        with use_rules(mesh, rules):
+            _, aux = loss_terms(params, mb, cfg, histories)
+        return {k: total[k] + aux[k] for k in total}, None
+
+    zeros = {"nll_sum": jnp.zeros((), jnp.float32), "weight": jnp.zeros((), jnp.float32)}
+    return jax.lax.scan(body, zeros, micro)[0]
 
 
 def row_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:

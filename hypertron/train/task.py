@@ -179,8 +179,7 @@ class LanguageModel:
 
     def evaluate(self, trainer, state: dict, batches: Iterator[dict], count: int) -> dict[str, float]:
         """Mean loss per target token over ``count`` batches, and the tokens counted."""
-        totals = [trainer.eval(state["params"], global_batch(next(batches), trainer.batch_sharding), state.get("quant"))
-                  for _ in range(count)]
+        totals = [trainer.eval(state, global_batch(next(batches), trainer.batch_sharding)) for _ in range(count)]
         totals = jax.device_get(totals)
         nll = sum(float(x["nll_sum"]) for x in totals)
         tokens = sum(float(x["weight"]) for x in totals)
