@@ -200,10 +200,12 @@ class LanguageModel:
         from hypertron.train.lora import lora_settings
 
         settings = lora_settings(cfg)
-        base = state["base"]
-        if cfg.lora.base_dtype != "auto":  # merged into the base as read, not as held (QLoRA's practice)
-            base = read_params(cfg, lora_base(cfg), float_shardings(cfg, base))
-        write_bundle(cfg, merge(base, state["params"], settings), console)  # what serve reads today
+        if cfg.lora.base_dtype == "auto":
+            merged = merge(state["base"], state["params"], settings)
+        else:  # merged into the base as read, not as held (QLoRA's practice), in place of the copy read
+            base = read_params(cfg, lora_base(cfg), float_shardings(cfg, state["base"]))
+            merged = jax.jit(lambda b, a: merge(b, a, settings), donate_argnums=0)(base, state["params"])
+        write_bundle(cfg, merged, console)  # what serve reads today
         if jax.process_index() == 0:
             path = Path(cfg.run_dir) / "adapter"
             save_peft(path, jax.device_get(state["params"]), settings, cfg.model,
