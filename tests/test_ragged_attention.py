@@ -354,3 +354,24 @@ def test_the_references_blocks_follow_the_queries_a_row_has():
     from hypertron.kernels.ragged_paged_attention import reference_block_q
 
     assert [reference_block_q(n) for n in (None, 1, 64, 100, 256, 512, 2000)] == [64, 64, 64, 128, 256, 256, 256]
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, monkeypatch):
+    """Rows whose tables start with the same pages (a prefix the prefix cache shares), decode rows
+    and a chunk's last query among them, one row empty: with chunks of one page the reference reads
+    the three shared pages once for all rows (two, then one), and equals dense attention, with and
+    without a window."""
+    mix = [(60, 1), (49, 1), (80, 1), (0, 0), (52, 4)]
+    args, (q, k, v) = _paged_case(7, 2, page_dtype, mix)
+    table = np.asarray(args["page_table"]).copy()
+    for r, (n, _) in enumerate(mix):
+        if r and n:
+            table[r, :3] = table[0, :3]
+            k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
+    args["page_table"] = jnp.asarray(table)
+    monkeypatch.setattr(rpa, "REFERENCE_CHUNK_TOKENS", S)  # whole chunks of the shared prefix: 3,
+    monkeypatch.setattr(rpa, "SHARED_CHUNKS", 2)  # one read two at a time, then one alone
+    for window in (None, WINDOW):
+        got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
+        _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)

@@ -67,6 +67,7 @@ from hypertron.kernels.ragged_attention import (
 DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
+SHARED_CHUNKS = 4  # the reference reads a prefix its rows share in chunks of this many of its chunks
 
 
 def reference_block_q(queries_per_row: int | None) -> int:
@@ -200,7 +201,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     # Every row's last query (index n for an empty row: zeros, dropped).
     last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
     pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
-    out_last = attend(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, table)
+    out_last = attend(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, table, shared=True)
     out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
@@ -227,39 +228,72 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
 
 
 def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_scales, sm_scale,
-                  window, ppc):
+                  window, ppc, shared: bool = False):
     """Queries ``[rows, kv_heads, m, d]`` at positions ``pos_rm`` (-1: none; ``[:, 0]`` the
     earliest) each over its row's pages ``table_rp``: an online softmax over chunks of ``ppc``
     pages, from the first chunk a first query's window starts in to the last holding a query.
-    Returns ``[rows, kv_heads, m, d]`` float32 (zeros for a query with no key)."""
+    Returns ``[rows, kv_heads, m, d]`` float32 (zeros for a query with no key).
+
+    ``shared`` (static): the whole chunks every live row's table holds alike from its start, and
+    every live row has filled (a prefix the prefix cache shares), are read once for all the rows:
+    one gather and one product of all the rows' queries a chunk (cascade attention), then each
+    row's own chunks after them. Rows that share nothing cost one comparison of the tables."""
     chunk_tokens = ppc * k_pages.shape[2]
     live = pos_rm[:, 0] >= 0
     lo = jnp.min(jnp.where(live, jnp.maximum(pos_rm[:, 0] - window + 1, 0), 2 ** 30)) // chunk_tokens
     hi = jnp.max(pos_rm) // chunk_tokens + 1  # 0 when no query is real
+    hi_prec = lax.Precision.HIGHEST
 
-    def step(c, carry):
+    def update(carry, s_rkmt, v_rktd):  # the online softmax over one chunk's scores
         m_rkm, l_rkm, acc_rkmd = carry
-        pages_rp = lax.dynamic_slice_in_dim(table_rp, c * ppc, ppc, axis=1)
-        k_rktd, v_rktd = (gather_pages(x, s, pages_rp) for x, s in
-                          ((k_pages, k_scales), (v_pages, v_scales)))
-        pos_t = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        valid_rmt = (causal_window_mask(pos_rm[:, :, None], pos_t[None, None, :], window)
-                     & (pos_rm >= 0)[:, :, None])
-        # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
-        v_rktd = jnp.where(jnp.any(valid_rmt, axis=1)[:, None, :, None], v_rktd, 0.0)
-        hi_prec = lax.Precision.HIGHEST
-        s_rkmt = jnp.einsum("rkmd,rktd->rkmt", q_rkmd, k_rktd, precision=hi_prec) * sm_scale
-        s_rkmt = jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf)
         m_new = jnp.maximum(m_rkm, jnp.max(s_rkmt, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with no key yet
         alpha = jnp.exp(m_rkm - m_safe)
         p_rkmt = jnp.exp(s_rkmt - m_safe[..., None])
-        pv = jnp.einsum("rkmt,rktd->rkmd", p_rkmt, v_rktd, precision=hi_prec)
+        pv = (jnp.einsum("rkmt,rktd->rkmd", p_rkmt, v_rktd, precision=hi_prec) if v_rktd.ndim == 4 else
+              jnp.einsum("rkmt,ktd->rkmd", p_rkmt, v_rktd, precision=hi_prec))
         return m_new, alpha * l_rkm + jnp.sum(p_rkmt, axis=-1), alpha[..., None] * acc_rkmd + pv
 
-    init = (jnp.full(q_rkmd.shape[:3], -jnp.inf), jnp.zeros(q_rkmd.shape[:3]),
-            jnp.zeros(q_rkmd.shape))
-    _, l_rkm, acc_rkmd = lax.fori_loop(lo, hi, step, init)
+    def valid(c, chunk_tokens=chunk_tokens):
+        pos_t = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        return causal_window_mask(pos_rm[:, :, None], pos_t[None, None, :], window) & (pos_rm >= 0)[:, :, None]
+
+    def step(c, carry):
+        pages_rp = lax.dynamic_slice_in_dim(table_rp, c * ppc, ppc, axis=1)
+        k_rktd, v_rktd = (gather_pages(x, s, pages_rp) for x, s in
+                          ((k_pages, k_scales), (v_pages, v_scales)))
+        valid_rmt = valid(c)
+        # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
+        v_rktd = jnp.where(jnp.any(valid_rmt, axis=1)[:, None, :, None], v_rktd, 0.0)
+        s_rkmt = jnp.einsum("rkmd,rktd->rkmt", q_rkmd, k_rktd, precision=hi_prec) * sm_scale
+        return update(carry, jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf), v_rktd)
+
+    carry = (jnp.full(q_rkmd.shape[:3], -jnp.inf), jnp.zeros(q_rkmd.shape[:3]), jnp.zeros(q_rkmd.shape))
+    if shared:
+        first = jnp.argmax(live)
+        same_p = jnp.all((table_rp == table_rp[first]) | ~live[:, None], axis=0)
+        filled = jnp.min(jnp.where(live, pos_rm[:, 0] + 1, 2 ** 30))  # tokens every live row has, at least
+        shared_tokens = jnp.minimum(jnp.sum(jnp.cumprod(same_p.astype(jnp.int32))) * k_pages.shape[2], filled)
+        table_1p = jnp.pad(table_rp[first][None], ((0, 0), (0, -table_rp.shape[1] % (SHARED_CHUNKS * ppc))))
+
+        def shared_step(c, carry, n=1):  # chunk c of n of the rows' chunks, from the shared pages
+            pages_1p = lax.dynamic_slice_in_dim(table_1p, c * n * ppc, n * ppc, axis=1)
+            k_ktd, v_ktd = (gather_pages(x, s, pages_1p)[0] for x, s in
+                            ((k_pages, k_scales), (v_pages, v_scales)))
+            valid_rmt = valid(c, n * chunk_tokens)
+            v_ktd = jnp.where(jnp.any(valid_rmt, axis=(0, 1))[None, :, None], v_ktd, 0.0)
+            s_rkmt = jnp.einsum("rkmd,ktd->rkmt", q_rkmd, k_ktd, precision=hi_prec) * sm_scale
+            return update(carry, jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf), v_ktd)
+
+        # SHARED_CHUNKS of the rows' chunks at a time while whole ones are shared (a step's cost on a
+        # CPU is mostly fixed, and one product serves every row), then one at a time.
+        big_hi = shared_tokens // (SHARED_CHUNKS * chunk_tokens)
+        carry = lax.fori_loop(jnp.minimum(lo // SHARED_CHUNKS, big_hi), big_hi,
+                              functools.partial(shared_step, n=SHARED_CHUNKS), carry)
+        shared_hi = shared_tokens // chunk_tokens
+        carry = lax.fori_loop(jnp.clip(lo, big_hi * SHARED_CHUNKS, shared_hi), shared_hi, shared_step, carry)
+        lo = jnp.maximum(lo, shared_hi)
+    _, l_rkm, acc_rkmd = lax.fori_loop(lo, hi, step, carry)
     return acc_rkmd / jnp.where(l_rkm > 0, l_rkm, 1.0)[..., None]
 
 
