@@ -370,6 +370,9 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
             table[r, :3] = table[0, :3]
             k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
     args["page_table"] = jnp.asarray(table)
+    last = np.asarray(args["kv_lens"]) - 1  # each row's last query's position: the decode batch's
+    shared, _ = rpa.shared_prefix(args["page_table"], jnp.asarray(last >= 0), jnp.asarray(last), S)
+    assert int(shared) == 3 * S  # the case is what it says: three pages every row with a query shares
     monkeypatch.setattr(rpa, "REFERENCE_CHUNK_TOKENS", S)  # whole chunks of the shared prefix: 3,
     monkeypatch.setattr(rpa, "SHARED_CHUNKS", 2)  # one read two at a time, then one alone
     for window in (None, WINDOW):

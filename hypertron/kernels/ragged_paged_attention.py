@@ -270,10 +270,7 @@ def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_sca
 
     carry = (jnp.full(q_rkmd.shape[:3], -jnp.inf), jnp.zeros(q_rkmd.shape[:3]), jnp.zeros(q_rkmd.shape))
     if shared:
-        first = jnp.argmax(live)
-        same_p = jnp.all((table_rp == table_rp[first]) | ~live[:, None], axis=0)
-        filled = jnp.min(jnp.where(live, pos_rm[:, 0] + 1, 2 ** 30))  # tokens every live row has, at least
-        shared_tokens = jnp.minimum(jnp.sum(jnp.cumprod(same_p.astype(jnp.int32))) * k_pages.shape[2], filled)
+        shared_tokens, first = shared_prefix(table_rp, live, pos_rm[:, 0], k_pages.shape[2])
         table_1p = jnp.pad(table_rp[first][None], ((0, 0), (0, -table_rp.shape[1] % (SHARED_CHUNKS * ppc))))
 
         def shared_step(c, carry, n=1):  # chunk c of n of the rows' chunks, from the shared pages
@@ -295,6 +292,17 @@ def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_sca
         lo = jnp.maximum(lo, shared_hi)
     _, l_rkm, acc_rkmd = lax.fori_loop(lo, hi, step, carry)
     return acc_rkmd / jnp.where(l_rkm > 0, l_rkm, 1.0)[..., None]
+
+
+def shared_prefix(table_rp, live_r, first_pos_r, page_size: int):
+    """``(tokens, row)``: how many tokens from the start every live row's table holds in the same
+    pages and every live row has in its cache (its first query's position and before; 0 when no
+    row is live), and a live row."""
+    first = jnp.argmax(live_r)
+    same_p = jnp.all((table_rp == table_rp[first]) | ~live_r[:, None], axis=0)
+    filled = jnp.min(jnp.where(live_r, first_pos_r + 1, 2 ** 30))
+    shared = jnp.minimum(jnp.sum(jnp.cumprod(same_p.astype(jnp.int32))) * page_size, filled)
+    return jnp.where(jnp.any(live_r), shared, 0), first
 
 
 def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last: bool = False):
