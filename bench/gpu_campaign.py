@@ -337,6 +337,8 @@ def plan(tier: str) -> list[Row]:
             Row("t2.train.packed", (*TRAIN_FIELDS, "vs_base"), train_row(pack=True, base="t2.train.dots")),
             Row("t2.quant.fp8", (*TRAIN_FIELDS, "emfu_datasheet", "vs_base"), train_row(quant="fp8", base="t2.train.dots")),
             Row("t2.quant.int8", (*TRAIN_FIELDS, "emfu_datasheet", "vs_base"), train_row(quant="int8", base="t2.train.dots")),
+            Row("t2.lora.int8", (*TRAIN_FIELDS, "vs_base"), train_row(lora="int8", base="t2.train.dots")),
+            Row("t2.lora.fp8", (*TRAIN_FIELDS, "vs_base"), train_row(lora="fp8", base="t2.train.dots")),
             *[Row(f"t2.gmm.{b}", GMM_FIELDS, gmm_row(b)) for b in ("dense", "pallas", "ragged_dot")],
             *[Row(f"t2.ragged.{b}", RAGGED_FIELDS, ragged_row(b)) for b in ("pallas", "reference")],
             *[Row(f"t2.paged.{kv}.{b}", PAGED_FIELDS, paged_row(b, kv)) for kv in ("bfloat16", "int8")

@@ -180,8 +180,18 @@ def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: s
     from hypertron.train.step import global_batch, make_trainer
 
     t = cfg.train
-    trainer = make_trainer(cfg, make_mesh(cfg.mesh))
-    state = trainer.init(jax.random.key(0))
+    if cfg.lora.rank:  # adapters over a frozen base: random weights held as lora.base_dtype says
+        from hypertron.models import init_params, resolve_dtype
+        from hypertron.train.lora import hold_base, make_lora_trainer
+
+        trainer = make_lora_trainer(cfg, make_mesh(cfg.mesh))
+        state = trainer.init(jax.random.key(0))
+        held = trainer.abstract_state()["base"]
+        state["base"] = jax.jit(lambda k: hold_base(cfg, init_params(cfg.model, k, resolve_dtype(cfg.model.param_dtype))),
+                                out_shardings=jax.tree.map(lambda a: a.sharding, held))(jax.random.key(1))
+    else:
+        trainer = make_trainer(cfg, make_mesh(cfg.mesh))
+        state = trainer.init(jax.random.key(0))
     data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
                         vocab_size=cfg.model.vocab_size)
     rows = [next(data) for _ in range(2)]
@@ -235,10 +245,12 @@ def plan_memory_gib(cfg) -> float | None:
     return plan(cfg, name, devices=n, per_node=n).memory.total / 2**30
 
 
-def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, base=None):
+def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, base=None, lora=None):
     """A training row: ``llama-1b`` (``tiny`` in smoke mode) with ``overrides``; ``shape``: sizes ->
     (batch, seq), default the tier's; ``base``: the row whose step time this one is compared with
-    (adds ``vs_base``)."""
+    (adds ``vs_base``); ``lora``: a ``lora.base_dtype``: rank-16 adapters on every projection over
+    a frozen base so held (its FLOPs counted as full training's, so ``tflops`` and MFU overstate
+    the work: compare ``step_ms``, ``xla_mem_gib`` and ``plan_mem_gib``)."""
 
     def run(ctx):
         import jax
@@ -253,7 +265,9 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
         cfg = load_config(None, [f"model={s.preset}", *s.model,
                                  "data.source=" + ("stdlib" if pack else "synthetic"),
                                  f"train.global_batch={batch}", f"train.seq_len={seq}",
-                                 "model.remat=dots", f"model.quantization={quant}", *overrides])
+                                 "model.remat=dots", f"model.quantization={quant}", *overrides,
+                                 *(() if lora is None else ("lora.rank=16", "lora.alpha=32", f"lora.base_dtype={lora}",
+                                                            "train.init_from=random"))])
         r = train_case(ctx, cfg, steps=s.steps, warmup=s.warmup, pack=pack, keep=keep)
         t, n_dev = cfg.train, jax.device_count()
         tokens = t.global_batch * t.seq_len
@@ -263,7 +277,7 @@ def train_row(overrides=(), *, pack=False, quant="none", shape=None, keep=None, 
         out = {"preset": cfg.model.name, "params_m": count_params(cfg.model) / 1e6, "batch": t.global_batch,
                "seq": t.seq_len, "remat": cfg.model.remat,
                "attention": attention_impl(cfg.model, resolve_dtype(cfg.model.dtype), t.seq_len),
-               "quantization": quant, "packed": pack, "compile_s": r["compile_s"], "step_ms": r["step_s"] * 1e3,
+               "quantization": quant if lora is None else f"lora, base {lora}", "packed": pack, "compile_s": r["compile_s"], "step_ms": r["step_s"] * 1e3,
                "tokens_s": tokens / r["step_s"] / n_dev, "tflops": tflops,
                "mfu_measured": tflops / measured_peaks(ctx)["tflops"],
                "mfu_datasheet": None if peak is None else tflops * 1e12 / peak,

@@ -32,12 +32,12 @@ def _campaign(*args, timeout=600):
 
 # In make test, T2 and T3 run one row of each code path (their other rows are the same
 # measurements at other sizes or settings: t2.train.none is t2.train.dots with another remat
-# policy, t2.quant.int8 is t2.quant.fp8 in another format, the dense and ragged_dot gmm rows and
+# policy, t2.quant.int8 is t2.quant.fp8 in another format (t2.lora.fp8 t2.lora.int8's), the dense and ragged_dot gmm rows and
 # the reference ragged row are the pallas rows' function on another backend, the bf16 paged rows
 # the int8 ones' with other pages, t3.moe.e16 is
 # t3.moe.e8 with more experts); HYPERTRON_SMOKE_ALL=1 runs every row, as the campaign does.
 SMOKE_ROWS = {
-    "T2": ["t2.device", "t2.train.dots", "t2.monitor", "t2.train.packed", "t2.profile", "t2.quant.fp8",
+    "T2": ["t2.device", "t2.train.dots", "t2.monitor", "t2.train.packed", "t2.profile", "t2.quant.fp8", "t2.lora.int8",
            "t2.gmm.pallas", "t2.ragged.pallas", "t2.paged.int8", "t2.cudnn_grid", "t2.decode.b64.int8.ctx8192",
            "t2.loop"],
     "T3": ["t3.device", "t3.train.batch4", "t3.moe.e8", "t3.decode.b8", "t3.serve.layers", "t3.gmm.pallas.64x64x64"],
