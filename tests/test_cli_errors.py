@@ -140,6 +140,13 @@ def _config_cases(i: _Inputs) -> dict[str, Case]:
             train("batch_not_divisible", "model=tiny", "train.steps=2", "train.seq_len=16",
                   "data.source=synthetic", "train.global_batch=6", "mesh.data=8", "mesh.fsdp=1"),
             ("train.global_batch=6", "8")),
+        # context parallelism: rows that do not split evenly, a MoE capacity counted per row
+        "seq_len_not_divisible_by_context": Case(
+            train("seq_len_not_divisible_by_context", "model=tiny", "train.seq_len=20", "data.source=synthetic",
+                  "mesh.fsdp=1", "mesh.context=8"), ("train.seq_len=20", "mesh.context=8")),
+        "context_with_capped_moe": Case(
+            train("context_with_capped_moe", "model=tiny-moe", "train.seq_len=16", "data.source=synthetic",
+                  "model.moe.mode=capped", "mesh.fsdp=1", "mesh.context=8"), ("mesh.context=8", "capped")),
         # an impossible combination found without devices
         "seq_len_too_long": Case(train("seq_len_too_long", "model=tiny", "train.seq_len=4096"),
                                  ("train.seq_len=4096", "model.max_seq_len")),
@@ -231,6 +238,7 @@ _CASE_NAMES = [
     "unknown_model_key_in_recipe",
     "steps_not_int", "bool_not_bool", "wrong_type_in_recipe",
     "mesh_product", "mesh_two_free_axes", "batch_not_divisible", "seq_len_too_long",
+    "seq_len_not_divisible_by_context", "context_with_capped_moe",
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",

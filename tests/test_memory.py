@@ -39,6 +39,7 @@ def _shard_bytes(tree) -> int:
     ("tiny", ["mesh.data=8", "mesh.fsdp=1"]),
     ("tiny", []),                                            # fsdp 8
     ("tiny", ["mesh.fsdp=4", "mesh.tensor=2"]),
+    ("tiny", ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"]),  # embed over fsdp x context
     ("tiny-moe", ["mesh.expert=4", "mesh.fsdp=2"]),
     ("tiny-moe", ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "model.quantization=fp8"]),
 ])
@@ -102,6 +103,10 @@ HELD_OUT = [
               "model.vocab_size=16000"], []),
     ("none", ["model.embed_dim=512", "model.num_heads=8", "model.num_kv_heads=4", "model.mlp_dim=1536"],
      ["mesh.data=4", "mesh.tensor=2"]),
+    ("dots", ["model.embed_dim=512", "model.num_heads=8", "model.num_kv_heads=4", "model.mlp_dim=1536"],
+     ["mesh.data=2", "mesh.context=4"]),  # each device a quarter of every row, the keys gathered
+    ("none", ["model.embed_dim=512", "model.num_heads=8", "model.num_kv_heads=2", "model.mlp_dim=1536"],
+     ["mesh.context=8"]),
 ]
 
 
@@ -185,7 +190,7 @@ def test_plan_prints_the_breakdown_and_a_predicted_step(capsys):
     assert cli.main(["plan", "--hardware", "h100", "--devices", "16", "--json", "model=llama3-8b",
                      "train.global_batch=32", "train.seq_len=8192", "mesh.dcn.data=-1"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["nodes"] == 2 and p["mesh"] == {"data": 2, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert p["nodes"] == 2 and p["mesh"] == {"data": 2, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     mem = p["memory"]
     # llama3-8b's 8.03B float32 parameters over fsdp 8; AdamW's two moments.
     assert mem["params"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01) and mem["optimizer"] == 2 * mem["params"] + 8

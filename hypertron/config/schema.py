@@ -213,6 +213,7 @@ class DcnConfig:
     data: int = 1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     @property
@@ -233,10 +234,11 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     expert: int = 1  # MoE expert parallelism; a data-parallel axis outside the experts
+    context: int = 1  # sequence (context) parallelism: each row's tokens split over it
     tensor: int = 1
     dcn: DcnConfig = field(default_factory=DcnConfig)
 
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "tensor")
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "context", "tensor")
 
     def split(self, num_devices: int, num_processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
         """(inside-node sizes, across-node sizes), resolved; across-node all 1 unless ``dcn`` is set."""

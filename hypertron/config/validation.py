@@ -268,6 +268,13 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             f"by the {data_shards} data shards (mesh data x fsdp x expert)"
         )
     moe = cfg.model.moe
+    if shape["context"] > 1:
+        if cfg.train.seq_len % shape["context"]:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by mesh.context={shape['context']} "
+                              "(each device holds an equal part of every row)")
+        if moe is not None and moe.mode == "capped":
+            raise ConfigError(f"mesh.context={shape['context']} with model.moe.mode=capped: its capacity counts a "
+                              "whole row's tokens; use model.moe.mode=dropless")
     if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
         raise ConfigError(
             f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
@@ -279,10 +286,10 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             raise ConfigError(
                 f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
             )
-        if dcn["tensor"] > 1:
-            raise ConfigError(f"mesh.dcn.tensor={dcn['tensor']}: a tensor-parallel group must stay inside one "
-                              "process (its devices share that process's rows); split across nodes along mesh.dcn.data "
-                              "or mesh.dcn.fsdp")
+        for a, what in (("tensor", "a tensor-parallel group"), ("context", "a context-parallel group")):
+            if dcn[a] > 1:
+                raise ConfigError(f"mesh.dcn.{a}={dcn[a]}: {what} must stay inside one process (its devices share "
+                                  "that process's rows); split across nodes along mesh.dcn.data or mesh.dcn.fsdp")
         if local_devices % shape["tensor"]:
             raise ConfigError(
                 f"mesh.tensor={shape['tensor']} does not divide the {local_devices} devices of a process"

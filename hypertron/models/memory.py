@@ -187,18 +187,21 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
     c = DTYPE_BYTES[compute]
     t = tr.seq_len
     # Each activation dimension's share of this device, by the rules the step shards its activations with.
-    b, n, k, f, v = (shard_shape((size,), (axis,), mesh_shape, rules)[0] for size, axis in (
+    b, n, k, f, v, s = (shard_shape((size,), (axis,), mesh_shape, rules)[0] for size, axis in (
         (tr.global_batch // tr.grad_accum, "batch"), (m.num_heads, "act_heads"), (m.num_kv_heads, "act_kv_heads"),
-        (m.mlp_dim, "act_mlp"), (m.vocab_size, "act_vocab")))
+        (m.mlp_dim, "act_mlp"), (m.vocab_size, "act_vocab"), (t, "seq")))
     if m.moe is not None:  # the routed copies go through top_k experts' MLPs (and shared ones)
         f = f * (m.moe.top_k + m.moe.shared_experts)
     flash = flash_attention(m, compute, gpu, t, hopper)
-    terms = {"S": b * n * t * (1 if flash else t) * 4, "A": b * t * m.embed_dim * c, "M": b * t * f * c,
-             "Q": b * t * (n + 2 * k) * m.head_dim * c}
-    one = sum(ONE_LAYER[x] * terms[x] for x in terms)
+    # s: this device's tokens of a row (all of them unless mesh.context splits the rows); its
+    # queries score every key, and with context its layer holds the row's keys and values gathered.
+    terms = {"S": b * n * s * (1 if flash else t) * 4, "A": b * s * m.embed_dim * c, "M": b * s * f * c,
+             "Q": b * s * (n + 2 * k) * m.head_dim * c}
+    gathered = 0 if s == t else 2 * b * t * k * m.head_dim * c
+    one = sum(ONE_LAYER[x] * terms[x] for x in terms) + gathered
     saved = sum(SAVED[m.remat][x] * terms[x] for x in terms)
     p = DTYPE_BYTES[param_dtype(m, accelerator)]
-    vocab = LOGITS * b * t * v * 4 + VOCAB_GRADS * v * m.embed_dim * p
+    vocab = LOGITS * b * s * v * 4 + VOCAB_GRADS * v * m.embed_dim * p
     return StepBytes(state, int((m.num_layers - 1) * saved + max(one, vocab)), b, flash)
 
 

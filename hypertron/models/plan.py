@@ -106,7 +106,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     params_per_device = mem.state.params / p  # elements
     act = mem.micro_batch * t.seq_len * m.embed_dim * c * t.grad_accum
     inner = 1
-    for a in ("tensor", "expert", "fsdp", "data"):  # fastest-varying first: the inside-node axes
+    for a in ("tensor", "context", "expert", "fsdp", "data"):  # fastest-varying first: the inside-node axes
         size = mesh[a]
         if size == 1:
             continue
@@ -117,6 +117,10 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
         frac = (size - 1) / size
         if a == "fsdp":
             sent = (2 * params_per_device * size * c + params_per_device * size * p) * frac
+        elif a == "context":  # each layer's keys and values gathered, their gradients scattered back;
+            # the weights gathered and their gradients scattered as over fsdp (embed is split over both)
+            kv = mem.micro_batch * t.seq_len * m.num_kv_heads * m.head_dim * c * t.grad_accum
+            sent = (2 * m.num_layers * 2 * kv + 2 * params_per_device * size * c + params_per_device * size * p) * frac
         elif a == "data":
             sent = 2 * mem.state.grads * frac
         elif a == "tensor":

@@ -11,7 +11,7 @@ from hypertron.errors import ConfigError
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, expert, tensor); one configured size may be -1 (the rest).
+    """A mesh with axes (data, fsdp, expert, context, tensor); one configured size may be -1 (the rest).
 
     ``tensor`` varies fastest, so tensor-parallel groups sit on neighbouring
     devices (same host, fastest links), then ``expert`` (whose all-to-alls come
@@ -66,7 +66,7 @@ def check_process_rows(grid: np.ndarray, processes: int) -> None:
             raise ConfigError(
                 "mesh.dcn: this split gives a process batch rows that are not one contiguous block "
                 f"(batch shard {shard} is on processes {sorted(procs)}); split across nodes along "
-                "mesh.dcn.data (or fsdp alone, with data 1 inside), never tensor")
+                "mesh.dcn.data (or fsdp alone, with data 1 inside), never tensor or context")
 
 
 def local_coords(mesh: Mesh) -> list[list[int]]:

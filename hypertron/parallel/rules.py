@@ -18,20 +18,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MeshAxes = str | tuple[str, ...] | None
 
-# Logical axis -> mesh axis (or axes). Parameters are sharded over fsdp on their
-# embed axis and over tensor on heads / mlp / vocab (Megatron style), MoE experts
-# over expert; batches over data, fsdp and expert (outside the experts, the expert
-# axis is one more data-parallel axis, as in GShard). ``act_*`` axes are
+# Logical axis -> mesh axis (or axes). Parameters are sharded over fsdp (and context)
+# on their embed axis and over tensor on heads / mlp / vocab (Megatron style), MoE
+# experts over expert; batches over data, fsdp and expert (outside the experts, the
+# expert axis is one more data-parallel axis, as in GShard), and each row's tokens
+# over context (XLA's partitioner then gathers a layer's keys and values over it for
+# attention; embed over context too, as MaxText's rules, keeps a context group's
+# parameter bytes those of an fsdp group of its size). ``act_*`` axes are
 # activations; ``layers`` and ``head_dim`` stay whole.
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
-    "seq": None,
+    "seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
