@@ -31,7 +31,7 @@ from hypertron.train.optimizer import schedule
 from hypertron.train.preference import dpo_terms, pair_logps
 from hypertron.models.lora import attach
 from hypertron.train.lora import lora_settings, make_lora_trainer
-from hypertron.train.step import BATCH_KEYS, Trainer, accumulate_grads, make_trainer
+from hypertron.train.step import BATCH_KEYS, Trainer, accumulate_grads, made_by_init, make_trainer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -120,9 +120,8 @@ def make_dpo_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     replicated = NamedSharding(mesh, PartitionSpec())
     step = jax.jit(step_fn, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, replicated),
                    donate_argnums=0)
-    made = {k: v for k, v in shardings.items() if k not in base.external}
-    return dataclasses.replace(base, state_shardings=shardings, init=jax.jit(init_fn, out_shardings=made),
-                               step=step)
+    return dataclasses.replace(base, state_shardings=shardings, step=step,
+                               init=jax.jit(init_fn, out_shardings=made_by_init(shardings, base.external)))
 
 
 def reference_logps(cfg: Config, trainer: Trainer, params, rows: dict[str, np.ndarray],

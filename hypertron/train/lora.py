@@ -33,7 +33,7 @@ from hypertron.models.params import is_spec
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
 from hypertron.quant import QArray
 from hypertron.train.optimizer import make_optimizer, schedule
-from hypertron.train.step import Trainer, accumulate_grads, eval_totals, loss_terms, make_trainer
+from hypertron.train.step import Trainer, accumulate_grads, eval_totals, loss_terms, made_by_init, make_trainer
 
 
 def lora_settings(cfg: Config) -> LoraSettings:
@@ -108,9 +108,9 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     def eval_fn(state, batch):  # the base with the adapters attached
         return eval_totals(attach(state["base"], state["params"], settings), batch, cfg, None, mesh, rules)
 
-    made = {k: v for k, v in shardings.items() if k != "base"}
+    external = {"base": held}
     evaluate = jax.jit(eval_fn, in_shardings=({k: shardings[k] for k in ("params", "base")}, base.batch_sharding),
                        out_shardings=replicated)
-    return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings, external={"base": held},
-                               init=jax.jit(init_fn, out_shardings=made), step=step,
+    return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings, external=external,
+                               init=jax.jit(init_fn, out_shardings=made_by_init(shardings, external)), step=step,
                                eval=lambda state, batch: evaluate({k: state[k] for k in ("params", "base")}, batch))

@@ -154,8 +154,13 @@ class Trainer:
         """Shapes, dtypes and shardings of the train state (for restoring a checkpoint), ``external``'s too."""
         shapes = jax.eval_shape(self.init, jax.random.key(0))
         made = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                            {k: self.state_shardings[k] for k in shapes})
+                            made_by_init(self.state_shardings, self.external))
         return {**made, **self.external}
+
+
+def made_by_init(state_shardings: dict, external: dict) -> dict:
+    """The shardings of the state entries a trainer's ``init`` makes: all but ``external``'s."""
+    return {k: v for k, v in state_shardings.items() if k not in external}
 
 
 def param_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):

@@ -540,7 +540,7 @@ def files_digest(path: str, run_dir: str | None = None) -> str:
     a resumed run checks a base of many GB without reading it again (process 0 writes it)."""
     root = Path(path) if is_bundle(path) else Path(path) / "checkpoints" / str(latest_step(path))
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    stat = [[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    stat = [[str(f.relative_to(root)), st.st_size, st.st_mtime_ns] for f in files for st in [f.stat()]]
     cache, key = (Path(run_dir) / DIGESTS_FILE if run_dir else None), str(root.resolve())
     try:
         known = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
