@@ -29,6 +29,7 @@ from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, matmul, stack
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
+from hypertron.quant.lora import ADAPTED
 
 Params = dict[str, Any]
 
@@ -163,7 +164,9 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: KVCache 
 
 _REMAT_POLICIES = {
     "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # the matmuls' outputs, an adapted projection's among them (its sum, named by the einsum hook)
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+                                                            jax.checkpoint_policies.save_only_these_names(ADAPTED)),
 }
 
 

@@ -15,7 +15,11 @@ model file does not change with the precision:
   weight-only int8 einsum whatever the mode.
 * A weight with a LoRA adapter (:class:`~hypertron.quant.lora.LoraWeight`) adds its low-rank
   product to its base's einsum, whatever form the base has; one with many
-  (:class:`~hypertron.quant.lora.StackedLoraWeight`) adds each token's adapter's.
+  (:class:`~hypertron.quant.lora.StackedLoraWeight`) adds each token's adapter's. Under
+  remat the sum is what a layer keeps for the backward pass, named :data:`~hypertron.quant.lora.ADAPTED`
+  (the ``dots`` policy saves it), and the hook's own products are recomputed: saved, the base's
+  (float32 for an int8 base), ``x A`` and ``(x A) B`` made each projection keep three tensors where
+  full training keeps one.
 
 A call with ``quantize=False`` (the unembedding, unless ``model.quantize_unembed``) stays in
 the compute dtype.
@@ -27,6 +31,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from hypertron.config.schema import Quantization, choices
 from hypertron.quant import fp8, int8, lora
@@ -54,9 +59,14 @@ def einsum_for(mode: str, compute_dtype) -> Einsum:
             if ids is None:
                 return base
             return (base + lora.stacked_delta(subscripts, x, w, ids, dtype, out)).astype(out)
-        if isinstance(w, lora.LoraWeight):
-            base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)
-            return (base + w.scale * lora.delta(subscripts, x, w.a, w.b, dtype, out)).astype(out)
+        if isinstance(w, lora.LoraWeight):  # remat keeps the sum alone (lora.ADAPTED), as it would a plain product
+
+            def adapted(x, w):
+                base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)
+                return (base + w.scale * lora.delta(subscripts, x, w.a, w.b, dtype, out)).astype(out)
+
+            return checkpoint_name(jax.checkpoint(adapted, policy=jax.checkpoint_policies.nothing_saveable)(x, w),
+                                   lora.ADAPTED)
         if isinstance(w, int8.QArray):
             return int8.einsum(subscripts, x, w, dtype, out)
         if isinstance(w, fp8.Fp8Weight):

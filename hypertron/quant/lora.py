@@ -28,6 +28,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+ADAPTED = "lora_adapted"
+"""The ``checkpoint_name`` of an adapted projection's output (base plus delta), which a remat
+policy saves in place of the dot products inside it."""
+
 
 @partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b"], meta_fields=["scale"])
 @dataclass(frozen=True, eq=False)
