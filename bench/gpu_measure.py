@@ -177,7 +177,7 @@ def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: s
 
     from hypertron.data import make_batches
     from hypertron.parallel.mesh import make_mesh
-    from hypertron.train.step import global_batch, make_trainer
+    from hypertron.train.step import make_trainer
 
     t = cfg.train
     if cfg.lora.rank:  # adapters over a frozen base: random weights held as lora.base_dtype says
@@ -197,7 +197,7 @@ def train_case(ctx, cfg, *, steps: int, warmup: int, pack: bool = False, keep: s
     rows = [next(data) for _ in range(2)]
     if pack:
         rows = [packed(r, ctx.s.doc_len, seed=i) for i, r in enumerate(rows)]
-    batches = [global_batch(r, trainer.batch_sharding) for r in rows]
+    batches = [trainer.batch(r) for r in rows]  # in the load-balanced order with mesh.context
     start = time.perf_counter()
     step = trainer.step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - start

@@ -24,14 +24,14 @@ def time_train(cfg, steps: int, warmup: int) -> tuple[float, float]:
     ``warmup`` steps (compile included) untimed, then ``steps`` timed with one sync at the end."""
     from hypertron.data import make_batches
     from hypertron.parallel.mesh import make_mesh
-    from hypertron.train.step import global_batch, make_trainer
+    from hypertron.train.step import make_trainer
 
     t = cfg.train
     trainer = make_trainer(cfg, make_mesh(cfg.mesh))
     state = trainer.init(jax.random.key(0))
     data = make_batches(source="synthetic", seq_len=t.seq_len, batch_size=t.global_batch, seed=0,
                         vocab_size=cfg.model.vocab_size)
-    batches = [global_batch(next(data), trainer.batch_sharding) for _ in range(2)]
+    batches = [trainer.batch(next(data)) for _ in range(2)]  # in the load-balanced order with mesh.context
     metrics = None
     for i in range(warmup):
         state, metrics = trainer.step(state, batches[i % 2])

@@ -144,6 +144,10 @@ def _config_cases(i: _Inputs) -> dict[str, Case]:
         "seq_len_not_divisible_by_context": Case(
             train("seq_len_not_divisible_by_context", "model=tiny", "train.seq_len=20", "data.source=synthetic",
                   "mesh.fsdp=1", "mesh.context=8"), ("train.seq_len=20", "mesh.context=8")),
+        "seq_len_not_divisible_by_balanced_chunks": Case(
+            train("seq_len_not_divisible_by_balanced_chunks", "model=tiny", "train.seq_len=24",
+                  "data.source=synthetic", "mesh.fsdp=1", "mesh.context=8"),
+            ("train.seq_len=24", "2 x mesh.context=16", "model.context_load_balance=false")),
         "context_with_capped_moe": Case(
             train("context_with_capped_moe", "model=tiny-moe", "train.seq_len=16", "data.source=synthetic",
                   "model.moe.mode=capped", "mesh.fsdp=1", "mesh.context=8"), ("mesh.context=8", "capped")),
@@ -238,7 +242,7 @@ _CASE_NAMES = [
     "unknown_model_key_in_recipe",
     "steps_not_int", "bool_not_bool", "wrong_type_in_recipe",
     "mesh_product", "mesh_two_free_axes", "batch_not_divisible", "seq_len_too_long",
-    "seq_len_not_divisible_by_context", "context_with_capped_moe",
+    "seq_len_not_divisible_by_context", "seq_len_not_divisible_by_balanced_chunks", "context_with_capped_moe",
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",

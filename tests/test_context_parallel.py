@@ -1,7 +1,9 @@
 """Context parallelism (``mesh.context``): each device holds an equal part of every row's tokens;
 the sharding rules put the activations' ``seq`` on ``context`` and the weights' ``embed`` on
-``fsdp`` and ``context`` together, and XLA's partitioner gathers each layer's keys and values
-over ``context`` for attention. On 8 CPU devices, against one device, float32."""
+``fsdp`` and ``context`` together, and attention runs in ``shard_map``, each device's queries
+against the row's keys and values gathered over ``context``, masked by positions and segment ids.
+Load balancing (on by default) reorders each row's tokens on the host. On 8 CPU devices, against
+one device, float32."""
 
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ def one_device():
 
 
 @pytest.mark.parametrize("mesh", [["mesh.context=8"], ["mesh.data=2", "mesh.context=4"],
-                                  ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"]])
+                                  ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"],
+                                  ["mesh.context=2", "mesh.tensor=4"],  # 2 KV heads for 4 tensor shards
+                                  ["mesh.context=8", "model.context_load_balance=false"]])
 def test_four_steps_on_a_context_mesh_are_one_devices(one_device, mesh):
     want_losses, want_params = one_device
     losses, params = _run(mesh, None)
@@ -65,3 +69,29 @@ def test_attention_gathers_keys_and_values_over_context_and_no_whole_activation(
     kv = (8, 64, m.num_kv_heads, m.head_dim)  # every row (the mesh has no batch axis), all 64 tokens
     assert any(shape == kv and attention for shape, attention in gathered), gathered
     assert not [s for s, _ in gathered if len(s) >= 2 and 64 in s[:-1] and s[-1] == m.embed_dim], gathered
+
+
+def test_balanced_rows_give_every_context_device_as_many_causal_pairs():
+    """One document a row over 4 context devices: in the balanced order each device's queries
+    score as many (query, earlier key) pairs; in the plain order the last device scores 6.6x the
+    first. The trainer's batch is in that order, every array of a row alike."""
+    from hypertron.data.pipeline import balanced_order
+
+    t, c = 64, 4
+
+    def pairs(order):  # per device: its queries' causal keys among the whole row's
+        return [int(sum(p + 1 for p in part)) for part in np.split(np.arange(t)[order], c)]
+
+    assert len(set(pairs(balanced_order(t, c)))) == 1
+    plain = pairs(np.arange(t))
+    assert plain[-1] > 6 * plain[0]  # 904 against 136
+
+    cfg = load_config(None, [*BASE, "data.source=synthetic", "mesh.fsdp=2", "mesh.context=4"])
+    task = task_for(cfg)
+    trainer = task.trainer(cfg, make_mesh(cfg.mesh, None))
+    local = next(task.batches(cfg))
+    batch = jax.device_get(trainer.batch(local))
+    order = balanced_order(t, c)
+    np.testing.assert_array_equal(batch["positions"], np.broadcast_to(np.arange(t)[order], (8, t)))
+    for k in ("inputs", "targets", "segment_ids", "loss_weights"):
+        np.testing.assert_array_equal(batch[k], local[k][:, order])

@@ -208,6 +208,24 @@ def test_plan_prints_the_breakdown_and_a_predicted_step(capsys):
     assert "--hardware='b300': not one of h100" in capsys.readouterr().err
 
 
+def test_rows_fewer_than_the_devices_are_refused_naming_the_context_split_that_runs(capsys):
+    """128k-token rows, 8 of them, on 16 H100s: no data split gives each device a row, so the
+    refusal names the smallest mesh.context that does (each row over 2 devices), and the same
+    command with it plans a run that fits. At a fixed batch, context parallelism moves a device's
+    tokens from more rows to parts of fewer: it never names one where the batch splits."""
+    from hypertron import cli
+
+    args = ["plan", "--hardware", "h100", "--devices", "16", "model=llama3.1-8b", "train.seq_len=131072"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not divisible by the 16 data shards" in err
+    assert "mesh.context=2 splits each row over 2 devices" in err
+    assert cli.main([*args, "mesh.context=2"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert cli.main([*args[:-1], "train.seq_len=4096", "train.global_batch=12"]) == 2  # 12 rows: 4 shards would
+    assert "mesh.context=4 splits" in capsys.readouterr().err
+
+
 def test_a_hardware_name_is_looked_up_in_the_table_and_an_unknown_one_lists_its_names():
     from hypertron.config import ConfigError
 

@@ -160,6 +160,9 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: attend to the last N positions only
     max_seq_len: int = 4096
     attention: Attention = "auto"
+    # With mesh.context > 1: each row's tokens reordered so that every context device scores as
+    # many causal pairs (hypertron.data.pipeline.balanced_order); seq_len must divide by 2 x context.
+    context_load_balance: bool = True
     remat: Remat = "full"
     scan_layers: bool = True
     # Master weights stay float32 by default: in bfloat16, AdamW updates much smaller

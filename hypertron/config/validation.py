@@ -263,15 +263,22 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
     data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
     if micro % data_shards:
+        context = _context_for_rows(cfg, ici, shape, micro, local_devices)
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} (micro-batch {micro}) is not divisible "
             f"by the {data_shards} data shards (mesh data x fsdp x expert)"
+            + (f"; mesh.context={context} splits each row over {context} devices of mesh.fsdp instead, leaving "
+               f"{data_shards // context} data shards (hypertron plan says whether it fits)" if context else "")
         )
     moe = cfg.model.moe
     if shape["context"] > 1:
         if cfg.train.seq_len % shape["context"]:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by mesh.context={shape['context']} "
                               "(each device holds an equal part of every row)")
+        if cfg.model.context_load_balance and cfg.train.seq_len % (2 * shape["context"]):
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by 2 x mesh.context="
+                              f"{2 * shape['context']} (model.context_load_balance: each device holds two chunks "
+                              "of every row); set model.context_load_balance=false or change train.seq_len")
         if moe is not None and moe.mode == "capped":
             raise ConfigError(f"mesh.context={shape['context']} with model.moe.mode=capped: its capacity counts a "
                               "whole row's tokens; use model.moe.mode=dropless")
@@ -296,6 +303,23 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             )
         _check_process_blocks(ici, dcn)
     return shape
+
+
+def _context_for_rows(cfg: Config, ici: dict[str, int], shape: dict[str, int], micro: int,
+                      local_devices: int) -> int | None:
+    """The smallest ``mesh.context`` that, taking its devices from ``fsdp`` inside a node, leaves
+    data shards that ``micro`` rows divide over, each row split over that many devices (None if
+    none does, or the mesh already has a context axis). With fewer rows than devices, this is
+    what context parallelism is for: at a fixed batch it does not shrink a device's tokens."""
+    if shape["context"] > 1:
+        return None
+    shards = shape["data"] * shape["fsdp"] * shape["expert"]
+    step = 2 if cfg.model.context_load_balance else 1
+    for c in range(2, min(ici["fsdp"], local_devices) + 1):
+        if ici["fsdp"] % c == 0 and local_devices % c == 0 and micro % (shards // c) == 0 \
+                and cfg.train.seq_len % (step * c) == 0:
+            return c
+    return None
 
 
 def _check_process_blocks(ici: dict[str, int], dcn: dict[str, int]) -> None:

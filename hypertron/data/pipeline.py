@@ -103,6 +103,25 @@ def make_batches(
     return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True)))
 
 
+def balanced_order(seq_len: int, context: int) -> np.ndarray:
+    """The order of a row's tokens for context parallelism over ``context`` devices with load
+    balancing (``model.context_load_balance``): the row cut into ``2 * context`` chunks, device
+    ``i`` (the ``i``-th of ``context`` equal parts of the reordered row) holding chunks ``i`` and
+    ``2 * context - 1 - i``. Under a causal mask the late chunks score the most keys, so each
+    device then scores as many pairs of one document as any other (torchtitan's and MaxText's
+    head-tail split). ``seq_len`` must divide into the ``2 * context`` chunks."""
+    chunks = np.arange(seq_len).reshape(2 * context, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(context)])
+
+
+def balance_rows(rows: dict[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
+    """``rows`` (arrays ``[rows, seq_len]``: inputs, targets, positions, segment ids, loss weights
+    alike) with each row's tokens in :func:`balanced_order`. The loss is a sum over tokens and
+    attention masks by positions and segment ids, so nothing else changes."""
+    order = balanced_order(next(iter(rows.values())).shape[1], context)
+    return {k: v[:, order] for k, v in rows.items()}
+
+
 class _JsonStateIterator(grain.DatasetIterator):
     """The pipeline's iterator, with a state that survives a JSON round trip.
 

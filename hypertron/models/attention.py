@@ -5,18 +5,29 @@ attention on NVIDIA GPUs through ``jax.nn.dot_product_attention``, XLA's otherwi
 explicit-mask :func:`plain_attention`. :func:`attention_mask` is the one definition of who
 may attend to whom (causal, same document, inside the sliding window). The caches of
 :mod:`hypertron.models.kv_cache` attend with these.
+
+Where the active sharding rules split the tokens of a row (``mesh.context`` > 1),
+:func:`context_attention` runs instead, in ``shard_map``: each device keeps its queries and
+all-gathers the row's keys, values, positions and segment ids over the context axes (at KV-head
+width; the gather's gradient is a reduce-scatter), and masks by positions and segment ids, never
+by token index. So a row's tokens may come in any order: load balancing
+(``model.context_load_balance``, :func:`hypertron.data.pipeline.balanced_order`) reorders them so
+that each device scores as many causal pairs.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import causal_window_mask
+from hypertron.parallel.rules import active_rules, spec_for
 
 
 def attention_mask(
@@ -172,9 +183,13 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
     """Causal self-attention over one packed sequence, never across documents.
 
     ``xla`` and ``cudnn`` go through ``jax.nn.dot_product_attention`` (cuDNN
-    flash attention on GPU); ``plain`` is the explicit-mask reference.
+    flash attention on GPU); ``plain`` is the explicit-mask reference. A row split over
+    context-parallel devices goes through :func:`context_attention`.
     """
     impl = attention_impl(cfg, q_btnh.dtype, q_btnh.shape[1])
+    active = active_rules()
+    if active is not None and _axes(spec_for(("batch", "seq"), active[1], active[0], positions_bt.shape)[1]):
+        return context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg, impl, *active)
     if impl == "plain":
         mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
         return plain_attention(q_btnh, k_btkh, v_btkh, mask)
@@ -186,3 +201,38 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
         q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
         implementation=impl,
     )
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one entry of a ``PartitionSpec``."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig, impl: str,
+                      mesh, rules):
+    """:func:`self_attention` of rows whose tokens the rules split over mesh axes (``seq``:
+    ``context``): in ``shard_map``, this device's queries against the row's keys and values,
+    gathered (see the module docstring). Heads stay split over ``tensor`` as the rules say; where
+    they split the query heads but not the fewer KV heads, each query head gets its KV head's
+    copy first, so that a device's query heads meet their own KV heads."""
+    q_spec = spec_for(("batch", "seq", "act_heads", None), rules, mesh, q_btnh.shape)
+    kv_spec = spec_for(("batch", "seq", "act_kv_heads", None), rules, mesh, k_btkh.shape)
+    if q_spec[2] is None:
+        kv_spec = P(*kv_spec[:2], None, None)
+    elif kv_spec[2] is None:
+        group = q_btnh.shape[2] // k_btkh.shape[2]
+        k_btkh, v_btkh = jnp.repeat(k_btkh, group, axis=2), jnp.repeat(v_btkh, group, axis=2)
+        kv_spec = q_spec
+    seq, row_spec = _axes(q_spec[1]), P(*q_spec[:2])
+
+    def local(q, k, v, pos, seg=None):
+        gather = partial(lax.all_gather, axis_name=seq, axis=1, tiled=True)
+        mask = attention_mask(pos, gather(pos), cfg, seg, None if seg is None else gather(seg))
+        if impl == "plain":
+            return plain_attention(q, gather(k), gather(v), mask)
+        return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask, implementation=impl)
+
+    args = (q_btnh, k_btkh, v_btkh, positions_bt) + (() if segment_ids_bt is None else (segment_ids_bt,))
+    specs = (q_spec, kv_spec, kv_spec, row_spec, row_spec)[:len(args)]
+    # check_vma=False: cuDNN's attention is a custom VJP that carries no varying-axes types.
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)

@@ -22,8 +22,8 @@ MeshAxes = str | tuple[str, ...] | None
 # on their embed axis and over tensor on heads / mlp / vocab (Megatron style), MoE
 # experts over expert; batches over data, fsdp and expert (outside the experts, the
 # expert axis is one more data-parallel axis, as in GShard), and each row's tokens
-# over context (XLA's partitioner then gathers a layer's keys and values over it for
-# attention; embed over context too, as MaxText's rules, keeps a context group's
+# over context (attention then gathers a row's keys and values over it, in shard_map:
+# models/attention.context_attention; embed over context too, as MaxText's rules, keeps a context group's
 # parameter bytes those of an fsdp group of its size). ``act_*`` axes are
 # activations; ``layers`` and ``head_dim`` stay whole.
 DEFAULT_RULES: dict[str, MeshAxes] = {

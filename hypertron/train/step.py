@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hypertron.config import Config
+from hypertron.data.pipeline import balance_rows
 from hypertron.models import declare, forward, fp8_histories, resolve_dtype
 from hypertron.models import params as param_lib
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
@@ -150,6 +151,15 @@ class Trainer:
     # (or compiled) for them only to be replaced.
     external: dict[str, Any] = field(default_factory=dict)
 
+    def batch(self, local: dict) -> Batch:
+        """This process's rows as the step takes them (:func:`global_batch`); where the rules
+        split each row's tokens over context devices and ``model.context_load_balance`` is on,
+        the tokens in :func:`hypertron.data.pipeline.balanced_order` first."""
+        context = seq_shards(self.batch_sharding)
+        if context > 1 and self.cfg.model.context_load_balance:
+            local = balance_rows({k: local[k] for k in BATCH_KEYS}, context)
+        return global_batch(local, self.batch_sharding)
+
     def abstract_state(self) -> State:
         """Shapes, dtypes and shardings of the train state (for restoring a checkpoint), ``external``'s too."""
         shapes = jax.eval_shape(self.init, jax.random.key(0))
@@ -233,6 +243,13 @@ def row_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
     array whose rows are sharded as the batch's (``sharding``)."""
     spec = P(sharding.spec[0], *([None] * (local.ndim - 1)))
     return jax.make_array_from_process_local_data(NamedSharding(sharding.mesh, spec), local)
+
+
+def seq_shards(sharding: NamedSharding) -> int:
+    """How many parts a batch ``sharding`` splits each row's tokens into (``mesh.context``)."""
+    entry = sharding.spec[1] if len(sharding.spec) > 1 else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> Batch:

@@ -44,7 +44,7 @@ from hypertron.parallel.mesh import make_mesh
 from hypertron.train.checks import validate_for_devices
 from hypertron.train.metrics import Throughput
 from hypertron.tokenizer import get_tokenizer
-from hypertron.train.step import global_batch, make_trainer, row_array
+from hypertron.train.step import make_trainer, row_array
 
 
 class Task(Protocol):
@@ -175,11 +175,11 @@ class LanguageModel:
         state["base"] = read_params(cfg, lora_base(cfg), trainer.abstract_state()["base"], _held(cfg))
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
-        return trainer.step(state, global_batch(local, trainer.batch_sharding))
+        return trainer.step(state, trainer.batch(local))
 
     def evaluate(self, trainer, state: dict, batches: Iterator[dict], count: int) -> dict[str, float]:
         """Mean loss per target token over ``count`` batches, and the tokens counted."""
-        totals = [trainer.eval(state, global_batch(next(batches), trainer.batch_sharding)) for _ in range(count)]
+        totals = [trainer.eval(state, trainer.batch(next(batches))) for _ in range(count)]
         totals = jax.device_get(totals)
         nll = sum(float(x["nll_sum"]) for x in totals)
         tokens = sum(float(x["weight"]) for x in totals)
@@ -251,7 +251,7 @@ class FineTune(LanguageModel):
         return state, {**metrics, "truncated": jnp.sum(row_array(local["truncated"], trainer.batch_sharding))}
 
     def _batch(self, trainer, local: dict) -> dict:
-        return global_batch(local, trainer.batch_sharding)
+        return trainer.batch(local)
 
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
         d = cfg.data
