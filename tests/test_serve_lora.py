@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 
 import httpx
+import jax
 import numpy as np
 import pytest
 
@@ -28,6 +28,7 @@ from support.tiny import tiny_hf_llama  # noqa: E402  (tests/support)
 from test_server import MODEL, TOK, Server  # noqa: E402  (tests/)
 
 from hypertron.config import EngineConfig  # noqa: E402
+from hypertron.models import forward  # noqa: E402
 from hypertron.models.hf import load_hf  # noqa: E402
 from hypertron.models.lora import load_peft, merge  # noqa: E402
 from hypertron.serve.engine import PagedEngine  # noqa: E402
@@ -89,13 +90,13 @@ def _complete(server, model, prompt, **more):
 def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
     """``echo`` + ``logprobs`` of a prompt and its greedy tokens, each request under its adapter
     (or none), all four at once: PeftModel's log-softmax with that adapter on (1e-4), and its
-    greedy tokens; and the same request alone on an engine of the adapter's merged weights: the same
-    tokens, log-probabilities within 1e-5."""
+    greedy tokens; and the adapter's merged weights alone (the model's forward pass): the same
+    greedy tokens, log-probabilities within 1e-5."""
     root, server, (cfg, params, config) = setup
     models = [MODEL, *ADAPTERS]
     with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
         answers = dict(zip(models, pool.map(lambda m: _complete(server, m, PROMPT, echo=True, logprobs=1), models)))
-    texts = set()
+    texts, sequences = set(), {}
     for model, answer in answers.items():
         assert answer["model"] == model
         reference = _peft_model(root, None if model == MODEL else model)
@@ -109,16 +110,21 @@ def test_echo_logprobs_under_each_adapter_and_the_base_are_peftmodels(setup):
         want = [None] + [logp[i - 1, full[i]] for i in range(1, len(full))]
         np.testing.assert_allclose(got[1:], want[1:], atol=1e-4, err_msg=model)
         texts.add(choice["text"])
+        sequences[model] = full.numpy()
     assert len(texts) == len(models)  # each adapter changes what is generated
-    plain = dataclasses.replace(config, enable_lora=False)
+    # Each adapter's merged weights, alone through the model's own forward pass (one program for all
+    # three): the served tokens are its greedy ones, the served log-probabilities its own (1e-5).
+    run = jax.jit(forward, static_argnames="cfg")
     for name in ADAPTERS:
         adapters, settings = load_peft(root / name, cfg)
-        with Server(PagedEngine(merge(params, adapters, settings), cfg, plain)) as merged:
-            alone = _complete(merged, MODEL, PROMPT, echo=True, logprobs=1)["choices"][0]
-        choice = answers[name]["choices"][0]
-        assert alone["text"] == choice["text"], name
-        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], alone["logprobs"]["token_logprobs"][1:],
-                                   atol=1e-5, rtol=0, err_msg=name)
+        full = sequences[name]
+        logits = np.asarray(run(merge(params, adapters, settings), full[None], cfg).logits[0], np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        n = len(PROMPT)
+        np.testing.assert_array_equal(logits[n - 1:-1].argmax(-1), full[n:], err_msg=name)
+        np.testing.assert_allclose(answers[name]["choices"][0]["logprobs"]["token_logprobs"][1:],
+                                   logp[np.arange(len(full) - 1), full[1:]], atol=1e-5, rtol=0, err_msg=name)
     # a step with an adapter row computes the adapters' product; one without (the base's alone) skips it
     _complete(server, MODEL, [9, 8, 7])
     assert {s.lora for s in server.engine.compiled_shapes} == {False, True}
