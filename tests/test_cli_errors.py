@@ -148,6 +148,22 @@ def _config_cases(i: _Inputs) -> dict[str, Case]:
             train("seq_len_not_divisible_by_balanced_chunks", "model=tiny", "train.seq_len=24",
                   "data.source=synthetic", "mesh.fsdp=1", "mesh.context=8"),
             ("train.seq_len=24", "2 x mesh.context=16", "model.context_load_balance=false")),
+        # pipeline stages: layers, pieces and models they cannot split
+        "stages_not_dividing_layers": Case(
+            train("stages_not_dividing_layers", *SMALL, "data.source=synthetic", "mesh.fsdp=1", "mesh.stage=8"),
+            ("mesh.stage=8", "model.num_layers=4")),
+        "pieces_below_stages": Case(
+            train("pieces_below_stages", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
+                  "train.pipeline_microbatches=1"), ("train.pipeline_microbatches=1", "mesh.stage=2")),
+        "pieces_not_dividing_rows": Case(
+            train("pieces_not_dividing_rows", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
+                  "train.pipeline_microbatches=3"), ("train.pipeline_microbatches=3", "2 rows")),
+        "stages_unscanned": Case(
+            train("stages_unscanned", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
+                  "model.scan_layers=false"), ("mesh.stage=2", "model.scan_layers=false")),
+        "stages_with_moe": Case(
+            train("stages_with_moe", "model=tiny-moe", "train.seq_len=16", "data.source=synthetic", "mesh.fsdp=4",
+                  "mesh.stage=2"), ("mesh.stage=2", "MoE")),
         "context_with_capped_moe": Case(
             train("context_with_capped_moe", "model=tiny-moe", "train.seq_len=16", "data.source=synthetic",
                   "model.moe.mode=capped", "mesh.fsdp=1", "mesh.context=8"), ("mesh.context=8", "capped")),
@@ -243,6 +259,8 @@ _CASE_NAMES = [
     "steps_not_int", "bool_not_bool", "wrong_type_in_recipe",
     "mesh_product", "mesh_two_free_axes", "batch_not_divisible", "seq_len_too_long",
     "seq_len_not_divisible_by_context", "seq_len_not_divisible_by_balanced_chunks", "context_with_capped_moe",
+    "stages_not_dividing_layers", "pieces_below_stages", "pieces_not_dividing_rows", "stages_unscanned",
+    "stages_with_moe",
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",

@@ -93,4 +93,4 @@ def test_expert_axis_must_divide_the_experts_and_joins_the_batch_shards():
         validate_for_devices(cfg, 8)
     # A dense model may use the expert axis: it is one more data-parallel axis there.
     dense = load_config(None, ["model=tiny", "train.global_batch=8", "mesh.expert=8", "mesh.fsdp=1"])
-    assert validate_for_devices(dense, 8) == {"data": 1, "fsdp": 1, "expert": 8, "context": 1, "tensor": 1}
+    assert validate_for_devices(dense, 8) == {"data": 1, "fsdp": 1, "expert": 8, "context": 1, "tensor": 1, "stage": 1}

@@ -40,6 +40,7 @@ def _shard_bytes(tree) -> int:
     ("tiny", []),                                            # fsdp 8
     ("tiny", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ("tiny", ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"]),  # embed over fsdp x context
+    ("tiny", ["mesh.stage=2", "mesh.fsdp=4"]),  # the stacked layers over stage
     ("tiny-moe", ["mesh.expert=4", "mesh.fsdp=2"]),
     ("tiny-moe", ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "model.quantization=fp8"]),
 ])
@@ -190,7 +191,7 @@ def test_plan_prints_the_breakdown_and_a_predicted_step(capsys):
     assert cli.main(["plan", "--hardware", "h100", "--devices", "16", "--json", "model=llama3-8b",
                      "train.global_batch=32", "train.seq_len=8192", "mesh.dcn.data=-1"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["nodes"] == 2 and p["mesh"] == {"data": 2, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
+    assert p["nodes"] == 2 and p["mesh"] == {"data": 2, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
     mem = p["memory"]
     # llama3-8b's 8.03B float32 parameters over fsdp 8; AdamW's two moments.
     assert mem["params"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01) and mem["optimizer"] == 2 * mem["params"] + 8
@@ -224,6 +225,28 @@ def test_rows_fewer_than_the_devices_are_refused_naming_the_context_split_that_r
     assert "fits" in capsys.readouterr().out
     assert cli.main([*args[:-1], "train.seq_len=4096", "train.global_batch=12"]) == 2  # 12 rows: 4 shards would
     assert "mesh.context=4 splits" in capsys.readouterr().err
+
+
+def test_plan_counts_the_pipeline_bubble_and_the_stages_hand_offs(capsys):
+    """stage 2 x fsdp 4 with 4 pieces: a fifth of each step idle ((2 - 1) / (4 + 2 - 1)), the step
+    predicted that much longer than without it, the stage axis sending each piece's activations
+    on and back, and the layers' state over the stages."""
+    import json
+
+    from hypertron import cli
+
+    args = ["plan", "--hardware", "h100", "--devices", "8", "--json", "model=llama-1b", "train.global_batch=16",
+            "train.seq_len=2048"]
+    assert cli.main([*args, "mesh.stage=2", "mesh.fsdp=4", "train.pipeline_microbatches=4"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "mesh.fsdp=8"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert staged["bubble"] == pytest.approx(0.2) and flat["bubble"] == 0
+    assert staged["step_seconds"][0] >= staged["compute_seconds"] / 0.8
+    stage = next(a for a in staged["axes"] if a["name"] == "stage")
+    # 2 x (4 + 2 - 1) hand-offs of a piece: (16 rows / 4 data shards / 4 pieces) x 2048 x 2048 x bf16
+    assert stage["bytes"] == pytest.approx(2 * 5 * 1 * 2048 * 2048 * 2)
+    assert staged["memory"]["params"] == pytest.approx(flat["memory"]["params"], rel=0.2)  # 8 shards either way
 
 
 def test_a_hardware_name_is_looked_up_in_the_table_and_an_unknown_one_lists_its_names():

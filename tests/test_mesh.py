@@ -38,12 +38,12 @@ def ids_of(grid: np.ndarray) -> np.ndarray:
 
 def test_sizes_split_into_inside_and_across_nodes():
     flat = MeshConfig()
-    assert flat.split(16, 2) == ({"data": 1, "fsdp": 16, "expert": 1, "context": 1, "tensor": 1}, dict.fromkeys(MeshConfig.AXES, 1))
+    assert flat.split(16, 2) == ({"data": 1, "fsdp": 16, "expert": 1, "context": 1, "tensor": 1, "stage": 1}, dict.fromkeys(MeshConfig.AXES, 1))
     hybrid = MeshConfig(tensor=2, dcn=DcnConfig(data=-1))
-    assert hybrid.split(16, 2) == ({"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2},
-                                   {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})
-    assert hybrid.shape(16, 2) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
-    with pytest.raises(ConfigError, match=r"mesh.dcn: data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 processes, but 2"):
+    assert hybrid.split(16, 2) == ({"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2, "stage": 1},
+                                   {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, "stage": 1})
+    assert hybrid.shape(16, 2) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2, "stage": 1}
+    with pytest.raises(ConfigError, match=r"mesh.dcn: data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 x stage=1 = 3 processes, but 2"):
         MeshConfig(dcn=DcnConfig(data=3)).shape(16, 2)
     with pytest.raises(ConfigError, match="12 devices do not split evenly over 8 processes"):
         hybrid.shape(12, 8)
@@ -55,19 +55,19 @@ def test_sizes_split_into_inside_and_across_nodes():
 
 def test_without_dcn_the_mesh_is_the_devices_in_process_order():
     grid = device_grid(MeshConfig(tensor=2), devices(2, 4)[::-1])
-    assert grid.shape == (1, 4, 1, 1, 2)
+    assert grid.shape == (1, 4, 1, 1, 2, 1)
     assert ids_of(grid).ravel().tolist() == list(range(8))
 
 
 def test_each_process_fills_the_inside_part_of_every_axis():
     # 2 processes x 4: data across, fsdp inside.
     grid = device_grid(MeshConfig(dcn=DcnConfig(data=-1)), devices(2, 4))
-    assert grid.shape == (2, 4, 1, 1, 1)
-    assert processes_of(grid)[:, :, 0, 0, 0].tolist() == [[0] * 4, [1] * 4]
-    assert ids_of(grid)[1, :, 0, 0, 0].tolist() == [4, 5, 6, 7]
+    assert grid.shape == (2, 4, 1, 1, 1, 1)
+    assert processes_of(grid)[:, :, 0, 0, 0, 0].tolist() == [[0] * 4, [1] * 4]
+    assert ids_of(grid)[1, :, 0, 0, 0, 0].tolist() == [4, 5, 6, 7]
     # 8 processes x 8 (a 64-GPU job): data 4 across nodes, fsdp 2 across x 4 inside, tensor 2 inside.
     grid = device_grid(MeshConfig(fsdp=4, tensor=2, dcn=DcnConfig(data=4, fsdp=2)), devices(8, 8))
-    assert grid.shape == (4, 8, 1, 1, 2)
+    assert grid.shape == (4, 8, 1, 1, 2, 1)
     procs = processes_of(grid)
     for d in range(4):
         for f in range(8):

@@ -80,10 +80,10 @@ def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_pa
         # Where this process's 4 devices sat: first fsdp=8 over both processes, then data=2 x fsdp=4,
         # the process on the across-node axis and its devices along the inside one.
         flat, hybrid = [e for e in events if e["event"] == "backend_ready"]
-        assert flat["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
-        assert flat["mesh_coords"] == [[0, 4 * index + i, 0, 0, 0] for i in range(4)]
-        assert hybrid["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
-        assert hybrid["mesh_coords"] == [[index, i, 0, 0, 0] for i in range(4)]
+        assert flat["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
+        assert flat["mesh_coords"] == [[0, 4 * index + i, 0, 0, 0, 0] for i in range(4)]
+        assert hybrid["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
+        assert hybrid["mesh_coords"] == [[index, i, 0, 0, 0, 0] for i in range(4)]
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path):

@@ -83,8 +83,8 @@ def test_sharded_step_matches_single_device(name, reference):
 
 
 def test_mesh_sizes_resolve_and_fail_clearly():
-    assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
-    assert MeshConfig(data=3, fsdp=1).shape(3) == {"data": 3, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2, "stage": 1}
+    assert MeshConfig(data=3, fsdp=1).shape(3) == {"data": 3, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
     with pytest.raises(ConfigError, match="= 3 devices, but 8"):
         MeshConfig(data=3, fsdp=1).shape(8)
     with pytest.raises(ConfigError, match="at most one axis"):

@@ -218,6 +218,7 @@ class DcnConfig:
     expert: int = 1
     context: int = 1
     tensor: int = 1
+    stage: int = 1
 
     @property
     def hybrid(self) -> bool:
@@ -239,9 +240,10 @@ class MeshConfig:
     expert: int = 1  # MoE expert parallelism; a data-parallel axis outside the experts
     context: int = 1  # sequence (context) parallelism: each row's tokens split over it
     tensor: int = 1
+    stage: int = 1  # pipeline parallelism: the stacked layers split into stages over it
     dcn: DcnConfig = field(default_factory=DcnConfig)
 
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "context", "tensor")
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "context", "tensor", "stage")
 
     def split(self, num_devices: int, num_processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
         """(inside-node sizes, across-node sizes), resolved; across-node all 1 unless ``dcn`` is set."""
@@ -310,6 +312,10 @@ class TrainConfig:
     global_batch: int = 8
     seq_len: int = 128
     grad_accum: int = 1
+    # With mesh.stage > 1: each micro-batch's rows (per data shard) cut into this many pieces that
+    # follow one another through the stages (0: as many as the stages). The bubble is
+    # (stage - 1) / (microbatches + stage - 1) of a step.
+    pipeline_microbatches: int = 0
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10

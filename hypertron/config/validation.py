@@ -282,6 +282,8 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
         if moe is not None and moe.mode == "capped":
             raise ConfigError(f"mesh.context={shape['context']} with model.moe.mode=capped: its capacity counts a "
                               "whole row's tokens; use model.moe.mode=dropless")
+    if shape["stage"] > 1:
+        _check_stages(cfg, shape, micro // data_shards, processes)
     if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
         raise ConfigError(
             f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
@@ -303,6 +305,28 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             )
         _check_process_blocks(ici, dcn)
     return shape
+
+
+def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int) -> None:
+    """A pipeline (``mesh.stage``) the decoder can run: layers that split into the stages, enough
+    micro-batches to fill them that the rows per data shard divide into, a scanned dense model on
+    one process, with neither context nor tensor splits yet."""
+    s, m, what = shape["stage"], cfg.train.pipeline_microbatches or shape["stage"], f"mesh.stage={shape['stage']}"
+    if cfg.model.num_layers % s:
+        raise ConfigError(f"{what} does not divide model.num_layers={cfg.model.num_layers} (each stage holds "
+                          "an equal block of layers)")
+    if m < s:
+        raise ConfigError(f"train.pipeline_microbatches={m} is below {what}: the stages would never all work")
+    if rows % m:
+        raise ConfigError(f"train.pipeline_microbatches={m} does not divide the {rows} rows of a data shard "
+                          "(train.global_batch / train.grad_accum over mesh data x fsdp x expert)")
+    if not cfg.model.scan_layers:
+        raise ConfigError(f"{what} with model.scan_layers=false: a pipeline splits the stacked layers")
+    for bad, why in ((cfg.model.moe is not None, "an MoE model"), (cfg.task == "dpo", "task=dpo"),
+                     (shape["context"] > 1, "mesh.context"),
+                     (shape["tensor"] > 1, "mesh.tensor"), (processes > 1, "more than one process")):
+        if bad:
+            raise ConfigError(f"{what} with {why}: not supported yet (issue 42); use mesh.data or mesh.fsdp beside it")
 
 
 def _context_for_rows(cfg: Config, ici: dict[str, int], shape: dict[str, int], micro: int,

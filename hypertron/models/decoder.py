@@ -27,6 +27,7 @@ from hypertron.models.kv_cache import KVCache
 from hypertron.models.mlp import activation, declare_mlp, mlp
 from hypertron.models.moe import declare_moe, moe_mlp
 from hypertron.models.params import ParamSpec, matmul, stack
+from hypertron.models.pipeline import run_stages, stage_axes
 from hypertron.parallel.rules import constrain
 from hypertron.quant import einsum_for, take_rows
 from hypertron.quant.lora import ADAPTED
@@ -189,7 +190,7 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
 
     # The cache rides in the carry with the activations, so each layer's writes update it in
     # place (as scan input and output XLA would copy all of it every call).
-    def body(carry, layer_in):
+    def body(carry, layer_in, ctx):
         x, c = carry
         p, i = layer_in
         x, c, stats = layer(x, p, ctx | {"layer": i}, cfg, einsum, c)
@@ -199,12 +200,15 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
     layers = params["layers"]
-    if cfg.scan_layers and not isinstance(layers, (list, tuple)):
-        (x_btd, cache), stats = jax.lax.scan(body, (x_btd, cache), (layers, jnp.arange(cfg.num_layers)))
+    if cache is None and cfg.moe is None and stage_axes():  # the layers split into pipeline stages
+        x_btd, stats = run_stages(body, x_btd, layers, ctx, cfg.num_layers), {}
+    elif cfg.scan_layers and not isinstance(layers, (list, tuple)):
+        (x_btd, cache), stats = jax.lax.scan(lambda carry, li: body(carry, li, ctx), (x_btd, cache),
+                                             (layers, jnp.arange(cfg.num_layers)))
     else:  # unrolled: per-layer weights as given (unstack_layers), else sliced from the stack here
         outs = []
         for i, p in enumerate(unstack_layers(params)["layers"]):
-            (x_btd, cache), out = body((x_btd, cache), (p, i))
+            (x_btd, cache), out = body((x_btd, cache), (p, i), ctx)
             outs.append(out)
         stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
 

@@ -202,6 +202,14 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
     saved = sum(SAVED[m.remat][x] * terms[x] for x in terms)
     p = DTYPE_BYTES[param_dtype(m, accelerator)]
     vocab = LOGITS * b * s * v * 4 + VOCAB_GRADS * v * m.embed_dim * p
+    stages = mesh_shape.get("stage", 1)
+    if stages > 1:
+        # Each of the M + S - 1 iterations keeps its stage's L / S layers' activations of one piece
+        # (b / M rows): (M + S - 1) / M of the block's for all b rows. The live layer works on one
+        # piece; the batch's pieces in and out, and the stages' state, are about two more A.
+        pieces = tr.pipeline_microbatches or stages
+        kept = m.num_layers // stages * (pieces + stages - 1) / pieces
+        return StepBytes(state, int(kept * saved + max(one / pieces, vocab) + 2 * terms["A"]), b, flash)
     return StepBytes(state, int((m.num_layers - 1) * saved + max(one, vocab)), b, flash)
 
 

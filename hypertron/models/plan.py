@@ -58,6 +58,7 @@ class Plan:
     compute: float | None           # seconds per step at peak
     axes: list[Axis] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    bubble: float = 0.0  # the pipeline's idle share of a step, (stage - 1) / (pieces + stage - 1)
 
     @property
     def fits(self) -> bool | None:
@@ -71,7 +72,8 @@ class Plan:
     def step_range(self) -> tuple[float, float] | None:
         if self.compute is None or self.comm is None:
             return None
-        return max(self.compute, self.comm), self.compute + self.comm
+        busy = self.compute / (1 - self.bubble)  # the stages' idle iterations added
+        return max(busy, self.comm), busy + self.comm
 
 
 def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int | None = None) -> Plan:
@@ -106,7 +108,10 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     params_per_device = mem.state.params / p  # elements
     act = mem.micro_batch * t.seq_len * m.embed_dim * c * t.grad_accum
     inner = 1
-    for a in ("tensor", "context", "expert", "fsdp", "data"):  # fastest-varying first: the inside-node axes
+    if mesh["stage"] > 1:
+        pieces = t.pipeline_microbatches or mesh["stage"]
+        out.bubble = (mesh["stage"] - 1) / (pieces + mesh["stage"] - 1)
+    for a in ("stage", "tensor", "context", "expert", "fsdp", "data"):  # fastest-varying first: inside-node axes
         size = mesh[a]
         if size == 1:
             continue
@@ -123,6 +128,9 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
             sent = (2 * m.num_layers * 2 * kv + 2 * params_per_device * size * c + params_per_device * size * p) * frac
         elif a == "data":
             sent = 2 * mem.state.grads * frac
+        elif a == "stage":  # a piece's activations handed on each iteration, forward and backward
+            pieces = t.pipeline_microbatches or size
+            sent = 2 * (pieces + size - 1) / pieces * act
         elif a == "tensor":
             sent = 4 * m.num_layers * 2 * act * frac
         else:
@@ -146,6 +154,7 @@ def to_json(p: Plan) -> dict[str, Any]:
                    "activations": p.memory.activations, "total": p.memory.total, "device": p.device_memory,
                    "fits": p.fits},
         "compute_seconds": p.compute,
+        "bubble": p.bubble,
         "axes": [vars(a) for a in p.axes],
         "step_seconds": list(rng) if rng else None,
         "mfu": [p.compute / rng[1], p.compute / rng[0]] if rng else None,
@@ -179,6 +188,8 @@ def render(p: Plan):
                           style="green" if p.fits else "bold red"))
     if p.compute is not None:
         parts.append(Text(f"compute: {1e3 * p.compute:.1f} ms per step at peak"))
+    if p.bubble:
+        parts.append(Text(f"pipeline bubble: {100 * p.bubble:.0f}% of a step idle (stages - 1 of pieces + stages - 1)"))
     if p.axes:
         comm = Table(title="communication per step (ring collectives)", title_justify="left", show_edge=False)
         for col in ("axis", "size", "links", "sent per device", "time"):

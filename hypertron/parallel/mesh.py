@@ -11,11 +11,12 @@ from hypertron.errors import ConfigError
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, expert, context, tensor); one configured size may be -1 (the rest).
+    """A mesh with axes (data, fsdp, expert, context, tensor, stage); one configured size may be -1 (the rest).
 
-    ``tensor`` varies fastest, so tensor-parallel groups sit on neighbouring
-    devices (same host, fastest links), then ``expert`` (whose all-to-alls come
-    next in traffic); ``data`` varies slowest. Devices are
+    ``stage`` varies fastest, then ``tensor``, so tensor-parallel groups sit on neighbouring
+    devices (same host, fastest links; a pipeline runs on one process for now, its stages only
+    handing activations on), then ``expert`` (whose all-to-alls come next in traffic); ``data``
+    varies slowest. Devices are
     ordered by process, so each process holds a contiguous block of the batch
     axes and feeds exactly its own rows. With ``mesh.dcn``, see :func:`device_grid`.
     """

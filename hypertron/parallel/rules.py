@@ -41,7 +41,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "expert": "expert",
     "head_dim": None,
-    "layers": None,
+    "layers": "stage",  # the stacked layers: a pipeline stage holds a contiguous block of them
     "norm": None,
     "cache_seq": None,
     "conv_in": None,  # a conv kernel's input channels (HWIO); its output channels as embed

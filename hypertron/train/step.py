@@ -21,6 +21,7 @@ from hypertron.config import Config
 from hypertron.data.pipeline import balance_rows
 from hypertron.models import declare, forward, fp8_histories, resolve_dtype
 from hypertron.models import params as param_lib
+from hypertron.models.pipeline import use_microbatches
 from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
 from hypertron.quant import fp8
 from hypertron.train.optimizer import make_optimizer, schedule
@@ -52,7 +53,9 @@ def loss_terms(params, batch: Batch, cfg: Config, histories=None) -> tuple[jax.A
     # Synthetic rows are one document each: no segment mask, so GPU attention
     # takes the plain causal flash path.
     segment_ids = None if cfg.data.source == "synthetic" else batch["segment_ids"]
-    fwd = forward(params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=segment_ids, stats=True)
+    with use_microbatches(cfg.train.pipeline_microbatches):  # with mesh.stage
+        fwd = forward(params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=segment_ids,
+                      stats=True)
     logits_btv, stats = fwd.logits, fwd.stats
     logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_logit_bt = jnp.take_along_axis(logits_btv, batch["targets"][..., None], axis=-1)[..., 0]
