@@ -38,6 +38,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "allow_runtime_lora": dict(help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the "
                                     "adapters served (a load reads a path on the server: use --api-key); off, "
                                     "they answer 403"),
+    "tensor": dict(metavar="N", help="split the weights (heads, MLP, vocabulary) and the KV pages (by KV head) "
+                                     "over this host's first N devices, as training's rules do"),
     "max_loras": dict(metavar="N", help="LoRA adapters loaded at once, at most"),
     "max_lora_rank": dict(metavar="R", help="the highest LoRA rank an adapter may have"),
     "lora_modules": dict(nargs="+", metavar="NAME=PATH", help="LoRA adapters (PEFT directories) to load at "

@@ -64,6 +64,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    tensor: int = 1  # devices the weights and KV pages split over (heads, MLP, vocabulary), as training's rules
 
     def __post_init__(self):
         check_engine_settings(self)
@@ -93,7 +94,7 @@ def check_engine_settings(e: EngineConfig | ServeConfig, name: Callable[[str], s
     and by :func:`validate_serve`). ``name`` turns a key into what the user wrote (``--max-slots``
     for a flag)."""
     check_choices(e, name=name)
-    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "max_loras", "max_lora_rank"):
+    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "max_loras", "max_lora_rank", "tensor"):
         value = getattr(e, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")
@@ -169,6 +170,7 @@ class ServeConfig:
     max_loras: int = _E.max_loras
     max_lora_rank: int = _E.max_lora_rank
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: PEFT adapters loaded at start (enable_lora implied)
+    tensor: int = _E.tensor  # tensor parallelism over this host's first devices (hypertron.serve.placement)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters (a load reads a
     # path on the server); off: they answer 403 (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora: bool = False

@@ -208,6 +208,24 @@ def cast_params(specs: Any, params: Any, dtype: Any) -> Any:
     return _map_declared(one, specs, params, "cast_params")
 
 
+def place_params(specs: Any, params: Any, mesh, rules) -> Any:
+    """``params`` on ``mesh``, each weight sharded as the rules shard its declared axes (training's
+    shardings, :func:`hypertron.parallel.rules.spec_for`): an int8 :class:`~hypertron.quant.int8.QArray`'s
+    values and scales each by its own shape (a size-1 scale axis stays whole). Each weight is put
+    on its own, so no device holds more of it than its shard."""
+    from jax.sharding import NamedSharding
+
+    from hypertron.parallel.rules import spec_for
+
+    def put(spec: ParamSpec, w: Any) -> Any:
+        return jax.device_put(w, NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(w.shape))))
+
+    def one(spec: ParamSpec, w: Any, path: str) -> Any:
+        return int8.QArray(put(spec, w.values), put(spec, w.scales)) if isinstance(w, int8.QArray) else put(spec, w)
+
+    return _map_declared(one, specs, params, "place_params")
+
+
 def fp8_histories(specs: Any, length: int) -> dict:
     """Zero amax histories of ``length`` steps for every parameter declared ``fp8_history``, in a tree
     of the parameters' structure holding only those (``{"layers": {...}}`` always present):

@@ -29,11 +29,8 @@ run in the order they were dispatched: the cache and the state are donated to ea
 threaded through.
 
 Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
-(powers of two up to 8, then under 25 % padding; prefill tokens at least 16), so a step decodes
-about the live sequences, not ``max_slots``; prefill rows to a power of two; the page table's columns to a power of two (the pages
-of the step's longest sequence, so its attention cost follows the real lengths, not
-``max_seq_len``; the GPU kernel reads only each sequence's own pages, so the padding costs it
-nothing).
+(powers of two up to 8, then under 25 % padding; prefill tokens at least 16); prefill rows and the
+page table's columns (the step's longest sequence's pages) to a power of two.
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
 dozens, so a server does not wait for them (``compile="background"``): a plan whose own shape
@@ -79,6 +76,7 @@ from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
 from hypertron.models.kv_pages import NULL_PAGE, init_pages
 from hypertron.quant.lora import adapter_tokens
+from hypertron.serve.placement import engine_mesh, place_pages, place_weights, place_whole
 from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.step_batch import StepBatch, unpack
 from hypertron.serve.types import StepCost, StepPlan, StepResult
@@ -279,6 +277,8 @@ class PagedEngine:
 
     def __init__(self, params, cfg: ModelConfig, config: EngineConfig, *, eos_ids: frozenset[int] = frozenset(),
                  scan_layers: bool = False, lora=None):
+        self.mesh = engine_mesh(cfg, config)  # None: one device (hypertron.serve.placement)
+        params = place_weights(self.mesh, cfg, params)
         self.params = params if scan_layers else unstack_layers(params)
         self.lora, self._attached = lora, (-1, None)  # LoRA adapters (serve.lora_slots.LoraSlots), and their weights
         self.cfg, self.config = cfg, config
@@ -292,8 +292,8 @@ class PagedEngine:
         self.num_pages = total - 1
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)
-        self.cache = init_pages(cfg, total, page_size, self.kv_dtype)
-        self.state = init_state(max_slots, self.pages_per_seq, cfg.max_seq_len)
+        self.cache = place_pages(self.mesh, init_pages(cfg, total, page_size, self.kv_dtype))
+        self.state = place_whole(self.mesh, init_state(max_slots, self.pages_per_seq, cfg.max_seq_len))
         self._tables: list[tuple[int, ...]] = [()] * max_slots  # the pages state["table"] holds per slot
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).

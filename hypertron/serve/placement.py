@@ -1,0 +1,69 @@
+"""Where a serving engine's arrays live: one device, or (``EngineConfig.tensor`` > 1) a
+tensor-parallel mesh over the first ``tensor`` local devices, sharded by training's rules
+(:data:`hypertron.parallel.rules.DEFAULT_RULES`): each weight as its declaration's axes say
+(heads, KV heads, MLP width and vocabulary over ``tensor``), the KV pages by KV head (replicated
+over the ranks that read the same head when there are fewer KV heads than ranks), the
+per-sequence state whole on every device. XLA's partitioner then splits each step as the
+arrays are split (the attention by head, the matmuls Megatron style, all-reduces of
+``[tokens, embed]``); the scheduler and the host side do not change.
+
+Not yet (refused in one line): MoE models (``--expert``), LoRA adapters, and more than one host;
+the embedding table is gathered whole each step, not looked up vocab-parallel (issue 43).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
+from hypertron.models import declare
+from hypertron.models.params import place_params
+from hypertron.parallel.mesh import make_mesh
+from hypertron.parallel.rules import DEFAULT_RULES, spec_for
+
+# The pool's axes by name (hypertron.models.kv_pages): KV heads first, then pages, rows, head dim.
+_PAGE_AXES = ("act_kv_heads", None, None, None)
+
+
+def check_tensor(cfg: ModelConfig, config: EngineConfig, devices: int) -> None:
+    """``tensor`` ranks this model and host can take, or one line saying why not."""
+    t = config.tensor
+    if t == 1:
+        return
+    if t > devices:
+        raise ConfigError(f"--tensor={t}: this host has {devices} devices")
+    if cfg.num_heads % t:
+        raise ConfigError(f"--tensor={t} does not divide the model's {cfg.num_heads} attention heads")
+    if cfg.moe is not None:
+        raise ConfigError(f"--tensor={t} with an MoE model: not supported yet (issue 43)")
+    if config.enable_lora:
+        raise ConfigError(f"--tensor={t} with LoRA adapters: not supported yet (issue 43)")
+
+
+def engine_mesh(cfg: ModelConfig, config: EngineConfig) -> Mesh | None:
+    """The engine's mesh (``tensor`` over the first local devices), or None for one device."""
+    devices = jax.local_devices()
+    check_tensor(cfg, config, len(devices))
+    if config.tensor == 1:
+        return None
+    return make_mesh(MeshConfig(fsdp=1, tensor=config.tensor), devices[:config.tensor])
+
+
+def place_weights(mesh: Mesh | None, cfg: ModelConfig, params):
+    """``params`` sharded over ``mesh`` as training shards them (unchanged without a mesh)."""
+    return params if mesh is None else place_params(declare(cfg), params, mesh, DEFAULT_RULES)
+
+
+def place_pages(mesh: Mesh | None, cache: dict) -> dict:
+    """The KV pool split by KV head over ``tensor`` (its scales too)."""
+    if mesh is None:
+        return cache
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec_for(_PAGE_AXES[:x.ndim], DEFAULT_RULES, mesh,  # noqa: E731
+                                                                    tuple(x.shape))))
+    return {k: put(v) for k, v in cache.items()}
+
+
+def place_whole(mesh: Mesh | None, tree):
+    """``tree`` whole on every device of ``mesh`` (the per-sequence state)."""
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))

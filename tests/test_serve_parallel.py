@@ -1,0 +1,84 @@
+"""A tensor-parallel serving engine (``--tensor N``) on the suite's 8 CPU devices: the weights and
+KV pages split by training's rules give the one-device engine's tokens and log-probabilities,
+through chunked prefill and mixed steps, greedy and seeded sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from serving import padded_engine, run  # tests/serving.py
+
+from hypertron.config import ConfigError, EngineConfig, load_config
+from hypertron.models import init_params
+from hypertron.serve.engine import PagedEngine, Shape
+from hypertron.serve.types import SamplingParams
+
+CONFIG = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_top_logprobs=5, compile="lazy")
+PROMPTS = [list(np.random.default_rng(i).integers(3, 500, 10 + 7 * i)) for i in range(3)]
+# One compiled step holds every plan of these prompts (each runs padded to it): 4 decode rows, 4
+# prefill rows of 16 tokens in all, 8 pages a sequence, with log-probabilities.
+SHAPES = [Shape(num_decode=4, prefill_rows=4, prefill_tokens=16, width=8, logprobs=True)]
+
+
+def _model(preset: str, *more: str):
+    cfg = load_config(None, [f"model={preset}", "model.vocab_size=512", *more]).model
+    return cfg, init_params(cfg, jax.random.key(0))
+
+
+def _serve(params, cfg, tensor: int, temperature: float):
+    """Each prompt's tokens and their top-5 log-probabilities, the second prompt sampled at
+    ``temperature`` (seeded), the others greedy; 16 tokens a step, so prompts are prefilled in
+    chunks beside other rows' decodes."""
+    engine = padded_engine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor), SHAPES)
+    sampling = [SamplingParams(temperature=temperature * (i % 2), seed=7 + i, max_tokens=8, ignore_eos=True,
+                               logprobs=5) for i in range(len(PROMPTS))]
+    _, outs, _ = run(engine, PROMPTS, sampling, max_num_batched_tokens=16)
+    tokens = [[o.token for o in outs[i] if o.token is not None] for i in range(len(PROMPTS))]
+    top = np.array([[o.logprobs.top_logprobs for o in outs[i] if o.token is not None]
+                    for i in range(len(PROMPTS))], dtype=float)
+    return engine, tokens, top
+
+
+@pytest.fixture(scope="module")
+def dense():
+    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
+    return cfg, params, _serve(params, cfg, 1, 0.8)[1:]
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_tensor_parallel_steps_give_one_devices_tokens_and_logprobs(dense, tensor):
+    cfg, params, (want, want_top) = dense
+    engine, tokens, top = _serve(params, cfg, tensor, 0.8)
+    assert tokens == want and engine.compiles["sync"] == 0  # every plan ran padded to the one shape
+    np.testing.assert_allclose(top, want_top, atol=1e-5, rtol=0)
+    # The rules' shards: query heads and KV pages split over the ranks, the step's state whole.
+    first = lambda x: x.addressable_shards[0].data.shape  # noqa: E731
+    assert first(engine.params["layers"][0]["wq"]) == (cfg.embed_dim, 8 // tensor, cfg.head_dim)
+    assert first(engine.params["layers"][0]["w_gate"]) == (cfg.embed_dim, cfg.mlp_dim // tensor)
+    assert first(engine.cache["k_pages"])[0] == 4 // tensor
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(engine.state)} == {tensor}
+
+
+def test_fewer_kv_heads_than_ranks_are_read_whole_by_each():
+    """``tiny-gemma``'s one KV head over 2 ranks: its pages on both, the query heads split."""
+    cfg, params = _model("tiny-gemma")
+    _, want, want_top = _serve(params, cfg, 1, 0.8)
+    engine, tokens, top = _serve(params, cfg, 2, 0.8)
+    assert tokens == want
+    np.testing.assert_allclose(top, want_top, atol=1e-5, rtol=0)
+    assert engine.cache["k_pages"].addressable_shards[0].data.shape == engine.cache["k_pages"].shape
+
+
+@pytest.mark.parametrize("tensor,preset,more,message", [
+    (3, "tiny", {}, "--tensor=3 does not divide the model's 4 attention heads"),
+    (16, "tiny", {}, "--tensor=16: this host has 8 devices"),
+    (2, "tiny-moe", {}, "--tensor=2 with an MoE model: not supported yet"),
+    (2, "tiny", {"enable_lora": True}, "--tensor=2 with LoRA adapters: not supported yet"),
+])
+def test_a_tensor_split_the_model_or_host_cannot_take_is_one_line(tensor, preset, more, message):
+    cfg, params = _model(preset)
+    with pytest.raises(ConfigError, match=message):
+        PagedEngine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor, **more))
