@@ -25,6 +25,20 @@ BASE = ["model=tiny", "model.num_layers=2", "model.embed_dim=96", "model.mlp_dim
         "train.seq_len=64", "data.source=stdlib", "train.lr=1e-2", "train.warmup_steps=1"]
 
 
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """300 documents of 5 to 60 bytes: a 64-token row packs several, so segments end inside each
+    device's part of the row, and the gathered segment ids decide what each query may see."""
+    import json
+
+    rng = np.random.default_rng(0)
+    words = "the a context query key value row token device gather chunk".split()
+    path = tmp_path_factory.mktemp("context") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 10)))}) + "\n"
+                            for _ in range(300)))
+    return ["data.source=jsonl", f"data.paths={path}"]
+
+
 def _run(mesh: list[str], devices) -> tuple[np.ndarray, dict]:
     cfg = load_config(None, [*BASE, "mesh.fsdp=1", *mesh])
     task = task_for(cfg)
@@ -95,3 +109,10 @@ def test_balanced_rows_give_every_context_device_as_many_causal_pairs():
     np.testing.assert_array_equal(batch["positions"], np.broadcast_to(np.arange(t)[order], (8, t)))
     for k in ("inputs", "targets", "segment_ids", "loss_weights"):
         np.testing.assert_array_equal(batch[k], local[k][:, order])
+
+
+def test_documents_that_end_inside_a_devices_part_are_masked_by_their_gathered_segments(short_docs):
+    """Rows of several short documents over context=4 (balanced): one device's losses."""
+    want, _ = _run(short_docs, jax.devices()[:1])
+    got, _ = _run([*short_docs, "mesh.context=4", "mesh.data=2"], None)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
