@@ -161,6 +161,9 @@ def _config_cases(i: _Inputs) -> dict[str, Case]:
         "stages_unscanned": Case(
             train("stages_unscanned", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
                   "model.scan_layers=false"), ("mesh.stage=2", "model.scan_layers=false")),
+        "stages_with_fp8": Case(
+            train("stages_with_fp8", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
+                  "model.quantization=fp8"), ("mesh.stage=2", "model.quantization=fp8")),
         "stages_with_moe": Case(
             train("stages_with_moe", "model=tiny-moe", "train.seq_len=16", "data.source=synthetic", "mesh.fsdp=4",
                   "mesh.stage=2"), ("mesh.stage=2", "MoE")),
@@ -260,7 +263,7 @@ _CASE_NAMES = [
     "mesh_product", "mesh_two_free_axes", "batch_not_divisible", "seq_len_too_long",
     "seq_len_not_divisible_by_context", "seq_len_not_divisible_by_balanced_chunks", "context_with_capped_moe",
     "stages_not_dividing_layers", "pieces_below_stages", "pieces_not_dividing_rows", "stages_unscanned",
-    "stages_with_moe",
+    "stages_with_moe", "stages_with_fp8",
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
     "first_word_without_equals",

@@ -323,6 +323,8 @@ def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int)
     if not cfg.model.scan_layers:
         raise ConfigError(f"{what} with model.scan_layers=false: a pipeline splits the stacked layers")
     for bad, why in ((cfg.model.moe is not None, "an MoE model"), (cfg.task == "dpo", "task=dpo"),
+                     # each amax history would take every iteration's update (fp8.attach: one einsum a step)
+                     (cfg.model.quantization == "fp8", "model.quantization=fp8"),
                      (shape["context"] > 1, "mesh.context"),
                      (shape["tensor"] > 1, "mesh.tensor"), (processes > 1, "more than one process")):
         if bad:
@@ -335,8 +337,9 @@ def _context_for_rows(cfg: Config, ici: dict[str, int], shape: dict[str, int], m
     data shards that ``micro`` rows divide over, each row split over that many devices (None if
     none does, or the mesh already has a context axis). With fewer rows than devices, this is
     what context parallelism is for: at a fixed batch it does not shrink a device's tokens."""
-    if shape["context"] > 1:
-        return None
+    moe = cfg.model.moe
+    if shape["context"] > 1 or shape["stage"] > 1 or (moe is not None and moe.mode == "capped"):
+        return None  # a context split would be refused next
     shards = shape["data"] * shape["fsdp"] * shape["expert"]
     step = 2 if cfg.model.context_load_balance else 1
     for c in range(2, min(ici["fsdp"], local_devices) + 1):

@@ -59,7 +59,9 @@ def einsum_for(mode: str, compute_dtype) -> Einsum:
             if ids is None:
                 return base
             return (base + lora.stacked_delta(subscripts, x, w, ids, dtype, out)).astype(out)
-        if isinstance(w, lora.LoraWeight):  # remat keeps the sum alone (lora.ADAPTED), as it would a plain product
+        # remat keeps the sum alone (lora.ADAPTED), as it would a plain product. The backward recomputes
+        # x A (rank r: about r / width of the projection) with any remat; under none as well.
+        if isinstance(w, lora.LoraWeight):
 
             def adapted(x, w):
                 base = einsum(subscripts, x, w.base, out_dtype, quantize=quantize)

@@ -74,9 +74,9 @@ from hypertron.config.serving import MAX_PADDED_COST
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import attention_flops, dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
-from hypertron.models.kv_pages import NULL_PAGE, init_pages
+from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.quant.lora import adapter_tokens
-from hypertron.serve.placement import engine_mesh, place_pages, place_weights, place_whole
+from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
 from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.step_batch import StepBatch, unpack
 from hypertron.serve.types import StepCost, StepPlan, StepResult
@@ -292,7 +292,7 @@ class PagedEngine:
         self.num_pages = total - 1
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)
-        self.cache = place_pages(self.mesh, init_pages(cfg, total, page_size, self.kv_dtype))
+        self.cache = new_pages(self.mesh, cfg, total, page_size, self.kv_dtype)
         self.state = place_whole(self.mesh, init_state(max_slots, self.pages_per_seq, cfg.max_seq_len))
         self._tables: list[tuple[int, ...]] = [()] * max_slots  # the pages state["table"] holds per slot
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so

@@ -13,11 +13,14 @@ the embedding table is gathered whole each step, not looked up vocab-parallel (i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
 from hypertron.models import declare
+from hypertron.models.kv_pages import init_pages
 from hypertron.models.params import place_params
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, spec_for
@@ -55,13 +58,15 @@ def place_weights(mesh: Mesh | None, cfg: ModelConfig, params):
     return params if mesh is None else place_params(declare(cfg), params, mesh, DEFAULT_RULES)
 
 
-def place_pages(mesh: Mesh | None, cache: dict) -> dict:
-    """The KV pool split by KV head over ``tensor`` (its scales too)."""
+def new_pages(mesh: Mesh | None, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
+    """An empty KV pool (:func:`hypertron.models.kv_pages.init_pages`), split by KV head over
+    ``tensor`` (its scales too): made in place, each device its own part, never whole on one."""
+    make = functools.partial(init_pages, cfg, num_pages, page_size, dtype)
     if mesh is None:
-        return cache
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec_for(_PAGE_AXES[:x.ndim], DEFAULT_RULES, mesh,  # noqa: E731
-                                                                    tuple(x.shape))))
-    return {k: put(v) for k, v in cache.items()}
+        return make()
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec_for(_PAGE_AXES[:x.ndim], DEFAULT_RULES, mesh,
+                                                                     tuple(x.shape))), jax.eval_shape(make))
+    return jax.jit(make, out_shardings=shardings)()
 
 
 def place_whole(mesh: Mesh | None, tree):
