@@ -46,7 +46,8 @@ def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("sft_llama")
     model.save_pretrained(path, safe_serialization=True)
     cfg, params = load_hf(path)
-    train_cfg = SimpleNamespace(model=cfg, data=SimpleNamespace(source="jsonl"), train=SimpleNamespace(z_loss=0.0))
+    train_cfg = SimpleNamespace(model=cfg, data=SimpleNamespace(source="jsonl"),
+                                train=SimpleNamespace(z_loss=0.0, pipeline_microbatches=0))
 
     @jax.jit
     def loss_and_grads(params, batch):
