@@ -27,16 +27,11 @@ BASE = ["model=tiny", "model.num_layers=2", "model.embed_dim=96", "model.mlp_dim
 
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory):
-    """300 documents of 5 to 60 bytes: a 64-token row packs several, so segments end inside each
-    device's part of the row, and the gathered segment ids decide what each query may see."""
-    import json
+    """Short documents: segments end inside each device's part of a row, and the gathered segment
+    ids decide what each query may see."""
+    from support.tiny import write_short_documents
 
-    rng = np.random.default_rng(0)
-    words = "the a context query key value row token device gather chunk".split()
-    path = tmp_path_factory.mktemp("context") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 10)))}) + "\n"
-                            for _ in range(300)))
-    return ["data.source=jsonl", f"data.paths={path}"]
+    return write_short_documents(tmp_path_factory.mktemp("context") / "docs.jsonl")
 
 
 def _run(mesh: list[str], devices) -> tuple[np.ndarray, dict]:

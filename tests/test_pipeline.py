@@ -25,17 +25,13 @@ MESHES = {  # each data shard's rows divide into the pieces
 
 @pytest.fixture(scope="module", autouse=True)
 def corpus(tmp_path_factory):
-    """300 documents of 5 to 60 bytes: a 64-token row packs several, each at its own positions."""
-    import json
+    """Short documents (``write_short_documents``): a 64-token row packs several."""
+    from support.tiny import write_short_documents
 
-    rng = np.random.default_rng(0)
-    words = "the a stage pipeline piece row layer token device rotate bubble".split()
-    path = tmp_path_factory.mktemp("pipeline") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 10)))}) + "\n"
-                            for _ in range(300)))
-    BASE.append(f"data.paths={path}")
+    paths = write_short_documents(tmp_path_factory.mktemp("pipeline") / "docs.jsonl")[1:]
+    BASE.extend(paths)
     yield
-    BASE.remove(f"data.paths={path}")
+    del BASE[-len(paths):]
 
 
 def _trainer(overrides: list[str], devices):

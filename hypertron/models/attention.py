@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import causal_window_mask
-from hypertron.parallel.rules import active_rules, spec_for
+from hypertron.parallel.rules import active_rules, mesh_axes, spec_for
 
 
 def attention_mask(
@@ -188,7 +188,7 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
     """
     impl = attention_impl(cfg, q_btnh.dtype, q_btnh.shape[1])
     active = active_rules()
-    if active is not None and _axes(spec_for(("batch", "seq"), active[1], active[0], positions_bt.shape)[1]):
+    if active is not None and mesh_axes(spec_for(("batch", "seq"), active[1], active[0], positions_bt.shape)[1]):
         return context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg, impl, *active)
     if impl == "plain":
         mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
@@ -201,11 +201,6 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
         q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, local_window_size=window,
         implementation=impl,
     )
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one entry of a ``PartitionSpec``."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig, impl: str,
@@ -223,7 +218,7 @@ def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg:
         group = q_btnh.shape[2] // k_btkh.shape[2]
         k_btkh, v_btkh = jnp.repeat(k_btkh, group, axis=2), jnp.repeat(v_btkh, group, axis=2)
         kv_spec = q_spec
-    seq, row_spec = _axes(q_spec[1]), P(*q_spec[:2])
+    seq, row_spec = mesh_axes(q_spec[1]), P(*q_spec[:2])
 
     def local(q, k, v, pos, seg=None):
         gather = partial(lax.all_gather, axis_name=seq, axis=1, tiled=True)

@@ -32,7 +32,7 @@ from hypertron.models import params as param_lib
 from hypertron.models.attention import cudnn_supported
 from hypertron.models.decoder import declare
 from hypertron.models.kv_pages import bytes_per_token
-from hypertron.parallel.rules import DEFAULT_RULES, spec_for
+from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for
 
 # AdamW (hypertron.train.optimizer): first and second moments per parameter, and two int32 step
 # counts (Adam's and the learning-rate schedule's), replicated.
@@ -55,7 +55,7 @@ def shard_shape(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape
     spec = spec_for(axes, rules, _Sizes(mesh_shape), shape)
     out = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = mesh_axes(entry)
         out.append(dim // math.prod(mesh_shape[a] for a in names))
     return tuple(out)
 

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from hypertron.config import ModelConfig
 from hypertron.models.mlp import declare_mlp, mlp
 from hypertron.models.params import ParamSpec, matmul
-from hypertron.parallel.rules import active_rules, constrain, spec_for
+from hypertron.parallel.rules import active_rules, constrain, mesh_axes, spec_for
 from hypertron.quant import dense
 
 # Logical axes of the routed experts' weights (one layer's slice).
@@ -160,10 +160,6 @@ def moe_mlp(x_btd: jax.Array, p: dict[str, Any], cfg: ModelConfig, einsum, activ
     return y_btd, stats
 
 
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _sharded(layer, x_btd, mask_bt, experts, mesh, rules):
     """``layer`` in ``shard_map``: tokens split as the batch rule says, experts as the expert rule does.
 
@@ -171,9 +167,9 @@ def _sharded(layer, x_btd, mask_bt, experts, mesh, rules):
     (fsdp) shards inside, so that its gradient is reduce-scattered back, as FSDP does.
     """
     x_spec = P(spec_for(("batch", "seq", "act_embed"), rules, mesh, x_btd.shape)[0], None, None)
-    batch = _names(x_spec[0])
+    batch = mesh_axes(x_spec[0])
     specs = {k: spec_for(axes, rules, mesh, experts[k].shape) for k, axes in _EXPERT_AXES.items()}
-    expert, tensor = _names(specs["we_gate"][0]), _names(specs["we_gate"][2])
+    expert, tensor = mesh_axes(specs["we_gate"][0]), mesh_axes(specs["we_gate"][2])
     if not set(expert) <= set(batch):
         # The batch is too small to split over the expert axis: every device has all the
         # tokens, so each device computes all the experts instead of exchanging copies.
@@ -185,7 +181,7 @@ def _sharded(layer, x_btd, mask_bt, experts, mesh, rules):
         for k, logical in _EXPERT_AXES.items():
             dim = logical.index("embed")
             if specs[k][dim] is not None:
-                w = w | {k: jax.lax.all_gather(w[k], _names(specs[k][dim]), axis=dim, tiled=True)}
+                w = w | {k: jax.lax.all_gather(w[k], mesh_axes(specs[k][dim]), axis=dim, tiled=True)}
         return layer(x, mask, w, axes=axes)
 
     # check_vma=False: Pallas calls and custom VJPs (the grouped matmul) carry no

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hypertron.parallel.rules import active_rules, constrain, spec_for
+from hypertron.parallel.rules import active_rules, constrain, mesh_axes, spec_for
 
 _MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("hypertron_pipeline_microbatches", default=0)
 
@@ -50,8 +50,7 @@ def stage_axes() -> tuple[str, ...]:
     if active is None:
         return ()
     mesh, rules = active
-    entry = spec_for(("layers",), rules, mesh)[0]
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return mesh_axes(spec_for(("layers",), rules, mesh)[0])
 
 
 def run_stages(body, x_btd: jax.Array, layers, ctx: dict, num_layers: int) -> jax.Array:

@@ -53,6 +53,11 @@ class RulesError(ValueError):
     pass
 
 
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` names (None, one name, or several)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def spec_for(
     axes: tuple[str | None, ...],
     rules: dict[str, MeshAxes],

@@ -22,7 +22,7 @@ from hypertron.data.pipeline import balance_rows
 from hypertron.models import declare, forward, fp8_histories, resolve_dtype
 from hypertron.models import params as param_lib
 from hypertron.models.pipeline import use_microbatches
-from hypertron.parallel.rules import DEFAULT_RULES, shardings_for, spec_for, use_rules
+from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, shardings_for, spec_for, use_rules
 from hypertron.quant import fp8
 from hypertron.train.optimizer import make_optimizer, schedule
 
@@ -251,8 +251,7 @@ def row_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def seq_shards(sharding: NamedSharding) -> int:
     """How many parts a batch ``sharding`` splits each row's tokens into (``mesh.context``)."""
     entry = sharding.spec[1] if len(sharding.spec) > 1 else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
+    return int(np.prod([sharding.mesh.shape[a] for a in mesh_axes(entry)]))
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> Batch:

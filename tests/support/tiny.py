@@ -41,3 +41,17 @@ def write_tiny_hf_llama(path: Path, **kwargs):
     model = tiny_hf_llama(**kwargs)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def write_short_documents(path: Path, count: int = 300) -> list[str]:
+    """``count`` JSON-lines documents of 5 to 60 bytes at ``path``: a 64-token row packs several,
+    each at positions (and a segment) of its own. The overrides that read them."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = "the a row token device stage piece context query key value chunk".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 10)))}) + "\n"
+                            for _ in range(count)))
+    return ["data.source=jsonl", f"data.paths={path}"]
