@@ -116,9 +116,9 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
         kv_read += sum(s.computed for s in seqs)  # tokens each slot attends over, before its new one
         assert len(run_step().decodes) == batch
     elapsed = time.perf_counter() - start
-    if engine.compiles["sync"] != compiled:  # the sequences outgrew their page-table width while timed
-        raise RuntimeError(f"a step compiled inside the timed steps (context {context} + {warmup + steps} steps "
-                           f"crosses a page-table width at page size {page_size}): time fewer steps")
+    if engine.compiles["sync"] != compiled:  # a shape the warm-up did not meet (no shape should be new)
+        raise RuntimeError(f"a step compiled inside the timed steps (context {context}, {warmup} warm-up steps, "
+                           f"page size {page_size})")
 
     per_token = bytes_per_token(cfg, engine.kv_dtype)
     kv_bytes_per_step = (kv_read + batch * steps) * per_token / steps  # + batch: each slot's new token

@@ -70,7 +70,7 @@ def test_one_step_ahead_drops_the_token_after_eos_and_frees_everything(params):
                                          "waiting": 0}.items()
 
 
-def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
+def test_a_step_pads_to_few_shapes_and_its_cost_follows_its_rows_lengths(params):
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 11, 13, 16, 17, 33, 100)] == \
         [1, 2, 4, 8, 8, 10, 12, 14, 16, 20, 40, 112]
     assert all(bucket(n) < 1.25 * n for n in range(9, 2000))
@@ -79,28 +79,31 @@ def test_a_step_pads_to_few_shapes_and_reads_only_the_columns_it_needs(params):
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="lazy"))  # 16 columns a sequence
     rows = tuple(Row(i, i, 9 + i, (), tuple(range(1 + 4 * i, 5 + 4 * i)), GREEDY) for i in range(3))
     plan = StepPlan(0, rows, ())
-    assert engine.shape(plan) == Shape(4, 0, 0, 4)  # 3 live rows of 16 slots; 12 tokens: 3 pages
+    assert engine.shape(plan) == Shape(4, 0, 0)  # 3 live rows of 16 slots
+    assert engine.context(plan) == 12  # the longest row's tokens: what cost counts its queries against
     batch = engine._batch(plan, engine.shape(plan))[0].fields
     assert batch["slot"].shape == (4,) and "table" not in batch  # the device holds the tables
     # A new prompt: prefill rows to a power of two, at least 16 tokens.
     chunk = Row(7, 7, 0, tuple(range(3, 14)), tuple(range(20, 23)), GREEDY)  # 11 prompt tokens
     plan = StepPlan(1, rows[:1], (chunk,))
-    assert engine.shape(plan) == Shape(1, 1, 16, 4)
+    assert engine.shape(plan) == Shape(1, 1, 16)
     batch = engine._batch(plan, engine.shape(plan))[0].fields
     assert (batch["pre_tokens"].shape, batch["slot"].shape) == ((16,), (2,))
-    # A chunk after a cached prefix is no other variant: its columns follow its length.
+    # A chunk after a cached prefix is no other variant, and its length no dimension of a shape.
     later = Row(7, 7, 11, tuple(range(40, 61)), tuple(range(20, 28)), GREEDY)  # 21 tokens, to position 32
-    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 22, 8)  # 21 tokens: eighths
+    assert engine.shape(StepPlan(2, rows, (later,))) == Shape(4, 1, 22)  # 21 tokens: eighths
+    assert engine.context(StepPlan(2, rows, (later,))) == 32
     # Which compiled shape may run a plan, padded: larger in every size.
-    assert Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8)) and Shape(4, 8, 32, 8).holds(Shape(1, 8, 16, 4))
-    assert not Shape(4, 2, 32, 8).holds(Shape(4, 1, 24, 8, logprobs=True))
-    assert engine.cost(Shape(4, 2, 32, 8)) > engine.cost(Shape(4, 1, 24, 8))
+    assert Shape(4, 2, 32).holds(Shape(4, 1, 24)) and Shape(4, 8, 32).holds(Shape(1, 8, 16))
+    assert not Shape(4, 2, 32).holds(Shape(4, 1, 24, logprobs=True)) and not Shape(4, 2, 16).holds(Shape(4, 1, 24))
+    assert engine.cost(Shape(4, 2, 32), 32) > engine.cost(Shape(4, 1, 24), 32)
     # The cost by hand (tiny, 2 layers, pages of 4): 852,736 FLOPs a token through the weights
     # (a layer's q, k, v, o 98,304 and MLP 294,912; the unembedding 66,304) and 1,024 a query-key
     # pair (2 layers x 4 heads x 32 dims x 2 matmuls x 2 FLOPs); each query scores its row's pages
-    # (the columns' keys), and each row's last query once more.
-    assert engine.cost(Shape(4, 2, 32, 8)) == 36 * 852_736 + 1_024 * (4 + 2 + 32) * 32
-    assert engine.cost(Shape(1, 1, 16, 4)) == 17 * 852_736 + 1_024 * (1 + 1 + 16) * 16
+    # (the keys given), and each row's last query once more. Rows of 16 prefill queries take the
+    # CPU reference's smallest blocks, of 64 queries: 4x the pairs, each 1.8x as slow.
+    assert engine.cost(Shape(4, 2, 32), 32) == pytest.approx(36 * 852_736 + 1_024 * (4 + 2 + 32 * 7.2) * 32)
+    assert engine.cost(Shape(1, 1, 16), 16) == pytest.approx(17 * 852_736 + 1_024 * (1 + 1 + 16 * 7.2) * 16)
 
 
 @pytest.mark.slow
@@ -115,7 +118,7 @@ def test_a_plan_run_padded_to_a_larger_compiled_shape_gives_the_same_tokens(para
     kw = dict(max_num_batched_tokens=8, max_prefill_rows=2)
     lazy = EngineConfig(max_slots=4, page_size=4, max_top_logprobs=2, compile="lazy")
     want, want_outs, _ = run(PagedEngine(params, CFG, lazy), prompts, sampling, **kw)
-    big = Shape(num_decode=4, prefill_rows=8, prefill_tokens=16, width=8, logprobs=True)
+    big = Shape(num_decode=4, prefill_rows=8, prefill_tokens=16, logprobs=True)
     for compiler in (False, True):
         engine = PagedEngine(params, CFG, dataclasses.replace(lazy, compile="background"))
         engine._compile(big)
@@ -148,7 +151,7 @@ def test_a_one_row_decode_step_writes_the_pool_in_place(params):
     keeps it a scatter). The compiled step has no copy of the pool's shape."""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="lazy"))
     pool = tuple(engine.cache["k_pages"].shape)
-    text = engine._compile(Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1)).as_text()
+    text = engine._compile(Shape(num_decode=1, prefill_rows=0, prefill_tokens=0)).as_text()
     copies = [tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", text)]
     assert copies and pool not in copies  # the pattern finds the step's other copies
 
@@ -164,7 +167,7 @@ def test_measuring_the_step_cost_compiles_two_shapes_and_leaves_the_tokens_as_th
     cost = engine.measure_step_cost(24)
     assert cost.fixed >= 0 and cost.per_token >= 0 and cost.overhead_tokens >= 0
     assert sorted(engine.compiled_shapes, key=lambda s: s.num_decode) == [
-        Shape(0, 1, 24, 8), Shape(1, 0, 0, 1)]  # 24 tokens: 6 pages, 8 columns
+        Shape(0, 1, 24), Shape(1, 0, 0)]
     assert engine.step_overhead_flops == pytest.approx(
         min(cost.overhead_tokens, engine_module.MAX_OVERHEAD_TOKENS) * dense_flops_per_token(CFG))
     got, _, _ = run(engine, prompts, [GREEDY, GREEDY], step_overhead_tokens=cost.overhead_tokens)
@@ -184,7 +187,7 @@ def test_a_step_cost_timed_on_a_busy_cpu_is_not_taken_for_free_tokens(params, mo
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock) * 0.01))
     cost = engine.measure_step_cost(24)
     assert np.isnan(cost.per_token) and cost.overhead_tokens == float("inf") and engine.step_overhead_flops == 0.0
-    assert engine.cost(Shape(4, 2, 24, 8)) > engine_module.MAX_PADDED_COST * engine.cost(Shape(1, 0, 0, 1))
+    assert engine.cost(Shape(4, 2, 24), 32) > engine_module.MAX_PADDED_COST * engine.cost(Shape(1, 0, 0), 32)
 
 
 @pytest.mark.parametrize("overhead_tokens, queued", [(0, True), (40, False)])
@@ -195,7 +198,7 @@ def test_a_near_fit_counting_the_steps_fixed_cost_is_not_compiled(params, overhe
     + 1 tokens' worth plus attention, under CLOSE_ENOUGH_COST, and stays padded."""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
     engine.step_overhead_flops = overhead_tokens * dense_flops_per_token(CFG)
-    one, two = Shape(1, 0, 0, 1), Shape(2, 0, 0, 1)
+    one, two = Shape(1, 0, 0), Shape(2, 0, 0)
     engine._compile(two)
     seen = []
     engine._enqueue = seen.append
@@ -244,14 +247,33 @@ def test_the_step_breakdown_over_the_engine_adds_up_and_times_its_assembly_and_i
     assert get("hypertron_step_seconds_count") >= 8  # a step a token at least, and one to collect the last
 
 
+def test_a_long_chunk_padded_to_blocks_for_short_rows_gets_one_compile_for_any_decode_rows(params):
+    """A server's largest shape has 8 prefill rows of 64 queries: a plan of one 512-token chunk
+    (and a few decode rows) padded to it runs the CPU reference's attention in blocks for rows of
+    64, each pair 1.8x as slow (docs/benchmarks.md). Counted in FLOPs alone it was a near fit
+    (1.03x) and never got its own compile: a load of long prompts ran at 0.7x. Counted by its
+    blocks it is queued after COMPILE_AFTER_PADDED padded runs, widened to every decode row the
+    slots allow (at 2,048 keys they add 2 %), so one compile holds that chunk beside any of them."""
+    engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="background"))
+    big, chunk = engine.largest_shape(max_prefill_rows=8, max_num_batched_tokens=512), Shape(4, 1, 512)
+    assert big == Shape(16, 8, 512) and big.holds(chunk) and big.queries_per_row == 64
+    assert engine.cost(big, 2048, 512) > engine_module.CLOSE_ENOUGH_COST * engine.cost(chunk, 2048)
+    engine._compiled[big] = "big"
+    seen = []
+    engine._enqueue = seen.append
+    for _ in range(engine_module.COMPILE_AFTER_PADDED):
+        assert engine._executable(chunk, 2048) == (big, "big")
+    assert seen == [Shape(16, 1, 512)]
+
+
 def test_a_step_waits_for_a_compile_only_when_no_compiled_shape_holds_it(params):
     """A plan whose only compiled holder costs over MAX_PADDED_COST times its own still runs
     padded to it, its own shape queued for the background at once (a wait costs every stream a
     compile's seconds); with no holder the step compiles its own now. The largest shape a
     server's settings allow holds every plan under them. (Executables stubbed: nothing compiles.)"""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
-    big, one = engine.largest_shape(max_prefill_rows=2, max_num_batched_tokens=24), Shape(1, 0, 0, 1)
-    assert big == Shape(4, 2, 24, engine.pages_per_seq)
+    big, one = engine.largest_shape(max_prefill_rows=2, max_num_batched_tokens=24), Shape(1, 0, 0)
+    assert big == Shape(4, 2, 24)
     assert engine.cost(big) > engine_module.MAX_PADDED_COST * engine.cost(one)
     engine._compiled[big] = "big"
     seen = []
@@ -260,8 +282,8 @@ def test_a_step_waits_for_a_compile_only_when_no_compiled_shape_holds_it(params)
     assert engine.compiles == {"sync": 0, "background": 0, "padded": 1}
     compiled = []
     engine._compile = lambda shape: compiled.append(shape) or "own"
-    wide = Shape(1, 0, 0, 2 * engine.pages_per_seq)  # wider than any compiled shape
-    assert engine._executable(wide) == (wide, "own") and compiled == [wide] and engine.compiles["sync"] == 1
+    other = Shape(1, 0, 0, logprobs=True)  # a variant no compiled shape has
+    assert engine._executable(other) == (other, "own") and compiled == [other] and engine.compiles["sync"] == 1
     rng = np.random.default_rng(0)
     cap = engine.pages_per_seq * 4  # positions a slot holds
     for _ in range(200):  # plans within 4 slots, 2 prefill rows and 24 tokens a step

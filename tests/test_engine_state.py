@@ -40,8 +40,8 @@ def _count_uploads(engine, monkeypatch) -> list[int]:
     def numbers(*trees) -> int:
         return sum(x.size for x in jax.tree.leaves(trees) if isinstance(x, np.ndarray))
 
-    def spy_executable(exact):
-        shape, fn = executable(exact)
+    def spy_executable(exact, keys=0):
+        shape, fn = executable(exact, keys)
 
         def counted(params, cache, state, batch):
             assert numbers(params, cache, state) == 0  # the model, pool and state stay on the device
@@ -72,7 +72,7 @@ def test_a_64_row_decode_step_at_width_128_uploads_numbers_per_row_not_per_page(
     per_step = []
     for start in (507, 508):
         plan = StepPlan.of(start, tuple(Row(s, s, start, (), pages[s], GREEDY) for s in range(rows)), ())
-        assert engine.shape(plan).width == width and engine.shape(plan).num_decode == rows
+        assert engine.shape(plan).num_decode == rows
         engine.run(plan)
         per_step.append(sum(sent))
         sent.clear()
@@ -92,7 +92,7 @@ def test_the_device_holds_each_slots_length_pages_and_tokens_as_the_host_knows_t
     shape (one compile; padding rows and tokens write nowhere that counts)."""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=2, page_size=8, num_pages=12, compile="background"))
     monkeypatch.setattr(engine, "_enqueue", lambda shape: None)
-    engine._compile(Shape(num_decode=2, prefill_rows=2, prefill_tokens=16, width=4))
+    engine._compile(Shape(num_decode=2, prefill_rows=2, prefill_tokens=16))
     sched = scheduler_for(engine, max_num_batched_tokens=16, max_prefill_rows=2)
     rng = np.random.default_rng(0)
     first, short = rng.integers(3, CFG.vocab_size, 13).tolist(), rng.integers(3, CFG.vocab_size, 6).tolist()

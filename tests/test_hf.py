@@ -224,7 +224,7 @@ def test_engine_chunked_prefill_and_mixed_steps_match_transformers(case):
     prompts = [[int(t) for t in case.tokens[0, :n]] for n in (3, 9, 12)] + [[int(t) for t in case.tokens[1, :5]]]
     new = 7
     runs = {}
-    shapes = [Shape(4, 0, 0, 8, logprobs=True), Shape(4, 2, 16, 8, logprobs=True)]  # 19 tokens: 5 pages
+    shapes = [Shape(4, 0, 0, logprobs=True), Shape(4, 2, 16, logprobs=True)]
     for ahead in (False, True):
         engine = padded_engine(case.params, case.cfg, EngineConfig(max_slots=4, page_size=4, num_pages=20,
                                                                    max_top_logprobs=3), shapes)

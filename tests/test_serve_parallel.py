@@ -19,8 +19,8 @@ from hypertron.serve.types import SamplingParams
 CONFIG = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_top_logprobs=5, compile="lazy")
 PROMPTS = [list(np.random.default_rng(i).integers(3, 500, 10 + 7 * i)) for i in range(3)]
 # One compiled step holds every plan of these prompts (each runs padded to it): 4 decode rows, 4
-# prefill rows of 16 tokens in all, 8 pages a sequence, with log-probabilities.
-SHAPES = [Shape(num_decode=4, prefill_rows=4, prefill_tokens=16, width=8, logprobs=True)]
+# prefill rows of 16 tokens in all, with log-probabilities.
+SHAPES = [Shape(num_decode=4, prefill_rows=4, prefill_tokens=16, logprobs=True)]
 
 
 def _model(preset: str, *more: str):

@@ -203,13 +203,18 @@ def quantize_kv(x: jax.Array, scale_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.
 
 def gather_pages(pages, scales, page_indices) -> jax.Array:
     """``[k, P, S, d]`` pages read through ``page_indices [b, p]`` -> float32 ``[b, k, p*S, d]``."""
+    return gather_pages_by_head(pages, scales, page_indices).transpose(1, 0, 2, 3)
+
+
+def gather_pages_by_head(pages, scales, page_indices) -> jax.Array:
+    """:func:`gather_pages` with the KV heads first, ``[k, b, p*S, d]``: the order the gather
+    makes, with no transpose."""
     num_kv_heads, _, page_size, head_dim = pages.shape
     batch, per_seq = page_indices.shape
     x_kbpsd = pages[:, page_indices].astype(jnp.float32)
     if scales is not None:
         x_kbpsd = x_kbpsd * scales[:, page_indices].astype(jnp.float32)[..., None]
-    x_kbtd = x_kbpsd.reshape(num_kv_heads, batch, per_seq * page_size, head_dim)
-    return x_kbtd.transpose(1, 0, 2, 3)
+    return x_kbpsd.reshape(num_kv_heads, batch, per_seq * page_size, head_dim)
 
 
 # ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from hypertron.kernels.backends import auto_backend
 from hypertron.kernels.ragged_attention import AUTO_BACKEND as DECODE_AUTO_BACKEND
 from hypertron.kernels.ragged_attention import (
     MIN_GROUP_ROWS,
@@ -50,7 +51,7 @@ from hypertron.kernels.ragged_attention import (
     causal_window_mask,
     check_call,
     check_pages,
-    gather_pages,
+    gather_pages_by_head,
     online_softmax_block,
     pallas_layout,
     pallas_unfit,
@@ -68,6 +69,10 @@ DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
 SHARED_CHUNKS = 4  # the reference reads a prefix its rows share in chunks of this many of its chunks
+# The reference's products for at most this many queries a row and KV head (decode rows: the GQA
+# group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
+# (2026-11-27: 64 decode rows of ~150 tokens, 8 / 4 heads x 32, one layer).
+MULTIPLY_MAX_QUERIES = 8
 
 
 def reference_block_q(queries_per_row: int | None) -> int:
@@ -75,6 +80,25 @@ def reference_block_q(queries_per_row: int | None) -> int:
     if queries_per_row is None:
         return DEFAULT_BLOCK_Q
     return min(max(pl.next_power_of_2(max(queries_per_row, 1)), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
+
+
+# The reference's time per query-key pair in blocks of each size, relative to the fastest (256):
+# one row of 512 queries after 0, 512 and 1,536 cached tokens, one layer at the serving bench's
+# heads, fastest of 15 (2026-11-27, this project's 2-core CPU): 64: 1.64-1.89, 128: 1.55-1.71,
+# 512: 1.05-1.20 (bench/chunk_attention.py --block-q).
+REFERENCE_BLOCK_SLOWDOWN = {64: 1.8, 128: 1.6, 256: 1.0}
+
+
+def pair_cost(queries_per_row: float, compiled_for: int) -> float:
+    """What a query-key pair of rows of about ``queries_per_row`` queries costs, relative to the
+    fastest, in a call whose ``queries_per_row`` was ``compiled_for``, with the ``auto`` backend:
+    the reference pads each row to whole blocks (:func:`reference_block_q` of ``compiled_for``)
+    and runs smaller blocks slower (:data:`REFERENCE_BLOCK_SLOWDOWN`); the Pallas kernel's blocks
+    do not follow it (1.0), nor is the reference measured off a CPU (1.0 there too)."""
+    if jax.default_backend() != "cpu" or auto_backend(AUTO_BACKEND, "reference") != "reference":
+        return 1.0
+    block, n = reference_block_q(compiled_for), max(queries_per_row, 1.0)
+    return -(-n // block) * block / n * REFERENCE_BLOCK_SLOWDOWN.get(block, 1.0)
 
 
 # The decode kernel's table is its own. GPU: 2026-11-26, one H200, JAX 0.11.2 (bench/gpu_campaign.py
@@ -234,6 +258,10 @@ def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_sca
     pages, from the first chunk a first query's window starts in to the last holding a query.
     Returns ``[rows, kv_heads, m, d]`` float32 (zeros for a query with no key).
 
+    Inside, KV heads lead (``[kv_heads, rows, ...]``, the order the pages gather into). A few
+    queries a row (``m <= MULTIPLY_MAX_QUERIES``: decode rows) take their products as multiplies
+    and sums on a CPU, not as dots of so few rows (64 decode rows' attention 1.7x faster there).
+
     ``shared`` (static): the whole chunks every live row's table holds alike from its start, and
     every live row has filled (a prefix the prefix cache shares), are read once for all the rows:
     one gather and one product of all the rows' queries a chunk (cascade attention), then each
@@ -243,44 +271,55 @@ def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_sca
     lo = jnp.min(jnp.where(live, jnp.maximum(pos_rm[:, 0] - window + 1, 0), 2 ** 30)) // chunk_tokens
     hi = jnp.max(pos_rm) // chunk_tokens + 1  # 0 when no query is real
     hi_prec = lax.Precision.HIGHEST
+    q_krmd = q_rkmd.transpose(1, 0, 2, 3)
+    few = q_krmd.shape[2] <= MULTIPLY_MAX_QUERIES and jax.default_backend() == "cpu"  # measured there only
 
-    def update(carry, s_rkmt, v_rktd):  # the online softmax over one chunk's scores
-        m_rkm, l_rkm, acc_rkmd = carry
-        m_new = jnp.maximum(m_rkm, jnp.max(s_rkmt, axis=-1))
+    def scores(k_rtd):  # [k, r, t, d] (or [k, t, d]: one set of keys for every row) -> [k, r, m, t]
+        if k_rtd.ndim == 3:
+            return jnp.einsum("krmd,ktd->krmt", q_krmd, k_rtd, precision=hi_prec) * sm_scale
+        if few:
+            return jnp.sum(q_krmd[:, :, :, None, :] * k_rtd[:, :, None], axis=-1) * sm_scale
+        return jnp.einsum("krmd,krtd->krmt", q_krmd, k_rtd, precision=hi_prec) * sm_scale
+
+    def update(carry, s_krmt, v_rtd):  # the online softmax over one chunk's scores
+        m_krm, l_krm, acc_krmd = carry
+        m_new = jnp.maximum(m_krm, jnp.max(s_krmt, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with no key yet
-        alpha = jnp.exp(m_rkm - m_safe)
-        p_rkmt = jnp.exp(s_rkmt - m_safe[..., None])
-        pv = (jnp.einsum("rkmt,rktd->rkmd", p_rkmt, v_rktd, precision=hi_prec) if v_rktd.ndim == 4 else
-              jnp.einsum("rkmt,ktd->rkmd", p_rkmt, v_rktd, precision=hi_prec))
-        return m_new, alpha * l_rkm + jnp.sum(p_rkmt, axis=-1), alpha[..., None] * acc_rkmd + pv
+        alpha = jnp.exp(m_krm - m_safe)
+        p_krmt = jnp.exp(s_krmt - m_safe[..., None])
+        if v_rtd.ndim == 3:
+            pv = jnp.einsum("krmt,ktd->krmd", p_krmt, v_rtd, precision=hi_prec)
+        elif few:
+            pv = jnp.sum(p_krmt[..., None] * v_rtd[:, :, None], axis=-2)
+        else:
+            pv = jnp.einsum("krmt,krtd->krmd", p_krmt, v_rtd, precision=hi_prec)
+        return m_new, alpha * l_krm + jnp.sum(p_krmt, axis=-1), alpha[..., None] * acc_krmd + pv
 
-    def valid(c, chunk_tokens=chunk_tokens):
+    def valid(c, chunk_tokens=chunk_tokens):  # [r, m, t]
         pos_t = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         return causal_window_mask(pos_rm[:, :, None], pos_t[None, None, :], window) & (pos_rm >= 0)[:, :, None]
 
     def step(c, carry):
         pages_rp = lax.dynamic_slice_in_dim(table_rp, c * ppc, ppc, axis=1)
-        k_rktd, v_rktd = (gather_pages(x, s, pages_rp) for x, s in
+        k_krtd, v_krtd = (gather_pages_by_head(x, s, pages_rp) for x, s in
                           ((k_pages, k_scales), (v_pages, v_scales)))
         valid_rmt = valid(c)
         # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
-        v_rktd = jnp.where(jnp.any(valid_rmt, axis=1)[:, None, :, None], v_rktd, 0.0)
-        s_rkmt = jnp.einsum("rkmd,rktd->rkmt", q_rkmd, k_rktd, precision=hi_prec) * sm_scale
-        return update(carry, jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf), v_rktd)
+        v_krtd = jnp.where(jnp.any(valid_rmt, axis=1)[None, :, :, None], v_krtd, 0.0)
+        return update(carry, jnp.where(valid_rmt[None], scores(k_krtd), -jnp.inf), v_krtd)
 
-    carry = (jnp.full(q_rkmd.shape[:3], -jnp.inf), jnp.zeros(q_rkmd.shape[:3]), jnp.zeros(q_rkmd.shape))
+    carry = (jnp.full(q_krmd.shape[:3], -jnp.inf), jnp.zeros(q_krmd.shape[:3]), jnp.zeros(q_krmd.shape))
     if shared:
         shared_tokens, first = shared_prefix(table_rp, live, pos_rm[:, 0], k_pages.shape[2])
         table_1p = jnp.pad(table_rp[first][None], ((0, 0), (0, -table_rp.shape[1] % (SHARED_CHUNKS * ppc))))
 
         def shared_step(c, carry, n=1):  # chunk c of n of the rows' chunks, from the shared pages
             pages_1p = lax.dynamic_slice_in_dim(table_1p, c * n * ppc, n * ppc, axis=1)
-            k_ktd, v_ktd = (gather_pages(x, s, pages_1p)[0] for x, s in
+            k_ktd, v_ktd = (gather_pages_by_head(x, s, pages_1p)[:, 0] for x, s in
                             ((k_pages, k_scales), (v_pages, v_scales)))
             valid_rmt = valid(c, n * chunk_tokens)
             v_ktd = jnp.where(jnp.any(valid_rmt, axis=(0, 1))[None, :, None], v_ktd, 0.0)
-            s_rkmt = jnp.einsum("rkmd,ktd->rkmt", q_rkmd, k_ktd, precision=hi_prec) * sm_scale
-            return update(carry, jnp.where(valid_rmt[:, None], s_rkmt, -jnp.inf), v_ktd)
+            return update(carry, jnp.where(valid_rmt[None], scores(k_ktd), -jnp.inf), v_ktd)
 
         # SHARED_CHUNKS of the rows' chunks at a time while whole ones are shared (a step's cost on a
         # CPU is mostly fixed, and one product serves every row), then one at a time.
@@ -290,8 +329,8 @@ def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_sca
         shared_hi = shared_tokens // chunk_tokens
         carry = lax.fori_loop(jnp.clip(lo, big_hi * SHARED_CHUNKS, shared_hi), shared_hi, shared_step, carry)
         lo = jnp.maximum(lo, shared_hi)
-    _, l_rkm, acc_rkmd = lax.fori_loop(lo, hi, step, carry)
-    return acc_rkmd / jnp.where(l_rkm > 0, l_rkm, 1.0)[..., None]
+    _, l_krm, acc_krmd = lax.fori_loop(lo, hi, step, carry)
+    return (acc_krmd / jnp.where(l_krm > 0, l_krm, 1.0)[..., None]).transpose(1, 0, 2, 3)
 
 
 def shared_prefix(table_rp, live_r, first_pos_r, page_size: int):

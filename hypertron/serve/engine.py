@@ -29,16 +29,20 @@ run in the order they were dispatched: the cache and the state are donated to ea
 threaded through.
 
 Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
-(powers of two up to 8, then under 25 % padding; prefill tokens at least 16); prefill rows and the
-page table's columns (the step's longest sequence's pages) to a power of two.
+(powers of two up to 8, then under 25 % padding; prefill tokens at least 16); prefill rows to a
+power of two. A step reads each row's whole page-table row (the attention stops at each row's
+length), so lengths add no shapes (until 2026-11-27 they did: a table to a power of two of pages).
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
 dozens, so a server does not wait for them (``compile="background"``): a plan whose own shape
 is not compiled yet runs padded to the cheapest compiled shape that holds it (the same tokens:
 padding rows and tokens are masked out); its own shape compiles on a background thread at once if
-that costs over ``MAX_PADDED_COST`` (4) times as much (:meth:`PagedEngine.cost`), else once it has
-run padded 8 times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded);
-with no compiled shape that holds it, the step waits for its own. A server compiles
+that costs over ``MAX_PADDED_COST`` (4) times as much (:meth:`PagedEngine.cost`, which counts the
+attention's slower blocks of a shape compiled for shorter rows), else once it has run padded 8
+times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no
+compiled shape that holds it, the step waits for its own. What compiles is its own shape with, if
+it has prefill rows, as many decode rows as cost under 1.25 times as much
+(:meth:`PagedEngine.widened`), so one compile holds a prompt's chunk beside as many decode rows. A server compiles
 :meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a
 log-probability variant not met yet waits.
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
@@ -72,12 +76,13 @@ import numpy as np
 from hypertron.config import EngineConfig, ModelConfig
 from hypertron.config.serving import MAX_PADDED_COST
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
-from hypertron.models.flops import attention_flops, dense_flops_per_token
+from hypertron.models.flops import dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
 from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.quant.lora import adapter_tokens
 from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
 from hypertron.serve.sampling import logprobs, sample_rows
+from hypertron.serve.shapes import Shape, prefill_bucket, step_flops
 from hypertron.serve.step_batch import StepBatch, unpack
 from hypertron.serve.types import StepCost, StepPlan, StepResult
 
@@ -99,17 +104,6 @@ COMPILE_AFTER_PADDED = 8
 # A step's fixed cost, once measured, counts in PagedEngine.cost up to this many tokens' worth (on an
 # accelerator a step of a few hundred tokens may cost about what one of one token does).
 MAX_OVERHEAD_TOKENS = 1e6
-# Prefill tokens: at least this many.
-MIN_PREFILL_TOKENS = 16
-# Prefill tokens are bucketed by eighths (under 12.5 % padding; decode rows and pages by
-# quarters): prefill is where a step's compute goes, and a 129-token prompt padded to 160 costs a
-# fifth more for nothing. The extra sizes compile in the background.
-PREFILL_BUCKET_PARTS = 8
-
-
-def prefill_bucket(tokens: int) -> int:
-    """The prefill tokens a step of ``tokens`` prompt tokens is compiled for."""
-    return max(bucket(tokens, PREFILL_BUCKET_PARTS), MIN_PREFILL_TOKENS)
 # Table entries and history tokens written before a step (write_deltas): at least this many, padded to a
 # power of two, so that few sizes compile.
 MIN_PAGE_WRITES = 16
@@ -124,10 +118,10 @@ SHARED_EXECUTABLES = 512
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens", "width",
+                   static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens",
                                     "want_logprobs", "prompt_logprobs", "skip_greedy", "lora"))
 def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
-         prefill_tokens: int, width: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
+         prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
          lora: bool = False):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
@@ -138,10 +132,10 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     padding; a decode row's input is ``last_tokens[slot]`` at ``lengths - 1``; the sample's key is
     at ``lengths``), ``out_idx`` (the flat index whose logits sample the row), ``out_slot`` (where
     the sample goes; ``max_slots``: nowhere), ``temperature``, ``top_k``, ``top_p``, ``seed``;
-    with ``prompt_logprobs``, ``targets [P]``. Each row reads the first ``width`` columns of its
-    slot's page table. Returns ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and,
-    when asked, ``logprobs``, ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for
-    every prefill token's target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row.
+    with ``prompt_logprobs``, ``targets [P]``. Each row reads its slot's page-table row. Returns
+    ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and, when asked, ``logprobs``,
+    ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
+    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row.
     """
     b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
@@ -156,8 +150,8 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
-    paged = PagedCache(cache, state["table"][slot, :width], lengths, query_start, token_rows, token_valid,
-                       decode_only=n_pre == 0, queries_per_row=-(-n_pre // prefill_rows) if prefill_rows else None)
+    paged = PagedCache(cache, state["table"][slot], lengths, query_start, token_rows, token_valid,
+                       decode_only=n_pre == 0, queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row)
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
@@ -201,28 +195,6 @@ def write_deltas(state: dict, pages, tokens) -> dict:
 
 # ---------------------------------------------------------------------------
 # Host side
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The static sizes of one compiled step (see :func:`step`): decode rows, prefill rows,
-    prefill tokens, page-table columns, and its variants."""
-
-    num_decode: int
-    prefill_rows: int
-    prefill_tokens: int
-    width: int
-    logprobs: bool = False
-    prompt_logprobs: bool = False
-    lora: bool = False  # some row has a LoRA adapter
-
-    def holds(self, other: Shape) -> bool:
-        """Whether a plan of shape ``other`` can run padded to this one: every size at least
-        ``other``'s, and no variant it lacks."""
-        return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
-                and self.prefill_tokens >= other.prefill_tokens and self.width >= other.width
-                and self.logprobs >= other.logprobs and self.lora >= other.lora
-                and self.prompt_logprobs >= other.prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -328,21 +300,19 @@ class PagedEngine:
         return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
-                     width=min(next_pow2(max(-(-r.end // self.page_size) for r in plan.rows)), self.pages_per_seq),
                      logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs,
                      lora=any(r.adapter >= 0 for r in plan.rows))
 
-    def cost(self, shape: Shape) -> float:
-        """A step's FLOPs as the model counts them: every token through the weights, and each
-        query against its row's pages (and each row's last query again: the reference attends
-        them as a batch over every row's pages); plus, once
-        :meth:`measure_step_cost` has measured it, the step's fixed cost in FLOPs' worth. Without
-        that, a decode of 1 row padded to 2 looks twice as costly, where a step's fixed cost makes
-        it barely more (on this project's CPU: 2 to 3 ms a step against 0.07 ms a token)."""
-        keys = shape.width * self.page_size
-        pairs = (shape.num_decode + shape.prefill_rows + shape.prefill_tokens) * keys
-        return (self.step_overhead_flops + (shape.num_decode + shape.prefill_tokens) * dense_flops_per_token(self.cfg)
-                + attention_flops(self.cfg, pairs))
+    def context(self, plan: StepPlan) -> int:
+        """The keys :meth:`cost` counts each query of ``plan`` against: its longest row's."""
+        return max(r.end for r in plan.rows)
+
+    def cost(self, shape: Shape, keys: int = 0, queries_per_row: float | None = None) -> float:
+        """:func:`~hypertron.serve.shapes.step_flops` of ``shape``, with the step's fixed cost
+        once :meth:`measure_step_cost` has measured it. Without that, a decode of 1 row padded to 2
+        looks twice as costly, where a step's fixed cost makes it barely more (on this project's
+        CPU: 2 to 3 ms a step against 0.07 ms a token)."""
+        return step_flops(self.cfg, shape, keys, queries_per_row, self.step_overhead_flops)
 
     @property
     def queued_compiles(self) -> int:
@@ -373,9 +343,8 @@ class PagedEngine:
         the decode says the machine was busy, not that tokens are free (counted so, every step would run padded to the largest compiled shape for good):
         ``per_token`` is then NaN and no fixed part is counted."""
         tokens = prefill_bucket(tokens)
-        width = min(next_pow2(-(-tokens // self.page_size)), self.pages_per_seq)
-        shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0, width=1),
-                  Shape(num_decode=0, prefill_rows=1, prefill_tokens=tokens, width=width))
+        shapes = (Shape(num_decode=1, prefill_rows=0, prefill_tokens=0),
+                  Shape(num_decode=0, prefill_rows=1, prefill_tokens=tokens))
         runs = []
         for shape in shapes:
             with self._lock:
@@ -401,28 +370,45 @@ class PagedEngine:
             cost = StepCost(cost.fixed, math.nan)
         return cost
 
-    def _executable(self, exact: Shape) -> tuple[Shape, object]:
-        """The compiled step a plan of shape ``exact`` runs as: its own; with
-        ``compile="background"``, else the cheapest compiled one that holds it (its own queued as
-        the module docstring says); else its own, compiled now."""
+    def _executable(self, exact: Shape, keys: int = 0) -> tuple[Shape, object]:
+        """The compiled step a plan of shape ``exact`` (its queries against ``keys`` keys, for
+        :meth:`cost`) runs as: its own; with ``compile="background"``, else the cheapest compiled
+        one that holds it (a shape :meth:`widened` from its own queued as the module docstring
+        says); else its own (widened, with ``compile="background"``), compiled now."""
         with self._lock:
             fn = self._compiled.get(exact)
             holders = [s for s in self._compiled if s.holds(exact)] if fn is None and self.background_compile else []
         if fn is not None:
             return exact, fn
+        cost = functools.partial(self.cost, keys=keys, queries_per_row=exact.queries_per_row)
         if holders:
-            shape = min(holders, key=self.cost)
-            ratio = self.cost(shape) / self.cost(exact)
+            shape = min(holders, key=cost)
+            ratio = cost(shape) / cost(exact)
             if ratio > CLOSE_ENOUGH_COST:
                 self._padded[exact] += 1
                 if ratio > MAX_PADDED_COST or self._padded[exact] >= COMPILE_AFTER_PADDED:
-                    self._enqueue(exact)
+                    self._enqueue(self.widened(exact, keys))
             self.compiles["padded"] += 1
             with self._lock:
                 return shape, self._compiled[shape]
         self.compiles["sync"] += 1
-        log.info("compiling %s now (%d compiled, none holds it)", exact, len(self._compiled))
-        return exact, self._compile(exact)
+        own = self.widened(exact, keys) if self.background_compile else exact
+        log.info("compiling %s now (%d compiled, none holds it)", own, len(self._compiled))
+        return own, self._compile(own)
+
+    def widened(self, exact: Shape, keys: int = 0) -> Shape:
+        """``exact`` with prefill rows, with the most decode rows (a bucket, at most ``max_slots``)
+        that cost within ``CLOSE_ENOUGH_COST`` of it, so that one compile holds the plans that
+        differ from it in their decode rows alone (a load's steps mix a prompt's chunk with however
+        many rows decode; as the rows grow longer the chunk's attention grows faster than the
+        decode rows', so the fit holds). A decode-only shape is left as it is."""
+        if not exact.prefill_rows:
+            return exact
+        cost = functools.partial(self.cost, keys=keys, queries_per_row=exact.queries_per_row)
+        sizes = sorted({min(bucket(n), self.max_slots) for n in range(exact.num_decode, self.max_slots + 1)})
+        fit = [s for s in (dataclasses.replace(exact, num_decode=n) for n in sizes)
+               if cost(s) <= CLOSE_ENOUGH_COST * cost(exact)]
+        return max(fit, key=lambda s: s.num_decode, default=exact)
 
     def largest_shape(self, max_prefill_rows: int, max_num_batched_tokens: int) -> Shape:
         """The shape that holds every plan of this engine under a scheduler's ``max_prefill_rows``
@@ -430,7 +416,7 @@ class PagedEngine:
         server's start (:meth:`precompile`), no later plan waits for a compile but one of a
         variant not met yet."""
         return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(max_prefill_rows),
-                     prefill_tokens=prefill_bucket(max_num_batched_tokens), width=self.pages_per_seq,
+                     prefill_tokens=prefill_bucket(max_num_batched_tokens),
                      lora=self.lora is not None)
 
     def precompile(self, shape: Shape) -> None:
@@ -452,7 +438,7 @@ class PagedEngine:
             params, cache, state = self._specs
             fn = step.lower(params, cache, state, self._empty_batch(shape).array, cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
-                            prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens, width=shape.width,
+                            prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
                             skip_greedy=jax.default_backend() != "gpu", lora=shape.lora).compile()
             with self._lock:
@@ -492,7 +478,7 @@ class PagedEngine:
     # -- steps ------------------------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan) -> _Pending:
-        shape, fn = self._executable(self.shape(plan))
+        shape, fn = self._executable(self.shape(plan), self.context(plan))
         start = time.perf_counter()
         batch, offsets = self._batch(plan, shape)
         pages, tokens, tables = self._deltas(plan)
