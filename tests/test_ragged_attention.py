@@ -303,6 +303,18 @@ def test_paged_attention_is_dense_attention(kv_heads, page_dtype, block_q, ppb):
             assert not np.asarray(got)[-PAD_TOKENS:].any()  # padding tokens: zeros
 
 
+def test_a_group_over_multiply_max_queries_takes_dots_and_is_dense_attention():
+    """The reference takes a row's last queries as multiplies and sums for up to
+    MULTIPLY_MAX_QUERIES query heads a KV head (the cases above) and as dots above it: 16 heads
+    over one KV head, the same mix, equals dense attention."""
+    from hypertron.kernels.ragged_paged_attention import MULTIPLY_MAX_QUERIES
+
+    heads = 2 * MULTIPLY_MAX_QUERIES
+    args, (q, k, v) = _paged_case(5, 1, "float32", MIX, heads=heads)
+    got = ragged_paged_attention(**args, backend="reference", block_q=8)
+    _assert_close(got, _dense_ragged(q, k, v, MIX), 1e-5)
+
+
 def test_a_decode_only_step_takes_the_decode_kernel_where_it_is_auto(monkeypatch):
     """Where the decode kernel's table picks Pallas (a GPU; here the CPU, patched, in interpret
     mode), a decode-only call with ``backend="auto"`` runs it: the reference's numbers, a row with
