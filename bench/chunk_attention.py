@@ -6,8 +6,9 @@ by rows: the same queries as one row or as several.
 
 At the serving bench's model shape (8 query heads, 4 KV heads, head dim 32, float32; 16-token
 pages): ``--tokens`` queries split evenly over ``--rows`` rows, each row a chunk after ``--cached``
-cached tokens of its own (its pages distinct; ``--shared``: one prefix, the same pages), the page table a power of two of the longest
-row's pages wide (the engine's is ``max_seq_len`` wide since 2026-11-27: the loops stop at each
+cached tokens of its own (its pages distinct; ``--shared``: one prefix, the same pages, as the
+prefix cache shares a system prompt), the page table a power of two of the longest row's pages
+wide (the engine's is ``max_seq_len`` wide since 2026-11-27: the loops stop at each
 row's length either way), with the engine's block of queries for rows that long or each of
 ``--block-q`` (before 2026-11-27 the default was blocks of 64 whatever the rows). Jitted; the cases take turns (so a busy machine slows
 each alike), the fastest of ``--repeats`` synced calls after a warm-up; one line per case.
