@@ -280,3 +280,83 @@ def test_a_bad_sampling_value_is_one_message_as_a_400_and_as_an_error_line(run_d
     # a prompt + --max-new-tokens past the context: generate's one check, one line
     r = run_cli(["generate", "--model", run_dir, "--prompt", "hi", "--max-new-tokens", "64"])
     one_error_line(r, "--prompt", "max_seq_len=64")
+
+
+def test_a_compile_cache_that_is_a_file_is_one_line_before_anything_loads(tmp_path):
+    from support.cli import one_error_line, run_cli
+
+    (tmp_path / "cache").write_text("")
+    one_error_line(run_cli(["serve", "--model", tmp_path / "run", "--port", "0", "--compile-cache", tmp_path / "cache"]),
+                   "--compile-cache", "cache: not a directory")
+
+
+def test_the_shape_memory_keeps_the_most_recent_and_starts_afresh_from_a_file_it_cannot_read(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """No JAX: shapes come back in the order last compiled, at most REMEMBERED_SHAPES of them; a file
+    that is not a list of well-typed shapes is a warning and a new list, written over at the next
+    compile; a folder that cannot be written is a warning, never an error."""
+    import json
+
+    from hypertron.serve import shapes
+    from hypertron.serve.shapes import Shape, ShapeMemory
+
+    monkeypatch.setattr(shapes, "REMEMBERED_SHAPES", 3)
+    a, b, c, d = (Shape(n, 0, 0) for n in (1, 2, 4, 8))
+    lp = Shape(4, 1, 16, logprobs=True)
+    memory = ShapeMemory(tmp_path / "deep" / "er", "abc")
+    assert memory.shapes == []
+    for s in (a, b, a, c, lp):
+        memory.add(s)
+    assert memory.shapes == ShapeMemory(tmp_path / "deep" / "er", "abc").shapes == [a, c, lp]
+    assert ShapeMemory(tmp_path / "deep" / "er", "other").shapes == []
+    path = memory.path
+    for text in ("not json", "{}", '[{"num_decode": 1}]', '[{"num_decode": "2", "prefill_rows": 0, "prefill_tokens": 0}]',
+                 '[{"num_decode": -1, "prefill_rows": 0, "prefill_tokens": 0}]',
+                 '[{"num_decode": 1, "prefill_rows": 0, "prefill_tokens": 0, "lora": 1}]'):
+        path.write_text(text)
+        caplog.clear()
+        assert ShapeMemory(path.parent, "abc").shapes == [], text
+        assert "starting a new one" in caplog.text, text
+    fresh = ShapeMemory(path.parent, "abc")
+    fresh.add(d)
+    assert json.loads(path.read_text()) == [dataclasses.asdict(d)]
+    (tmp_path / "file").write_text("")
+    caplog.clear()
+    ShapeMemory(tmp_path / "file", "abc").add(a)  # its folder is a file: kept in memory only
+    assert "cannot keep the compiled step shapes" in caplog.text
+
+
+def test_a_server_keeps_the_shapes_it_compiled_and_compiles_them_first_at_its_next_start(run_dir, tmp_path):
+    """What one server's engine compiled, the next with the same model and settings compiles in the
+    background at its start (from JAX's persistent cache, in a new process); another setting keeps
+    its own."""
+    import time
+
+    from hypertron.serve.engine import load_engine
+    from hypertron.serve.server import orchestrate
+    from hypertron.serve.shapes import Shape, ShapeMemory
+
+    serve = _config(["--checkpoint", run_dir, "--prefill-groups", "max", "--max-slots", "2"])
+
+    def start(serve):
+        engine, tokenizer, _ = load_engine(run_dir, serve.engine)
+        orchestrate(engine, tokenizer, serve, ShapeMemory(tmp_path, engine.program_digest))
+        return engine
+
+    def settled(engine):
+        for _ in range(600):
+            if not engine.queued_compiles:
+                return engine
+            time.sleep(0.1)
+        raise AssertionError("compiles still queued after 60 s")
+
+    first = settled(start(serve))
+    largest = first.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens)
+    small = Shape(num_decode=1, prefill_rows=1, prefill_tokens=16)
+    first.precompile(small)
+    settled(first)
+    assert ShapeMemory(tmp_path, first.program_digest).shapes == [largest, small]
+    second = settled(start(serve))
+    assert second.program_digest == first.program_digest and set(second.compiled_shapes) == {largest, small}
+    other = settled(start(dataclasses.replace(serve, max_slots=1)))
+    assert other.program_digest != first.program_digest and small not in other.compiled_shapes

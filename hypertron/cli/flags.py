@@ -142,6 +142,8 @@ def add_output_flags(parser: argparse.ArgumentParser, verb: str) -> None:
 
 
 COMPILE_CACHE_OFF = ("none", "off")
+COMPILE_CACHE_HELP = ("JAX's persistent compilation cache: a later process loads the programs an earlier one "
+                      "compiled (default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/hypertron/jax); none: off")
 
 
 def default_compile_cache() -> str:
@@ -154,10 +156,7 @@ def default_compile_cache() -> str:
 
 def add_compile_cache(command: argparse.ArgumentParser) -> None:
     """``--compile-cache DIR|none`` on ``command``; :func:`use_compile_cache` applies it."""
-    command.add_argument("--compile-cache", default=None, metavar="DIR",
-                         help="JAX's persistent compilation cache: a later process loads the programs an earlier "
-                              "one compiled (default: $JAX_COMPILATION_CACHE_DIR, else "
-                              "$XDG_CACHE_HOME/hypertron/jax); none: off")
+    command.add_argument("--compile-cache", default=None, metavar="DIR", help=COMPILE_CACHE_HELP)
 
 
 def use_compile_cache(value: str | None) -> Path | None:

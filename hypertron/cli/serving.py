@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 import os
 
-from hypertron.cli.flags import add_command, add_command_group, add_dataclass_flags, flag
+from hypertron.cli.flags import (COMPILE_CACHE_HELP, add_command, add_command_group, add_dataclass_flags, flag,
+                                  use_compile_cache)
 from hypertron.config import ServeConfig, load_serve_config
 from hypertron.config.schema import DIFFUSION_DTYPE
 from hypertron.config.serving import CPU_AHEAD_MAX_TOKENS, IMAGE_DEFAULTS
@@ -52,6 +53,8 @@ _SERVE_FLAGS: dict[str, dict] = {
     "compile": dict(help="background: a new step shape compiles in the background while its steps run "
                          "padded to a compiled shape that holds it (the largest compiles at start); lazy: a step "
                          "waits for its shape's compile"),
+    "compile_cache": dict(metavar="DIR", help=f"{COMPILE_CACHE_HELP}; a text model's server also keeps there "
+                                              "the step shapes it compiled, and loads them at its next start"),
     "dispatch_ahead": dict(help="dispatch each step before the last one's tokens reach the host; auto: on "
                                 f"an accelerator, and for steps of at most {CPU_AHEAD_MAX_TOKENS} tokens on a CPU"),
     "max_queue": dict(metavar="N", help="requests waiting for a slot before new ones get 429"),
@@ -117,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     /v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus); or a diffusers folder
     (model_index.json): POST /v1/images/generations. Binds 127.0.0.1 unless told."""
     cfg = serve_config_from_args(args)
+    use_compile_cache(cfg.compile_cache)
     if cfg.serves_images:  # a diffusers pipeline folder
         from hypertron.serve.images import main as serve_images
         return serve_images(cfg)

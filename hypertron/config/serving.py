@@ -159,6 +159,7 @@ class ServeConfig:
     max_top_logprobs: int = _E.max_top_logprobs
     quantize: DiffusionQuantization = "none"  # a run or Hugging Face directory: a WeightQuantization (no fp8)
     compile: CompileMode = _E.compile
+    compile_cache: str | None = None  # JAX's persistent compilation cache's folder; None: the default; "none": off
     dispatch_ahead: DispatchAhead = _S.dispatch_ahead
     max_queue: int = _S.max_queue
     max_prompt_tokens: int | None = None  # None: max_seq_len - 1

@@ -44,7 +44,8 @@ compiled shape that holds it, the step waits for its own. What compiles is its o
 it has prefill rows, as many decode rows as cost under 1.25 times as much
 (:meth:`PagedEngine.widened`), so one compile holds a prompt's chunk beside as many decode rows. A server compiles
 :meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a
-log-probability variant not met yet waits.
+log-probability variant not met yet waits, and then the shapes its last run compiled
+(:class:`~hypertron.serve.shapes.ShapeMemory`, loaded from JAX's persistent compilation cache).
 Without it (``hypertron generate``, most tests), a shape is compiled the first time a plan needs it.
 Engines of one process share their compiled steps: one whose model, settings and step shape match
 another's uses that one's executable (:data:`SHARED_EXECUTABLES`).
@@ -62,6 +63,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import queue
@@ -276,7 +278,7 @@ class PagedEngine:
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
         self.compile_seconds = 0.0
         self.step_overhead_flops = 0.0  # a step's fixed cost in FLOPs' worth (measure_step_cost sets it)
-        self.on_compiled = None  # called with no arguments after each compile, on the compiling thread
+        self.on_compiled = None  # called with each shape compiled, after its compile, on the compiling thread
         self._compiled: dict[Shape, object] = {}
         self._lock = threading.Lock()
         self._todo: queue.Queue[Shape | None] = queue.Queue()
@@ -313,6 +315,14 @@ class PagedEngine:
         looks twice as costly, where a step's fixed cost makes it barely more (on this project's
         CPU: 2 to 3 ms a step against 0.07 ms a token)."""
         return step_flops(self.cfg, shape, keys, queries_per_row, self.step_overhead_flops)
+
+    @property
+    def program_digest(self) -> str:
+        """A digest of what a compiled step depends on but its shape: the model, the arguments'
+        shapes and placement, JAX's version and backend (the name :class:`~hypertron.serve.shapes.ShapeMemory` keeps
+        this engine's shapes under)."""
+        key = repr((self._key, jax.__version__, jax.default_backend()))
+        return hashlib.sha256(key.encode()).hexdigest()[:24]
 
     @property
     def queued_compiles(self) -> int:
@@ -450,7 +460,7 @@ class PagedEngine:
         with self._lock:
             fn = self._compiled.setdefault(shape, fn)
         if self.on_compiled is not None:
-            self.on_compiled()
+            self.on_compiled(shape)
         return fn
 
     def _enqueue(self, shape: Shape) -> None:

@@ -71,6 +71,7 @@ from hypertron.serve.api import (
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
+from hypertron.serve.shapes import ShapeMemory
 from hypertron.serve.types import LoraError, SamplingError, SamplingParams, TokenLogprobs, check_token_ids
 from hypertron.tokenizer import compile_chat_template, render_chat
 
@@ -533,7 +534,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
 
     engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize,
                                                 lora_modules=serve.lora_adapters())
-    orchestrator = orchestrate(engine, tokenizer, serve)
+    orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
                      chat_template=tokenizer.chat_template, openapi=serve.openapi,
@@ -541,12 +542,15 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     return app, orchestrator
 
 
-def orchestrate(engine, tokenizer, serve: ServeConfig) -> Orchestrator:
+def orchestrate(engine, tokenizer, serve: ServeConfig, memory: ShapeMemory | None = None) -> Orchestrator:
     """The orchestrator (not started) of ``engine`` as ``hypertron serve`` readies it: a step's cost
-    measured (``prefill_groups: auto``), the largest shape compiling in the background
-    (``compile: background``), ``serve.scheduler`` whole. ``bench/serve.py --profile`` uses it too."""
+    measured (``prefill_groups: auto``), the largest shape and then ``memory``'s compiling in the
+    background (``compile: background``), each shape compiled from now on kept in ``memory``,
+    ``serve.scheduler`` whole. ``bench/serve.py --profile`` uses it too."""
     from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
 
+    if memory is not None:
+        engine.on_compiled = memory.add
     overhead = None
     if serve.prefill_groups == "auto":
         cost = engine.measure_step_cost(serve.max_num_batched_tokens)
@@ -562,6 +566,8 @@ def orchestrate(engine, tokenizer, serve: ServeConfig) -> Orchestrator:
                   "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
     if serve.compile == "background":  # then no step waits for a compile but one of a variant not met yet
         engine.precompile(engine.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens))
+        for shape in memory.shapes if memory is not None else ():  # the last run's, before a load meets them
+            engine.precompile(shape)
     return Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
 
 
@@ -577,7 +583,8 @@ def main(serve: ServeConfig) -> int:
     # adds, is frozen (gc.freeze): left out of collections, still freed when no longer referenced.
     gc.collect()
     gc.freeze()
-    engine.on_compiled = gc.freeze
+    keep = engine.on_compiled or (lambda shape: None)
+    engine.on_compiled = lambda shape: (keep(shape), gc.freeze())
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     run(app, serve.host, serve.port)
     return 0
