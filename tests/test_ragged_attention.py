@@ -390,3 +390,28 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     for window in (None, WINDOW):
         got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
         _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)
+
+
+def test_prompt_rows_sharing_a_prefix_read_it_once_in_blocks_across_rows_and_get_dense_attention(monkeypatch):
+    """Chunks of several rows after three pages they share (and decode rows beside them): every
+    query but each row's last reads the shared pages first, in blocks of the step's tokens that
+    cross rows (4 tokens here), two of the rows' chunks a product and then one, and then its own
+    row's pages from where that stopped; equals dense attention, with and without a window."""
+    mix = [(60, 1), (55, 7), (49, 1), (0, 0), (52, 4), (80, 30), (51, 3)]
+    args, (q, k, v) = _paged_case(8, 2, "float32", mix)
+    table = np.asarray(args["page_table"]).copy()
+    for r, (n, _) in enumerate(mix):
+        if r and n:
+            table[r, :3] = table[0, :3]
+            k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
+    args["page_table"] = jnp.asarray(table)
+    counts = np.array([c for _, c in mix])
+    first = np.array([n for n, _ in mix]) - counts  # each row's first query's position
+    shared, _ = rpa.shared_prefix(args["page_table"], jnp.asarray(counts > 1), jnp.asarray(first), S)
+    assert int(shared) == 3 * S  # what every row of several queries shares: the three pages
+    monkeypatch.setattr(rpa, "REFERENCE_CHUNK_TOKENS", S)
+    monkeypatch.setattr(rpa, "EVERY_BLOCK_Q", 4)
+    monkeypatch.setattr(rpa, "EVERY_SHARED_CHUNKS", 2)
+    for window in (None, WINDOW):
+        got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
+        _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)

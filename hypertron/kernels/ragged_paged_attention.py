@@ -13,7 +13,8 @@ Backends (``backend=``):
     Plain JAX, the CPU path: every row's last query in one batch over the rows, the rest in
     blocks of one row's queries, a loop over just the blocks there are; each reads only its row's
     pages, a chunk at a time, from the first its window reaches to the one holding its last
-    query, with an online softmax (:func:`ragged_paged_attention_reference`).
+    query, with an online softmax (:func:`ragged_paged_attention_reference`). A prefix the rows
+    share (the prefix cache's pages) is read once for all of them first (cascade attention).
 ``"pallas"``
     A Pallas kernel for the Triton lowering: one program per ``(block of one row's queries, kv
     head)`` (:func:`query_tiles`; a grid of ``ceil(tokens / block_q) + rows`` blocks, the unused
@@ -68,6 +69,13 @@ from hypertron.kernels.ragged_attention import (
 DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
+# Queries of rows with several (prompts) read a prefix their rows share in blocks of this many
+# of the step's tokens, whatever rows they are in, this many of the chunks above a product: of
+# 64-256 tokens and 1-4 chunks, 256 and 2 were fastest or near it for 1 to 8 rows of 64 to 512
+# queries after a shared 1,024 (2026-11-27, this project's CPU, 8 / 4 heads x 32): 1.4-1.9x the
+# blocks of one row each for rows of 64-128 queries, the same for one row of 512.
+EVERY_BLOCK_Q = 256
+EVERY_SHARED_CHUNKS = 2
 SHARED_CHUNKS = 4  # the reference reads a prefix its rows share in chunks of this many of its chunks
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
 # group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
@@ -202,14 +210,17 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     just the blocks there are (a dynamic trip count). Each reads its row's pages,
     :data:`REFERENCE_CHUNK_TOKENS` at a time, from the first its first query's window reaches to
     the one holding its last query, with an online softmax in float32: the cost follows the
-    queries and their context, not rows x queries nor the page table's width.
+    queries and their context, not rows x queries nor the page table's width. Where the rows
+    share a prefix (the same pages from the start), both parts read it once for all their rows
+    first (:func:`_attend_pages`' ``shared``; :func:`_shared_prefix_first`), and each block goes on
+    from there.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group, capacity = num_heads // num_kv_heads, page_table.shape[1] * page_size
     ppc = max(1, REFERENCE_CHUNK_TOKENS // page_size)  # pages per chunk
-    attend = functools.partial(
-        _attend_pages, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
+    chunks = functools.partial(
+        _Chunks, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
         window=capacity if window is None else window, ppc=ppc)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
@@ -225,13 +236,16 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     # Every row's last query (index n for an empty row: zeros, dropped).
     last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
     pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
-    out_last = attend(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, table, shared=True)
+    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm), table, shared=True)
     out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
         return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
 
-    # The others: blocks of one row's queries.
+    # The others: first all at once over a prefix their rows share, then blocks of one row's
+    # queries, each from there over its row's own pages.
+    carry, start = _shared_prefix_first(q_pad[:n], kv_lens, table, query_start, chunks, block_q=block_q,
+                                        page_size=page_size, ppc=ppc)
     rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=True)
     out = jnp.zeros((n + block_q, num_kv_heads, group, head_dim), jnp.float32)
 
@@ -239,8 +253,11 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
         r, first, count = rows_t[t], first_t[t], count_t[t]
         pos_q = kv_lens[r] - (query_start[r + 1] - first) + jnp.arange(block_q, dtype=jnp.int32)
         pos_q = jnp.where(jnp.arange(block_q) < count, pos_q, -1)  # -1: not this block's
-        got_kmd = attend(rows_m(lax.dynamic_slice_in_dim(q_pad, first, block_q))[None],
-                         jnp.repeat(pos_q, group)[None], table[r][None])[0]
+        mine = chunks(rows_m(lax.dynamic_slice_in_dim(q_pad, first, block_q))[None],
+                      jnp.repeat(pos_q, group)[None])
+        carry_t = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, first * group, block_q * group, axis=2),
+                               carry)
+        got_kmd = mine.result(mine.own(carry_t, table[r][None], jnp.maximum(mine.lo, start)))[0]
         got = got_kmd.reshape(num_kv_heads, block_q, group, head_dim).transpose(1, 0, 2, 3)
         keep = (jnp.arange(block_q) < count)[:, None, None, None]
         old = lax.dynamic_slice_in_dim(out, first, block_q)
@@ -251,86 +268,161 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
 
 
-def _attend_pages(q_rkmd, pos_rm, table_rp, *, k_pages, v_pages, k_scales, v_scales, sm_scale,
-                  window, ppc, shared: bool = False):
-    """Queries ``[rows, kv_heads, m, d]`` at positions ``pos_rm`` (-1: none; ``[:, 0]`` the
-    earliest) each over its row's pages ``table_rp``: an online softmax over chunks of ``ppc``
-    pages, from the first chunk a first query's window starts in to the last holding a query.
-    Returns ``[rows, kv_heads, m, d]`` float32 (zeros for a query with no key).
+def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q: int, page_size: int, ppc: int):
+    """Every query but its row's last (rows of several queries: prompts) over the whole chunks of
+    a prefix all those rows share (:func:`shared_prefix`; with prefix caching, a system prompt),
+    read once for the step in blocks of :data:`EVERY_BLOCK_Q` of the step's tokens, whatever
+    rows they are in (cascade attention: rows of few queries each would read the prefix once a
+    row, in small products). Returns the online softmax's state for each token (``[kv_heads, 1,
+    tokens * group, ...]``, token-major, padded so that a block of ``block_q`` slices it
+    anywhere) and the chunk each row goes on from."""
+    n, num_kv_heads, group, head_dim = q_nkgd.shape
+    n_r = query_start[1:] - query_start[:-1]
+    every_q = min(EVERY_BLOCK_Q, n)
+    size = n + max(every_q, block_q)  # a block of either size fits from any token on
+    token = jnp.arange(size, dtype=jnp.int32)
+    row_n = jnp.minimum(jnp.searchsorted(query_start[1:], token, side="right", method="compare_all"),
+                        n_r.shape[0] - 1)
+    ahead_n = query_start[row_n + 1] - token  # 1: the row's last query; under 1: padding
+    pos_n = jnp.where(ahead_n > 1, kv_lens[row_n] - ahead_n, -1)
+    q_every = jnp.pad(q_nkgd, ((0, size - n), (0, 0), (0, 0), (0, 0)))
+    shared, first_row = shared_prefix(table, n_r > 1, kv_lens - n_r, page_size)
+    # Blocks from the first token with a query here to the last (the decode rows' tokens before
+    # them, and padding after, are left out).
+    some = jnp.where(pos_n >= 0, token, -1)
+    first = jnp.min(jnp.where(some >= 0, some, n))
+    blocks = jnp.where(shared > 0, jnp.maximum(jnp.max(some) - first, -1) // every_q + 1, 0)
 
-    Inside, KV heads lead (``[kv_heads, rows, ...]``, the order the pages gather into). A few
-    queries a row (``m <= MULTIPLY_MAX_QUERIES``: decode rows) take their products as multiplies
-    and sums on a CPU, not as dots of so few rows (64 decode rows' attention 1.7x faster there).
+    def block(i, carry):
+        at = first + i * every_q
+        x_qkgd = lax.dynamic_slice_in_dim(q_every, at, every_q)
+        c = chunks(x_qkgd.transpose(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim),
+                   jnp.repeat(lax.dynamic_slice_in_dim(pos_n, at, every_q), group)[None])
+        got, _ = c.shared(c.init(), table[first_row], shared, EVERY_SHARED_CHUNKS, rest=False)
+        return jax.tree.map(lambda a, x: lax.dynamic_update_slice_in_dim(a, x, at * group, axis=2), carry, got)
+
+    init = _Chunks.empty(num_kv_heads, 1, size * group, head_dim)
+    read = shared // (EVERY_SHARED_CHUNKS * ppc * page_size) * EVERY_SHARED_CHUNKS  # the chunks read here
+    return lax.fori_loop(0, blocks, block, init), read
+
+
+def _attend_pages(chunks: _Chunks, table_rp, *, shared: bool = False):
+    """Each row's queries of ``chunks`` over its row's pages ``table_rp``, from the first chunk a
+    first query's window starts in to the last holding a query: ``[rows, kv_heads, m, d]``
+    float32 (zeros for a query with no key).
 
     ``shared`` (static): the whole chunks every live row's table holds alike from its start, and
     every live row has filled (a prefix the prefix cache shares), are read once for all the rows:
     one gather and one product of all the rows' queries a chunk (cascade attention), then each
     row's own chunks after them. Rows that share nothing cost one comparison of the tables."""
-    chunk_tokens = ppc * k_pages.shape[2]
-    live = pos_rm[:, 0] >= 0
-    lo = jnp.min(jnp.where(live, jnp.maximum(pos_rm[:, 0] - window + 1, 0), 2 ** 30)) // chunk_tokens
-    hi = jnp.max(pos_rm) // chunk_tokens + 1  # 0 when no query is real
-    hi_prec = lax.Precision.HIGHEST
-    q_krmd = q_rkmd.transpose(1, 0, 2, 3)
-    few = q_krmd.shape[2] <= MULTIPLY_MAX_QUERIES and jax.default_backend() == "cpu"  # measured there only
+    carry, lo = chunks.init(), chunks.lo
+    if shared:
+        first_pos = chunks.pos[:, 0]
+        tokens, first = shared_prefix(table_rp, first_pos >= 0, first_pos, chunks.page_size)
+        carry, start = chunks.shared(carry, table_rp[first], tokens)
+        lo = jnp.maximum(lo, start)
+    return chunks.result(chunks.own(carry, table_rp, lo))
 
-    def scores(k_rtd):  # [k, r, t, d] (or [k, t, d]: one set of keys for every row) -> [k, r, m, t]
+
+class _Chunks:
+    """Queries ``[rows, kv_heads, m, d]`` at positions ``pos_rm`` (-1: none) reading pages a chunk
+    of ``ppc`` pages at a time, with an online softmax in float32 whose state (``carry``: running
+    max, sum and output) goes from one read to the next: the reference's inner loop.
+
+    Inside, KV heads lead (``[kv_heads, rows, ...]``, the order the pages gather into). A few
+    queries a row (``m <= MULTIPLY_MAX_QUERIES``: decode rows) take their products as multiplies
+    and sums on a CPU, not as dots of so few rows (64 decode rows' attention 1.7x faster there)."""
+
+    def __init__(self, q_rkmd, pos_rm, *, k_pages, v_pages, k_scales, v_scales, sm_scale, window, ppc):
+        self.q, self.pos = q_rkmd.transpose(1, 0, 2, 3), pos_rm
+        self.kv = ((k_pages, k_scales), (v_pages, v_scales))
+        self.sm_scale, self.window, self.ppc = sm_scale, window, ppc
+        self.page_size = k_pages.shape[2]
+        self.chunk_tokens = ppc * self.page_size
+        # The first chunk a query's window reaches, and the chunk after the last holding a query
+        # (lo > hi when no query is real).
+        self.lo = jnp.min(jnp.where(pos_rm >= 0, jnp.maximum(pos_rm - window + 1, 0), 2 ** 30)) // self.chunk_tokens
+        self.hi = jnp.max(pos_rm) // self.chunk_tokens + 1
+        self.few = self.q.shape[2] <= MULTIPLY_MAX_QUERIES and jax.default_backend() == "cpu"  # measured there only
+
+    def init(self):
+        """The state before any chunk: no key seen."""
+        return self.empty(*self.q.shape)
+
+    @staticmethod
+    def empty(kv_heads: int, rows: int, m: int, head_dim: int):
+        """An online softmax's state before any key, for ``[kv_heads, rows, m]`` queries."""
+        return (jnp.full((kv_heads, rows, m), -jnp.inf), jnp.zeros((kv_heads, rows, m)),
+                jnp.zeros((kv_heads, rows, m, head_dim)))
+
+    def result(self, carry):
+        """``[rows, kv_heads, m, d]``: what the chunks read so far gave."""
+        _, l_krm, acc_krmd = carry
+        return (acc_krmd / jnp.where(l_krm > 0, l_krm, 1.0)[..., None]).transpose(1, 0, 2, 3)
+
+    def own(self, carry, table_rp, lo):
+        """``carry`` on over each row's own pages ``table_rp``, the chunks from ``lo`` on."""
+        def step(c, carry):
+            pages_rp = lax.dynamic_slice_in_dim(table_rp, c * self.ppc, self.ppc, axis=1)
+            k_krtd, v_krtd = (gather_pages_by_head(x, s, pages_rp) for x, s in self.kv)
+            valid_rmt = self._valid(c, self.chunk_tokens)
+            # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
+            v_krtd = jnp.where(jnp.any(valid_rmt, axis=1)[None, :, :, None], v_krtd, 0.0)
+            return self._update(carry, jnp.where(valid_rmt[None], self._scores(k_krtd), -jnp.inf), v_krtd)
+
+        return lax.fori_loop(lo, self.hi, step, carry)
+
+    def shared(self, carry, table_p, tokens, per_step: int = SHARED_CHUNKS, rest: bool = True):
+        """``carry`` on over the whole chunks of the first ``tokens`` of ``table_p``, pages every
+        row reads alike (:func:`shared_prefix`): each chunk gathered once for all the rows,
+        ``per_step`` of them a product while there are so many (a step's cost on a CPU is mostly
+        fixed, and one product serves every row), then one at a time (``rest=False``: not, one
+        loop less to compile; the rows' own loops read them). Returns the carry and the chunk
+        after those read."""
+        table_1p = jnp.pad(table_p[None], ((0, 0), (0, -table_p.shape[0] % (per_step * self.ppc))))
+
+        def step(c, carry, n=1):  # chunk c of n of the rows' chunks
+            pages_1p = lax.dynamic_slice_in_dim(table_1p, c * n * self.ppc, n * self.ppc, axis=1)
+            k_ktd, v_ktd = (gather_pages_by_head(x, s, pages_1p)[:, 0] for x, s in self.kv)
+            valid_rmt = self._valid(c, n * self.chunk_tokens)
+            v_ktd = jnp.where(jnp.any(valid_rmt, axis=(0, 1))[None, :, None], v_ktd, 0.0)
+            return self._update(carry, jnp.where(valid_rmt[None], self._scores(k_ktd), -jnp.inf), v_ktd)
+
+        big_hi = tokens // (per_step * self.chunk_tokens)
+        carry = lax.fori_loop(jnp.minimum(self.lo // per_step, big_hi), big_hi,
+                              functools.partial(step, n=per_step), carry)
+        if not rest:
+            return carry, big_hi * per_step
+        end = tokens // self.chunk_tokens
+        return lax.fori_loop(jnp.clip(self.lo, big_hi * per_step, end), end, step, carry), end
+
+    def _scores(self, k_rtd):  # [k, r, t, d] (or [k, t, d]: one set of keys for every row) -> [k, r, m, t]
+        hi = lax.Precision.HIGHEST
         if k_rtd.ndim == 3:
-            return jnp.einsum("krmd,ktd->krmt", q_krmd, k_rtd, precision=hi_prec) * sm_scale
-        if few:
-            return jnp.sum(q_krmd[:, :, :, None, :] * k_rtd[:, :, None], axis=-1) * sm_scale
-        return jnp.einsum("krmd,krtd->krmt", q_krmd, k_rtd, precision=hi_prec) * sm_scale
+            return jnp.einsum("krmd,ktd->krmt", self.q, k_rtd, precision=hi) * self.sm_scale
+        if self.few:
+            return jnp.sum(self.q[:, :, :, None, :] * k_rtd[:, :, None], axis=-1) * self.sm_scale
+        return jnp.einsum("krmd,krtd->krmt", self.q, k_rtd, precision=hi) * self.sm_scale
 
-    def update(carry, s_krmt, v_rtd):  # the online softmax over one chunk's scores
+    def _update(self, carry, s_krmt, v_rtd):  # the online softmax over one chunk's scores
         m_krm, l_krm, acc_krmd = carry
         m_new = jnp.maximum(m_krm, jnp.max(s_krmt, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with no key yet
         alpha = jnp.exp(m_krm - m_safe)
         p_krmt = jnp.exp(s_krmt - m_safe[..., None])
+        hi = lax.Precision.HIGHEST
         if v_rtd.ndim == 3:
-            pv = jnp.einsum("krmt,ktd->krmd", p_krmt, v_rtd, precision=hi_prec)
-        elif few:
+            pv = jnp.einsum("krmt,ktd->krmd", p_krmt, v_rtd, precision=hi)
+        elif self.few:
             pv = jnp.sum(p_krmt[..., None] * v_rtd[:, :, None], axis=-2)
         else:
-            pv = jnp.einsum("krmt,krtd->krmd", p_krmt, v_rtd, precision=hi_prec)
+            pv = jnp.einsum("krmt,krtd->krmd", p_krmt, v_rtd, precision=hi)
         return m_new, alpha * l_krm + jnp.sum(p_krmt, axis=-1), alpha[..., None] * acc_krmd + pv
 
-    def valid(c, chunk_tokens=chunk_tokens):  # [r, m, t]
+    def _valid(self, c, chunk_tokens):  # [r, m, t]: the pairs of chunk c (of chunk_tokens) that attend
         pos_t = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        return causal_window_mask(pos_rm[:, :, None], pos_t[None, None, :], window) & (pos_rm >= 0)[:, :, None]
-
-    def step(c, carry):
-        pages_rp = lax.dynamic_slice_in_dim(table_rp, c * ppc, ppc, axis=1)
-        k_krtd, v_krtd = (gather_pages_by_head(x, s, pages_rp) for x, s in
-                          ((k_pages, k_scales), (v_pages, v_scales)))
-        valid_rmt = valid(c)
-        # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
-        v_krtd = jnp.where(jnp.any(valid_rmt, axis=1)[None, :, :, None], v_krtd, 0.0)
-        return update(carry, jnp.where(valid_rmt[None], scores(k_krtd), -jnp.inf), v_krtd)
-
-    carry = (jnp.full(q_krmd.shape[:3], -jnp.inf), jnp.zeros(q_krmd.shape[:3]), jnp.zeros(q_krmd.shape))
-    if shared:
-        shared_tokens, first = shared_prefix(table_rp, live, pos_rm[:, 0], k_pages.shape[2])
-        table_1p = jnp.pad(table_rp[first][None], ((0, 0), (0, -table_rp.shape[1] % (SHARED_CHUNKS * ppc))))
-
-        def shared_step(c, carry, n=1):  # chunk c of n of the rows' chunks, from the shared pages
-            pages_1p = lax.dynamic_slice_in_dim(table_1p, c * n * ppc, n * ppc, axis=1)
-            k_ktd, v_ktd = (gather_pages_by_head(x, s, pages_1p)[:, 0] for x, s in
-                            ((k_pages, k_scales), (v_pages, v_scales)))
-            valid_rmt = valid(c, n * chunk_tokens)
-            v_ktd = jnp.where(jnp.any(valid_rmt, axis=(0, 1))[None, :, None], v_ktd, 0.0)
-            return update(carry, jnp.where(valid_rmt[None], scores(k_ktd), -jnp.inf), v_ktd)
-
-        # SHARED_CHUNKS of the rows' chunks at a time while whole ones are shared (a step's cost on a
-        # CPU is mostly fixed, and one product serves every row), then one at a time.
-        big_hi = shared_tokens // (SHARED_CHUNKS * chunk_tokens)
-        carry = lax.fori_loop(jnp.minimum(lo // SHARED_CHUNKS, big_hi), big_hi,
-                              functools.partial(shared_step, n=SHARED_CHUNKS), carry)
-        shared_hi = shared_tokens // chunk_tokens
-        carry = lax.fori_loop(jnp.clip(lo, big_hi * SHARED_CHUNKS, shared_hi), shared_hi, shared_step, carry)
-        lo = jnp.maximum(lo, shared_hi)
-    _, l_krm, acc_krmd = lax.fori_loop(lo, hi, step, carry)
-    return (acc_krmd / jnp.where(l_krm > 0, l_krm, 1.0)[..., None]).transpose(1, 0, 2, 3)
+        return (causal_window_mask(self.pos[:, :, None], pos_t[None, None, :], self.window)
+                & (self.pos >= 0)[:, :, None])
 
 
 def shared_prefix(table_rp, live_r, first_pos_r, page_size: int):
