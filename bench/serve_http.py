@@ -48,10 +48,7 @@ while the last one compiled anything (its ``/metrics`` count), and ``--repeats``
 prompts each run): streaming ``/v1/completions``, C requests in flight, TTFT = first text chunk -
 send, TPOT = (end to end - TTFT) / (tokens - 1), throughput over the run (see
 ``hypertron/loadgen.py``). The tables show each figure's median over the runs, and every run's
-output tokens/s. hypertron's server keeps its compiled steps and their shapes in its compile cache
-(``$JAX_COMPILATION_CACHE_DIR``, else ``~/.cache/hypertron/jax``), and vLLM its compiled graphs in
-``~/.cache/vllm``: a first run on a machine meets more compiles than the runs after it (set the
-variable to a new folder to measure a first start).
+output tokens/s. hypertron keeps compiled steps in its compile cache, vLLM in ``~/.cache/vllm``: a first run compiles more.
 
 Both servers get the same batch and pool: ``--max-num-batched-tokens`` tokens per step
 (``--cb-max-batch-tokens`` for transformers) and 16-token pages enough for every slot's prompt

@@ -256,3 +256,46 @@ def test_a_hardware_name_is_looked_up_in_the_table_and_an_unknown_one_lists_its_
     with pytest.raises(ConfigError) as e:
         hardware.lookup("b300")
     assert str(e.value) == "--hardware='b300': not one of " + ", ".join(hardware.HARDWARE)
+
+
+def test_plan_serve_fits_llama_70b_int8_on_eight_chips_and_says_what_fits_when_bf16_does_not(capsys):
+    """``plan --serve``: the KV tokens are the most whose :func:`kv_cache_bytes` fit the room the
+    weights and workspace leave of 90 % of the device; a plan that does not fit exits 1 naming int8
+    and the wider split that would; an MoE split over its experts fits where it should."""
+    import json
+
+    from hypertron import cli
+    from hypertron.config import PRESETS
+
+    model = PRESETS["llama3.1-70b"]
+    for hw in ("tpu-v5e", "h100"):
+        assert cli.main(["plan", "--serve", "--json", "--hardware", hw, "--quantize", "int8", "--tensor", "8",
+                         "model=llama3.1-70b"]) == 0
+        p = json.loads(capsys.readouterr().out)
+        mem, tokens = p["memory"], p["kv_tokens"]
+        assert memory.kv_cache_bytes(model, tokens, "bfloat16", 8) <= mem["kv_cache"] \
+            < memory.kv_cache_bytes(model, tokens + 1, "bfloat16", 8)
+        assert mem["weights"] + mem["workspace"] + mem["kv_cache"] == int(0.9 * hardware.lookup(hw).memory)
+        # 70.6B weights, int8 values (a byte each) and float32 scales per output channel, over 8
+        assert mem["weights"] == pytest.approx(70.6e9 / 8, rel=0.01) and p["fits"] and p["num_pages"] > tokens // 16
+    assert cli.main(["plan", "--serve", "--hardware", "tpu-v5e", "--tensor", "8", "model=llama3.1-70b"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "--quantize int8 on 8 devices" in out and "--tensor 16: 16 devices" in out
+    assert cli.main(["plan", "--serve", "--hardware", "h100", "--expert", "8", "model=mixtral-8x7b", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)  # 46.7B bf16 parameters, the experts' 45.1B split 8 ways
+    assert p["memory"]["weights"] == pytest.approx(2 * (46.7e9 - 45.1e9 + 45.1e9 / 8), rel=0.02)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--serve", "--tensor", "3", "model=llama3.1-70b"], "--tensor=3 does not divide the model's 64 attention heads"),
+    (["--serve", "--expert", "2", "model=llama3-8b"], "--expert=2: llama3-8b has no experts"),
+    (["--serve", "--expert", "3", "model=mixtral-8x7b"], "--expert=3 does not divide the model's 8 experts"),
+    (["--serve", "--tensor", "8", "--devices", "4", "model=llama3-8b"], "--devices=4: --serve plans one engine over"),
+    (["--tensor", "2", "model=llama3-8b"], "--tensor: only with --serve"),
+])
+def test_a_serving_split_the_model_cannot_take_is_one_line(capsys, args, message):
+    from hypertron import cli
+
+    assert cli.main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1

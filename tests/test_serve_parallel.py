@@ -62,6 +62,20 @@ def test_tensor_parallel_steps_give_one_devices_tokens_and_logprobs(dense, tenso
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(engine.state)} == {tensor}
 
 
+@pytest.mark.parametrize("tensor, quantize", [(4, "none"), (2, "int8")])
+def test_the_serving_plans_weights_per_device_are_a_real_engines_shards(tensor, quantize):
+    """``hypertron plan --serve``'s weights per device (:func:`weight_bytes`, from the config alone)
+    equal the bytes one device of a tensor-parallel engine holds, int8 values and scales included."""
+    from hypertron.models.serve_plan import weight_bytes
+    from hypertron.serve.model import prepare_params
+
+    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
+    engine = PagedEngine(prepare_params(params, cfg, quantize), cfg, dataclasses.replace(CONFIG, tensor=tensor))
+    device = engine.mesh.devices.flat[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(engine.params) for s in x.addressable_shards if s.device == device)
+    assert weight_bytes(cfg, quantize, accelerator=False, mesh={"tensor": tensor})[0] == held
+
+
 def test_fewer_kv_heads_than_ranks_are_read_whole_by_each():
     """``tiny-gemma``'s one KV head over 2 ranks: its pages on both, the query heads split."""
     cfg, params = _model("tiny-gemma")

@@ -10,6 +10,7 @@ from hypertron.cli.flags import add_command, add_command_group, add_json_flag, b
 from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
 from hypertron.config.numbers import INT32
 from hypertron.config.schema import WeightQuantization
+from hypertron.config.serving import KvCacheDtype
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,16 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     _add_hardware_flags(pl, "the accelerator: a name in the hardware table (default %(default)s; a name not in "
                         "it lists them)")
     add_json_flag(pl, "the plan")
+    sv = pl.add_argument_group("serving (--serve)")
+    sv.add_argument("--serve", action="store_true",
+                    help="plan one serving engine instead: weights and workspace per device, and the KV cache's "
+                         "tokens in the memory left (docs/memory.md)")
+    sv.add_argument("--tensor", type=number_arg(int), default=1, metavar="N",
+                    help="split heads, MLP and vocabulary over N devices (hypertron serve --tensor)")
+    sv.add_argument("--expert", type=number_arg(int), default=1, metavar="N", help="split an MoE's experts over N devices")
+    sv.add_argument("--quantize", choices=choices(WeightQuantization), default="none", help="the served weights")
+    sv.add_argument("--kv-cache-dtype", choices=choices(KvCacheDtype), default="auto",
+                    help="auto = the model's compute dtype")
 
 
 def _add_hardware_flags(parser: argparse.ArgumentParser, hardware_help: str) -> None:
@@ -126,6 +137,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hypertron.models import plan as planner
 
     cfg = _config(args)
+    if args.serve:
+        return _plan_serving(cfg, args)
+    given = [f for f, default in (("tensor", 1), ("expert", 1), ("quantize", "none"), ("kv_cache_dtype", "auto"))
+             if getattr(args, f) != default]
+    if given:
+        raise ConfigError(f"{flag(given[0])}: only with --serve (a training plan's split is mesh.tensor=N, mesh.expert=N)")
     if cfg.task == "dlrm":
         return _plan_dlrm(cfg, args)
     p = planner.plan(cfg, args.hardware, args.devices)
@@ -134,6 +151,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits is not False else 1
+
+
+def _plan_serving(cfg, args: argparse.Namespace) -> int:
+    """``hypertron plan --serve``: one engine of ``cfg.model`` over ``--tensor`` x ``--expert`` devices
+    of ``--hardware`` (``--devices``, if given, must be that many); exit 1 when it does not fit."""
+    import json
+
+    from rich.console import Console
+
+    from hypertron.config import EngineConfig, SchedulerConfig
+    from hypertron.models.hardware import host_memory_per_device, lookup
+    from hypertron.models.serve_plan import plan_serving, render, to_json
+
+    devices = args.tensor * args.expert
+    if args.devices is not None and args.devices != devices:
+        raise ConfigError(f"--devices={args.devices}: --serve plans one engine over --tensor x --expert = {devices} "
+                          "devices")
+    hw = lookup(args.hardware)
+    p = plan_serving(cfg.model, hw, tensor=args.tensor, expert=args.expert, quantize=args.quantize,
+                     kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=SchedulerConfig.max_num_batched_tokens,
+                     max_slots=EngineConfig.max_slots, page_size=EngineConfig.page_size,
+                     device_memory=host_memory_per_device(devices) if hw.memory is None else None)
+    if args.json:
+        print(json.dumps(to_json(p), indent=1))
+    else:
+        Console(soft_wrap=True).print(render(p), highlight=False)
+    return 0 if p.fits else 1
 
 
 def _plan_dlrm(cfg, args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
 from hypertron.models import declare
 from hypertron.models.kv_pages import init_pages
 from hypertron.models.params import place_params
+from hypertron.models.serve_plan import check_split
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, spec_for
 
@@ -36,8 +37,7 @@ def check_tensor(cfg: ModelConfig, config: EngineConfig, devices: int) -> None:
         return
     if t > devices:
         raise ConfigError(f"--tensor={t}: this host has {devices} devices")
-    if cfg.num_heads % t:
-        raise ConfigError(f"--tensor={t} does not divide the model's {cfg.num_heads} attention heads")
+    check_split(cfg, t, 1)
     if cfg.moe is not None:
         raise ConfigError(f"--tensor={t} with an MoE model: not supported yet (issue 43)")
     if config.enable_lora:
