@@ -360,3 +360,29 @@ def test_a_server_keeps_the_shapes_it_compiled_and_compiles_them_first_at_its_ne
     assert second.program_digest == first.program_digest and set(second.compiled_shapes) == {largest, small}
     other = settled(start(dataclasses.replace(serve, max_slots=1)))
     assert other.program_digest != first.program_digest and small not in other.compiled_shapes
+
+
+def test_a_kv_pool_the_device_cannot_hold_is_one_line_before_the_weights_load(run_dir, capsys, monkeypatch):
+    """The weights and the pool, both exact, against the device's memory: more is refused before
+    loading, naming the pages that would leave room; the pages it names do start."""
+    import re
+
+    import hypertron.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "load_engine", lambda *a, **k: pytest.fail("loaded before the check"))
+    assert cli.main(["serve", "--checkpoint", run_dir, "--num-pages", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "does not fit this cpu device" in err and "100,000,000 pages of 16" in err
+    found = re.search(r"--num-pages ([\d,]+) or fewer", err)
+    assert found, err
+    most = int(found[1].replace(",", ""))
+    from hypertron.models.hardware import device_memory
+    from hypertron.models.memory import kv_cache_bytes
+    from hypertron.serve.model import model_config_of
+    from hypertron.serve.placement import check_memory
+
+    model = model_config_of(run_dir)
+    assert kv_cache_bytes(model, 100_000_000 * 16, "float32") > device_memory(jax.local_devices()[0])
+    for pages in (most, 1000):  # refused no more
+        check_memory(model, EngineConfig(num_pages=pages), "none", 512, jax.local_devices()[0])

@@ -74,6 +74,11 @@ def test_the_serving_plans_weights_per_device_are_a_real_engines_shards(tensor, 
     device = engine.mesh.devices.flat[0]
     held = sum(s.data.nbytes for x in jax.tree.leaves(engine.params) for s in x.addressable_shards if s.device == device)
     assert weight_bytes(cfg, quantize, accelerator=False, mesh={"tensor": tensor})[0] == held
+    # and the KV pool hypertron serve checks before loading: kv_cache_bytes of its pages' tokens
+    from hypertron.models.memory import kv_cache_bytes
+
+    pool = sum(s.data.nbytes for x in jax.tree.leaves(engine.cache) for s in x.addressable_shards if s.device == device)
+    assert kv_cache_bytes(cfg, CONFIG.num_pages * CONFIG.page_size, "float32", tensor) == pool
 
 
 def test_fewer_kv_heads_than_ranks_are_read_whole_by_each():

@@ -72,3 +72,22 @@ def match(device_kind: str) -> Hardware | None:
         if any(k in kind for k in h.kinds):
             return h
     return None
+
+
+def device_memory(device) -> float | None:
+    """Bytes one device can hold: what its allocator says, else the hardware table's figure, else
+    (CPU) the host's memory shared by this process's devices."""
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # backends without memory statistics
+        limit = None
+    if limit:
+        return float(limit)
+    h = match(getattr(device, "device_kind", ""))
+    if h is not None and h.memory:
+        return h.memory
+    if device.platform == "cpu":
+        import jax
+
+        return host_memory_per_device(jax.local_device_count())
+    return None

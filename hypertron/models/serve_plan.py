@@ -129,11 +129,13 @@ def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dic
 
 def plan_serving(model: ModelConfig, hw: Hardware, *, tensor: int = 1, expert: int = 1, quantize: str = "none",
                  kv_cache_dtype: str = "auto", max_num_batched_tokens: int = 512, max_slots: int = 8,
-                 page_size: int = 16, device_memory: float | None = None) -> ServePlan:
+                 page_size: int = 16, device_memory: float | None = None,
+                 accelerator: bool | None = None) -> ServePlan:
     """The plan of one engine of ``model`` over ``tensor`` x ``expert`` devices of ``hw`` (its
-    memory, or ``device_memory``). Raises :class:`ConfigError` for a split the model cannot take."""
+    memory, or ``device_memory``; an accelerator unless ``hw`` is the CPU, or as ``accelerator``
+    says). Raises :class:`ConfigError` for a split the model cannot take."""
     check_split(model, tensor, expert)
-    accelerator = hw.name != "cpu"
+    accelerator = hw.name != "cpu" if accelerator is None else accelerator
     kv = dtype_on(model.dtype, accelerator) if kv_cache_dtype == "auto" else kv_cache_dtype
     mesh = {"tensor": tensor, "expert": expert}
     weights, embedding = weight_bytes(model, quantize, accelerator, mesh)

@@ -5,11 +5,13 @@ for inference (or int8) and the tokenizer, checked against each other once."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from hypertron import checkpoint as checkpoints
 from hypertron.config import ModelConfig, choices
 from hypertron.config.schema import WeightQuantization
+from hypertron.errors import UserError
 from hypertron.models import bundle, cast_params, hf, quantize_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
 
@@ -67,3 +69,18 @@ def load_for_inference(path: str | Path, quantize: str = "none") -> tuple[ModelC
     check_vocab(tokenizer, model.vocab_size, key)
     model = inference_config(model)
     return model, prepare_params(params, model, quantize), tokenizer
+
+
+def model_config_of(path: str | Path) -> ModelConfig | None:
+    """The model config :func:`load_for_inference` would compute with for ``path``, read without
+    its weights (to plan before loading); None where it cannot be read (loading then says why)."""
+    try:
+        if bundle.is_bundle(path):
+            model = bundle.read_config(path)[0]
+        elif is_hf_dir(path):
+            model = hf.config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+        else:
+            model = checkpoints.read_run_config(path).model
+    except (UserError, OSError, ValueError):
+        return None
+    return inference_config(model)

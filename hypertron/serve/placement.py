@@ -7,6 +7,9 @@ per-sequence state whole on every device. XLA's partitioner then splits each ste
 arrays are split (the attention by head, the matmuls Megatron style, all-reduces of
 ``[tokens, embed]``); the scheduler and the host side do not change.
 
+Before anything loads, :func:`check_memory` refuses an engine whose weights and KV pool exceed
+a device's memory (``hypertron plan --serve`` plans the same from the config alone).
+
 Not yet (refused in one line): MoE models (``--expert``), LoRA adapters, and more than one host;
 the embedding table is gathered whole each step, not looked up vocab-parallel (issue 43).
 """
@@ -21,8 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
 from hypertron.models import declare
 from hypertron.models.kv_pages import init_pages
+from hypertron.models.hardware import HARDWARE, device_memory, match
+from hypertron.models.memory import kv_cache_bytes
 from hypertron.models.params import place_params
-from hypertron.models.serve_plan import check_split
+from hypertron.models.serve_plan import check_split, plan_serving
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, spec_for
 
@@ -72,3 +77,30 @@ def new_pages(mesh: Mesh | None, cfg: ModelConfig, num_pages: int, page_size: in
 def place_whole(mesh: Mesh | None, tree):
     """``tree`` whole on every device of ``mesh`` (the per-sequence state)."""
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def check_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_batched_tokens: int, device) -> None:
+    """Refuse, before anything loads, an engine whose weights and KV pool, both exact
+    (:mod:`hypertron.models.serve_plan`), exceed what ``device`` holds
+    (:func:`~hypertron.models.hardware.device_memory`), in one line saying what would fit."""
+    from hypertron.units import describe_bytes
+
+    limit = device_memory(device)
+    if limit is None:
+        return
+    hw = match(getattr(device, "device_kind", "")) or HARDWARE["cpu"]
+    plan = plan_serving(cfg, hw, tensor=config.tensor, quantize=quantize, kv_cache_dtype=config.kv_cache_dtype,
+                        max_num_batched_tokens=max_num_batched_tokens, max_slots=config.max_slots,
+                        page_size=config.page_size, device_memory=limit, accelerator=device.platform != "cpu")
+    pages = config.num_pages or config.max_slots * -(-cfg.max_seq_len // config.page_size) + 1
+    pool = kv_cache_bytes(cfg, pages * config.page_size, plan.kv_dtype, config.tensor)
+    if plan.weights + pool <= limit:
+        return
+    head = (f"{cfg.name} does not fit this {device.platform} device: its weights ({describe_bytes(plan.weights)}) and KV "
+            f"pool ({describe_bytes(pool)}, {pages:,} pages of {config.page_size}) take more than its "
+            f"{describe_bytes(limit)}")
+    if plan.weights + plan.workspace < limit:
+        most = int(limit - plan.weights - plan.workspace) * plan.kv_split // (config.page_size * plan.kv_token_bytes)
+        raise ConfigError(f"{head}; --num-pages {most:,} or fewer leaves room for the steps "
+                          "(hypertron plan --serve)")
+    raise ConfigError(f"{head}; {plan.notes[-1] if plan.notes else 'hypertron plan --serve says what fits'}")

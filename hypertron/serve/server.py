@@ -530,8 +530,15 @@ SWITCH_INTERVAL_S = 0.0005
 def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     """The app and its orchestrator (not started) for ``serve``: the engine of ``serve.checkpoint``
     with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
-    from hypertron.serve.engine import load_engine
+    import jax
 
+    from hypertron.serve.engine import load_engine
+    from hypertron.serve.model import model_config_of
+    from hypertron.serve.placement import check_memory
+
+    model = model_config_of(serve.checkpoint)
+    if model is not None:  # before anything loads
+        check_memory(model, serve.engine, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0])
     engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize,
                                                 lora_modules=serve.lora_adapters())
     orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))

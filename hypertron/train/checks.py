@@ -11,6 +11,7 @@ import jax
 from hypertron.config import Config
 from hypertron.config.validation import check_devices
 from hypertron.errors import ConfigError
+from hypertron.models.hardware import device_memory
 from hypertron.tokenizer import check_vocab, get_tokenizer
 
 
@@ -27,25 +28,6 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     if cfg.train.memory_check:
         check_memory(cfg, shape, jax.devices()[0])
     return shape
-
-
-def device_memory(device) -> float | None:
-    """Bytes one device can hold: what its allocator says, else the hardware table's figure, else
-    (CPU) the host's memory shared by this process's devices."""
-    try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # backends without memory statistics
-        limit = None
-    if limit:
-        return float(limit)
-    from hypertron.models.hardware import host_memory_per_device, match
-
-    h = match(getattr(device, "device_kind", ""))
-    if h is not None and h.memory:
-        return h.memory
-    if device.platform == "cpu":
-        return host_memory_per_device(jax.local_device_count())
-    return None
 
 
 def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
