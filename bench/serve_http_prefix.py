@@ -15,7 +15,7 @@ Per workload and concurrency C: a warm-up run of 2 N requests on each server (no
 compiles the load's step shapes and, with caching, fills the cache as a server in its steady
 state has it), then ``--repeats`` runs (``--repeats + 2`` for ``distinct``, whose difference is
 small) of N = max(``--num-requests``, 2 C) requests each, new prompts each run (the same on both
-servers). Each figure is the median over the runs. The hit rate is the caching server's
+servers; hypertron's then finish their queued compiles). Each figure is the median over the runs. The hit rate is the caching server's
 ``hypertron_prefix_cache_hits_total`` over ``hypertron_prefix_cache_queries_total`` (tokens)
 during the measured runs; ``compiles`` S+B counts the step shapes hypertron compiled during them,
 S while a step waited, B in the background (``hypertron_step_compiles_total``: a warm-up that missed
@@ -87,6 +87,15 @@ def counters(base_url: str, system: str) -> tuple[float, ...]:
     return queries, hits, *(metric(text, "hypertron_step_compiles_total", f'mode="{m}"') for m in ("sync", "background"))
 
 
+def settle(base_url: str, limit_s: float = 180.0) -> None:
+    """Wait until a hypertron server has no step shape queued for its background compiler
+    (``hypertron_step_compiles_queued``: the shapes its last run kept, loading at its start, and
+    those the warm-up met), at most ``limit_s``."""
+    end = time.perf_counter() + limit_s
+    while metric(scrape(base_url), "hypertron_step_compiles_queued") and time.perf_counter() < end:
+        time.sleep(0.5)
+
+
 def runs_of(args) -> dict[str, list[tuple[str, int]]]:
     """Per workload and concurrency (``"WORKLOAD cC"``): its runs' names and request counts, the
     warm-up first."""
@@ -123,6 +132,9 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
     name_w, n_w = runs[0]
     for key, (url, log) in servers.items():
         bench(url, "bench", paths[name_w], c, n_w, args.max_tokens, f"{log.name}.{name_w}.json", log)
+    for key, (url, _) in servers.items():
+        if key.startswith("hypertron"):
+            settle(url)
     before = {key: counters(url, key.split()[0]) for key, (url, _) in servers.items()}
     reports = {key: [] for key in servers}
     for name, n in runs[1:]:

@@ -541,3 +541,16 @@ def test_serve_cli_refuses_bad_options_in_one_line(argv, message, capsys):
 
     assert main(["serve", "--checkpoint", "nowhere", *argv]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_metrics_show_compiles_that_end_while_the_loop_waits_for_work():
+    """A background compile ends while no request is in: GET /metrics counts it and the queue it
+    left (``hypertron_step_compiles_queued``), with no loop turn between."""
+    engine = FakeEngine()
+    engine.compiles, engine.queued_compiles = {"sync": 0, "background": 0, "padded": 0}, 2
+    with Server(engine) as s:
+        m = s.metrics()
+        assert (m["hypertron_step_compiles_queued"], m["hypertron_step_compiles_total{mode=background}"]) == (2, 0)
+        engine.compiles["background"], engine.queued_compiles = 2, 0  # as the compiler thread leaves them
+        m = s.metrics()
+        assert (m["hypertron_step_compiles_queued"], m["hypertron_step_compiles_total{mode=background}"]) == (0, 2)

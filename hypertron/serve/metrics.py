@@ -51,6 +51,8 @@ class ServeMetrics:
         self.compiles = Counter(p + "step_compiles", "engine step shapes compiled (sync: a step waited for it; "
                                 "background) and steps run padded to a larger compiled shape (padded)", ["mode"],
                                 registry=r)
+        self.compiles_queued = Gauge(p + "step_compiles_queued", "step shapes queued for the background compiler "
+                                     "or being compiled", registry=r)
         self.step = Histogram(p + "step_seconds", "serving loop turns (each dispatches a step and/or collects "
                               "one), idle waits left out", registry=r, buckets=STEP_BUCKETS)
         self.step_phase = Histogram(p + "step_phase_seconds", "a serving loop turn's time by phase (they add "

@@ -110,6 +110,7 @@ class Orchestrator:
         self._outbox: list[tuple[_Submission, Output]] = []
         self._counted = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
         self._compiles: dict[str, int] = {}
+        self._compiles_lock = threading.Lock()  # count_compiles runs on the loop thread and in GET /metrics
 
     # -- the asyncio side ---------------------------------------------------------------
 
@@ -354,9 +355,16 @@ class Orchestrator:
         for name, n in counts.items():  # the scheduler's counts, since it started
             getattr(m, name).inc(n - self._counted[name])
             self._counted[name] = n
-        for mode, n in getattr(self.engine, "compiles", {}).items():  # the engine's counts, since it started
-            m.compiles.labels(mode).inc(n - self._compiles.get(mode, 0))
-            self._compiles[mode] = n
+        self.count_compiles()
+
+    def count_compiles(self) -> None:
+        """The engine's compiles since it started, and those queued, into the metrics: each loop turn
+        and ``GET /metrics`` call it (a background compile may end while the loop waits for work)."""
+        with self._compiles_lock:
+            for mode, n in getattr(self.engine, "compiles", {}).items():
+                self.metrics.compiles.labels(mode).inc(n - self._compiles.get(mode, 0))
+                self._compiles[mode] = n
+            self.metrics.compiles_queued.set(getattr(self.engine, "queued_compiles", 0))
 
 
 def _times(handle) -> dict[str, float]:

@@ -130,6 +130,7 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
 
     @app.get("/metrics", summary="Prometheus text", responses=METRICS_RESPONSES)
     async def metrics():
+        orchestrator.count_compiles()
         return Response(generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(authorize)], include_in_schema=False)  # operators'
