@@ -3,7 +3,8 @@
 One model and one build (``bench/serve_http.py``'s), and one ``hypertron serve`` per setting
 (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``), started one after another (each
 once the one before is ready: a server's start measures or compiles) and loaded in
-turn (on, off, on, off, ...), so that the machine's drift falls on both alike. Workloads:
+turn (on, off, on, off, ...), so that the machine's drift falls on both alike, each run
+``RUN_GAP_S`` after the one before. Workloads:
 
 - ``shared-prefix``: every prompt is one shared text of ``--prefix-len`` tokens (1,024) followed by
   a text of its own of ``--suffix-len`` tokens (64), BOS first;
@@ -87,6 +88,12 @@ def counters(base_url: str, system: str) -> tuple[float, ...]:
     return queries, hits, *(metric(text, "hypertron_step_compiles_total", f'mode="{m}"') for m in ("sync", "background"))
 
 
+# Seconds between one measured run and the next (another server's, in turn): vLLM's CPU worker
+# spins about a second after its last step (top: 43% of a core then, 1% after), on the cores the
+# next run's server needs.
+RUN_GAP_S = 2.0
+
+
 def settle(base_url: str, limit_s: float = 180.0) -> None:
     """Wait until a hypertron server has no step shape queued for its background compiler
     (``hypertron_step_compiles_queued``: the shapes its last run kept, loading at its start, and
@@ -139,6 +146,7 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
     reports = {key: [] for key in servers}
     for name, n in runs[1:]:
         for key, (url, log) in servers.items():
+            time.sleep(RUN_GAP_S)  # the server before goes idle first
             reports[key].append(bench(url, "bench", paths[name], c, n, args.max_tokens, f"{log.name}.{name}.json",
                                       log))
     out = {}
