@@ -368,6 +368,17 @@ def test_the_references_blocks_follow_the_queries_a_row_has():
     assert [reference_block_q(n) for n in (None, 1, 64, 100, 256, 512, 2000)] == [64, 64, 64, 128, 256, 256, 256]
 
 
+def _share_three_pages(args: dict, k, v, mix) -> None:
+    """Every row with tokens after the first starts with row 0's first three pages (their keys and
+    values in ``k``, ``v`` too): a prefix the prefix cache shares."""
+    table = np.asarray(args["page_table"]).copy()
+    for r, (n, _) in enumerate(mix):
+        if r and n:
+            table[r, :3] = table[0, :3]
+            k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
+    args["page_table"] = jnp.asarray(table)
+
+
 @pytest.mark.parametrize("page_dtype", ["float32", "int8"])
 def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, monkeypatch):
     """Rows whose tables start with the same pages (a prefix the prefix cache shares), decode rows
@@ -376,12 +387,7 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     without a window."""
     mix = [(60, 1), (49, 1), (80, 1), (0, 0), (52, 4)]
     args, (q, k, v) = _paged_case(7, 2, page_dtype, mix)
-    table = np.asarray(args["page_table"]).copy()
-    for r, (n, _) in enumerate(mix):
-        if r and n:
-            table[r, :3] = table[0, :3]
-            k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
-    args["page_table"] = jnp.asarray(table)
+    _share_three_pages(args, k, v, mix)
     last = np.asarray(args["kv_lens"]) - 1  # each row's last query's position: the decode batch's
     shared, _ = rpa.shared_prefix(args["page_table"], jnp.asarray(last >= 0), jnp.asarray(last), S)
     assert int(shared) == 3 * S  # the case is what it says: three pages every row with a query shares
@@ -399,12 +405,7 @@ def test_prompt_rows_sharing_a_prefix_read_it_once_in_blocks_across_rows_and_get
     row's pages from where that stopped; equals dense attention, with and without a window."""
     mix = [(60, 1), (55, 7), (49, 1), (0, 0), (52, 4), (80, 30), (51, 3)]
     args, (q, k, v) = _paged_case(8, 2, "float32", mix)
-    table = np.asarray(args["page_table"]).copy()
-    for r, (n, _) in enumerate(mix):
-        if r and n:
-            table[r, :3] = table[0, :3]
-            k[r, :, :3 * S], v[r, :, :3 * S] = k[0, :, :3 * S], v[0, :, :3 * S]
-    args["page_table"] = jnp.asarray(table)
+    _share_three_pages(args, k, v, mix)
     counts = np.array([c for _, c in mix])
     first = np.array([n for n, _ in mix]) - counts  # each row's first query's position
     shared, _ = rpa.shared_prefix(args["page_table"], jnp.asarray(counts > 1), jnp.asarray(first), S)

@@ -71,10 +71,8 @@ from hypertron.serve.api import (
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
-from hypertron.serve.shapes import ShapeMemory
 from hypertron.serve.types import LoraError, SamplingError, SamplingParams, TokenLogprobs, check_token_ids
 from hypertron.tokenizer import compile_chat_template, render_chat
-
 log = logging.getLogger(__name__)
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -536,6 +534,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     from hypertron.serve.engine import load_engine
     from hypertron.serve.model import model_config_of
     from hypertron.serve.placement import check_memory
+    from hypertron.serve.shapes import ShapeMemory  # imports JAX (its cost model): not at the module's import
 
     model = model_config_of(serve.checkpoint)
     if model is not None:  # before anything loads
@@ -550,10 +549,11 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     return app, orchestrator
 
 
-def orchestrate(engine, tokenizer, serve: ServeConfig, memory: ShapeMemory | None = None) -> Orchestrator:
+def orchestrate(engine, tokenizer, serve: ServeConfig, memory=None) -> Orchestrator:
     """The orchestrator (not started) of ``engine`` as ``hypertron serve`` readies it: a step's cost
-    measured (``prefill_groups: auto``), the largest shape and then ``memory``'s compiling in the
-    background (``compile: background``), each shape compiled from now on kept in ``memory``,
+    measured (``prefill_groups: auto``), the largest shape and then ``memory``'s (a
+    :class:`~hypertron.serve.shapes.ShapeMemory`, or None) compiling in the background (``compile:
+    background``), each shape compiled from now on kept in ``memory``,
     ``serve.scheduler`` whole. ``bench/serve.py --profile`` uses it too."""
     from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
 
