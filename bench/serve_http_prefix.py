@@ -4,7 +4,8 @@ One model and one build (``bench/serve_http.py``'s), and one ``hypertron serve``
 (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``), started one after another (each
 once the one before is ready: a server's start measures or compiles) and loaded in
 turn (on, off, on, off, ...), so that the machine's drift falls on both alike, each run
-``RUN_GAP_S`` after the one before. Workloads:
+``RUN_GAP_S`` after the one before. With ``--alone``, each system's servers run with no other
+system's alive: hypertron's measured, stopped, then the peer's. Workloads:
 
 - ``shared-prefix``: every prompt is one shared text of ``--prefix-len`` tokens (1,024) followed by
   a text of its own of ``--suffix-len`` tokens (64), BOS first;
@@ -63,6 +64,8 @@ def add_workload_args(p) -> None:
     p.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: each prompt's own tokens")
+    p.add_argument("--alone", action="store_true",
+                   help="measure each system's servers with no other system's alive (hypertron's, then the peer's)")
     add_peer_args(p)
 
 
@@ -211,18 +214,20 @@ def run_workloads(args, prepare) -> int:
     setup = prepare(args)
     runs = runs_of(args)
     paths = write_workload_prompts(setup.hf_dir, setup.work, args, runs)
-    results = {}
-    with contextlib.ExitStack() as stack:
-        servers, commands = start_servers(stack, setup, args, systems)
-        logs = {k: stack.enter_context(open(os.path.join(setup.work, f"prefix-{k.replace(' ', '-')}-bench.log"), "w"))
-                for k in servers}
-        targets = {k: (srv.base_url, logs[k]) for k, srv in servers.items()}
-        for key, each in runs.items():
-            t0 = time.perf_counter()
-            results[key] = measure(targets, paths, each, int(key.split()[1][1:]), args)
-            print(f"  ... {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-            for system in systems:  # at once: a run cut off at its limit keeps what finished
-                print(line(key, results[key], system), flush=True)
+    results, commands = {key: {} for key in runs}, {}
+    for group in ([[system] for system in systems] if args.alone else [systems]):
+        with contextlib.ExitStack() as stack:
+            servers, started = start_servers(stack, setup, args, group)
+            commands |= started
+            logs = {k: stack.enter_context(open(os.path.join(setup.work, f"prefix-{k.replace(' ', '-')}-bench.log"),
+                                                "w")) for k in servers}
+            targets = {k: (srv.base_url, logs[k]) for k, srv in servers.items()}
+            for key, each in runs.items():
+                t0 = time.perf_counter()
+                results[key] |= measure(targets, paths, each, int(key.split()[1][1:]), args)
+                print(f"  ... {key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                for system in group:  # at once: a run cut off at its limit keeps what finished
+                    print(line(key, results[key], system), flush=True)
     for key, command in commands.items():
         print(f"{key}: {command}")
     if peer_version:
