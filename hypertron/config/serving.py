@@ -69,6 +69,11 @@ class EngineConfig:
     def __post_init__(self):
         check_engine_settings(self)
 
+    def pool_pages(self, max_seq_len: int) -> int:
+        """The pages of the KV pool, the null page included: ``num_pages``, else every slot at
+        ``max_seq_len``."""
+        return self.num_pages or self.max_slots * -(-max_seq_len // self.page_size) + 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:

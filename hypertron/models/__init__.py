@@ -41,11 +41,22 @@ def cast_params(params, cfg: ModelConfig):
     return _params.cast_params(declare(cfg), params, resolve_dtype(cfg.dtype))
 
 
+def serving_params(params, cfg: ModelConfig, quantize: str = "none", dtype=None):
+    """``params`` as serving holds them: with ``quantize="int8"`` the matmul weights int8
+    (:func:`quantize_params`), then cast as :func:`cast_params` casts them, to ``dtype`` (default
+    ``model.dtype`` on the device in hand). ``hypertron.serve.model.prepare_params`` loads with it,
+    ``models/serve_plan.py`` plans with it (abstract arrays, for a planned device's dtype)."""
+    specs = declare(cfg)
+    if quantize == "int8":
+        params = _params.quantize_params(specs, params)
+    return _params.cast_params(specs, params, resolve_dtype(cfg.dtype) if dtype is None else dtype)
+
+
 def fp8_histories(cfg: ModelConfig) -> dict:
     """Zero fp8 amax histories (``model.amax_history`` steps) for the weights of ``cfg`` that carry one."""
     return _params.fp8_histories(declare(cfg), cfg.amax_history)
 
 
 __all__ = ["Forward", "KVCache", "PagedCache", "cast_params", "count_params", "declare", "forward",
-           "fp8_histories", "init_params", "quantize_params", "resolve_dtype",
+           "fp8_histories", "init_params", "quantize_params", "resolve_dtype", "serving_params",
            "unstack_layers"]

@@ -127,10 +127,23 @@ def _held_base_bytes(cfg: Config, specs, mesh_shape: dict[str, int], rules: dict
 
     abstract = param_lib.abstract(specs, param_dtype(cfg.model, accelerator))
     held = jax.eval_shape(lambda p: held_base(cfg.model, p, cfg.lora.base_dtype), abstract)
+    return held_bytes(specs, held, mesh_shape, rules)
+
+
+def held_arrays(value) -> tuple:
+    """The arrays one held weight is: an int8 :class:`~hypertron.quant.int8.QArray`'s values and
+    scales, else the array itself."""
+    return (value.values, value.scales) if hasattr(value, "scales") else (value,)
+
+
+def held_bytes(specs, held, mesh_shape: dict[str, int], rules: dict = DEFAULT_RULES) -> int:
+    """Per-device bytes of ``held`` (arrays or abstract ones, in ``specs``' tree), each array of a
+    weight sharded by its own shape as the rules shard the weight's axes."""
+    import jax
+
     def one(spec, value) -> int:
-        arrays = (value.values, value.scales) if hasattr(value, "scales") else (value,)
         return sum(math.prod(shard_shape(tuple(a.shape), spec.axes, mesh_shape, rules)) * a.dtype.itemsize
-                   for a in arrays)
+                   for a in held_arrays(value))
 
     return sum(jax.tree.leaves(jax.tree.map(one, specs, held, is_leaf=param_lib.is_spec)))
 

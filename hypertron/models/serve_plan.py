@@ -4,7 +4,7 @@ tokens of KV cache the memory left holds, before anything loads. Nothing is allo
 Per device, on a mesh of ``tensor`` x ``expert`` devices:
 
 * **weights**, exact: every declared parameter as the engine holds it
-  (``hypertron.serve.model.prepare_params``): matmul and embedding weights in the compute dtype, or
+  (:func:`hypertron.models.serving_params`, as serving loads them): matmul and embedding weights in the compute dtype, or
   with ``quantize="int8"`` int8 values with float32 scales per output channel; norms and the MoE
   router in float32. Each is sharded as training's rules shard its axes
   (:data:`~hypertron.parallel.rules.DEFAULT_RULES`, as ``hypertron.serve.placement`` places them:
@@ -32,7 +32,7 @@ from hypertron.config import ConfigError, ModelConfig, dtype_on
 from hypertron.models import params as param_lib
 from hypertron.models.decoder import declare
 from hypertron.models.hardware import Hardware
-from hypertron.models.memory import DTYPE_BYTES, kv_cache_bytes, shard_shape
+from hypertron.models.memory import DTYPE_BYTES, held_arrays, held_bytes, kv_cache_bytes
 
 # The share of a device's memory an engine plans for (vLLM's gpu_memory_utilization default): the
 # rest is the runtime's and the compiler's. JAX on a GPU preallocates 75 % unless
@@ -90,40 +90,20 @@ class ServePlan:
         return None if tokens is None else tokens >= self.min_tokens
 
 
-def served_weights(model: ModelConfig, quantize: str, accelerator: bool) -> Any:
-    """The engine's weights of ``model`` as abstract arrays (``jax.ShapeDtypeStruct``; int8
-    :class:`~hypertron.quant.int8.QArray` s of them), as ``prepare_params`` makes them."""
+def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dict[str, int]) -> tuple[int, int]:
+    """``(bytes per device, the embedding table's whole bytes)`` of the weights as the engine holds
+    them (:func:`~hypertron.models.serving_params`, abstract), each array sharded by the rules over
+    ``mesh``."""
     import jax
+
+    from hypertron.models import serving_params
 
     specs = declare(model)
     master = param_lib.abstract(specs, dtype_on(model.param_dtype, accelerator))
     compute = dtype_on(model.dtype, accelerator)
-
-    def prepare(p):
-        if quantize == "int8":
-            p = param_lib.quantize_params(specs, p)
-        return param_lib.cast_params(specs, p, compute)
-
-    return jax.eval_shape(prepare, master)
-
-
-def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dict[str, int]) -> tuple[int, int]:
-    """``(bytes per device, the embedding table's whole bytes)`` of the served weights, each array
-    (an int8 weight's values and scales apart) sharded by the rules over ``mesh``."""
-    import jax
-
-    specs = declare(model)
-    shape = {a: mesh.get(a, 1) for a in MESH_AXES}
-    held = served_weights(model, quantize, accelerator)
-
-    def arrays(value):
-        return (value.values, value.scales) if hasattr(value, "scales") else (value,)
-
-    def one(spec, value) -> int:
-        return sum(math.prod(shard_shape(tuple(a.shape), spec.axes, shape)) * a.dtype.itemsize for a in arrays(value))
-
-    per_device = sum(jax.tree.leaves(jax.tree.map(one, specs, held, is_leaf=param_lib.is_spec)))
-    embedding = sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays(held["embed"]))
+    held = jax.eval_shape(lambda p: serving_params(p, model, quantize, compute), master)
+    per_device = held_bytes(specs, held, {a: mesh.get(a, 1) for a in MESH_AXES})
+    embedding = sum(math.prod(a.shape) * a.dtype.itemsize for a in held_arrays(held["embed"]))
     return per_device, embedding
 
 

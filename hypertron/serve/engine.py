@@ -262,7 +262,7 @@ class PagedEngine:
         self.accelerator = jax.default_backend() != "cpu"
         self.vocab_size = cfg.vocab_size
         self.pages_per_seq = math.ceil(cfg.max_seq_len / page_size)
-        total = max_slots * self.pages_per_seq + 1 if config.num_pages is None else config.num_pages
+        total = config.pool_pages(cfg.max_seq_len)
         self.num_pages = total - 1
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)

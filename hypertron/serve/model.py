@@ -12,7 +12,7 @@ from hypertron import checkpoint as checkpoints
 from hypertron.config import ModelConfig, choices
 from hypertron.config.schema import WeightQuantization
 from hypertron.errors import UserError
-from hypertron.models import bundle, cast_params, hf, quantize_params
+from hypertron.models import bundle, hf, serving_params
 from hypertron.tokenizer import Tokenizer, check_vocab, get_tokenizer
 
 
@@ -29,10 +29,8 @@ def prepare_params(params, cfg: ModelConfig, quantize: str = "none"):
     norms and the MoE router in float32 (:func:`hypertron.models.cast_params`); for ``"int8"`` every
     matmul weight int8 with per-output-channel scales (:func:`hypertron.models.quantize_params`,
     from the full-precision weights), about a quarter of float32's bytes."""
-    if quantize == "none":
-        return cast_params(params, cfg)
-    if quantize == "int8":
-        return cast_params(quantize_params(params, cfg), cfg)
+    if quantize in ("none", "int8"):
+        return serving_params(params, cfg, quantize)
     raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(choices(WeightQuantization))}")
 
 

@@ -92,7 +92,7 @@ def check_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_
     plan = plan_serving(cfg, hw, tensor=config.tensor, quantize=quantize, kv_cache_dtype=config.kv_cache_dtype,
                         max_num_batched_tokens=max_num_batched_tokens, max_slots=config.max_slots,
                         page_size=config.page_size, device_memory=limit, accelerator=device.platform != "cpu")
-    pages = config.num_pages or config.max_slots * -(-cfg.max_seq_len // config.page_size) + 1
+    pages = config.pool_pages(cfg.max_seq_len)
     pool = kv_cache_bytes(cfg, pages * config.page_size, plan.kv_dtype, config.tensor)
     if plan.weights + pool <= limit:
         return
