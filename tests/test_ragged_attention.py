@@ -365,7 +365,7 @@ def test_paged_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
 def test_the_references_blocks_follow_the_queries_a_row_has():
     from hypertron.kernels.ragged_paged_attention import reference_block_q
 
-    assert [reference_block_q(n) for n in (None, 1, 64, 100, 256, 512, 2000)] == [64, 64, 64, 128, 256, 256, 256]
+    assert [reference_block_q(n) for n in (None, 1, 64, 65, 100, 129, 256, 512, 2000)] == [64, 64, 64, 64, 128, 128, 256, 256, 256]
 
 
 def _share_three_pages(args: dict, k, v, mix) -> None:

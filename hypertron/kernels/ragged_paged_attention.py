@@ -84,10 +84,15 @@ MULTIPLY_MAX_QUERIES = 8
 
 
 def reference_block_q(queries_per_row: int | None) -> int:
-    """The reference's queries per block for rows of about ``queries_per_row`` queries."""
+    """The reference's queries per block for rows of about ``queries_per_row`` queries: the
+    power of two that holds all but the row's last (which goes with the decode rows). Rows of
+    65 queries (a 64-token chunk and its BOS, the HTTP bench's) fill blocks of 64, not half of
+    128: 7 such rows after a shared 1,024, one layer, 8.0 against 9.8 ms (2026-11-27, this
+    project's CPU, ``bench/chunk_attention.py --shared --block-q 64 128``)."""
     if queries_per_row is None:
         return DEFAULT_BLOCK_Q
-    return min(max(pl.next_power_of_2(max(queries_per_row, 1)), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
+    blocked = max(queries_per_row - 1, 1)
+    return min(max(pl.next_power_of_2(blocked), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
 
 
 # The reference's time per query-key pair in blocks of each size, relative to the fastest (256):
@@ -105,7 +110,7 @@ def pair_cost(queries_per_row: float, compiled_for: int) -> float:
     do not follow it (1.0), nor is the reference measured off a CPU (1.0 there too)."""
     if jax.default_backend() != "cpu" or auto_backend(AUTO_BACKEND, "reference") != "reference":
         return 1.0
-    block, n = reference_block_q(compiled_for), max(queries_per_row, 1.0)
+    block, n = reference_block_q(compiled_for), max(queries_per_row - 1, 1.0)  # the last goes with the decodes
     return -(-n // block) * block / n * REFERENCE_BLOCK_SLOWDOWN.get(block, 1.0)
 
 
