@@ -204,10 +204,11 @@ OFF_DEFAULT = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype"
 def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_whole(run_dir):
     from hypertron.serve.server import build
 
-    # tensor stays 1 beside LoRA (not supported together yet): checked on its own below
+    # tensor and expert stay 1 beside LoRA (not supported together yet): checked on their own below
     parts = {c: {f.name: OFF_DEFAULT.get(f.name, 1) for f in dataclasses.fields(c)} for c in (EngineConfig, SchedulerConfig)}
-    assert set(OFF_DEFAULT) | {"tensor"} == {k for p in parts.values() for k in p}  # a new setting joins this test
-    assert all(OFF_DEFAULT[f.name] != f.default for c in parts for f in dataclasses.fields(c) if f.name != "tensor")
+    assert set(OFF_DEFAULT) | {"tensor", "expert"} == {k for p in parts.values() for k in p}  # a new setting joins
+    assert all(OFF_DEFAULT[f.name] != f.default for c in parts for f in dataclasses.fields(c)
+               if f.name not in ("tensor", "expert"))
     serve = _config(["--checkpoint", run_dir, *_flags(OFF_DEFAULT)])
     assert serve == ServeConfig(checkpoint=run_dir, **OFF_DEFAULT)
     _, orch = build(serve)
@@ -221,6 +222,7 @@ def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_who
             sched.step_overhead_tokens, orch.max_queue, orch.ahead) == (3, 39, 100, 3, False, None, 9, False)
     tensor = _config(["--checkpoint", run_dir, "--tensor", "2", "--compile", "lazy"])
     assert tensor.engine.tensor == 2 and dict(build(tensor)[1].engine.mesh.shape)["tensor"] == 2
+    assert _config(["--checkpoint", run_dir, "--expert", "4"]).engine.expert == 4  # a dense run refuses it at build
 
 
 def test_a_budget_below_max_slots_is_one_message_from_a_flag_a_file_or_a_constructor(tmp_path, capsys):

@@ -1,10 +1,11 @@
-"""A tensor-parallel serving engine (``--tensor N``) on the suite's 8 CPU devices: the weights and
-KV pages split by training's rules give the one-device engine's tokens and log-probabilities,
-through chunked prefill and mixed steps, greedy and seeded sampling."""
+"""A tensor- and expert-parallel serving engine (``--tensor N --expert M``) on the suite's 8 CPU
+devices: the weights and KV pages split by training's rules give the one-device engine's tokens and
+log-probabilities, through chunked prefill and mixed steps, greedy and seeded sampling."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -28,11 +29,11 @@ def _model(preset: str, *more: str):
     return cfg, init_params(cfg, jax.random.key(0))
 
 
-def _serve(params, cfg, tensor: int, temperature: float):
+def _serve(params, cfg, tensor: int, temperature: float, expert: int = 1):
     """Each prompt's tokens and their top-5 log-probabilities, the second prompt sampled at
     ``temperature`` (seeded), the others greedy; 16 tokens a step, so prompts are prefilled in
     chunks beside other rows' decodes."""
-    engine = padded_engine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor), SHAPES)
+    engine = padded_engine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor, expert=expert), SHAPES)
     sampling = [SamplingParams(temperature=temperature * (i % 2), seed=7 + i, max_tokens=8, ignore_eos=True,
                                logprobs=5) for i in range(len(PROMPTS))]
     _, outs, _ = run(engine, PROMPTS, sampling, max_num_batched_tokens=16)
@@ -62,18 +63,75 @@ def test_tensor_parallel_steps_give_one_devices_tokens_and_logprobs(dense, tenso
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(engine.state)} == {tensor}
 
 
-@pytest.mark.parametrize("tensor, quantize", [(4, "none"), (2, "int8")])
-def test_the_serving_plans_weights_per_device_are_a_real_engines_shards(tensor, quantize):
+@pytest.fixture(scope="module")
+def moe():
+    cfg, params = _model("tiny-moe")
+    return cfg, params, _serve(params, cfg, 1, 0.8)[1:]
+
+
+@pytest.mark.parametrize("expert, tensor", [(2, 1), (4, 1), (2, 2)])
+def test_expert_parallel_steps_give_one_devices_tokens_and_logprobs(moe, expert, tensor):
+    """``tiny-moe``'s 4 experts over ``expert`` devices (their hidden dimension over ``tensor``):
+    each device computes its own experts' copies of the step's tokens, and the sum is the one
+    device's, through prefill chunks and mixed steps, greedy and seeded."""
+    cfg, params, (want, want_top) = moe
+    engine, tokens, top = _serve(params, cfg, tensor, 0.8, expert=expert)
+    assert tokens == want and engine.compiles["sync"] == 0
+    np.testing.assert_allclose(top, want_top, atol=1e-5, rtol=0)
+    first = lambda x: x.addressable_shards[0].data.shape  # noqa: E731
+    experts, mlp = cfg.moe.num_experts, cfg.mlp_dim
+    assert first(engine.params["layers"][0]["we_gate"]) == (experts // expert, cfg.embed_dim, mlp // tensor)
+    assert first(engine.params["layers"][0]["we_down"]) == (experts // expert, mlp // tensor, cfg.embed_dim)
+
+
+def _collectives(engine, shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The compiled step's collectives in order: (kind, result shape)."""
+    import re
+
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)\(",
+                       engine._compile(shape).as_text())
+    return [(kind, tuple(int(n) for n in dims.split(",") if n)) for dims, kind in found]
+
+
+def test_a_tensor_parallel_step_reduces_twice_a_layer_and_gathers_no_weight(dense):
+    """At ``tensor=4`` (decode rows and a prefill): Megatron's two all-reduces of ``[tokens, embed]``
+    a layer, one more for the embedding's vocab-parallel lookup, and no all-gather larger than the
+    sampled rows' logits (no weight, no page travels)."""
+    cfg, params, _ = dense
+    engine = PagedEngine(params, cfg, dataclasses.replace(CONFIG, tensor=4))
+    tokens, rows = SHAPES[0].num_decode + SHAPES[0].prefill_tokens, SHAPES[0].num_decode + SHAPES[0].prefill_rows
+    found = _collectives(engine, SHAPES[0])
+    wide = [c for c in found if c[0] == "all-reduce" and c[1][-2:] == (tokens, cfg.embed_dim)]
+    assert 2 * cfg.num_layers <= len(wide) <= 2 * cfg.num_layers + 2
+    assert max(math.prod(s) for kind, s in found if kind == "all-gather") <= rows * cfg.vocab_size
+    assert {kind for kind, _ in found} == {"all-reduce", "all-gather"}
+
+
+def test_an_expert_parallel_step_sums_each_moe_layer_once_and_moves_no_weight():
+    """At ``expert=4`` the compiled step (decode rows and a prefill) holds one all-reduce per MoE
+    layer, of ``[tokens, embed]``, and no other collective: no expert weight travels."""
+    cfg, params = _model("tiny-moe")
+    engine = PagedEngine(params, cfg, dataclasses.replace(CONFIG, expert=4))
+    tokens = SHAPES[0].num_decode + SHAPES[0].prefill_tokens
+    assert _collectives(engine, SHAPES[0]) == [("all-reduce", (tokens, cfg.embed_dim))] * cfg.num_layers
+
+
+@pytest.mark.parametrize("tensor, expert, quantize, preset", [(4, 1, "none", "tiny"), (2, 1, "int8", "tiny"),
+                                                             (1, 4, "none", "tiny-moe"), (2, 2, "int8", "tiny-moe")])
+def test_the_serving_plans_weights_per_device_are_a_real_engines_shards(tensor, expert, quantize, preset):
     """``hypertron plan --serve``'s weights per device (:func:`weight_bytes`, from the config alone)
-    equal the bytes one device of a tensor-parallel engine holds, int8 values and scales included."""
+    equal the bytes one device of a tensor- or expert-parallel engine holds, int8 values and
+    scales included."""
     from hypertron.models.serve_plan import weight_bytes
     from hypertron.serve.model import prepare_params
 
-    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
-    engine = PagedEngine(prepare_params(params, cfg, quantize), cfg, dataclasses.replace(CONFIG, tensor=tensor))
+    cfg, params = _model(preset, *(() if preset == "tiny-moe" else
+                                   ("model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")))
+    engine = PagedEngine(prepare_params(params, cfg, quantize), cfg,
+                         dataclasses.replace(CONFIG, tensor=tensor, expert=expert))
     device = engine.mesh.devices.flat[0]
     held = sum(s.data.nbytes for x in jax.tree.leaves(engine.params) for s in x.addressable_shards if s.device == device)
-    assert weight_bytes(cfg, quantize, accelerator=False, mesh={"tensor": tensor})[0] == held
+    assert weight_bytes(cfg, quantize, accelerator=False, mesh={"tensor": tensor, "expert": expert})[0] == held
     # and the KV pool hypertron serve checks before loading: kv_cache_bytes of its pages' tokens
     from hypertron.models.memory import kv_cache_bytes
 
@@ -91,16 +149,18 @@ def test_fewer_kv_heads_than_ranks_are_read_whole_by_each():
     assert engine.cache["k_pages"].addressable_shards[0].data.shape == engine.cache["k_pages"].shape
 
 
-@pytest.mark.parametrize("tensor,preset,more,message", [
-    (3, "tiny", {}, "--tensor=3 does not divide the model's 4 attention heads"),
-    (16, "tiny", {}, "--tensor=16: this host has 8 devices"),
-    (2, "tiny-moe", {}, "--tensor=2 with an MoE model: not supported yet"),
-    (2, "tiny", {"enable_lora": True}, "--tensor=2 with LoRA adapters: not supported yet"),
+@pytest.mark.parametrize("preset,split,message", [
+    ("tiny", {"tensor": 3}, "--tensor=3 does not divide the model's 4 attention heads"),
+    ("tiny", {"tensor": 16}, "--tensor=16: this host has 8 devices"),
+    ("tiny-moe", {"tensor": 4, "expert": 4}, "--tensor=4 --expert=4: this host has 8 devices"),
+    ("tiny-moe", {"expert": 3}, "--expert=3 does not divide the model's 4 experts"),
+    ("tiny", {"expert": 2}, "--expert=2: tiny has no experts"),
+    ("tiny", {"tensor": 2, "enable_lora": True}, "--tensor=2 with LoRA adapters: not supported yet"),
 ])
-def test_a_tensor_split_the_model_or_host_cannot_take_is_one_line(tensor, preset, more, message):
+def test_a_split_the_model_or_host_cannot_take_is_one_line(preset, split, message):
     cfg, params = _model(preset)
     with pytest.raises(ConfigError, match=message):
-        PagedEngine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor, **more))
+        PagedEngine(params, cfg, dataclasses.replace(CONFIG, **split))
 
 
 def test_the_openai_client_gets_one_devices_greedy_text_from_a_four_way_server():

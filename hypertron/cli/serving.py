@@ -41,6 +41,8 @@ _SERVE_FLAGS: dict[str, dict] = {
                                     "they answer 403"),
     "tensor": dict(metavar="N", help="split the weights (heads, MLP, vocabulary) and the KV pages (by KV head) "
                                      "over this host's first N devices, as training's rules do"),
+    "expert": dict(metavar="M", help="split an MoE's experts over M devices (tensor x expert devices in all): each "
+                                     "computes its own experts' share of the step's tokens"),
     "max_loras": dict(metavar="N", help="LoRA adapters loaded at once, at most"),
     "max_lora_rank": dict(metavar="R", help="the highest LoRA rank an adapter may have"),
     "lora_modules": dict(nargs="+", metavar="NAME=PATH", help="LoRA adapters (PEFT directories) to load at "

@@ -65,6 +65,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     tensor: int = 1  # devices the weights and KV pages split over (heads, MLP, vocabulary), as training's rules
+    expert: int = 1  # devices an MoE's experts split over (times tensor: the engine's devices)
 
     def __post_init__(self):
         check_engine_settings(self)
@@ -99,7 +100,7 @@ def check_engine_settings(e: EngineConfig | ServeConfig, name: Callable[[str], s
     and by :func:`validate_serve`). ``name`` turns a key into what the user wrote (``--max-slots``
     for a flag)."""
     check_choices(e, name=name)
-    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "max_loras", "max_lora_rank", "tensor"):
+    for key in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "max_loras", "max_lora_rank", "tensor", "expert"):
         value = getattr(e, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{name(key)}={value}: must be positive")
@@ -177,6 +178,7 @@ class ServeConfig:
     max_lora_rank: int = _E.max_lora_rank
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: PEFT adapters loaded at start (enable_lora implied)
     tensor: int = _E.tensor  # tensor parallelism over this host's first devices (hypertron.serve.placement)
+    expert: int = _E.expert  # expert parallelism (an MoE's experts) over tensor x expert devices
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters (a load reads a
     # path on the server); off: they answer 403 (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora: bool = False

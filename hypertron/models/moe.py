@@ -27,6 +27,12 @@ all-to-alls, with a buffer per peer as large as all of a device's copies,
 since every copy may go to one peer: ``expert`` times the copies in memory.
 ``lax.ragged_all_to_all`` would send only real rows, but XLA:CPU does not
 implement it (JAX 0.10.2); TODO(gpu): measure it against this on a GPU.
+A batch too small to split over ``expert`` (serving's one flat row of a step's
+tokens): in generation (``dropless=True``) every device routes all the tokens,
+computes the copies of its own experts only, and the layer's output is summed
+over ``expert`` (and ``tensor``): one all-reduce, no exchange, no expert weight
+moved (the serving engine's expert parallelism, :mod:`hypertron.serve.placement`).
+In training every device then computes all the experts, whole.
 
 Router losses (weights in config): the Switch load-balancing loss
 ``E * sum_e f_e * P_e`` (``f_e`` the fraction of token copies routed to
@@ -101,6 +107,9 @@ class ShardAxes:
     expert: tuple[str, ...] = ()  # experts split over these: token copies are exchanged over them
     ep: int = 1  # devices along ``expert``
     tensor: tuple[str, ...] = ()  # the experts' hidden dim split over these: outputs are summed
+    # tokens whole on every device of these (the experts split over them): each computes its own
+    # experts' copies and the outputs are summed (generation with a batch too small to split)
+    local: tuple[str, ...] = ()
 
 
 def _psum(x, axes: tuple[str, ...]):
@@ -154,28 +163,35 @@ def moe_mlp(x_btd: jax.Array, p: dict[str, Any], cfg: ModelConfig, einsum, activ
     if active is None or active[0].size == 1:
         y_btd, stats = layer(x_btd, mask_bt, experts, axes=ShardAxes())
     else:
-        y_btd, stats = _sharded(layer, x_btd, mask_bt, experts, *active)
+        y_btd, stats = _sharded(layer, x_btd, mask_bt, experts, *active, local=dropless)
     if cfg.moe.shared_experts:
         y_btd = y_btd + mlp(x_btd, p, cfg, einsum)
     return y_btd, stats
 
 
-def _sharded(layer, x_btd, mask_bt, experts, mesh, rules):
+def _sharded(layer, x_btd, mask_bt, experts, mesh, rules, local: bool = False):
     """``layer`` in ``shard_map``: tokens split as the batch rule says, experts as the expert rule does.
 
     Each weight comes in sharded as the rules shard it and is all-gathered over its ``embed``
-    (fsdp) shards inside, so that its gradient is reduce-scattered back, as FSDP does.
+    (fsdp) shards inside, so that its gradient is reduce-scattered back, as FSDP does. ``local``
+    (generation, dropless): a batch too small to split over the expert axis keeps the experts
+    split there, each device computing its own (see the module docstring).
     """
     x_spec = P(spec_for(("batch", "seq", "act_embed"), rules, mesh, x_btd.shape)[0], None, None)
     batch = mesh_axes(x_spec[0])
     specs = {k: spec_for(axes, rules, mesh, experts[k].shape) for k, axes in _EXPERT_AXES.items()}
     expert, tensor = mesh_axes(specs["we_gate"][0]), mesh_axes(specs["we_gate"][2])
+    replicated = ()
     if not set(expert) <= set(batch):
-        # The batch is too small to split over the expert axis: every device has all the
-        # tokens, so each device computes all the experts instead of exchanging copies.
-        specs = {k: P(None, *v[1:]) if k != "router" else v for k, v in specs.items()}
+        # The batch is too small to split over the expert axis: every device has all the tokens,
+        # so each computes its own experts' copies (local), or all the experts, whole.
+        if local:
+            replicated = expert
+        else:
+            specs = {k: P(None, *v[1:]) if k != "router" else v for k, v in specs.items()}
         expert = ()
-    axes = ShardAxes(batch=batch, expert=expert, ep=math.prod(mesh.shape[a] for a in expert), tensor=tensor)
+    ep = math.prod(mesh.shape[a] for a in expert + replicated)
+    axes = ShardAxes(batch=batch, expert=expert, ep=ep, tensor=tensor, local=replicated)
 
     def shard(x, mask, w):
         for k, logical in _EXPERT_AXES.items():
@@ -201,7 +217,7 @@ def _routed(x_btd, mask_bt, w, axes: ShardAxes, *, cfg: ModelConfig, einsum, act
         stats["dropped"] = jnp.zeros((), jnp.float32)
     else:
         y_td, stats["dropped"] = _capped(x_btd, weights_tk, experts_tk, w, cfg, einsum, activation, mask_bt, axes)
-    y_td = _psum(y_td, axes.tensor)  # partial sums over the hidden-dim shards
+    y_td = _psum(y_td, axes.tensor + axes.local)  # partial sums over the hidden-dim shards (and local experts)
     return y_td.reshape(b, t, d).astype(x_btd.dtype), stats
 
 
@@ -227,12 +243,30 @@ def _dropless(x_td, weights_tk, experts_tk, w, cfg: ModelConfig, activation, mas
 
     if axes.ep == 1:
         out_rd = experts_ffn(x_rd, sizes_e)
+    elif axes.local:
+        out_rd = _own_experts(x_rd, sizes_e, experts_ffn, axes)
     else:
         out_rd = _exchange(x_rd, sizes_e, experts_ffn, axes)
     # Back to [T, k] order, then the router-weighted sum over each token's k experts.
     unsorted_rd = jnp.zeros_like(out_rd).at[order_r].set(out_rd)
     out_tkd = unsorted_rd.reshape(T, k, -1).astype(jnp.float32)
     return jnp.einsum("tkd,tk->td", out_tkd, weights_tk)
+
+
+def _own_experts(x_rd, sizes_e, experts_ffn, axes: ShardAxes):
+    """``experts_ffn`` on the copies (sorted by expert, the same on every device) of this device's
+    experts, ``[me * el, (me + 1) * el)``: they are contiguous, so they are moved to the front,
+    computed, and moved back; every other copy's row is zero (another device computes it)."""
+    R, _ = x_rd.shape
+    el = sizes_e.shape[0] // axes.ep
+    first = jax.lax.axis_index(axes.local) * el
+    mine_e = jax.lax.dynamic_slice_in_dim(sizes_e, first, el)
+    start = jnp.sum(jnp.where(jnp.arange(sizes_e.shape[0]) < first, sizes_e, 0))
+    rows = jnp.arange(R)
+    out = experts_ffn(jnp.take(x_rd, jnp.minimum(start + rows, R - 1), axis=0), mine_e)  # rows past them: no group
+    at = rows - start
+    mine = (at >= 0) & (at < jnp.sum(mine_e))
+    return jnp.where(mine[:, None], jnp.take(out, jnp.clip(at, 0, R - 1), axis=0), 0)
 
 
 def _exchange(x_rd, sizes_e, experts_ffn, axes: ShardAxes):

@@ -109,16 +109,21 @@ def shardings_for(axes_tree: Any, shapes_tree: Any, mesh: Mesh, rules: dict[str,
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, MeshAxes]] | None] = contextvars.ContextVar(
     "hypertron_rules", default=None
 )
+_PIN: contextvars.ContextVar[bool] = contextvars.ContextVar("hypertron_pin", default=True)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES) -> Iterator[None]:
-    """Within this block (while tracing), :func:`constrain` pins activations on ``mesh``."""
-    token = _ACTIVE.set((mesh, rules))
+def use_rules(mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES, pin: bool = True) -> Iterator[None]:
+    """Within this block (while tracing), :func:`constrain` pins activations on ``mesh``, and the
+    layers that run in ``shard_map`` (the MoE's, context attention) split their work over it.
+    ``pin=False``: only the latter; activations go where XLA's partitioner puts them (the
+    serving engine, whose flat row of tokens the batch rules would not split)."""
+    token, pin_token = _ACTIVE.set((mesh, rules)), _PIN.set(pin)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        _PIN.reset(pin_token)
 
 
 def active_rules() -> tuple[Mesh, dict[str, MeshAxes]] | None:
@@ -129,7 +134,7 @@ def active_rules() -> tuple[Mesh, dict[str, MeshAxes]] | None:
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names; identity when no rules are active."""
     active = _ACTIVE.get()
-    if active is None:
+    if active is None or not _PIN.get():
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, rules, mesh, x.shape)))

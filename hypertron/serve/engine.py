@@ -74,12 +74,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from hypertron.config import EngineConfig, ModelConfig
 from hypertron.config.serving import MAX_PADDED_COST
 from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
 from hypertron.models.flops import dense_flops_per_token
 from hypertron.padding import bucket, next_pow2
+from hypertron.parallel.rules import DEFAULT_RULES, use_rules
 from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.quant.lora import adapter_tokens
 from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
@@ -121,10 +123,10 @@ SHARED_EXECUTABLES = 512
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
                    static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens",
-                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora"))
+                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora", "mesh"))
 def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
          prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
-         lora: bool = False):
+         lora: bool = False, mesh: Mesh | None = None):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
     ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
@@ -137,7 +139,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     with ``prompt_logprobs``, ``targets [P]``. Each row reads its slot's page-table row. Returns
     ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and, when asked, ``logprobs``,
     ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
-    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row.
+    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the engine's, for an MoE.
     """
     b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
@@ -157,7 +159,8 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext():
+    split = contextlib.nullcontext() if mesh is None or cfg.moe is None else use_rules(mesh, DEFAULT_RULES, pin=False)
+    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
         fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
                       logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
@@ -450,7 +453,8 @@ class PagedEngine:
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
-                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora).compile()
+                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora,
+                            mesh=self.mesh).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:

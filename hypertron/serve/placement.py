@@ -1,17 +1,21 @@
-"""Where a serving engine's arrays live: one device, or (``EngineConfig.tensor`` > 1) a
-tensor-parallel mesh over the first ``tensor`` local devices, sharded by training's rules
-(:data:`hypertron.parallel.rules.DEFAULT_RULES`): each weight as its declaration's axes say
-(heads, KV heads, MLP width and vocabulary over ``tensor``), the KV pages by KV head (replicated
-over the ranks that read the same head when there are fewer KV heads than ranks), the
-per-sequence state whole on every device. XLA's partitioner then splits each step as the
-arrays are split (the attention by head, the matmuls Megatron style, all-reduces of
-``[tokens, embed]``); the scheduler and the host side do not change.
+"""Where a serving engine's arrays live: one device, or (``EngineConfig.tensor`` x
+``EngineConfig.expert`` > 1) a mesh of ``tensor`` x ``expert`` of the first local devices, sharded
+by training's rules (:data:`hypertron.parallel.rules.DEFAULT_RULES`): each weight as its
+declaration's axes say (heads, KV heads, MLP width and vocabulary over ``tensor``, an MoE's experts
+over ``expert``), the KV pages by KV head over ``tensor`` (replicated over the ranks that read the
+same head when there are fewer KV heads than ranks, and over ``expert``), the per-sequence state
+whole on every device. XLA's partitioner then splits each step as the arrays are split (the
+attention by head, the matmuls Megatron style, all-reduces of ``[tokens, embed]``); an MoE layer
+runs in ``shard_map`` (:func:`hypertron.models.moe.moe_mlp` under the step's mesh): every device
+routes all the step's tokens, computes its own experts' copies (their hidden dimension split over
+``tensor``) and one all-reduce over both axes sums the layer's output. Outside the experts the
+``expert`` devices repeat each other's work. The scheduler and the host side do not change.
 
 Before anything loads, :func:`check_memory` refuses an engine whose weights and KV pool exceed
 a device's memory (``hypertron plan --serve`` plans the same from the config alone).
 
-Not yet (refused in one line): MoE models (``--expert``), LoRA adapters, and more than one host;
-the embedding table is gathered whole each step, not looked up vocab-parallel (issue 43).
+Not yet (refused in one line): LoRA adapters on a mesh, and more than one host; the embedding
+table is gathered whole each step, not looked up vocab-parallel (issue 43).
 """
 
 from __future__ import annotations
@@ -35,27 +39,27 @@ from hypertron.parallel.rules import DEFAULT_RULES, spec_for
 _PAGE_AXES = ("act_kv_heads", None, None, None)
 
 
-def check_tensor(cfg: ModelConfig, config: EngineConfig, devices: int) -> None:
-    """``tensor`` ranks this model and host can take, or one line saying why not."""
-    t = config.tensor
-    if t == 1:
+def check_split_here(cfg: ModelConfig, config: EngineConfig, devices: int) -> None:
+    """``tensor`` x ``expert`` ranks this model and host can take, or one line saying why not."""
+    t, e = config.tensor, config.expert
+    if t * e == 1:
         return
-    if t > devices:
-        raise ConfigError(f"--tensor={t}: this host has {devices} devices")
-    check_split(cfg, t, 1)
-    if cfg.moe is not None:
-        raise ConfigError(f"--tensor={t} with an MoE model: not supported yet (issue 43)")
+    split = f"--tensor={t}" if e == 1 else f"--expert={e}" if t == 1 else f"--tensor={t} --expert={e}"
+    if t * e > devices:
+        raise ConfigError(f"{split}: this host has {devices} devices")
+    check_split(cfg, t, e)
     if config.enable_lora:
-        raise ConfigError(f"--tensor={t} with LoRA adapters: not supported yet (issue 43)")
+        raise ConfigError(f"{split} with LoRA adapters: not supported yet (issue 43)")
 
 
 def engine_mesh(cfg: ModelConfig, config: EngineConfig) -> Mesh | None:
-    """The engine's mesh (``tensor`` over the first local devices), or None for one device."""
+    """The engine's mesh (``tensor`` x ``expert`` of the first local devices), or None for one device."""
     devices = jax.local_devices()
-    check_tensor(cfg, config, len(devices))
-    if config.tensor == 1:
+    check_split_here(cfg, config, len(devices))
+    if config.tensor * config.expert == 1:
         return None
-    return make_mesh(MeshConfig(fsdp=1, tensor=config.tensor), devices[:config.tensor])
+    n = config.tensor * config.expert
+    return make_mesh(MeshConfig(fsdp=1, tensor=config.tensor, expert=config.expert), devices[:n])
 
 
 def place_weights(mesh: Mesh | None, cfg: ModelConfig, params):
@@ -89,7 +93,7 @@ def check_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_
     if limit is None:
         return
     hw = match(getattr(device, "device_kind", "")) or HARDWARE["cpu"]
-    plan = plan_serving(cfg, hw, tensor=config.tensor, quantize=quantize, kv_cache_dtype=config.kv_cache_dtype,
+    plan = plan_serving(cfg, hw, tensor=config.tensor, expert=config.expert, quantize=quantize, kv_cache_dtype=config.kv_cache_dtype,
                         max_num_batched_tokens=max_num_batched_tokens, max_slots=config.max_slots,
                         page_size=config.page_size, device_memory=limit, accelerator=device.platform != "cpu")
     pages = config.pool_pages(cfg.max_seq_len)
