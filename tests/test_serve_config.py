@@ -382,9 +382,57 @@ def test_a_kv_pool_the_device_cannot_hold_is_one_line_before_the_weights_load(ru
     from hypertron.models.hardware import device_memory
     from hypertron.models.memory import kv_cache_bytes
     from hypertron.serve.model import model_config_of
-    from hypertron.serve.placement import check_memory
+    from hypertron.serve.placement import fit_memory
 
     model = model_config_of(run_dir)
     assert kv_cache_bytes(model, 100_000_000 * 16, "float32") > device_memory(jax.local_devices()[0])
     for pages in (most, 1000):  # refused no more
-        check_memory(model, EngineConfig(num_pages=pages), "none", 512, jax.local_devices()[0])
+        fit_memory(model, EngineConfig(num_pages=pages), "none", 512, jax.local_devices()[0])
+
+    # --no-memory-check: the same pool goes on to load (the stand-in loader says it was reached)
+    def reached(*a, **k):
+        raise SystemExit(7)
+
+    monkeypatch.setattr(engine_module, "load_engine", reached)
+    with pytest.raises(SystemExit, match="7"):
+        cli.main(["serve", "--checkpoint", run_dir, "--num-pages", "100000000", "--no-memory-check"])
+
+
+class _Accelerator:
+    """A stand-in GPU: its allocator's limit, as ``memory_stats`` gives it."""
+
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_on_an_accelerator_the_kv_pool_takes_what_the_fraction_leaves(run_dir, capsys):
+    """Without ``--num-pages``, an accelerator's pool is sized from the plan: ``fraction`` of its
+    memory less the weights and a step's workspace, in pages (vLLM's --gpu-memory-utilization); a
+    device too small for one step's KV is refused in one line; a CPU keeps the engine's default."""
+    from hypertron.models.hardware import HARDWARE
+    from hypertron.models.memory import kv_cache_bytes
+    from hypertron.models.serve_plan import plan_serving
+    from hypertron.serve.model import model_config_of
+    from hypertron.serve.placement import fit_memory
+
+    model, config = model_config_of(run_dir), EngineConfig()
+    gpu = _Accelerator(2 * 2**30)
+    sized = {f: fit_memory(model, config, "none", 512, gpu, f).num_pages for f in (0.9, 0.5)}
+    for fraction, pages in sized.items():
+        plan = plan_serving(model, HARDWARE["h100"], device_memory=gpu.limit, memory_fraction=fraction)
+        room = fraction * gpu.limit - plan.weights - plan.workspace
+        pool = kv_cache_bytes(model, (pages - 1) * config.page_size, plan.kv_dtype)  # the null page aside
+        assert pool <= room < pool + kv_cache_bytes(model, config.page_size, plan.kv_dtype)  # every whole page
+    assert sized[0.5] < sized[0.9]
+    assert fit_memory(model, EngineConfig(num_pages=40), "none", 512, gpu).num_pages == 40  # given: kept
+    assert fit_memory(model, config, "none", 512, jax.local_devices()[0]) == config  # a CPU: every slot whole
+    with pytest.raises(ConfigError, match=r"does not fit this gpu device .*--no-memory-check tries anyway"):
+        fit_memory(model, config, "none", 512, _Accelerator(plan.weights))
+    assert cli.main(["serve", "--checkpoint", run_dir, "--kv-cache-memory-fraction", "1.5"]) == 2
+    assert capsys.readouterr().err == ("error: --kv-cache-memory-fraction=1.5: must be above 0 and at most 1 "
+                                       "(a share of each device's memory)\n")

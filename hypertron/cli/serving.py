@@ -41,6 +41,11 @@ _SERVE_FLAGS: dict[str, dict] = {
                                     "they answer 403"),
     "tensor": dict(metavar="N", help="split the weights (heads, MLP, vocabulary) and the KV pages (by KV head) "
                                      "over this host's first N devices, as training's rules do"),
+    "memory_check": dict(help="refuse, before loading, a model and KV pool the memory model says a device "
+                                   "cannot hold (hypertron plan --serve); --no-memory-check tries anyway"),
+    "kv_cache_memory_fraction": dict(metavar="F", help="the share of each device's memory the weights, a step's "
+                                                       "workspace and the KV pool may take; on an accelerator "
+                                                       "without --num-pages the pool gets what is left of it"),
     "expert": dict(metavar="M", help="split an MoE's experts over M devices (tensor x expert devices in all): each "
                                      "computes its own experts' share of the step's tokens"),
     "max_loras": dict(metavar="N", help="LoRA adapters loaded at once, at most"),

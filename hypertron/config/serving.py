@@ -146,6 +146,12 @@ def check_budget(max_num_batched_tokens: int, max_slots: int, name: Callable[[st
 _E, _S = EngineConfig, SchedulerConfig  # ServeConfig's defaults are theirs
 
 
+# The share of an accelerator's memory a server plans to use (weights, a step's workspace, the KV
+# pool: what is left of it sizes the pool when --num-pages is not given), as vLLM's
+# --gpu-memory-utilization; the rest is the allocator's and XLA's slack.
+KV_CACHE_MEMORY_FRACTION = 0.9
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """What ``hypertron serve`` runs: the flags of the same names (``max_slots`` is
@@ -179,6 +185,11 @@ class ServeConfig:
     lora_modules: tuple[str, ...] = ()  # NAME=PATH: PEFT adapters loaded at start (enable_lora implied)
     tensor: int = _E.tensor  # tensor parallelism over this host's first devices (hypertron.serve.placement)
     expert: int = _E.expert  # expert parallelism (an MoE's experts) over tensor x expert devices
+    # refuse, before loading, an engine the memory model says its device cannot hold (hypertron plan --serve)
+    memory_check: bool = True
+    # of each device's memory: weights, a step's workspace and the KV pool; on an accelerator without
+    # num_pages the pool takes what is left of it
+    kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change the adapters (a load reads a
     # path on the server); off: they answer 403 (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora: bool = False

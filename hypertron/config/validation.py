@@ -403,6 +403,9 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
         raise ConfigError(f"{name('embedding_cache')}={cfg.embedding_cache}: must be 0 (off) or more")
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"{name('port')}={cfg.port}: must be 0 to 65535")
+    if not 0 < cfg.kv_cache_memory_fraction <= 1:
+        raise ConfigError(f"{name('kv_cache_memory_fraction')}={cfg.kv_cache_memory_fraction}: must be above 0 "
+                          "and at most 1 (a share of each device's memory)")
     if not cfg.serves_images:
         check_text_serve(cfg, name)
 

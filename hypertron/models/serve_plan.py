@@ -11,10 +11,10 @@ Per device, on a mesh of ``tensor`` x ``expert`` devices:
   heads, KV heads, MLP width and vocabulary over ``tensor``, experts over ``expert``).
   ``tests/test_serve_parallel.py`` compares this with a tiny engine's real shards.
 * **workspace**, estimated: a step of ``max_num_batched_tokens`` tokens' activations (the residual
-  stream four times, the split projections and MLP), the sampled rows' float32 logits twice, and,
-  with the vocabulary split, the embedding table gathered whole (the lookup is not vocab-parallel
-  yet: ``hypertron.serve.placement``).
-* **KV cache**: what is left of :data:`SERVE_MEMORY_FRACTION` of the device's memory, in tokens
+  stream four times, the split projections and MLP) and the sampled rows' float32 logits twice
+  (with the vocabulary split, each rank looks up the ids in its slice of the embedding table: no
+  table is gathered).
+* **KV cache**: what is left of ``memory_fraction`` of the device's memory (``--kv-cache-memory-fraction``), in tokens
   (:func:`~hypertron.models.memory.kv_cache_bytes`, split by KV head over ``tensor``) and in pages
   (``hypertron serve --num-pages``).
 
@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hypertron.config import ConfigError, ModelConfig, dtype_on
+from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
 from hypertron.models import params as param_lib
 from hypertron.models.decoder import declare
 from hypertron.models.hardware import Hardware
-from hypertron.models.memory import DTYPE_BYTES, held_arrays, held_bytes, kv_cache_bytes
+from hypertron.models.memory import DTYPE_BYTES, held_bytes, kv_cache_bytes
 
 # The share of a device's memory an engine plans for (vLLM's gpu_memory_utilization default): the
 # rest is the runtime's and the compiler's. JAX on a GPU preallocates 75 % unless
 # XLA_PYTHON_CLIENT_MEM_FRACTION says more (docs/serving.md).
-SERVE_MEMORY_FRACTION = 0.9
 MESH_AXES = ("data", "fsdp", "stage", "context", "expert", "tensor")
 
 
@@ -57,6 +57,7 @@ class ServePlan:
     max_seq_len: int
     min_tokens: int               # the KV tokens it needs to fit (a step's)
     notes: list[str] = field(default_factory=list)
+    memory_fraction: float = KV_CACHE_MEMORY_FRACTION  # of device_memory, for weights, workspace and KV
 
     @property
     def devices(self) -> int:
@@ -64,7 +65,7 @@ class ServePlan:
 
     @property
     def usable(self) -> float | None:
-        return None if self.device_memory is None else SERVE_MEMORY_FRACTION * self.device_memory
+        return None if self.device_memory is None else self.memory_fraction * self.device_memory
 
     @property
     def kv_room(self) -> int | None:
@@ -90,10 +91,9 @@ class ServePlan:
         return None if tokens is None else tokens >= self.min_tokens
 
 
-def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dict[str, int]) -> tuple[int, int]:
-    """``(bytes per device, the embedding table's whole bytes)`` of the weights as the engine holds
-    them (:func:`~hypertron.models.serving_params`, abstract), each array sharded by the rules over
-    ``mesh``."""
+def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dict[str, int]) -> int:
+    """Bytes per device of the weights as the engine holds them (:func:`~hypertron.models.serving_params`,
+    abstract), each array sharded by the rules over ``mesh``."""
     import jax
 
     from hypertron.models import serving_params
@@ -102,15 +102,13 @@ def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dic
     master = param_lib.abstract(specs, dtype_on(model.param_dtype, accelerator))
     compute = dtype_on(model.dtype, accelerator)
     held = jax.eval_shape(lambda p: serving_params(p, model, quantize, compute), master)
-    per_device = held_bytes(specs, held, {a: mesh.get(a, 1) for a in MESH_AXES})
-    embedding = sum(math.prod(a.shape) * a.dtype.itemsize for a in held_arrays(held["embed"]))
-    return per_device, embedding
+    return held_bytes(specs, held, {a: mesh.get(a, 1) for a in MESH_AXES})
 
 
 def plan_serving(model: ModelConfig, hw: Hardware, *, tensor: int = 1, expert: int = 1, quantize: str = "none",
                  kv_cache_dtype: str = "auto", max_num_batched_tokens: int = 512, max_slots: int = 8,
                  page_size: int = 16, device_memory: float | None = None,
-                 accelerator: bool | None = None) -> ServePlan:
+                 accelerator: bool | None = None, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> ServePlan:
     """The plan of one engine of ``model`` over ``tensor`` x ``expert`` devices of ``hw`` (its
     memory, or ``device_memory``; an accelerator unless ``hw`` is the CPU, or as ``accelerator``
     says). Raises :class:`ConfigError` for a split the model cannot take."""
@@ -118,18 +116,19 @@ def plan_serving(model: ModelConfig, hw: Hardware, *, tensor: int = 1, expert: i
     accelerator = hw.name != "cpu" if accelerator is None else accelerator
     kv = dtype_on(model.dtype, accelerator) if kv_cache_dtype == "auto" else kv_cache_dtype
     mesh = {"tensor": tensor, "expert": expert}
-    weights, embedding = weight_bytes(model, quantize, accelerator, mesh)
+    weights = weight_bytes(model, quantize, accelerator, mesh)
     c = DTYPE_BYTES[dtype_on(model.dtype, accelerator)]
     mlp = model.mlp_dim * (model.moe.top_k if model.moe is not None else 1)
     per_token = (4 * model.embed_dim + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tensor
                  + 3 * mlp // tensor) * c
+    # (the embedding table split by vocabulary is looked up in place: each rank its ids, one
+    # all-reduce; tests/test_serve_parallel.py checks the compiled step gathers no weight)
     workspace = max_num_batched_tokens * per_token + 2 * max_slots * model.vocab_size * 4
-    if tensor > 1 and model.vocab_size % tensor == 0:  # the table is split by vocabulary, and gathered whole
-        workspace += embedding
     memory = hw.memory if device_memory is None else device_memory
     whole = kv_cache_bytes(model, 1, kv)
     p = ServePlan(hw, model.name, mesh, quantize, kv, memory, weights, workspace, whole,
-                  whole // kv_cache_bytes(model, 1, kv, tensor), page_size, model.max_seq_len, max_num_batched_tokens)
+                  whole // kv_cache_bytes(model, 1, kv, tensor), page_size, model.max_seq_len, max_num_batched_tokens,
+                  memory_fraction=memory_fraction)
     tokens = p.kv_tokens
     if tokens is not None and p.fits and tokens < model.max_seq_len:
         p.notes.append(f"the KV cache holds {tokens:,} tokens, fewer than one {model.max_seq_len:,}-token sequence: "
@@ -201,7 +200,7 @@ def render(p: ServePlan):
     parts: list[Any] = [head, mem]
     if p.usable is not None:
         mem.add_row("KV cache (the rest)", describe_bytes(max(p.kv_room, 0)))
-        mem.add_row(f"usable ({100 * SERVE_MEMORY_FRACTION:.0f}% of {describe_bytes(p.device_memory)})",
+        mem.add_row(f"usable ({100 * p.memory_fraction:.0f}% of {describe_bytes(p.device_memory)})",
                     describe_bytes(p.usable), style="bold")
         tokens = p.kv_tokens
         pages = f"; hypertron serve --num-pages {tokens // p.page_size + 1} at --page-size {p.page_size}" if p.fits else ""

@@ -11,21 +11,23 @@ routes all the step's tokens, computes its own experts' copies (their hidden dim
 ``tensor``) and one all-reduce over both axes sums the layer's output. Outside the experts the
 ``expert`` devices repeat each other's work. The scheduler and the host side do not change.
 
-Before anything loads, :func:`check_memory` refuses an engine whose weights and KV pool exceed
-a device's memory (``hypertron plan --serve`` plans the same from the config alone).
+Before anything loads, :func:`fit_memory` refuses an engine whose weights and KV pool exceed
+a device's memory (``hypertron plan --serve`` plans the same from the config alone), and on an
+accelerator sizes the pool from what is left (``--kv-cache-memory-fraction``).
 
-Not yet (refused in one line): LoRA adapters on a mesh, and more than one host; the embedding
-table is gathered whole each step, not looked up vocab-parallel (issue 43).
+Not yet (refused in one line): LoRA adapters on a mesh, and more than one host (issue 43).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
+from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
 from hypertron.models import declare
 from hypertron.models.kv_pages import init_pages
 from hypertron.models.hardware import HARDWARE, device_memory, match
@@ -83,28 +85,41 @@ def place_whole(mesh: Mesh | None, tree):
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
-def check_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_batched_tokens: int, device) -> None:
+def fit_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_batched_tokens: int, device,
+               fraction: float = KV_CACHE_MEMORY_FRACTION) -> EngineConfig:
     """Refuse, before anything loads, an engine whose weights and KV pool, both exact
     (:mod:`hypertron.models.serve_plan`), exceed what ``device`` holds
-    (:func:`~hypertron.models.hardware.device_memory`), in one line saying what would fit."""
+    (:func:`~hypertron.models.hardware.device_memory`), in one line saying what would fit.
+
+    Returns ``config``, on an accelerator without ``num_pages`` with the pool the plan leaves:
+    what ``fraction`` of its memory holds after the weights and a step's workspace (as vLLM's
+    ``--gpu-memory-utilization``); elsewhere the engine's default stays (every slot at
+    ``max_seq_len``)."""
     from hypertron.units import describe_bytes
 
     limit = device_memory(device)
     if limit is None:
-        return
+        return config
     hw = match(getattr(device, "device_kind", "")) or HARDWARE["cpu"]
-    plan = plan_serving(cfg, hw, tensor=config.tensor, expert=config.expert, quantize=quantize, kv_cache_dtype=config.kv_cache_dtype,
-                        max_num_batched_tokens=max_num_batched_tokens, max_slots=config.max_slots,
-                        page_size=config.page_size, device_memory=limit, accelerator=device.platform != "cpu")
+    plan = plan_serving(cfg, hw, tensor=config.tensor, expert=config.expert, quantize=quantize,
+                        kv_cache_dtype=config.kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens,
+                        max_slots=config.max_slots, page_size=config.page_size, device_memory=limit,
+                        accelerator=device.platform != "cpu", memory_fraction=fraction)
+    anyway = "; --no-memory-check tries anyway"
+    if device.platform != "cpu" and config.num_pages is None:
+        if not plan.fits:
+            raise ConfigError(f"{cfg.name} does not fit this {device.platform} device with a KV cache of one step's "
+                              f"tokens in {100 * fraction:.0f}% of its {describe_bytes(limit)}: {plan.notes[-1]}{anyway}")
+        return dataclasses.replace(config, num_pages=plan.kv_tokens // config.page_size + 1)
     pages = config.pool_pages(cfg.max_seq_len)
     pool = kv_cache_bytes(cfg, pages * config.page_size, plan.kv_dtype, config.tensor)
     if plan.weights + pool <= limit:
-        return
+        return config
     head = (f"{cfg.name} does not fit this {device.platform} device: its weights ({describe_bytes(plan.weights)}) and KV "
             f"pool ({describe_bytes(pool)}, {pages:,} pages of {config.page_size}) take more than its "
             f"{describe_bytes(limit)}")
     if plan.weights + plan.workspace < limit:
         most = int(limit - plan.weights - plan.workspace) * plan.kv_split // (config.page_size * plan.kv_token_bytes)
         raise ConfigError(f"{head}; --num-pages {most:,} or fewer leaves room for the steps "
-                          "(hypertron plan --serve)")
-    raise ConfigError(f"{head}; {plan.notes[-1] if plan.notes else 'hypertron plan --serve says what fits'}")
+                          f"(hypertron plan --serve){anyway}")
+    raise ConfigError(f"{head}; {plan.notes[-1] if plan.notes else 'hypertron plan --serve says what fits'}{anyway}")

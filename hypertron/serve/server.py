@@ -533,13 +533,14 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
 
     from hypertron.serve.engine import load_engine
     from hypertron.serve.model import model_config_of
-    from hypertron.serve.placement import check_memory
+    from hypertron.serve.placement import fit_memory
     from hypertron.serve.shapes import ShapeMemory  # imports JAX (its cost model): not at the module's import
 
-    model = model_config_of(serve.checkpoint)
-    if model is not None:  # before anything loads
-        check_memory(model, serve.engine, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0])
-    engine, tokenizer, model_name = load_engine(serve.checkpoint, serve.engine, quantize=serve.quantize,
+    model, config = model_config_of(serve.checkpoint), serve.engine
+    if model is not None and serve.memory_check:  # before anything loads
+        config = fit_memory(model, config, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0],
+                            serve.kv_cache_memory_fraction)
+    engine, tokenizer, model_name = load_engine(serve.checkpoint, config, quantize=serve.quantize,
                                                 lora_modules=serve.lora_adapters())
     orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
