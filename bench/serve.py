@@ -75,7 +75,7 @@ def weight_bytes_per_step(cfg, params, batch: int) -> int:
 
 
 def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, warmup: int, page_size: int,
-                 top_logprobs: int | None, scan_layers: bool = False, tensor: int = 1) -> dict:
+                 top_logprobs: int | None, scan_layers: bool = False, tensor: int = 1, expert: int = 1) -> dict:
     """Fill ``len(prompts)`` slots, warm up, time ``steps`` decode steps. Returns the row's figures
     (``prefill_s``: the time to prefill every slot, compiles included; ``compile_s``: the compiles'
     own, ``compiles`` of them)."""
@@ -90,7 +90,7 @@ def bench_engine(params, cfg, prompts: np.ndarray, kv_dtype: str, steps: int, wa
     pages_per_slot = -(-(context + new) // page_size)
     config = EngineConfig(max_slots=batch, page_size=page_size, num_pages=batch * pages_per_slot + 1,
                           kv_cache_dtype=kv_dtype, max_top_logprobs=top_logprobs or 1, compile="lazy",
-                          tensor=tensor)
+                          tensor=tensor, expert=expert)
     engine = PagedEngine(params, cfg, config, scan_layers=scan_layers)
     sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=context + batch, max_prefill_rows=1))
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=new, logprobs=top_logprobs)
@@ -213,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("preset", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*", help="key=value model overrides (num_layers=8)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--kv-dtypes", nargs="+", default=None,
-                   help="KV cache dtypes (default: the compute dtype and int8)")
+    p.add_argument("--kv-dtypes", nargs="+", default=None, help="KV cache dtypes (default: the compute dtype and int8)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens per slot (default 512 on CPU, else half of max_seq_len)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
@@ -225,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scan-layers", action="store_true", help="the engine scans the stacked layers (default: unrolled)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--tensor", type=int, default=1, help="the engine's tensor-parallel devices (hypertron serve --tensor)")
+    p.add_argument("--expert", type=int, default=1, help="the engine's expert-parallel devices (hypertron serve --expert)")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1, help="default: the number of cores")
     p.add_argument("--profile", action="store_true",
                    help="the serving loop without HTTP, each turn's time by phase (bench/serve_profile.py)")
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in args.batch_sizes:
         for kv in kv_dtypes:
-            rows.append(bench_engine(params, cfg, prompts[:batch], kv, args.steps, args.warmup, args.page_size,
-                                     args.top_logprobs, scan_layers=args.scan_layers, tensor=args.tensor))
+            rows.append(bench_engine(params, cfg, prompts[:batch], kv, args.steps, args.warmup, args.page_size, args.top_logprobs,
+                                     scan_layers=args.scan_layers, tensor=args.tensor, expert=args.expert))
             r = rows[-1]
             print(f"  ... batch {batch} {kv}: {r['step_s'] * 1e3:.1f} ms/step, {r['compiles']} compiles in "
                   f"{r['compile_s']:.1f} s", file=sys.stderr)

@@ -179,3 +179,30 @@ def test_the_openai_client_gets_one_devices_greedy_text_from_a_four_way_server()
                          + [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=8, temperature=0).choices[0].message.content])
     assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_a_run_loads_into_its_shards(tmp_path, monkeypatch):
+    """``load_engine`` with ``--tensor 4`` restores the checkpoint straight into the rules' shards
+    (what the cast to the serving dtype gets is already split: no device held a whole split weight)
+    and serves ``--tensor 1``'s greedy tokens."""
+    from hypertron.checkpoint import save_params
+    from hypertron.config import Config, TrainConfig
+    from hypertron.serve import model as serve_model
+    from hypertron.serve.engine import load_engine
+
+    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
+    run_dir = tmp_path / "run"
+    save_params(run_dir, Config(run_dir=str(run_dir), model=cfg, train=TrainConfig(seq_len=32)), params)
+    seen, prepare = [], serve_model.prepare_params
+    monkeypatch.setattr(serve_model, "prepare_params", lambda p, *a: seen.append(p) or prepare(p, *a))
+    tokens = []
+    for tensor in (1, 4):
+        engine, _, _ = load_engine(run_dir, dataclasses.replace(CONFIG, tensor=tensor, compile="background"))
+        engine._enqueue = lambda shape: None  # as padded_engine: every plan runs padded to the shape the
+        engine._compile(SHAPES[0])  # tests above compiled (the same executable: no compile here)
+        _, outs, _ = run(engine, PROMPTS[:2], [SamplingParams(temperature=0.0, seed=0, max_tokens=6, ignore_eos=True)] * 2,
+                         max_num_batched_tokens=16)
+        tokens.append([[o.token for o in outs[i] if o.token is not None] for i in range(2)])
+    wq = seen[-1]["layers"]["wq"]  # [layers, embed, heads, head_dim], as restored, before the cast
+    assert wq.addressable_shards[0].data.shape == (cfg.num_layers, cfg.embed_dim, 8 // 4, cfg.head_dim)
+    assert tokens[0] == tokens[1] and all(tokens[0])

@@ -208,11 +208,26 @@ def cast_params(specs: Any, params: Any, dtype: Any) -> Any:
     return _map_declared(one, specs, params, "cast_params")
 
 
+def on_mesh(specs: Any, abstract: Any, mesh, rules) -> Any:
+    """``abstract`` (``jax.ShapeDtypeStruct`` per parameter) with the shardings :func:`place_params`
+    gives, for restoring a checkpoint straight into its shards."""
+    from jax.sharding import NamedSharding
+
+    from hypertron.parallel.rules import spec_for
+
+    def one(spec: ParamSpec, a: Any, path: str) -> Any:
+        sharding = NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape)))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return _map_declared(one, specs, abstract, "on_mesh")
+
+
 def place_params(specs: Any, params: Any, mesh, rules) -> Any:
     """``params`` on ``mesh``, each weight sharded as the rules shard its declared axes (training's
     shardings, :func:`hypertron.parallel.rules.spec_for`): an int8 :class:`~hypertron.quant.int8.QArray`'s
     values and scales each by its own shape (a size-1 scale axis stays whole). Each weight is put
-    on its own, so no device holds more of it than its shard."""
+    on its own, so no device holds more of it than its shard (from the host: each device is sent
+    its slice only)."""
     from jax.sharding import NamedSharding
 
     from hypertron.parallel.rules import spec_for

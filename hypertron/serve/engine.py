@@ -452,9 +452,8 @@ class PagedEngine:
             fn = step.lower(params, cache, state, self._empty_batch(shape).array, cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
-                            want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs,
-                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora,
-                            mesh=self.mesh).compile()
+                            want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs, mesh=self.mesh,
+                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
@@ -589,12 +588,13 @@ class PagedEngine:
 
 
 def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none", lora_modules=()):
-    """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF); the
-    engine's ``eos_ids`` are the tokenizer's; with ``config.enable_lora`` its LoRA slots, holding
-    ``lora_modules`` (``(name, path)`` pairs)."""
+    """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF), each
+    weight read into its shards; ``eos_ids`` the tokenizer's; with ``config.enable_lora`` its LoRA
+    slots, holding ``lora_modules`` (``(name, path)`` pairs)."""
     from hypertron.serve.lora_slots import slots_for
-    from hypertron.serve.model import load_for_inference, served_name
+    from hypertron.serve.model import load_for_inference, model_config_of, served_name
 
-    model, params, tok = load_for_inference(checkpoint, quantize)
+    model = model_config_of(checkpoint)
+    model, params, tok = load_for_inference(checkpoint, quantize, model and engine_mesh(model, config))
     lora = slots_for(model, config, lora_modules)
     return PagedEngine(params, model, config, eos_ids=tok.eos_ids, lora=lora), tok, served_name(checkpoint)

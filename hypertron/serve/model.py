@@ -46,14 +46,19 @@ def served_name(path: str | Path) -> str:
     return path.parent.name if bundle.is_bundle(path) and path.name == "model" else path.name
 
 
-def load_for_inference(path: str | Path, quantize: str = "none") -> tuple[ModelConfig, dict, Tokenizer]:
+def load_for_inference(path: str | Path, quantize: str = "none", mesh=None) -> tuple[ModelConfig, dict, Tokenizer]:
     """``(model config, params, tokenizer)`` of ``path``: a model bundle
     (:mod:`hypertron.models.bundle`), a run directory's latest checkpoint (its tokenizer is the
     run's ``data.tokenizer``) or a Hugging Face directory (its ``tokenizer.json`` or SentencePiece
     model, and the end-of-sequence ids of its ``generation_config.json``). The
     config is the one generation runs (:func:`inference_config`); the parameters are cast once by
     :func:`prepare_params` (matmul and embedding weights in the compute dtype, or int8; norms and
-    router in float32); a tokenizer with more ids than the model is refused."""
+    router in float32); a tokenizer with more ids than the model is refused. With ``mesh`` (a
+    serving engine's, :mod:`hypertron.serve.placement`), each weight lands in its shards as it is
+    read (a checkpoint restored into them, safetensors sent from the host slice by slice) and is
+    cast there: no device holds a whole split weight."""
+    from hypertron.serve.placement import place_weights, weights_on
+
     if bundle.is_bundle(path):
         model, params, tokenizer = bundle.read_bundle(path)  # its vocabulary is checked there
         key = f"{path}/{bundle.MANIFEST}: model.vocab_size"
@@ -62,11 +67,12 @@ def load_for_inference(path: str | Path, quantize: str = "none") -> tuple[ModelC
         tokenizer = get_tokenizer(str(path))
         key = f"{path}/config.json: vocab_size"
     else:
-        cfg, params = checkpoints.load_params(path)
+        shardings = None if mesh is None else weights_on(mesh, checkpoints.read_run_config(path).model)
+        cfg, params = checkpoints.load_params(path, shardings=shardings)
         model, tokenizer, key = cfg.model, get_tokenizer(cfg.data.tokenizer), f"{path}: model.vocab_size"
     check_vocab(tokenizer, model.vocab_size, key)
     model = inference_config(model)
-    return model, prepare_params(params, model, quantize), tokenizer
+    return model, prepare_params(place_weights(mesh, model, params), model, quantize), tokenizer
 
 
 def model_config_of(path: str | Path) -> ModelConfig | None:

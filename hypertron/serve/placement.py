@@ -28,11 +28,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
 from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
-from hypertron.models import declare
+from hypertron.models import declare, resolve_dtype
 from hypertron.models.kv_pages import init_pages
 from hypertron.models.hardware import HARDWARE, device_memory, match
 from hypertron.models.memory import kv_cache_bytes
-from hypertron.models.params import place_params
+from hypertron.models.params import abstract, on_mesh, place_params
 from hypertron.models.serve_plan import check_split, plan_serving
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, spec_for
@@ -67,6 +67,13 @@ def engine_mesh(cfg: ModelConfig, config: EngineConfig) -> Mesh | None:
 def place_weights(mesh: Mesh | None, cfg: ModelConfig, params):
     """``params`` sharded over ``mesh`` as training shards them (unchanged without a mesh)."""
     return params if mesh is None else place_params(declare(cfg), params, mesh, DEFAULT_RULES)
+
+
+def weights_on(mesh: Mesh, cfg: ModelConfig):
+    """The master weights of ``cfg`` as abstract arrays in the shards :func:`place_weights` gives
+    (a checkpoint restores straight into them)."""
+    specs = declare(cfg)
+    return on_mesh(specs, abstract(specs, resolve_dtype(cfg.param_dtype)), mesh, DEFAULT_RULES)
 
 
 def new_pages(mesh: Mesh | None, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
