@@ -140,13 +140,16 @@ def test_the_serving_plans_weights_per_device_are_a_real_engines_shards(tensor, 
 
 
 def test_fewer_kv_heads_than_ranks_are_read_whole_by_each():
-    """``tiny-gemma``'s one KV head over 2 ranks: its pages on both, the query heads split."""
+    """``tiny-gemma``'s one KV head over 2 ranks: its pages on both, the query heads split, each
+    rank's attention (in ``shard_map``) reading the head its queries need: no page travels."""
     cfg, params = _model("tiny-gemma")
     _, want, want_top = _serve(params, cfg, 1, 0.8)
     engine, tokens, top = _serve(params, cfg, 2, 0.8)
     assert tokens == want
     np.testing.assert_allclose(top, want_top, atol=1e-5, rtol=0)
     assert engine.cache["k_pages"].addressable_shards[0].data.shape == engine.cache["k_pages"].shape
+    rows = SHAPES[0].num_decode + SHAPES[0].prefill_rows
+    assert max(math.prod(s) for kind, s in _collectives(engine, SHAPES[0]) if kind == "all-gather") <= rows * cfg.vocab_size
 
 
 @pytest.mark.parametrize("preset,split,message", [

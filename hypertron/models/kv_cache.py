@@ -9,7 +9,10 @@ in place.
   (:mod:`hypertron.models.kv_pages`): the tokens of many sequences in one flat row (decode
   tokens, whole prompts, chunks after cached tokens), every row attending in one call of the
   ragged paged attention (:mod:`hypertron.kernels.ragged_attention`). Keys and values go
-  straight into the pages.
+  straight into the pages. Under a mesh whose rules split the heads (a tensor-parallel serving
+  engine), the attention runs in ``shard_map``, each rank over its query heads and the KV heads
+  they read (its own slice of the pages, or its heads' of pages every rank holds whole): the
+  Pallas kernel is no op XLA's partitioner could split.
 
 The contiguous cache (``k`` / ``v [layers, batch, max_len, kv_heads, head_dim]``, each row's
 tokens at their positions) is the tests' reference (``tests/contiguous_cache.py``): nothing here
@@ -19,13 +22,16 @@ generates that way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_paged_attention import ragged_paged_attention
 from hypertron.models.kv_pages import layer_page_table, pages_per_layer, write_tokens
+from hypertron.parallel.rules import active_rules, mesh_axes, spec_for
 
 
 class KVCache(Protocol):
@@ -70,8 +76,39 @@ class PagedCache:
         table = layer_page_table(self.page_table, layer, pages_per_layer(self.pages, cfg.num_layers))
         pages = write_tokens(self.pages, k_btkh[0][:, None], v_btkh[0][:, None], positions_bt[0][:, None],
                              table[self.token_rows], self.token_valid[:, None])
-        attn = ragged_paged_attention(q_btnh[0], pages["k_pages"], pages["v_pages"], self.lengths, table,
-                                      self.query_start, k_scales=pages.get("k_scales"),
-                                      v_scales=pages.get("v_scales"), window=cfg.sliding_window,
-                                      decode_only=self.decode_only, queries_per_row=self.queries_per_row)
+        attend = functools.partial(ragged_paged_attention, window=cfg.sliding_window, decode_only=self.decode_only,
+                                   queries_per_row=self.queries_per_row)
+        attn = _by_head(attend, q_btnh[0], pages, self.lengths, table, self.query_start, cfg)
         return attn[None], dataclasses.replace(self, pages=pages)
+
+
+def _by_head(attend, q_nhd, pages: dict, lengths, table, query_start, cfg: ModelConfig):
+    """``attend`` (the ragged paged attention) over the heads: in ``shard_map`` when the active
+    rules split the query heads (see the module docstring), else as one call."""
+    kv = {n: pages[n] for n in ("k_pages", "v_pages", "k_scales", "v_scales") if n in pages}
+    active = active_rules()
+    heads = () if active is None else mesh_axes(spec_for((None, "act_heads", None), active[1], active[0], q_nhd.shape)[1])
+    if not heads:
+        return attend(q_nhd, kv["k_pages"], kv["v_pages"], lengths, table, query_start,
+                      k_scales=kv.get("k_scales"), v_scales=kv.get("v_scales"))
+    mesh, rules = active
+    kv_specs = {n: spec_for(("act_kv_heads",) + (None,) * (x.ndim - 1), rules, mesh, x.shape) for n, x in kv.items()}
+    whole = not mesh_axes(kv_specs["k_pages"][0])  # fewer KV heads than ranks: every rank holds them all
+    ranks = 1
+    for a in heads:
+        ranks *= mesh.shape[a]
+    per, group = cfg.num_heads // ranks, cfg.num_heads // cfg.num_kv_heads
+    if whole and per % group and group % per:
+        raise ValueError(f"{ranks} ranks of {per} query heads cannot each read whole KV heads of {group}")
+
+    def local(q, kv, lengths, table, query_start):
+        if whole:  # the KV heads this rank's query heads read
+            first, n = jax.lax.axis_index(heads) * per // group, max(per // group, 1)
+            kv = {k: jax.lax.dynamic_slice_in_dim(x, first, n, axis=0) for k, x in kv.items()}
+        return attend(q, kv["k_pages"], kv["v_pages"], lengths, table, query_start,
+                      k_scales=kv.get("k_scales"), v_scales=kv.get("v_scales"))
+
+    q_spec = P(None, heads[0] if len(heads) == 1 else heads, None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_specs, P(), P(), P()), out_specs=q_spec,
+                       check_vma=False)  # Pallas calls carry no varying-axes types
+    return fn(q_nhd, kv, lengths, table, query_start)

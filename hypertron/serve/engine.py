@@ -139,7 +139,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     with ``prompt_logprobs``, ``targets [P]``. Each row reads its slot's page-table row. Returns
     ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and, when asked, ``logprobs``,
     ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
-    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the engine's, for an MoE.
+    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the engine's (shard_map'ed layers).
     """
     b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
@@ -159,7 +159,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     at = b["out_idx"]
     if prompt_logprobs:
         at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    split = contextlib.nullcontext() if mesh is None or cfg.moe is None else use_rules(mesh, DEFAULT_RULES, pin=False)
+    split = contextlib.nullcontext() if mesh is None else use_rules(mesh, DEFAULT_RULES, pin=False)
     with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
         fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
                       logits_at=at[None])

@@ -5,7 +5,8 @@ declaration's axes say (heads, KV heads, MLP width and vocabulary over ``tensor`
 over ``expert``), the KV pages by KV head over ``tensor`` (replicated over the ranks that read the
 same head when there are fewer KV heads than ranks, and over ``expert``), the per-sequence state
 whole on every device. XLA's partitioner then splits each step as the arrays are split (the
-attention by head, the matmuls Megatron style, all-reduces of ``[tokens, embed]``); an MoE layer
+matmuls Megatron style, all-reduces of ``[tokens, embed]``); the attention runs in ``shard_map``
+by head (:mod:`hypertron.models.kv_cache`, under the step's mesh), and an MoE layer
 runs in ``shard_map`` (:func:`hypertron.models.moe.moe_mlp` under the step's mesh): every device
 routes all the step's tokens, computes its own experts' copies (their hidden dimension split over
 ``tensor``) and one all-reduce over both axes sums the layer's output. Outside the experts the
