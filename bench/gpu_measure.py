@@ -233,7 +233,7 @@ def plan_memory_gib(cfg) -> float | None:
     ``xla_mem_gib``; None on an accelerator the hardware table lacks."""
     import jax
 
-    from hypertron.models.hardware import match
+    from hypertron.hardware import match
     from hypertron.models.plan import plan
 
     dev = jax.devices()[0]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from hypertron.config import load_config
-from hypertron.models import hardware, memory
+from hypertron import hardware
+from hypertron.models import memory
 from hypertron.models.flops import device_peak_flops
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.step import make_trainer

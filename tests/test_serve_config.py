@@ -379,7 +379,7 @@ def test_a_kv_pool_the_device_cannot_hold_is_one_line_before_the_weights_load(ru
     found = re.search(r"--num-pages ([\d,]+) or fewer", err)
     assert found, err
     most = int(found[1].replace(",", ""))
-    from hypertron.models.hardware import device_memory
+    from hypertron.hardware import device_memory
     from hypertron.models.memory import kv_cache_bytes
     from hypertron.serve.model import model_config_of
     from hypertron.serve.placement import fit_memory
@@ -414,7 +414,7 @@ def test_on_an_accelerator_the_kv_pool_takes_what_the_fraction_leaves(run_dir, c
     """Without ``--num-pages``, an accelerator's pool is sized from the plan: ``fraction`` of its
     memory less the weights and a step's workspace, in pages (vLLM's --gpu-memory-utilization); a
     device too small for one step's KV is refused in one line; a CPU keeps the engine's default."""
-    from hypertron.models.hardware import HARDWARE
+    from hypertron.hardware import HARDWARE
     from hypertron.models.memory import kv_cache_bytes
     from hypertron.models.serve_plan import plan_serving
     from hypertron.serve.model import model_config_of

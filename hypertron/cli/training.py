@@ -161,7 +161,7 @@ def _plan_serving(cfg, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hypertron.config import EngineConfig, SchedulerConfig
-    from hypertron.models.hardware import host_memory_per_device, lookup
+    from hypertron.hardware import host_memory_per_device, lookup
     from hypertron.models.serve_plan import plan_serving, render, to_json
 
     devices = args.tensor * args.expert
@@ -189,7 +189,7 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 
     from hypertron.config.validation import check_dlrm_devices
     from hypertron.embed import plan as planner
-    from hypertron.models.hardware import lookup
+    from hypertron.hardware import lookup
     from hypertron.recsys import dlrm
     from hypertron.units import describe_bytes
 
@@ -219,7 +219,7 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
 def _devices(args: argparse.Namespace) -> tuple[int, float]:
     """``--devices`` of ``--hardware`` (default: one node's) and the bytes of each one's memory
     (``--device-memory`` where given; ``cpu``: this host's, shared)."""
-    from hypertron.models.hardware import host_memory_per_device, lookup
+    from hypertron.hardware import host_memory_per_device, lookup
 
     hw = lookup(args.hardware)
     devices = hw.per_node if args.devices is None else args.devices

@@ -14,11 +14,11 @@ from hypertron.embed.spec import (
     COMBINERS, OPTIMIZERS, PLACEMENTS, EmbedError, FeatureSpec, Jagged, TableSpec, check_ids, check_specs,
 )
 from hypertron.embed.tables import (
-    ShardedTable, abstract_table, apply_gradients, device_memory, init_table, lookup, pooled_sharding,
+    ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, reference_lookup, reference_update, shard_table, update_fn,
 )
 
 __all__ = ["COMBINERS", "OPTIMIZERS", "OVERFLOW", "PLACEMENTS", "EmbedError", "FeatureSpec", "Jagged", "Routed",
            "ShardedTable", "TableSpec", "abstract_table", "apply_gradients", "check_ids", "check_specs",
-           "device_memory", "init_table", "lookup", "pooled_sharding", "pooling_fn", "reference_lookup",
+           "init_table", "lookup", "pooled_sharding", "pooling_fn", "reference_lookup",
            "reference_update", "restore_tables", "route", "save_tables", "shard_table", "update_fn"]

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.embed.route import Routed, route
 from hypertron.embed.spec import OPTIMIZERS, EmbedError, Jagged, TableSpec
+from hypertron.hardware import device_memory
 from hypertron.units import describe_bytes
 
 
@@ -82,17 +83,6 @@ def _axis_devices(mesh: Mesh, axis: str) -> list:
     """The devices along ``axis`` (at index 0 of the other axes)."""
     devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
     return list(devices.reshape(mesh.shape[axis], -1)[:, 0])
-
-
-def device_memory(device) -> int:
-    """The bytes a device can hold: its allocator's limit on an accelerator; on a CPU, the host's
-    memory shared by the process's CPU devices."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    import psutil
-
-    return psutil.virtual_memory().total // max(len([d for d in jax.local_devices() if d.platform == "cpu"]), 1)
 
 
 def _checked(spec: TableSpec, mesh: Mesh, axis: str, optimizer: str | None) -> TableSpec:

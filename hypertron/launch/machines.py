@@ -1,7 +1,7 @@
 """The machines recipes are written for: one node's devices and what a cluster needs to place a pod.
 
 A recipe's ``launch.machine`` names one of these (``recipes/<machine>/<model>.yaml``). The
-device's figures (memory, peaks, links) are :mod:`hypertron.models.hardware`'s; this table adds
+device's figures (memory, peaks, links) are :mod:`hypertron.hardware`'s; this table adds
 what a Kubernetes pod needs: the GKE machine type and accelerator label, GPUs per node, and how
 the nodes talk (``tcpxo``: A3 Mega's GPUDirect-TCPXO, which needs a sidecar daemon and the
 NCCL plugin's environment; ``rdma``: A3 Ultra's GPUDirect-RDMA; ``none``).
@@ -22,7 +22,7 @@ PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-hig
 @dataclass(frozen=True)
 class Machine:
     name: str
-    device: str              # the hypertron.models.hardware entry of one device
+    device: str              # the hypertron.hardware entry of one device
     gpus: int                # per node (0: CPU only)
     machine_type: str = ""   # GCE machine type
     accelerator: str = ""    # GKE's cloud.google.com/gke-accelerator label

@@ -1,4 +1,4 @@
-"""Model FLOPs per token, and the device's peak for MFU (from :mod:`hypertron.models.hardware`).
+"""Model FLOPs per token, and the device's peak for MFU (from :mod:`hypertron.hardware`).
 
 Counted from the config, matmuls only (as MaxText and the PaLM paper do):
 QKV and output projections, the gated MLP (for MoE: the router and the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from hypertron.config import ModelConfig
-from hypertron.models.hardware import match
+from hypertron.hardware import match
 
 def dense_flops_per_token(cfg: ModelConfig) -> float:
     """Forward matmul FLOPs of one token through the weights (every layer's projections and MLP,
@@ -49,7 +49,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def device_peak_flops(override: float = 0.0, device=None, fmt: str = "bf16") -> float | None:
     """Peak FLOP/s of ``device`` (default: the first device) in ``fmt`` ("bf16", "fp8" or
-    "int8"), or ``override`` when set: the hardware table's (:mod:`hypertron.models.hardware`).
+    "int8"), or ``override`` when set: the hardware table's (:mod:`hypertron.hardware`).
 
     Returns None when unknown (CPU), in which case MFU is not reported.
     """

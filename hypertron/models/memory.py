@@ -17,7 +17,7 @@ Serving: the paged KV cache's bytes for a number of tokens (:func:`kv_cache_byte
 
 Estimated: the activations of a training step under each remat policy (:func:`step_bytes`),
 from coefficients fitted to XLA's memory analysis (below). The hardware a plan is checked
-against is :mod:`hypertron.models.hardware`.
+against is :mod:`hypertron.hardware`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``hypertron plan``: before launching, what a run needs per device and how fast it should go.
 
-From the config, a hardware entry (:mod:`hypertron.models.hardware`) and a device count:
+From the config, a hardware entry (:mod:`hypertron.hardware`) and a device count:
 
 * **memory** per device (:mod:`hypertron.models.memory`: the state exact, activations estimated)
   against the device's;
@@ -31,7 +31,7 @@ from typing import Any
 from hypertron.config import Config, ConfigError
 from hypertron.config.validation import check_devices
 from hypertron.models.flops import train_flops_per_token
-from hypertron.models.hardware import Hardware, host_memory_per_device, lookup
+from hypertron.hardware import Hardware, host_memory_per_device, lookup
 from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, param_dtype, step_bytes
 from hypertron.units import describe_bytes
 

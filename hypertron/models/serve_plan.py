@@ -32,7 +32,7 @@ from hypertron.config import ConfigError, ModelConfig, dtype_on
 from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
 from hypertron.models import params as param_lib
 from hypertron.models.decoder import declare
-from hypertron.models.hardware import Hardware
+from hypertron.hardware import Hardware
 from hypertron.models.memory import DTYPE_BYTES, held_bytes, kv_cache_bytes
 
 # The share of a device's memory an engine plans for (vLLM's gpu_memory_utilization default): the

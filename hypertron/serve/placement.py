@@ -31,7 +31,7 @@ from hypertron.config import ConfigError, EngineConfig, MeshConfig, ModelConfig
 from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
 from hypertron.models import declare, resolve_dtype
 from hypertron.models.kv_pages import init_pages
-from hypertron.models.hardware import HARDWARE, device_memory, match
+from hypertron.hardware import HARDWARE, device_memory, match
 from hypertron.models.memory import kv_cache_bytes
 from hypertron.models.params import abstract, on_mesh, place_params
 from hypertron.models.serve_plan import check_split, plan_serving
@@ -97,7 +97,7 @@ def fit_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_ba
                fraction: float = KV_CACHE_MEMORY_FRACTION) -> EngineConfig:
     """Refuse, before anything loads, an engine whose weights and KV pool, both exact
     (:mod:`hypertron.models.serve_plan`), exceed what ``device`` holds
-    (:func:`~hypertron.models.hardware.device_memory`), in one line saying what would fit.
+    (:func:`~hypertron.hardware.device_memory`), in one line saying what would fit.
 
     Returns ``config``, on an accelerator without ``num_pages`` with the pool the plan leaves:
     what ``fraction`` of its memory holds after the weights and a step's workspace (as vLLM's

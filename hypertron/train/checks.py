@@ -11,7 +11,7 @@ import jax
 from hypertron.config import Config
 from hypertron.config.validation import check_devices
 from hypertron.errors import ConfigError
-from hypertron.models.hardware import device_memory
+from hypertron.hardware import device_memory
 from hypertron.tokenizer import check_vocab, get_tokenizer
 
 
