@@ -209,3 +209,19 @@ def test_a_run_loads_into_its_shards(tmp_path, monkeypatch):
     wq = seen[-1]["layers"]["wq"]  # [layers, embed, heads, head_dim], as restored, before the cast
     assert wq.addressable_shards[0].data.shape == (cfg.num_layers, cfg.embed_dim, 8 // 4, cfg.head_dim)
     assert tokens[0] == tokens[1] and all(tokens[0])
+
+
+@pytest.mark.parametrize("preset, flags, message", [
+    ("tiny-moe", ["--expert", "3"], "--expert=3 does not divide the model's 4 experts"),
+    ("tiny", ["--expert", "2"], "--expert=2: tiny has no experts (a dense model: --tensor splits it)"),
+    ("tiny", ["--tensor", "3"], "--tensor=3 does not divide the model's 4 attention heads"),
+])
+def test_hypertron_serve_refuses_a_split_in_one_line(tmp_path, capsys, preset, flags, message):
+    from hypertron import cli
+    from hypertron.checkpoint import save_params
+    from hypertron.config import Config, TrainConfig
+
+    cfg, params = _model(preset)
+    save_params(tmp_path / "run", Config(run_dir=str(tmp_path / "run"), model=cfg, train=TrainConfig(seq_len=32)), params)
+    assert cli.main(["serve", "--checkpoint", str(tmp_path / "run"), *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
