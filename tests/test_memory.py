@@ -291,6 +291,8 @@ def test_plan_serve_fits_llama_70b_int8_on_eight_chips_and_says_what_fits_when_b
     (["--serve", "--tensor", "3", "model=llama3.1-70b"], "--tensor=3 does not divide the model's 64 attention heads"),
     (["--serve", "--expert", "2", "model=llama3-8b"], "--expert=2: llama3-8b has no experts"),
     (["--serve", "--expert", "3", "model=mixtral-8x7b"], "--expert=3 does not divide the model's 8 experts"),
+    (["--serve", "--tensor", "4", "model=tiny", "model.num_heads=12", "model.num_kv_heads=3"],
+     "--tensor=4: a rank's 3 query heads would straddle the model's groups of 4 per KV head"),
     (["--serve", "--tensor", "8", "--devices", "4", "model=llama3-8b"], "--devices=4: --serve plans one engine over"),
     (["--tensor", "2", "model=llama3-8b"], "--tensor: only with --serve"),
 ])

@@ -98,8 +98,7 @@ def _by_head(attend, q_nhd, pages: dict, lengths, table, query_start, cfg: Model
     for a in heads:
         ranks *= mesh.shape[a]
     per, group = cfg.num_heads // ranks, cfg.num_heads // cfg.num_kv_heads
-    if whole and per % group and group % per:
-        raise ValueError(f"{ranks} ranks of {per} query heads cannot each read whole KV heads of {group}")
+    assert not (whole and per % group and group % per), "refused by serve_plan.check_split"
 
     def local(q, kv, lengths, table, query_start):
         if whole:  # the KV heads this rank's query heads read

@@ -144,6 +144,10 @@ def check_split(model: ModelConfig, tensor: int, expert: int) -> None:
         raise ConfigError(f"--tensor={tensor} --expert={expert}: each must be at least 1")
     if model.num_heads % tensor:
         raise ConfigError(f"--tensor={tensor} does not divide the model's {model.num_heads} attention heads")
+    per, group = model.num_heads // tensor, model.num_heads // model.num_kv_heads
+    if model.num_kv_heads % tensor and per % group and group % per:  # KV heads whole on each rank: nest
+        raise ConfigError(f"--tensor={tensor}: a rank's {per} query heads would straddle the model's groups of "
+                          f"{group} per KV head")
     if expert > 1 and model.moe is None:
         raise ConfigError(f"--expert={expert}: {model.name} has no experts (a dense model: --tensor splits it)")
     if expert > 1 and model.moe.num_experts % expert:
