@@ -46,6 +46,10 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("tpu-v5p", ("tpu v5p",), 95 * GB, 459e12, None, 918e12, hbm=2.765e12, inside=600 * GB, per_node=4),
     Hardware("tpu-v5e", ("tpu v5 lite", "tpu v5e"), 16 * GB, 197e12, None, 394e12, hbm=0.819e12,
              inside=200 * GB, per_node=4),
+    # The same chip in JetStream's serving host (v5litepod-8, ct5lp-hightpu-8t): 8 on one VM. Named
+    # with --hardware only (its device_kind is the chip's, which means tpu-v5e).
+    Hardware("tpu-v5e-8", ("tpu v5 lite, 8 on one host",), 16 * GB, 197e12, None, 394e12, hbm=0.819e12,
+             inside=200 * GB, per_node=8, note="v5litepod-8 serving host: 8 chips, one VM"),
     Hardware("tpu-v6e", ("tpu v6",), 32 * GB, 918e12, None, 1836e12, hbm=1.64e12, inside=448 * GB, per_node=4),
     Hardware("cpu", ("cpu",), None, None, note="host memory, read at run time; no peak: no MFU"),
 )}

@@ -80,7 +80,8 @@ def test_the_hardware_table_names_each_device_and_feeds_mfu():
     assert hardware.match("NVIDIA H100 80GB HBM3").name == "h100"
     assert hardware.match("NVIDIA H100 PCIe").name == "h100-pcie"
     assert hardware.match("NVIDIA H200").name == "h200"
-    assert hardware.match("TPU v5 lite").name == "tpu-v5e"
+    assert hardware.match("TPU v5 lite").name == "tpu-v5e"  # not the 8-chip serving host's entry
+    assert hardware.lookup("tpu-v5e-8").per_node == 8 and hardware.lookup("tpu-v5e-8").memory == 16 * hardware.GB
     assert hardware.match("TPU v5p").name == "tpu-v5p"
     assert hardware.match("cpu").bf16 is None and hardware.match("something new") is None
     h100 = hardware.HARDWARE["h100"]
@@ -269,7 +270,7 @@ def test_plan_serve_fits_llama_70b_int8_on_eight_chips_and_says_what_fits_when_b
     from hypertron.config import PRESETS
 
     model = PRESETS["llama3.1-70b"]
-    for hw in ("tpu-v5e", "h100"):
+    for hw in ("tpu-v5e-8", "h100"):  # one 8-chip v5e serving host (JetStream's), 8 H100s
         assert cli.main(["plan", "--serve", "--json", "--hardware", hw, "--quantize", "int8", "--tensor", "8",
                          "model=llama3.1-70b"]) == 0
         p = json.loads(capsys.readouterr().out)
@@ -279,7 +280,7 @@ def test_plan_serve_fits_llama_70b_int8_on_eight_chips_and_says_what_fits_when_b
         assert mem["weights"] + mem["workspace"] + mem["kv_cache"] == int(0.9 * hardware.lookup(hw).memory)
         # 70.6B weights, int8 values (a byte each) and float32 scales per output channel, over 8
         assert mem["weights"] == pytest.approx(70.6e9 / 8, rel=0.01) and p["fits"] and p["num_pages"] > tokens // 16
-    assert cli.main(["plan", "--serve", "--hardware", "tpu-v5e", "--tensor", "8", "model=llama3.1-70b"]) == 1
+    assert cli.main(["plan", "--serve", "--hardware", "tpu-v5e-8", "--tensor", "8", "model=llama3.1-70b"]) == 1
     out = capsys.readouterr().out
     assert "does not fit" in out and "--quantize int8 on 8 devices" in out and "--tensor 16: 16 devices" in out
     assert cli.main(["plan", "--serve", "--hardware", "h100", "--expert", "8", "model=mixtral-8x7b", "--json"]) == 0
