@@ -67,8 +67,8 @@ def load_for_inference(path: str | Path, quantize: str = "none", mesh=None) -> t
         tokenizer = get_tokenizer(str(path))
         key = f"{path}/config.json: vocab_size"
     else:
-        shardings = None if mesh is None else weights_on(mesh, checkpoints.read_run_config(path).model)
-        cfg, params = checkpoints.load_params(path, shardings=shardings)
+        cfg, params = checkpoints.load_params(path) if mesh is None else \
+            checkpoints.load_params(path, shardings=weights_on(mesh, checkpoints.read_run_config(path).model))
         model, tokenizer, key = cfg.model, get_tokenizer(cfg.data.tokenizer), f"{path}: model.vocab_size"
     check_vocab(tokenizer, model.vocab_size, key)
     model = inference_config(model)
