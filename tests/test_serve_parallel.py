@@ -171,14 +171,15 @@ def test_the_openai_client_gets_one_devices_greedy_text_from_a_four_way_server()
     official ``openai`` client's completions and chat completions, greedy, are ``--tensor 1``'s."""
     from test_server import MODEL, Server, client  # tests/
 
-    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
+    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16",
+                         "model.vocab_size=2048")  # the HTTP bench's shape
     texts = []
     for tensor in (1, 4):
         engine = PagedEngine(params, cfg, dataclasses.replace(CONFIG, tensor=tensor, max_top_logprobs=1))
         with Server(engine) as server:
             c = client(server)
             texts.append([c.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
-                          for p in ("Hello there", "Tensor parallel")]
+                          for p in ("Hello there", "The tensor-parallel server")]
                          + [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=8, temperature=0).choices[0].message.content])
     assert texts[0] == texts[1] and all(texts[0])
