@@ -92,7 +92,7 @@ def _checked(spec: TableSpec, mesh: Mesh, axis: str, optimizer: str | None) -> T
         raise ValueError(f"table {spec.name!r}: optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     spec = dataclasses.replace(spec, optimizer=optimizer)
     need, have = spec.device_bytes(mesh.shape[axis]), device_memory(mesh.devices.flat[0])
-    if need > have:
+    if have is not None and need > have:
         raise EmbedError(f"table {spec.name!r}: needs {describe_bytes(need)} on a device {spec.placement}-wise over "
                          f"{mesh.shape[axis]} devices, more than a device's {describe_bytes(have)}")
     return spec

@@ -36,10 +36,11 @@ from jax.sharding import PartitionSpec as P
 from hypertron.config import Config, ConfigError
 from hypertron.config.validation import check_dlrm_devices
 from hypertron.embed import (
-    Jagged, ShardedTable, abstract_table, apply_gradients, device_memory, init_table, lookup, pooled_sharding,
+    Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
 )
 from hypertron.embed.plan import plan as plan_tables
+from hypertron.hardware import device_memory
 from hypertron.models.flops import device_peak_flops
 from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
@@ -80,7 +81,7 @@ def place_tables(cfg: Config, mesh: Mesh) -> list[tuple[Any, int]]:
         return [(s, i % mesh.shape[AXIS]) for i, s in enumerate(specs)]
     chosen = plan_tables(specs, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
                          shards=mesh.shape[AXIS], batch=cfg.train.global_batch,
-                         device_bytes=device_memory(mesh.devices.flat[0]))
+                         device_bytes=int(device_memory(mesh.devices.flat[0]) or 0))
     return [(c.table, c.owner or 0) for c in chosen.choices]
 
 
