@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Protocol
 
 import jax
@@ -94,9 +95,7 @@ def _by_head(attend, q_nhd, pages: dict, lengths, table, query_start, cfg: Model
     mesh, rules = active
     kv_specs = {n: spec_for(("act_kv_heads",) + (None,) * (x.ndim - 1), rules, mesh, x.shape) for n, x in kv.items()}
     whole = not mesh_axes(kv_specs["k_pages"][0])  # fewer KV heads than ranks: every rank holds them all
-    ranks = 1
-    for a in heads:
-        ranks *= mesh.shape[a]
+    ranks = math.prod(mesh.shape[a] for a in heads)
     per, group = cfg.num_heads // ranks, cfg.num_heads // cfg.num_kv_heads
     assert not (whole and per % group and group % per), "refused by serve_plan.check_split"
 

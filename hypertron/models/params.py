@@ -208,16 +208,20 @@ def cast_params(specs: Any, params: Any, dtype: Any) -> Any:
     return _map_declared(one, specs, params, "cast_params")
 
 
-def on_mesh(specs: Any, abstract: Any, mesh, rules) -> Any:
-    """``abstract`` (``jax.ShapeDtypeStruct`` per parameter) with the shardings :func:`place_params`
-    gives, for restoring a checkpoint straight into its shards."""
+def _sharding(spec: ParamSpec, shape: tuple[int, ...], mesh, rules):
+    """Where a weight of declaration ``spec`` and ``shape`` lives on ``mesh``: training's sharding."""
     from jax.sharding import NamedSharding
 
     from hypertron.parallel.rules import spec_for
 
+    return NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(shape)))
+
+
+def on_mesh(specs: Any, abstract: Any, mesh, rules) -> Any:
+    """``abstract`` (``jax.ShapeDtypeStruct`` per parameter) with the shardings :func:`place_params`
+    gives, for restoring a checkpoint straight into its shards."""
     def one(spec: ParamSpec, a: Any, path: str) -> Any:
-        sharding = NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(a.shape)))
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding(spec, a.shape, mesh, rules))
 
     return _map_declared(one, specs, abstract, "on_mesh")
 
@@ -228,12 +232,8 @@ def place_params(specs: Any, params: Any, mesh, rules) -> Any:
     values and scales each by its own shape (a size-1 scale axis stays whole). Each weight is put
     on its own, so no device holds more of it than its shard (from the host: each device is sent
     its slice only)."""
-    from jax.sharding import NamedSharding
-
-    from hypertron.parallel.rules import spec_for
-
     def put(spec: ParamSpec, w: Any) -> Any:
-        return jax.device_put(w, NamedSharding(mesh, spec_for(spec.axes, rules, mesh, tuple(w.shape))))
+        return jax.device_put(w, _sharding(spec, w.shape, mesh, rules))
 
     def one(spec: ParamSpec, w: Any, path: str) -> Any:
         return int8.QArray(put(spec, w.values), put(spec, w.scales)) if isinstance(w, int8.QArray) else put(spec, w)
