@@ -412,7 +412,7 @@ def test_prompt_rows_sharing_a_prefix_read_it_once_in_blocks_across_rows_and_get
     assert int(shared) == 3 * S  # what every row of several queries shares: the three pages
     monkeypatch.setattr(rpa, "REFERENCE_CHUNK_TOKENS", S)
     monkeypatch.setattr(rpa, "EVERY_BLOCK_Q", 4)
-    monkeypatch.setattr(rpa, "EVERY_SHARED_CHUNKS", 2)
+    monkeypatch.setattr(rpa, "EVERY_SHARED_TOKENS", 2 * S)
     for window in (None, WINDOW):
         got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
         _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)

@@ -70,12 +70,12 @@ DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
 # Queries of rows with several (prompts) read a prefix their rows share in blocks of this many
-# of the step's tokens, whatever rows they are in, this many of the chunks above a product: of
-# 64-256 tokens and 1-4 chunks, 256 and 2 were fastest or near it for 1 to 8 rows of 64 to 512
-# queries after a shared 1,024 (2026-11-27, this project's CPU, 8 / 4 heads x 32): 1.4-1.9x the
-# blocks of one row each for rows of 64-128 queries, the same for one row of 512.
+# of the step's tokens, whatever rows they are in, this many keys a product: of 64-256 tokens and
+# 256-1,024 keys, 256 and 512 were fastest or near it for 1 to 8 rows of 64 to 512 queries after a
+# shared 1,024 (2026-11-27, this project's CPU, 8 / 4 heads x 32): 1.4-1.9x the blocks of one row
+# each for rows of 64-128 queries, the same for one row of 512.
 EVERY_BLOCK_Q = 256
-EVERY_SHARED_CHUNKS = 2
+EVERY_SHARED_TOKENS = 512
 SHARED_CHUNKS = 4  # the reference reads a prefix its rows share in chunks of this many of its chunks
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
 # group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
@@ -93,6 +93,18 @@ def reference_block_q(queries_per_row: int | None) -> int:
         return DEFAULT_BLOCK_Q
     blocked = max(queries_per_row - 1, 1)
     return min(max(pl.next_power_of_2(blocked), DEFAULT_BLOCK_Q), MAX_REFERENCE_BLOCK_Q)
+
+
+def block_chunk_tokens(block_q: int) -> int:
+    """Keys a block of ``block_q`` queries of one row reads a step, from its row's pages: twice its
+    queries, at most :data:`REFERENCE_CHUNK_TOKENS` (the decode rows' batch reads that many). Blocks
+    of 64 queries reading 128 keys a step, not 256 (2026-11-27, this project's CPU, one layer at the
+    serving bench's heads, the two interleaved, fastest of 25 each): 7 new prompts of 65 tokens 1.7
+    against 2.6 ms, 15 rows of 33 after a shared 1,024 13.7 against 16.6, 7 of 65 after it 11.4
+    against 12.0, 8 rows of 64 after 1,024 of their own 13.9 against 13.7; an engine step of 7
+    new prompts 24.2 against 28.5 ms. One row of 512 queries (blocks of 256) ran about 10 % slower
+    reading 128, so larger blocks keep 256."""
+    return min(REFERENCE_CHUNK_TOKENS, 2 * block_q)
 
 
 # The reference's time per query-key pair in blocks of each size, relative to the fastest (256):
@@ -223,14 +235,15 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     n, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group, capacity = num_heads // num_kv_heads, page_table.shape[1] * page_size
-    ppc = max(1, REFERENCE_CHUNK_TOKENS // page_size)  # pages per chunk
+    ppc = max(1, REFERENCE_CHUNK_TOKENS // page_size)  # pages per chunk: the rows' last queries
+    ppc_block = max(1, block_chunk_tokens(block_q) // page_size)  # and the blocks of the others
     chunks = functools.partial(
         _Chunks, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
         sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale,
-        window=capacity if window is None else window, ppc=ppc)
+        window=capacity if window is None else window)
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
     query_start = query_start.astype(jnp.int32)
-    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % ppc)))
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % max(ppc, ppc_block))))
     n_r = query_start[1:] - query_start[:-1]
     q_pad = jnp.pad(q.astype(jnp.float32).reshape(n, num_kv_heads, group, head_dim),
                     ((0, block_q), (0, 0), (0, 0), (0, 0)))
@@ -241,7 +254,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     # Every row's last query (index n for an empty row: zeros, dropped).
     last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
     pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
-    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm), table, shared=True)
+    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, ppc=ppc), table,
+                             shared=True)
     out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
@@ -249,8 +263,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
 
     # The others: first all at once over a prefix their rows share, then blocks of one row's
     # queries, each from there over its row's own pages.
+    chunks = functools.partial(chunks, ppc=ppc_block)
     carry, start = _shared_prefix_first(q_pad[:n], kv_lens, table, query_start, chunks, block_q=block_q,
-                                        page_size=page_size, ppc=ppc)
+                                        page_size=page_size, ppc=ppc_block)
     rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=True)
     out = jnp.zeros((n + block_q, num_kv_heads, group, head_dim), jnp.float32)
 
@@ -292,6 +307,7 @@ def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q
     pos_n = jnp.where(ahead_n > 1, kv_lens[row_n] - ahead_n, -1)
     q_every = jnp.pad(q_nkgd, ((0, size - n), (0, 0), (0, 0), (0, 0)))
     shared, first_row = shared_prefix(table, n_r > 1, kv_lens - n_r, page_size)
+    per_product = max(1, EVERY_SHARED_TOKENS // (ppc * page_size))  # chunks
     # Blocks from the first token with a query here to the last (the decode rows' tokens before
     # them, and padding after, are left out).
     some = jnp.where(pos_n >= 0, token, -1)
@@ -303,11 +319,11 @@ def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q
         x_qkgd = lax.dynamic_slice_in_dim(q_every, at, every_q)
         c = chunks(x_qkgd.transpose(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim),
                    jnp.repeat(lax.dynamic_slice_in_dim(pos_n, at, every_q), group)[None])
-        got, _ = c.shared(c.init(), table[first_row], shared, EVERY_SHARED_CHUNKS, rest=False)
+        got, _ = c.shared(c.init(), table[first_row], shared, per_product, rest=False)
         return jax.tree.map(lambda a, x: lax.dynamic_update_slice_in_dim(a, x, at * group, axis=2), carry, got)
 
     init = _Chunks.empty(num_kv_heads, 1, size * group, head_dim)
-    read = shared // (EVERY_SHARED_CHUNKS * ppc * page_size) * EVERY_SHARED_CHUNKS  # the chunks read here
+    read = shared // (per_product * ppc * page_size) * per_product  # the chunks read here
     return lax.fori_loop(0, blocks, block, init), read
 
 
