@@ -65,6 +65,11 @@ Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a r
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
 TablePlacement = Literal["auto", "row", "column", "table"]  # auto: hypertron.embed.plan decides per table
+# Diffusion training (hypertron.diffusion.objectives): what the model learns, how its timesteps are
+# drawn, and how each example's loss is weighted.
+DiffusionObjective = Literal["epsilon", "v_prediction", "flow"]
+TimestepSampler = Literal["uniform", "logit_normal", "mode"]
+Weighting = Literal["none", "min_snr", "sigma_sqrt", "cosmap"]
 
 
 def choices(choice_type: typing.Any) -> tuple[str, ...]:
@@ -302,6 +307,21 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all-linear",)  # PEFT's module names (q_proj ...), or all-linear
     rslora: bool = False
     base_dtype: LoraBaseDtype = "auto"  # how the frozen base is held (its matmul weights; norms stay float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmaConfig:
+    """An exponential moving average of the trained parameters (hypertron.train.ema), as diffusers'
+    ``EMAModel``: after ``update_after_step`` steps, ``ema -= (1 - d) (ema - params)`` each step with
+    ``d`` = ``(1 + n) / (10 + n)`` (``warmup``: ``1 - (1 + n / inv_gamma) ** -power``) at the n-th
+    update, capped at ``decay`` and at least ``min_decay``."""
+
+    decay: float = 0.9999
+    min_decay: float = 0.0
+    update_after_step: int = 0
+    warmup: bool = False
+    inv_gamma: float = 1.0
+    power: float = 2 / 3
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -355,6 +355,23 @@ def _alpha_bar(cfg: SchedulerConfig, *, zero_snr_floor: bool) -> np.ndarray:
     return alpha_bar
 
 
+def train_alpha_bar(cfg: SchedulerConfig) -> np.ndarray:
+    """The training schedule's ``alpha_bar`` [T] float32, as a ``DDPMScheduler`` of this config holds
+    its ``alphas_cumprod`` (a zero terminal SNR left at 0)."""
+    return _alpha_bar(cfg, zero_snr_floor=False)
+
+
+def flow_train_sigmas(cfg: SchedulerConfig, *, shift: float | None = None) -> np.ndarray:
+    """A flow-matching scheduler's training sigmas [T] float32, as ``FlowMatchEulerDiscreteScheduler``
+    holds them before ``set_timesteps``: ``T`` down to 1 over ``T``, shifted by ``cfg.shift`` unless
+    it shifts dynamically (``shift``: by that, whatever the config says)."""
+    total = cfg.num_train_timesteps
+    sigma = np.linspace(1, total, total, dtype=_F32)[::-1] / _F32(total)
+    if shift is not None:
+        return _shifted(sigma, shift).astype(_F32)
+    return sigma if cfg.use_dynamic_shifting else _shifted(sigma, cfg.shift).astype(_F32)
+
+
 def _spaced_timesteps(cfg: SchedulerConfig, steps: int) -> np.ndarray:
     """The inference timesteps, descending (diffusers' ``timestep_spacing``). DPM-Solver spaces
     ``steps + 1`` points and drops the last; the Euler samplers do not round ``linspace``."""
