@@ -51,7 +51,12 @@ def extra_parameter(monkeypatch):
     monkeypatch.setattr(decoder, "mlp", mlp_with_extra)
     from hypertron.models import init_params
 
-    return init_params(CFG, jax.random.key(0))
+    yield init_params(CFG, jax.random.key(0))
+    # A module first imported during the test bound the patched function by name, and monkeypatch
+    # knows nothing of it: unbind it too (else a later test in this worker saves w_extra).
+    for module in [m for name, m in sys.modules.items() if name.startswith("hypertron")]:
+        if getattr(module, "declare", None) is declare_with_extra:
+            setattr(module, "declare", declare)
 
 
 @pytest.mark.slow
