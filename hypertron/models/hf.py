@@ -11,7 +11,7 @@ Only numpy, ``safetensors`` and ``ml_dtypes`` are needed at run time (no
 torch). The tensor mapping comes from the parameter declarations
 (:func:`hypertron.models.decoder.declare`): each parameter carries its HF name
 (with ``{layer}`` / ``{expert}`` for stacked axes stored one tensor per index)
-and one of four layout rules, and :func:`_tensors` expands them. RoPE uses HF's
+and one of four layout rules, and :func:`declared_tensors` expands them. RoPE uses HF's
 "rotate_half" layout in both, so attention projections need no permutation,
 only a transpose and a split of the fused head axis; Gemma norms are stored
 zero-centred on both sides, so they are copied as they are.
@@ -329,11 +329,6 @@ class _Tensor(NamedTuple):
         return self.spec.shape[len(self.index):]
 
 
-def _tensors(cfg: ModelConfig) -> list[_Tensor]:
-    """Every HF tensor of ``cfg``'s parameters (:func:`declared_tensors` of its declaration)."""
-    return declared_tensors(declare(cfg), cfg.name)
-
-
 def declared_tensors(specs: Params, name: str) -> list[_Tensor]:
     """Every HF tensor of the parameters declared in ``specs`` (of the model ``name``), in checkpoint
     order: the parameters declared before the layers, then layer by layer, then the rest. A
@@ -429,12 +424,18 @@ def to_hf_tensors(cfg: ModelConfig, params: Params, dtype: Any = None) -> dict[s
 
     Tied models write no ``lm_head.weight``, as transformers does.
     """
+    return declared_to_hf(declare(cfg), params, cfg.name, dtype)
+
+
+def declared_to_hf(specs: Params, params: Params, name: str, dtype: Any = None) -> dict[str, np.ndarray]:
+    """HF-named, C-contiguous numpy tensors of ``params`` declared by ``specs`` (of the model
+    ``name``; a diffusers component's too): the inverse of :func:`params_from_hf`."""
     def out(w: Any, rule: str) -> np.ndarray:
         w = _hf_from_ours(rule, np.asarray(w))
         return np.ascontiguousarray(w if dtype is None else w.astype(_np_dtype(dtype)))
 
     tensors = {}
-    for t in _tensors(cfg):
+    for t in declared_tensors(specs, name):
         w = params
         for key in t.path:
             w = w[key]

@@ -1,0 +1,44 @@
+"""Diffusion training (issue 44): the loss of a batch, as diffusers' training scripts compute it.
+
+So far the loss of a UNet (SD 1.x / 2.x, SDXL) on a batch whose noise and timesteps are given
+(:func:`unet_loss`) and its draws from a key (:func:`draw_noise`); the ``diffusion`` task on the
+training loop, its data and its export are still to come (docs/diffusion.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hypertron.diffusion import objectives as O
+from hypertron.diffusion import unet as U
+
+
+def unet_loss(params: Any, cfg: U.UNetConfig, schedule: O.TrainingSchedule, batch: dict, *,
+              weighting: str = "none", snr_gamma: float = 5.0) -> jax.Array:
+    """The weighted mean squared error of the UNet's prediction at the batch's noisy latents.
+
+    ``batch``: ``latents`` ``[b, h, w, c]`` (the clean ``x0``), ``noise`` of their shape, ``index``
+    int ``[b]`` into ``schedule``, ``context`` ``[b, s, d]`` (the text encoder's hidden states),
+    and for SDXL ``added`` (``text_embeds``, ``time_ids``). As ``train_text_to_image.py``: the
+    noisy latents at ``index``, the UNet called at the schedule's timestep there, its output held
+    to :func:`objectives.target` with :func:`objectives.loss_weights`."""
+    x0, noise, index = batch["latents"], batch["noise"], batch["index"]
+    noisy = O.add_noise(schedule, x0, noise, index).astype(x0.dtype)
+    t = jnp.asarray(schedule.timesteps)[index]
+    prediction = U.apply(params, cfg, noisy, t, batch["context"], batch.get("added"))
+    weights = O.loss_weights(schedule, index, weighting, snr_gamma=snr_gamma)
+    return O.weighted_mse(prediction, O.target(schedule, x0, noise, index), weights)
+
+
+def draw_noise(key: jax.Array, latents: jax.Array, schedule: O.TrainingSchedule, sampler: str = "uniform", *,
+               noise_offset: float = 0.0, **sampler_settings) -> tuple[jax.Array, jax.Array]:
+    """``(noise, index)`` for a batch of ``latents``, from ``key`` (a step's: ``fold_in(key(seed),
+    step)``): standard normal noise (plus :func:`objectives.offset_noise`) and timestep indices
+    from ``sampler``."""
+    k_noise, k_offset, k_t = jax.random.split(key, 3)
+    noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
+    noise = O.offset_noise(k_offset, noise, noise_offset)
+    return noise, O.draw(k_t, latents.shape[0], schedule, sampler, **sampler_settings)
