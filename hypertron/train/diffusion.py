@@ -1,8 +1,9 @@
 """Diffusion training (issue 44): the loss of a batch, as diffusers' training scripts compute it.
 
-So far the loss of a UNet (SD 1.x / 2.x, SDXL) on a batch whose noise and timesteps are given
-(:func:`unet_loss`) and its draws from a key (:func:`draw_noise`); the ``diffusion`` task on the
-training loop, its data and its export are still to come (docs/diffusion.md).
+So far the loss of a UNet (SD 1.x / 2.x, SDXL: :func:`unet_loss`) or a Flux transformer
+(:func:`flux_loss`) on a batch whose noise and timesteps are given, and a step's draws from its key
+(:func:`draw_noise`); the ``diffusion`` task on the training loop, its data and its export are
+still to come (docs/diffusion.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from hypertron.diffusion import flux as F
 from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 
@@ -42,3 +44,21 @@ def draw_noise(key: jax.Array, latents: jax.Array, schedule: O.TrainingSchedule,
     noise = jax.random.normal(k_noise, latents.shape, latents.dtype)
     noise = O.offset_noise(k_offset, noise, noise_offset)
     return noise, O.draw(k_t, latents.shape[0], schedule, sampler, **sampler_settings)
+
+
+def flux_loss(params: Any, cfg: F.FluxConfig, schedule: O.TrainingSchedule, batch: dict, *,
+              weighting: str = "none") -> jax.Array:
+    """The flow-matching loss of a Flux transformer, as diffusers' ``train_dreambooth_flux.py``.
+
+    ``batch``: ``latents`` and ``noise`` packed ``[b, t, c]`` (:func:`flux.pack_latents`: the
+    loss is a mean over every element, so packing first changes nothing), ``index`` int ``[b]``,
+    ``context`` (T5's states), ``pooled`` (CLIP's), ``img_ids`` and ``txt_ids``, and ``guidance``
+    ``[b]`` for a model with ``guidance_embeds``. The model is called at the schedule's timestep
+    over 1000, as the pipeline and the script call it."""
+    x0, noise, index = batch["latents"], batch["noise"], batch["index"]
+    noisy = O.add_noise(schedule, x0, noise, index).astype(x0.dtype)
+    t = jnp.asarray(schedule.timesteps)[index] / 1000
+    prediction = F.apply(params, cfg, noisy, t, batch["context"], batch["pooled"], batch.get("guidance"),
+                         batch["img_ids"], batch["txt_ids"])
+    weights = O.loss_weights(schedule, index, weighting)
+    return O.weighted_mse(prediction, O.target(schedule, x0, noise, index), weights)
