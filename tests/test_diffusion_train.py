@@ -61,14 +61,16 @@ def test_one_unet_step_equals_train_text_to_image(unet, objective, snr_gamma):
     x0, noise = (rng.standard_normal((3, 4, 8, 8)).astype(np.float32) for _ in range(2))
     context = rng.standard_normal((3, 5, 16)).astype(np.float32)
     t = np.array([3, 400, 999])
-    want_loss, want_grads = _diffusers_step(model, objective, snr_gamma, *map(torch.from_numpy, (x0, noise, t, context)))
+    want_loss, want_grads = _diffusers_step(model, objective, snr_gamma,
+                                            *map(torch.from_numpy, (x0, noise, t, context)))
 
     cfg, params = U.load_unet(folder)
     schedule = O.training_schedule(parse_config(SD_SCHEDULE, class_name="DDIMScheduler"), objective)
     batch = {"latents": x0.transpose(0, 2, 3, 1), "noise": noise.transpose(0, 2, 3, 1), "index": t.astype(np.int32),
              "context": context}
     weighting = "none" if snr_gamma is None else "min_snr"
-    step = jax.value_and_grad(lambda p, b: unet_loss(p, cfg, schedule, b, weighting=weighting, snr_gamma=snr_gamma or 5.0))
+    step = jax.value_and_grad(lambda p, b: unet_loss(p, cfg, schedule, b, weighting=weighting,
+                                                     snr_gamma=snr_gamma or 5.0))
     lowered = jax.jit(step).lower(params, batch)
     loss, grads = lowered.compile({"xla_backend_optimization_level": 0})(params, batch)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)

@@ -311,10 +311,8 @@ class LoraConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EmaConfig:
-    """An exponential moving average of the trained parameters (hypertron.train.ema), as diffusers'
-    ``EMAModel``: after ``update_after_step`` steps, ``ema -= (1 - d) (ema - params)`` each step with
-    ``d`` = ``(1 + n) / (10 + n)`` (``warmup``: ``1 - (1 + n / inv_gamma) ** -power``) at the n-th
-    update, capped at ``decay`` and at least ``min_decay``."""
+    """An exponential moving average of the trained parameters, as diffusers' ``EMAModel`` keeps one
+    (the decay of each update from these: :mod:`hypertron.train.ema`)."""
 
     decay: float = 0.9999
     min_decay: float = 0.0

@@ -23,7 +23,8 @@ SD3 and Flux scripts index their schedule: ``uniform`` draws ``u`` uniformly; ``
 
 Loss weights (``WEIGHTINGS``), per example, multiplying its mean squared error: ``min_snr`` is
 ``min(snr, gamma) / snr`` for ``epsilon`` and ``/ (snr + 1)`` for ``v_prediction`` (Hang et al.,
-as ``train_text_to_image.py`` with ``--snr_gamma``; ``compute_snr``); ``sigma_sqrt`` is
+as ``train_text_to_image.py`` with ``--snr_gamma``; ``compute_snr``; with a zero terminal SNR the
+last timestep's epsilon weight is 0 / 0, NaN, in both); ``sigma_sqrt`` is
 ``sigma^-2`` and ``cosmap`` ``2 / (pi (1 - 2 sigma + 2 sigma^2))`` for ``flow``
 (``compute_loss_weighting_for_sd3``).
 
@@ -46,6 +47,9 @@ from hypertron.diffusion.schedulers import SchedulerConfig, flow_train_sigmas, t
 OBJECTIVES = choices(DiffusionObjective)
 TIMESTEP_SAMPLERS = choices(TimestepSampler)
 WEIGHTINGS = choices(Weighting)
+# The timestep samplers' settings by default: diffusers' SD3 and Flux scripts' (--logit_mean,
+# --logit_std, --mode_scale).
+LOGIT_MEAN, LOGIT_STD, MODE_SCALE = 0.0, 1.0, 1.29
 # The weightings each objective takes ("none" fits all).
 _FITS = {"min_snr": ("epsilon", "v_prediction"), "sigma_sqrt": ("flow",), "cosmap": ("flow",)}
 
@@ -102,8 +106,8 @@ def check_weighting(weighting: str, objective: str) -> None:
                              f"(it fits {', '.join(_FITS[weighting])})")
 
 
-def u_from_draws(sampler: str, draws: jax.Array, *, logit_mean: float = 0.0, logit_std: float = 1.0,
-                 mode_scale: float = 1.29) -> jax.Array:
+def u_from_draws(sampler: str, draws: jax.Array, *, logit_mean: float = LOGIT_MEAN,
+                 logit_std: float = LOGIT_STD, mode_scale: float = MODE_SCALE) -> jax.Array:
     """``u`` in ``[0, 1)`` from ``draws``: standard normals for ``logit_normal``, uniforms in
     ``[0, 1)`` for the others (``compute_density_for_timestep_sampling``'s transforms)."""
     if sampler == "logit_normal":
@@ -122,7 +126,8 @@ def indices_from_u(u: jax.Array, num_train_timesteps: int) -> jax.Array:
 
 
 def draw(key: jax.Array, batch: int, schedule: TrainingSchedule, sampler: str = "uniform", *,
-         logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29) -> jax.Array:
+         logit_mean: float = LOGIT_MEAN, logit_std: float = LOGIT_STD,
+         mode_scale: float = MODE_SCALE) -> jax.Array:
     """``batch`` timestep indices into ``schedule``, int32, from ``key``."""
     if sampler == "logit_normal":
         draws = jax.random.normal(key, (batch,), jnp.float32)
