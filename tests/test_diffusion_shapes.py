@@ -40,3 +40,15 @@ def test_a_black_picture_reads_as_nothing_and_bad_pictures_are_refused():
         S.render("purple", "circle", 0, 0, 10)
     with pytest.raises(ValueError, match="does not fit 32 x 32"):
         S.render("red", "square", 20, 0, 16)
+
+
+def test_the_shapes_source_is_endless_repeatable_and_in_the_data_range():
+    ds = S.dataset(seed=5)
+    first = [ds[i] for i in range(6)]
+    assert [x["caption"] for x in first] == [S.dataset(seed=5)[i]["caption"] for i in range(6)]
+    assert all(np.array_equal(a["pixels"], S.dataset(seed=5)[i]["pixels"]) for i, a in enumerate(first))
+    assert [x["caption"] for x in first] != [S.dataset(seed=6)[i]["caption"] for i in range(6)]
+    pixels = first[0]["pixels"]
+    assert pixels.min() == -1.0 and pixels.max() == 1.0 and len(ds) > 10**12
+    verdict = S.judge((pixels + 1) / 2)
+    assert verdict.matches(first[0]["caption"]) == (True, True)

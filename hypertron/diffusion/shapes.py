@@ -12,7 +12,9 @@ circle. On clean renders a circle fills at most 0.22 of those triangles and a sq
 from __future__ import annotations
 
 import dataclasses
+import sys
 
+import grain
 import numpy as np
 
 COLOURS = ("red", "green", "blue")  # channel 0, 1, 2
@@ -50,6 +52,17 @@ def sample(rng: np.random.Generator, size: int = SIZE) -> tuple[np.ndarray, str]
     side = int(rng.integers(MIN_SIDE, MAX_SIDE + 1))
     top, left = (int(rng.integers(0, size - side + 1)) for _ in range(2))
     return render(colour, shape, top, left, side, size), caption(colour, shape)
+
+
+def dataset(seed: int = 0, size: int = SIZE) -> grain.MapDataset:
+    """The ``shapes`` data source: an endless Grain dataset of ``{"pixels", "caption"}``, picture
+    ``i`` drawn from ``(seed, i)`` (so a restored iterator repeats it), pixels scaled to [-1, 1]
+    as :mod:`hypertron.data.images` gives them."""
+    def picture(i: int) -> dict:
+        image, text = sample(np.random.default_rng([seed, i]), size)
+        return {"pixels": image * 2.0 - 1.0, "caption": text}
+
+    return grain.MapDataset.range(sys.maxsize).map(picture)
 
 
 @dataclasses.dataclass(frozen=True)
