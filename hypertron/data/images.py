@@ -49,9 +49,6 @@ class Record:
     caption: str
     read: Callable[[], bytes]
 
-    def image_bytes(self) -> bytes:
-        return self.read()
-
 
 def _files(paths: Sequence[str], suffixes: tuple[str, ...], what: str) -> list[Path]:
     found: list[Path] = []
@@ -260,7 +257,7 @@ def image_dataset(records: Sequence[Record], resolution: int, *, center_crop: bo
         record = records[index]
         rng = np.random.default_rng([seed, index])
         try:
-            pixels = process(record.image_bytes(), resolution, center_crop=center_crop,
+            pixels = process(record.read(), resolution, center_crop=center_crop,
                              flip=random_flip and bool(rng.integers(2)), rng=rng)
         except _Undecodable:
             skipped.add(record.where)

@@ -18,21 +18,30 @@ from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 
 
+def _weighted_loss(schedule: O.TrainingSchedule, batch: dict, predict, *, weighting: str, snr_gamma: float = 5.0,
+                   time_divisor: float = 1.0) -> jax.Array:
+    """What both losses share: the noisy latents at the batch's indices, ``predict(noisy,
+    timesteps)`` at the schedule's timesteps there (over ``time_divisor``), held to
+    :func:`objectives.target` with :func:`objectives.loss_weights`."""
+    x0, noise, index = batch["latents"], batch["noise"], batch["index"]
+    noisy = O.add_noise(schedule, x0, noise, index).astype(x0.dtype)
+    prediction = predict(noisy, jnp.asarray(schedule.timesteps)[index] / time_divisor)
+    weights = O.loss_weights(schedule, index, weighting, snr_gamma=snr_gamma)
+    return O.weighted_mse(prediction, O.target(schedule, x0, noise, index), weights)
+
+
 def unet_loss(params: Any, cfg: U.UNetConfig, schedule: O.TrainingSchedule, batch: dict, *,
               weighting: str = "none", snr_gamma: float = 5.0) -> jax.Array:
-    """The weighted mean squared error of the UNet's prediction at the batch's noisy latents.
+    """The weighted mean squared error of the UNet's prediction at the batch's noisy latents, as
+    ``train_text_to_image.py``.
 
     ``batch``: ``latents`` ``[b, h, w, c]`` (the clean ``x0``), ``noise`` of their shape, ``index``
     int ``[b]`` into ``schedule``, ``context`` ``[b, s, d]`` (the text encoder's hidden states),
-    and for SDXL ``added`` (``text_embeds``, ``time_ids``). As ``train_text_to_image.py``: the
-    noisy latents at ``index``, the UNet called at the schedule's timestep there, its output held
-    to :func:`objectives.target` with :func:`objectives.loss_weights`."""
-    x0, noise, index = batch["latents"], batch["noise"], batch["index"]
-    noisy = O.add_noise(schedule, x0, noise, index).astype(x0.dtype)
-    t = jnp.asarray(schedule.timesteps)[index]
-    prediction = U.apply(params, cfg, noisy, t, batch["context"], batch.get("added"))
-    weights = O.loss_weights(schedule, index, weighting, snr_gamma=snr_gamma)
-    return O.weighted_mse(prediction, O.target(schedule, x0, noise, index), weights)
+    and for SDXL ``added`` (``text_embeds``, ``time_ids``)."""
+    def predict(noisy, t):
+        return U.apply(params, cfg, noisy, t, batch["context"], batch.get("added"))
+
+    return _weighted_loss(schedule, batch, predict, weighting=weighting, snr_gamma=snr_gamma)
 
 
 def draw_noise(key: jax.Array, latents: jax.Array, schedule: O.TrainingSchedule, sampler: str = "uniform", *,
@@ -55,10 +64,8 @@ def flux_loss(params: Any, cfg: F.FluxConfig, schedule: O.TrainingSchedule, batc
     ``context`` (T5's states), ``pooled`` (CLIP's), ``img_ids`` and ``txt_ids``, and ``guidance``
     ``[b]`` for a model with ``guidance_embeds``. The model is called at the schedule's timestep
     over 1000, as the pipeline and the script call it."""
-    x0, noise, index = batch["latents"], batch["noise"], batch["index"]
-    noisy = O.add_noise(schedule, x0, noise, index).astype(x0.dtype)
-    t = jnp.asarray(schedule.timesteps)[index] / 1000
-    prediction = F.apply(params, cfg, noisy, t, batch["context"], batch["pooled"], batch.get("guidance"),
-                         batch["img_ids"], batch["txt_ids"])
-    weights = O.loss_weights(schedule, index, weighting)
-    return O.weighted_mse(prediction, O.target(schedule, x0, noise, index), weights)
+    def predict(noisy, t):
+        return F.apply(params, cfg, noisy, t, batch["context"], batch["pooled"], batch.get("guidance"),
+                       batch["img_ids"], batch["txt_ids"])
+
+    return _weighted_loss(schedule, batch, predict, weighting=weighting, time_divisor=1000)
