@@ -24,9 +24,10 @@ S while a step waited, B in the background (``hypertron_step_compiles_total``: a
 the load's shapes shows there). Prints per workload and concurrency, as soon as it
 is measured::
 
-    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R hit_rate H out_tok_s on A off B in_tok_s on I off J compiles on S+B off S+B
+    prefix-caching WORKLOAD cC: ttft_mean_ms on X off Y ratio R server_ttft_ms on X' off Y' hit_rate H out_tok_s on A off B in_tok_s on I off J compiles on S+B off S+B
 
-(R = Y / X), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
+(R = Y / X; X' and Y', hypertron's own mean TTFT, submit to the first token reaching the request's
+event loop, from ``hypertron_time_to_first_token_seconds``: the client's rest is HTTP), and with ``--output`` writes every run's report as JSON. With ``--peer vllm``, vLLM's
 server runs beside them with its prefix caching on and off, with the same slots, pool and tokens per
 step (bench/serve_http_vllm.py), loaded in the same turns, and gets its own line per workload and
 concurrency, ``prefix-caching vllm WORKLOAD cC: ...`` (its hit rate from its ``/metrics``).
@@ -49,7 +50,7 @@ from hypertron.launch.local import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_model import write_prompts  # bench/serve_model.py, this directory
-from serve_http_servers import Server, bench  # bench/serve_http_servers.py, this directory
+from serve_http_servers import Server, bench, step_breakdown, step_times  # bench/serve_http_servers.py, this directory
 from serve_http_vllm import (  # bench/serve_http_vllm.py, this directory
     COUNTERS, add_peer_args, vllm_argv, vllm_env, vllm_version,
 )
@@ -146,6 +147,7 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
         if key.startswith("hypertron"):
             settle(url)
     before = {key: counters(url, key.split()[0]) for key, (url, _) in servers.items()}
+    steps = {key: step_times(url) for key, (url, _) in servers.items() if key.startswith("hypertron")}
     reports = {key: [] for key in servers}
     for name, n in runs[1:]:
         for key, (url, log) in servers.items():
@@ -161,6 +163,9 @@ def measure(servers: dict[str, tuple[str, object]], paths: dict, runs: list[tupl
                     "hit_rate": h / q if q else 0.0, "failed": sum(r["failed"] for r in reports[key]),
                     "compiles": f"{sync:.0f}+{background:.0f}",
                     "runs": reports[key]}
+        if key in steps:  # the server's own view: its TTFT (submit to first token) and its loop's turns
+            out[key]["step_breakdown"] = step_breakdown(steps[key], step_times(url))
+            out[key]["server_ttft_ms"] = out[key]["step_breakdown"]["server_ttft"]
     return out
 
 
@@ -172,7 +177,8 @@ def line(key: str, result: dict, system: str) -> str:
     ratio = format(off["ttft_mean_ms"] / on["ttft_mean_ms"], ".2f") if on and off else "-"
     name = "" if system == "hypertron" else f"{system} "
     return (f"prefix-caching {name}{workload} {c}: ttft_mean_ms on {get(on, 'ttft_mean_ms', '.1f')} off "
-            f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
+            f"{get(off, 'ttft_mean_ms', '.1f')} ratio {ratio} server_ttft_ms on {get(on, 'server_ttft_ms', '.1f')} "
+            f"off {get(off, 'server_ttft_ms', '.1f')} hit_rate {get(on, 'hit_rate', '.3f')} out_tok_s on "
             f"{get(on, 'out_tok_s', '.1f')} off {get(off, 'out_tok_s', '.1f')} in_tok_s on {get(on, 'in_tok_s', '.1f')} "
             f"off {get(off, 'in_tok_s', '.1f')} compiles on "
             f"{get(on, 'compiles', 's')} off {get(off, 'compiles', 's')}")

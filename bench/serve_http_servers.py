@@ -141,24 +141,29 @@ def step_times(base_url: str) -> dict[str, float]:
 
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     out = {p: float(v) for p, v in re.findall(r'^hypertron_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M)}
-    for key, name in (("turns", "count"), ("seconds", "sum")):
-        found = re.search(rf"^hypertron_step_seconds_{name} (\S+)$", text, re.M)
+    for key, metric in (("turns", "step_seconds_count"), ("seconds", "step_seconds_sum"),
+                        ("ttft_n", "time_to_first_token_seconds_count"), ("ttft_s", "time_to_first_token_seconds_sum")):
+        found = re.search(rf"^hypertron_{metric} (\S+)$", text, re.M)
         out[key] = float(found.group(1)) if found else 0.0
     return out
 
 
 def step_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Between two :func:`step_times`: ``turns``, and the mean turn and each phase in ms a turn."""
-    turns = after.get("turns", 0) - before.get("turns", 0)
-    out = {k: 1e3 * (v - before.get(k, 0.0)) / max(turns, 1) for k, v in after.items() if k != "turns"}
-    return {"turns": turns, **out}
+    """Between two :func:`step_times`: ``turns``, and the mean turn and each phase in ms a turn;
+    ``server_ttft``: the mean time to first token the server saw (submit to the first token reaching
+    the request's event loop, ms), the rest of the client's TTFT being HTTP and the event loop."""
+    since = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    turns, ttft_n, ttft_s = since.pop("turns", 0), since.pop("ttft_n", 0), since.pop("ttft_s", 0)
+    out = {k: 1e3 * v / max(turns, 1) for k, v in since.items()}
+    return {"turns": turns, **out, "server_ttft": 1e3 * ttft_s / max(ttft_n, 1)}
 
 
 def breakdown_line(b: dict[str, float]) -> str:
     """A :func:`step_breakdown` in words."""
-    phases = ", ".join(f"{p} {v:.2f}" for p, v in b.items() if p not in ("turns", "seconds"))
+    phases = ", ".join(f"{p} {v:.2f}" for p, v in b.items() if p not in ("turns", "seconds", "server_ttft"))
     return (f"hypertron's serving loop in the measured runs: {b['turns']:.0f} turns of {b['seconds']:.2f} ms on "
-            f"average: {phases} (ms a turn; hypertron_step_phase_seconds)")
+            f"average: {phases} (ms a turn; hypertron_step_phase_seconds); mean TTFT the server saw "
+            f"{b.get('server_ttft', 0.0):.1f} ms (submit to first token)")
 
 
 def counts_since(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
