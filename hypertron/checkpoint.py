@@ -4,7 +4,8 @@ A run directory holds::
 
     config.yaml          the run's config (written once, never overwritten)
     checkpoints/<step>/  Orbax steps: items "params", "opt_state", "meta", "data" (and
-                         "quant": fp8 amax histories, with delayed scaling),
+                         "quant": fp8 amax histories, with delayed scaling; "reference",
+                         task: dpo's; "ema", task: diffusion's),
                          and hypertron_manifest.json (file sizes, written when final)
     metrics.jsonl        one JSON line per training step (and per evaluation)
     events.jsonl         job events (see hypertron.train.events); events.<i>.jsonl for process i > 0
@@ -35,10 +36,12 @@ from hypertron.errors import UserError
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "hypertron_manifest.json"
-# reference: task: dpo's frozen parameters. (The frozen base LoRA adapters train on is not saved: a
-# resumed run reads it from train.init_from again, checked by its digest; older runs saved "base".)
-FROZEN = ("reference",)
-ITEMS = ("params", "opt_state", "quant", *FROZEN, "base", "meta", "data")
+# Trees a task's state may hold beside params and opt_state, saved and restored when it does:
+# reference, task: dpo's frozen parameters; ema, task: diffusion's average of the parameters. (The
+# frozen base LoRA adapters train on is not saved: a resumed run reads it from train.init_from
+# again, checked by its digest; older runs saved "base".)
+CARRIED = ("reference", "ema")
+ITEMS = ("params", "opt_state", "quant", *CARRIED, "base", "meta", "data")
 
 
 class CheckpointError(UserError):
@@ -206,7 +209,7 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardSave(state["opt_state"])
         if "quant" in state:
             items["quant"] = ocp.args.StandardSave(state["quant"])
-        for name in FROZEN:
+        for name in CARRIED:
             if name in state:
                 items[name] = ocp.args.StandardSave(state[name])
         if data_iterator is not None:
@@ -254,7 +257,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: dict[str, Any]) -> dict[str, Any]:
         """Restore params and optimiser state (and fp8 histories, and the frozen trees of
-        :data:`FROZEN`, when ``abstract_state`` has them) into the shardings of ``abstract_state``. Histories a step lacks (it was saved without
+        :data:`CARRIED`, when ``abstract_state`` has them) into the shardings of ``abstract_state``. Histories a step lacks (it was saved without
         fp8 delayed scaling) start from zeros, as a new run's do."""
         self.require_train_state(step)
         items = {
@@ -262,11 +265,11 @@ class Checkpointer:
             "opt_state": ocp.args.StandardRestore(abstract_state["opt_state"]),
             "meta": ocp.args.JsonRestore(),
         }
-        frozen = [name for name in FROZEN if name in abstract_state]
-        items |= {name: ocp.args.StandardRestore(abstract_state[name]) for name in frozen}
+        carried = [name for name in CARRIED if name in abstract_state]
+        items |= {name: ocp.args.StandardRestore(abstract_state[name]) for name in carried}
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = {"params": out["params"], "opt_state": out["opt_state"], "step": out["meta"]["step"]}
-        state |= {name: out[name] for name in frozen}
+        state |= {name: out[name] for name in carried}
         if "quant" in abstract_state:
             state["quant"] = self._restore_quant(step, abstract_state["quant"])
         return state
