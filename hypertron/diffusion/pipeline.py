@@ -30,6 +30,10 @@ from hypertron.diffusion.vae import VaeConfig, load_vae, vae_config
 from hypertron.tokenizer import Tokenizer, get_tokenizer
 
 SD, SDXL, FLUX = "StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxPipeline"
+# hypertron's own class: SD's components without a VAE, its UNet denoising pixels (the CPU demo's
+# model, trained from scratch: docs/diffusion.md). Its components are still diffusers' and
+# transformers' own formats; diffusers has no pipeline of this name.
+PIXEL = "PixelDiffusionPipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Kind:
     guidance: float  # and guidance_scale
     default_sample_size: int | None  # latent side of the default image; None: the denoiser's sample_size
     size_multiple: int  # the latent side must divide by this (Flux packs 2x2 patches)
+    vae: bool = True  # False: the denoiser works on pixels in [-1, 1]
 
 
 KINDS = {
@@ -52,6 +57,7 @@ KINDS = {
                50, 5.0, 128, 1),
     FLUX: Kind("transformer", "FluxTransformer2DModel", ("text_encoder", "text_encoder_2"),
                ("tokenizer", "tokenizer_2"), 28, 3.5, 128, 2),
+    PIXEL: Kind("unet", "UNet2DConditionModel", ("text_encoder",), ("tokenizer",), 25, 3.0, None, 1, vae=False),
 }
 # The denoiser's class -> (module, its loader: folder -> (cfg, params), its declaration: cfg -> specs),
 # imported when loaded.
@@ -69,14 +75,20 @@ class PipelineSpec:
     class_name: str
     kind: Kind
     scheduler: S.SchedulerConfig
-    vae: VaeConfig
+    vae: VaeConfig | None  # None: a pixel pipeline (PIXEL)
     denoiser_config: dict  # the denoiser's config.json as diffusers wrote it
     options: dict  # model_index.json's own settings (SDXL's force_zeros_for_empty_prompt)
 
     @property
     def vae_scale_factor(self) -> int:
-        """Pixels per latent along a side: 2 per VAE block but the last (diffusers' ``vae_scale_factor``)."""
-        return 2 ** (len(self.vae.block_out_channels) - 1)
+        """Pixels per latent along a side: 2 per VAE block but the last (diffusers' ``vae_scale_factor``);
+        1 without a VAE."""
+        return 1 if self.vae is None else 2 ** (len(self.vae.block_out_channels) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the denoised tensor: the VAE's latents', or the UNet's input's (pixels)."""
+        return self.vae.latent_channels if self.vae is not None else int(self.denoiser_config.get("in_channels", 4))
 
     @property
     def is_flux(self) -> bool:
@@ -100,7 +112,7 @@ class PipelineSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
                 raise DiffusionError(f"{name}={shown(value)}: {self.class_name} takes image sides that are "
                                      f"positive multiples of {multiple}")
-        h, w, c = height // self.vae_scale_factor, width // self.vae_scale_factor, self.vae.latent_channels
+        h, w, c = height // self.vae_scale_factor, width // self.vae_scale_factor, self.latent_channels
         return ((h // 2) * (w // 2), 4 * c) if self.is_flux else (c, h, w)
 
 
@@ -162,8 +174,10 @@ def read_pipeline(folder: str | Path, scheduler: str | None = None) -> PipelineS
         _component(folder, index, name)
     config_file = _component(folder, index, "scheduler") / "scheduler_config.json"
     scheduler_cfg = S.parse_config(_read_config(config_file), source=str(config_file), class_name=scheduler)
-    vae_file = _component(folder, index, "vae", "AutoencoderKL") / "config.json"
-    vae = vae_config(_read_config(vae_file), str(vae_file))
+    vae = None
+    if kind.vae:
+        vae_file = _component(folder, index, "vae", "AutoencoderKL") / "config.json"
+        vae = vae_config(_read_config(vae_file), str(vae_file))
     denoiser_file = _component(folder, index, kind.denoiser, kind.denoiser_class) / "config.json"
     options = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
     return PipelineSpec(folder=folder, class_name=class_name, kind=kind, scheduler=scheduler_cfg, vae=vae,
@@ -192,13 +206,13 @@ def _on_device(params: Any, dtype: Any) -> Any:
 
 def load_pipeline(folder: str | Path, *, scheduler: str | None = None, dtype: Any = jnp.float32,
                   spec: PipelineSpec | None = None) -> Pipeline:
-    """The diffusers pipeline in ``folder`` (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``
-    or ``FluxPipeline``), every component loaded; ``dtype`` the denoiser's and VAE's weights. ``spec``:
+    """The diffusers pipeline in ``folder`` (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
+    ``FluxPipeline`` or our ``PixelDiffusionPipeline``), every component loaded; ``dtype`` the denoiser's and VAE's weights. ``spec``:
     :func:`read_pipeline`'s result when the caller already has it."""
     spec = spec or read_pipeline(folder, scheduler)
     encoders = tuple(load_text_encoder(spec.folder / name) for name in spec.kind.text_encoders)
     tokenizers = tuple(get_tokenizer(str(spec.folder / name)) for name in spec.kind.tokenizers)
-    _, vae_params = load_vae(spec.folder / "vae")
+    vae_params = load_vae(spec.folder / "vae")[1] if spec.vae is not None else None
     module = _denoiser_module(spec)
     denoiser_cfg, denoiser_params = getattr(module, DENOISERS[spec.kind.denoiser_class][1])(
         spec.folder / spec.kind.denoiser)

@@ -68,7 +68,8 @@ def place(pipe: Pipeline, mesh: Mesh, rules: dict[str, MeshAxes] = DEFAULT_RULES
     encoders = tuple(e._replace(params=jax.device_put(e.params, replicated)) for e in pipe.text_encoders)
     return dataclasses.replace(
         pipe, text_encoders=encoders, denoiser_params=_put(denoiser_specs(pipe), pipe.denoiser_params, mesh, rules),
-        vae_params=_put(V.declare(pipe.spec.vae), pipe.vae_params, mesh, rules), mesh=mesh, rules=rules)
+        vae_params=None if pipe.spec.vae is None else _put(V.declare(pipe.spec.vae), pipe.vae_params, mesh, rules),
+        mesh=mesh, rules=rules)
 
 
 def quantize(pipe: Pipeline, mode: str) -> Pipeline:

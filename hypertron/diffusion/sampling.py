@@ -255,8 +255,11 @@ def _run(pipe: Pipeline, latent_hw, mark, weights, schedule: S.Schedule, cond, l
     (x, _), _ = jax.lax.scan(step, (x, schedule.init_state(x)), jnp.arange(schedule.num_steps))
     if mark is not None:
         jax.debug.callback(mark, x[:1, :1])
-    z_bhwc = _by_image(V.latents_to_vae(spec.vae, V.from_nchw(F.unpack_latents(x, *latent_hw)) if flux else x))
-    images = _by_image(V.decode(weights["vae"], spec.vae, z_bhwc, dtype=pipe.dtype))
+    if spec.vae is None:  # a pixel pipeline: the denoised tensor is the images
+        images = x
+    else:
+        z_bhwc = _by_image(V.latents_to_vae(spec.vae, V.from_nchw(F.unpack_latents(x, *latent_hw)) if flux else x))
+        images = _by_image(V.decode(weights["vae"], spec.vae, z_bhwc, dtype=pipe.dtype))
     return (x if flux else V.to_nchw(x)), V.to_uint8(images)
 
 

@@ -100,3 +100,45 @@ def judge(image: np.ndarray) -> Verdict:
             corners |= near_r / leg_r + near_c / leg_c <= 1
     share = float(box[corners].mean()) if corners.any() else 0.0
     return Verdict(colour, "square" if share > SQUARE_ABOVE else "circle", share)
+
+
+def prompts() -> list[str]:
+    """Every caption the source draws, one per colour and shape."""
+    return [caption(c, s) for c in COLOURS for s in SHAPES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """How many of ``total`` samples the judge found in their prompt's colour and shape."""
+
+    colour: int
+    shape: int
+    total: int
+
+    def __str__(self) -> str:
+        return f"colour_right={self.colour}/{self.total} shape_right={self.shape}/{self.total}"
+
+
+def score(pipe, *, per_prompt: int = 8, steps: int = 25, guidance: float | None = None, seed: int = 0,
+          zero_prompts: bool = False) -> Score:
+    """Sample ``per_prompt`` pictures of each of :func:`prompts` from the loaded pipeline ``pipe``
+    (``steps`` steps of its scheduler, ``guidance`` its default when None, picture i of prompt p
+    from seed ``seed + p``) and judge them. ``zero_prompts``: with every prompt embedding zeroed,
+    the ablation that shows the conditioning decides the picture."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypertron.diffusion import sampling
+
+    guidance = pipe.spec.kind.guidance if guidance is None else guidance
+    colour = shape = total = 0
+    for p, text in enumerate(prompts()):
+        args = sampling.request_args(pipe, text, None, count=per_prompt, seed=seed + p, steps=steps,
+                                     guidance=guidance, height=SIZE, width=SIZE)
+        if zero_prompts:
+            args = (*args[:2], jax.tree.map(jnp.zeros_like, args[2]), *args[3:])
+        _, images = sampling.program(pipe, (SIZE, SIZE)).fn(*args)
+        for image in np.asarray(images):
+            right = judge(image).matches(text)
+            colour, shape, total = colour + right[0], shape + right[1], total + 1
+    return Score(colour, shape, total)

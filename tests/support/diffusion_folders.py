@@ -16,22 +16,14 @@ BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
 
 def write_clip_vocab(folder, words=WORDS) -> tuple[str, str]:
-    """A CLIP BPE as the hub ships it (bytes, bytes + ``</w>``, merges of ``words``, the specials)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    chars = [chr(b if b in printable else next(extra)) for b in range(256)]
-    vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars])}
-    merges = []
-    for word in words:
-        parts = [*word[:-1], word[-1] + "</w>"]
-        while len(parts) > 1:
-            merges.append(f"{parts[0]} {parts[1]}")
-            vocab.setdefault(parts[0] + parts[1], len(vocab))
-            parts = [parts[0] + parts[1], *parts[2:]]
-    vocab |= {BOS: len(vocab), EOS: len(vocab) + 1}
+    """A CLIP BPE as the hub ships it (bytes, bytes + ``</w>``, merges of ``words``, the specials:
+    :func:`hypertron.diffusion.folders.clip_vocab`)."""
+    from hypertron.diffusion.folders import clip_vocab
+
+    vocab, merges = clip_vocab(words)
     folder.mkdir()
     (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(dict.fromkeys(merges)) + "\n")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
     return str(folder / "vocab.json"), str(folder / "merges.txt")
 
 
