@@ -7,7 +7,7 @@ import pytest
 
 from hypertron.config import (PRESETS, TOKENIZABLE_SOURCES, ConfigError, ServeConfig, choices, dump_yaml,
                               from_dict, load_config)
-from hypertron.config.schema import (DataSource, DiffusionDtype, DiffusionQuantization, GmmBackend, Quantization,
+from hypertron.config.schema import (IMAGE_DATA_SOURCES, DataSource, DiffusionDtype, DiffusionQuantization, GmmBackend, Quantization,
                                      WeightQuantization)
 from hypertron.config.serving import KvCacheDtype
 
@@ -91,7 +91,9 @@ def test_every_option_list_is_the_schemas():
     assert _option(parser, "serve", "--dtype").choices == choices(DiffusionDtype) == ("float32", "bfloat16")
     assert _option(parser, "generate", "--quantize").choices == choices(WeightQuantization)
     assert _option(parser, "tokenize", "--source").choices == TOKENIZABLE_SOURCES
-    assert set(TOKENIZABLE_SOURCES) | {"synthetic", "tokens"} == set(SOURCES) == set(choices(DataSource))
+    # images: task: diffusion's (parquet holds text or images)
+    assert set(TOKENIZABLE_SOURCES) | {"synthetic", "tokens", *IMAGE_DATA_SOURCES} == set(SOURCES) == set(
+        choices(DataSource))
     assert gmm.BACKENDS == choices(GmmBackend) and "pallas" in gmm.BACKENDS
     assert MODES == choices(Quantization) == ("none", "fp8", "int8")
     # Every serving setting is a flag, and every flag a setting.

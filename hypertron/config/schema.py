@@ -45,7 +45,10 @@ Fp8Scaling = Literal["delayed", "current"]
 MoEMode = Literal["dropless", "capped"]
 Gating = Literal["topk_softmax", "softmax_topk"]
 GmmBackend = Literal["auto", "pallas", "ragged_dot", "grouped", "reference"]
-DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens"]
+DataSource = Literal["stdlib", "synthetic", "text", "jsonl", "parquet", "hf", "arrayrecord", "tokens",
+                     "shapes", "imagefolder", "webdataset"]
+# task: diffusion's sources (parquet holds images too; shapes: the CPU demo's rendered pictures)
+IMAGE_DATA_SOURCES = ("shapes", "imagefolder", "parquet", "webdataset")
 Schedule = Literal["cosine", "linear", "constant"]
 WeightQuantization = Literal["none", "int8"]  # weight precision for generation and serving
 # A diffusion pipeline (hypertron diffuse, the image server): its weights' dtype (float32 the default,
@@ -55,7 +58,8 @@ DIFFUSION_DTYPE: DiffusionDtype = "float32"
 DiffusionQuantization = Literal["none", "int8", "fp8"]
 # A diffusers pipeline folder holds this index; hypertron serve serves images for such a folder.
 MODEL_INDEX = "model_index.json"
-Task = Literal["lm", "sft", "dpo", "dlrm"]  # a language model; fine-tuned on examples or pairs; a recommender
+# a language model; fine-tuned on examples or pairs; a recommender; a diffusion model
+Task = Literal["lm", "sft", "dpo", "dlrm", "diffusion"]
 DataFormat = Literal["text", "messages", "prompt_completion", "preference"]  # a record, as TRL's dataset formats
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]  # as TRL 1.16's DPOTrainer (hypertron.train.preference)
 LossOn = Literal["auto", "assistant", "completion", "all"]  # auto: assistant for messages, else completion
@@ -68,6 +72,7 @@ TablePlacement = Literal["auto", "row", "column", "table"]  # auto: hypertron.em
 # Diffusion training (hypertron.diffusion.objectives): what the model learns, how its timesteps are
 # drawn, and how each example's loss is weighted.
 DiffusionObjective = Literal["epsilon", "v_prediction", "flow"]
+ObjectiveSetting = Literal["auto", "epsilon", "v_prediction", "flow"]  # auto: the model's scheduler's
 TimestepSampler = Literal["uniform", "logit_normal", "mode"]
 Weighting = Literal["none", "min_snr", "sigma_sqrt", "cosmap"]
 
@@ -106,7 +111,8 @@ def flag_field(default: typing.Any, help: str, metavar: str | None = None) -> ty
 
 
 # Sources ``hypertron tokenize`` reads (the other two are token ids already).
-TOKENIZABLE_SOURCES = tuple(s for s in choices(DataSource) if s not in ("synthetic", "tokens"))
+TOKENIZABLE_SOURCES = tuple(s for s in choices(DataSource)
+                            if s not in ("synthetic", "tokens", *IMAGE_DATA_SOURCES) or s == "parquet")
 
 
 # ---------------------------------------------------------------------------
@@ -287,6 +293,12 @@ class DataConfig:
     loss_on: LossOn = "auto"
     chat_template: str = ""  # a Jinja file; "" = the tokenizer's (its tokenizer_config.json)
     overlong: Overlong = "truncate"
+    # Images (task: diffusion; docs/diffusion.md): the image column of parquet records (text_field
+    # is the caption's), the side images are resized and cropped to (0: the model's), and how.
+    image_field: str = "image"
+    resolution: int = 0
+    center_crop: bool = True
+    random_flip: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +332,37 @@ class EmaConfig:
     warmup: bool = False
     inv_gamma: float = 1.0
     power: float = 2 / 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionConfig:
+    """``task: diffusion`` (docs/diffusion.md): the model, its objective and its EMA.
+
+    ``model``: a diffusers folder to fine-tune (its denoiser trains, its text encoders and VAE stay
+    frozen), or a preset trained from scratch (``shapes-unet``). ``objective`` ``auto`` is the
+    folder's ``prediction_type`` (flow for a flow-matching scheduler); ``timesteps`` draws each
+    example's timestep (``logit_mean``, ``logit_std``, ``mode_scale`` as diffusers' scripts);
+    ``shift`` (flow; 0: the scheduler's) moves the sigmas as SD3's 3.0; ``weighting`` weighs each
+    example's loss (``snr_gamma`` for min_snr). ``noise_offset`` adds a per-channel offset to the
+    noise; ``cond_dropout`` empties that share of the captions (the unconditional branch CFG
+    needs). ``use_ema``: keep ``ema`` (diffusers' ``EMAModel``) in the train state; the
+    evaluation and the final model then use it. ``eval_timesteps``: the held-out loss is taken at
+    that many fixed, evenly spaced timesteps with fixed noise."""
+
+    model: str = "shapes-unet"
+    objective: ObjectiveSetting = "auto"
+    timesteps: TimestepSampler = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 0.0
+    weighting: Weighting = "none"
+    snr_gamma: float = 5.0
+    noise_offset: float = 0.0
+    cond_dropout: float = 0.0
+    use_ema: bool = False
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    eval_timesteps: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -460,6 +503,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     dlrm: DlrmConfig = field(default_factory=DlrmConfig)  # task: dlrm only
     dpo: DpoConfig = field(default_factory=DpoConfig)  # task: dpo only
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # task: diffusion only
     lora: LoraConfig = field(default_factory=LoraConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -16,7 +16,9 @@ from pathlib import Path
 from hypertron.config.schema import (
     MODEL_INDEX,
     Config,
+    IMAGE_DATA_SOURCES,
     DataConfig,
+    DiffusionConfig,
     DlrmConfig,
     DpoConfig,
     MeshConfig,
@@ -113,6 +115,53 @@ def validate_dlrm(d: DlrmConfig) -> None:
                               f"{d.dense_features} and {len(d.table_rows)}")
 
 
+# DataConfig's keys that only task: diffusion reads
+IMAGE_DATA_KEYS = ("image_field", "resolution", "center_crop", "random_flip")
+
+
+def validate_diffusion(cfg: Config) -> None:
+    """``task: diffusion``'s settings that need no model: an image source, values in range. What
+    needs the model (an objective that fits its scheduler, a resolution it takes) is checked where
+    the model's folder is read (:mod:`hypertron.train.diffusion`)."""
+    d, f = cfg.data, cfg.diffusion
+    if cfg.task != "diffusion":
+        if cfg.diffusion != DiffusionConfig():
+            raise ConfigError("diffusion: its settings are for task=diffusion")
+        if d.source in IMAGE_DATA_SOURCES and d.source != "parquet":
+            raise ConfigError(f"data.source={d.source} holds images: set task=diffusion")
+        default = DataConfig()
+        for key in IMAGE_DATA_KEYS:
+            if getattr(d, key) != getattr(default, key):
+                raise ConfigError(f"data.{key}={getattr(d, key)} is for images: set task=diffusion")
+        return
+    if d.source not in IMAGE_DATA_SOURCES:
+        raise ConfigError(f"data.source={d.source}: task=diffusion reads images ({', '.join(IMAGE_DATA_SOURCES)})")
+    if d.source != "shapes" and not d.paths:
+        raise ConfigError(f"data.paths: data.source={d.source} needs at least one path")
+    if not f.model.strip():
+        raise ConfigError("diffusion.model is empty: a diffusers folder, or a preset (shapes-unet)")
+    if d.resolution < 0:
+        raise ConfigError(f"data.resolution={d.resolution}: must not be negative (0: the model's)")
+    if not 0 < f.ema.decay < 1:
+        raise ConfigError(f"diffusion.ema.decay={f.ema.decay}: must be in (0, 1)")
+    if not 0 <= f.ema.min_decay <= f.ema.decay:
+        raise ConfigError(f"diffusion.ema.min_decay={f.ema.min_decay}: must be in [0, diffusion.ema.decay]")
+    if f.ema.update_after_step < 0 or f.ema.inv_gamma <= 0 or f.ema.power <= 0:
+        raise ConfigError("diffusion.ema: update_after_step must not be negative, inv_gamma and power must be positive")
+    if not 0 <= f.cond_dropout < 1:
+        raise ConfigError(f"diffusion.cond_dropout={f.cond_dropout}: must be in [0, 1)")
+    for key in ("logit_std", "snr_gamma", "eval_timesteps"):
+        if not getattr(f, key) > 0:
+            raise ConfigError(f"diffusion.{key}={getattr(f, key)}: must be positive")
+    for key in ("shift", "noise_offset", "mode_scale"):
+        if getattr(f, key) < 0:
+            raise ConfigError(f"diffusion.{key}={getattr(f, key)}: must not be negative")
+    if cfg.train.grad_accum != 1:
+        raise ConfigError(f"train.grad_accum={cfg.train.grad_accum}: task=diffusion takes whole batches (1) so far")
+    if cfg.train.init_from:
+        raise ConfigError("train.init_from: task=diffusion starts from diffusion.model (a folder or a preset)")
+
+
 # DataConfig's keys that only task: sft and dpo read (a run of another task leaves them at their defaults)
 FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "chosen_field",
                          "rejected_field", "loss_on", "chat_template", "overlong")
@@ -203,11 +252,12 @@ def validate(cfg: Config) -> None:
         validate_dlrm(cfg.dlrm)
         if t.eval_every and cfg.dlrm.source == "criteo" and not cfg.dlrm.eval_paths:
             raise ConfigError(f"train.eval_every={t.eval_every} needs held-out files: set dlrm.eval_paths")
-    elif t.eval_every and cfg.data.source != "synthetic" and cfg.data.eval_fraction == 0:
+    elif t.eval_every and cfg.data.source not in ("synthetic", "shapes") and cfg.data.eval_fraction == 0:
         raise ConfigError(
             f"train.eval_every={t.eval_every} needs a held-out split: set data.eval_fraction (e.g. 0.01)"
         )
     _check_format(cfg)
+    validate_diffusion(cfg)
     if t.global_batch % t.grad_accum:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
@@ -218,7 +268,7 @@ def validate(cfg: Config) -> None:
         )
     if not cfg.data.tokenizer.strip():
         raise ConfigError("data.tokenizer: must be 'byte' or a path to a tokenizer")
-    if cfg.data.source not in ("stdlib", "synthetic") and not cfg.data.paths:
+    if cfg.data.source not in ("stdlib", "synthetic", "shapes") and not cfg.data.paths:
         raise ConfigError(f"data.paths: data.source={cfg.data.source} needs at least one path")
     if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be positive")

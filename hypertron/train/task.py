@@ -10,7 +10,8 @@ evaluation, the throughput's unit and FLOPs, and what is written at the end.
 - :class:`FineTune` (``task: sft``): the same model, step and loss on fine-tuning examples packed whole.
 - :class:`PreferenceTune` (``task: dpo``): the same model on preference pairs, the DPO objective against
   a reference: frozen in the state, or its log-probabilities precomputed (:mod:`hypertron.train.dpo`).
-- :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables.
+- :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables;
+  :class:`hypertron.train.diffusion.DiffusionTask` (``task: diffusion``): a diffusion model's denoiser.
 
 The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
 task's checkpoints hold: ``quant`` for fp8): :class:`hypertron.checkpoint.Checkpointer` saves and
@@ -211,8 +212,6 @@ class LanguageModel:
             save_peft(path, jax.device_get(state["params"]), settings, cfg.model,
                       base=str(Path(lora_base(cfg)).resolve()))  # found from any working directory
             console.print(f"wrote the LoRA adapter {path} (PEFT's format)", highlight=False)
-
-
 
 
 class FineTune(LanguageModel):
@@ -591,8 +590,9 @@ def write_bundle(cfg: Config, params, console) -> None:
 
 
 def task_for(cfg: Config) -> Task:
-    if cfg.task == "dlrm":
-        from hypertron.train.dlrm import Recommender
+    own = {"dlrm": ("hypertron.train.dlrm", "Recommender"), "diffusion": ("hypertron.train.diffusion", "DiffusionTask")}
+    if cfg.task in own:  # tasks in modules of their own, imported when run
+        import importlib
 
-        return Recommender()
+        return getattr(importlib.import_module(own[cfg.task][0]), own[cfg.task][1])()
     return {"sft": FineTune, "dpo": PreferenceTune}.get(cfg.task, LanguageModel)()
