@@ -51,20 +51,31 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(b if b in printable else next(extra)) for b in range(256)]
 
 
+def _merged(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """``word``'s pieces after BPE with ``ranks`` (the lowest-ranked pair first, as ``tokenizers``)."""
+    parts = [*word[:-1], word[-1] + "</w>"]
+    while len(parts) > 1:
+        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(parts, parts[1:])))
+        if rank == len(ranks):
+            break
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+    return parts
+
+
 def clip_vocab(words: Sequence[str]) -> tuple[dict[str, int], list[str]]:
-    """A CLIP BPE vocabulary and merges: every byte alone and word-final, merges that build each of
-    ``words`` whole (lower-case ASCII) as one token, then the bos and eos specials."""
+    """A CLIP BPE vocabulary and merges: every byte alone and word-final, merges that make each of
+    ``words`` (lower-case ASCII) one token, then the bos and eos specials. A word's merges are
+    added after those before it, each the first pair its pieces still have: a later merge never
+    applies to an earlier word, which its own merges join whole first."""
     chars = _bytes_to_unicode()
     vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars])}
-    merges: list[str] = []
+    ranks: dict[tuple[str, str], int] = {}
     for word in words:
-        parts = [*word[:-1], word[-1] + "</w>"]
-        while len(parts) > 1:
-            merges.append(f"{parts[0]} {parts[1]}")
+        while len(parts := _merged(word, ranks)) > 1:
+            ranks[(parts[0], parts[1])] = len(ranks)
             vocab.setdefault(parts[0] + parts[1], len(vocab))
-            parts = [parts[0] + parts[1], *parts[2:]]
     vocab |= {BOS: len(vocab), EOS: len(vocab) + 1}
-    return vocab, list(dict.fromkeys(merges))
+    return vocab, [f"{a} {b}" for a, b in ranks]
 
 
 def write_clip_tokenizer(folder: Path, words: Sequence[str], max_length: int) -> int:
