@@ -332,8 +332,8 @@ class DiffusionTask:
 
     def check_inputs(self, cfg: Config) -> None:
         self._check(cfg)
-        if cfg.data.source != "shapes":
-            self._records(cfg, "train")
+        if cfg.data.source != "shapes":  # every record listed and checked (before the backend starts)
+            self._records(cfg, "train", 0, 1)
 
     def mesh(self, cfg: Config, devices: list) -> Mesh:
         mesh = make_mesh(cfg.mesh, devices)
@@ -363,12 +363,12 @@ class DiffusionTask:
             multihost_utils.sync_global_devices("hypertron diffusion preset")
         return folder
 
-    def _records(self, cfg: Config, split: str) -> list:
+    def _records(self, cfg: Config, split: str, process_index: int, process_count: int) -> list:
         from hypertron.data.images import image_records
 
         d = cfg.data
         records = image_records(d.source, d.paths, image_field=d.image_field, text_field=d.text_field,
-                                process_index=jax.process_index(), process_count=jax.process_count())
+                                process_index=process_index, process_count=process_count)
         held = int(len(records) * d.eval_fraction)
         return records[len(records) - held:] if split == "eval" else records[:len(records) - held]
 
@@ -388,8 +388,8 @@ class DiffusionTask:
         if d.source == "shapes":
             ds = shapes.dataset(seed)[jax.process_index()::jax.process_count()]
         else:
-            ds = image_dataset(self._records(cfg, split), side, center_crop=d.center_crop,
-                               random_flip=d.random_flip, seed=seed)
+            records = self._records(cfg, split, jax.process_index(), jax.process_count())
+            ds = image_dataset(records, side, center_crop=d.center_crop, random_flip=d.random_flip, seed=seed)
             if d.shuffle and split == "train":
                 ds = ds.shuffle(seed=seed)
             ds = ds.repeat()
@@ -399,7 +399,8 @@ class DiffusionTask:
                     "ids": prompt_ids(tokenizer, [x["caption"]], length, bos=True)[0]}
 
         per_process = t.global_batch // jax.process_count()
-        return iter(ds.map(tokenized).batch(per_process, drop_remainder=True).to_iter_dataset())
+        # to an IterDataset before batching: the image sources' filter (undecodable images) may drop elements
+        return iter(ds.map(tokenized).to_iter_dataset().batch(per_process, drop_remainder=True))
 
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
         d = cfg.data
