@@ -43,7 +43,7 @@ from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import PIXEL, SD, PipelineSpec, read_pipeline
 from hypertron.models import params as param_lib
 from hypertron.parallel.mesh import make_mesh
-from hypertron.parallel.rules import DEFAULT_RULES, spec_for, use_rules
+from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for, use_rules
 from hypertron.train import ema as E
 from hypertron.train.metrics import Throughput
 from hypertron.train.optimizer import make_optimizer, schedule
@@ -108,6 +108,13 @@ def flux_loss(params: Any, cfg: F.FluxConfig, schedule: O.TrainingSchedule, batc
 TRAINABLE = (SD, PIXEL)  # the pipeline classes whose denoiser the task trains so far
 PRESET_DIR = "preset"  # RUN/preset: a preset's folder, written at the run's start
 EVAL_SEED = 7919  # the evaluation's noise (and the shapes source's held-out pictures) from seed + this
+
+
+def base_folder(cfg: Config) -> Path:
+    """Where ``diffusion.model``'s folder is: itself, or for a preset ``RUN/preset``."""
+    from hypertron.diffusion.folders import PRESETS
+
+    return Path(cfg.run_dir) / PRESET_DIR if cfg.diffusion.model in PRESETS else Path(cfg.diffusion.model)
 
 
 def base_spec(cfg: Config) -> PipelineSpec:
@@ -324,6 +331,7 @@ class DiffusionTask:
     def __init__(self):
         self._checked: tuple[PipelineSpec, str, int] | None = None
         self._flops: float = 0.0
+        self._written = False  # the preset's folder, once per run
 
     def _check(self, cfg: Config) -> tuple[PipelineSpec, str, int]:
         if self._checked is None:
@@ -337,7 +345,7 @@ class DiffusionTask:
 
     def mesh(self, cfg: Config, devices: list) -> Mesh:
         mesh = make_mesh(cfg.mesh, devices)
-        rows = int(np.prod([mesh.shape[a] for a in _axes(spec_for(("batch",), DEFAULT_RULES, mesh)[0])]))
+        rows = int(np.prod([mesh.shape[a] for a in mesh_axes(spec_for(("batch",), DEFAULT_RULES, mesh)[0])]))
         if cfg.train.global_batch % max(rows, jax.process_count()):
             raise ConfigError(f"train.global_batch={cfg.train.global_batch}: must divide over the {rows} batch "
                               f"shards of mesh {dict(mesh.shape)} and the {jax.process_count()} processes")
@@ -347,20 +355,20 @@ class DiffusionTask:
         pass  # validate_diffusion refuses train.init_from: diffusion.model is the start
 
     def folder(self, cfg: Config) -> Path:
-        """The base pipeline folder: ``diffusion.model``, or a preset's, written to ``RUN/preset``
-        by process 0 when the run starts (the same bytes each time: seeded by ``train.seed``)."""
+        """The base pipeline folder: ``diffusion.model``, or a preset's in ``RUN/preset``, written
+        by process 0 the first time a run asks (the same bytes each time: seeded by ``train.seed``),
+        every process waiting for it."""
         from hypertron.diffusion.folders import PRESETS, write_preset
 
-        name = cfg.diffusion.model
-        if name not in PRESETS:
-            return Path(name)
-        folder = Path(cfg.run_dir) / PRESET_DIR
-        if jax.process_index() == 0 and not folder.exists():
-            write_preset(folder, PRESETS[name], cfg.train.seed)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+        folder = base_folder(cfg)
+        if cfg.diffusion.model in PRESETS and not self._written:
+            if jax.process_index() == 0 and not folder.exists():
+                write_preset(folder, PRESETS[cfg.diffusion.model], cfg.train.seed)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("hypertron diffusion preset")
+                multihost_utils.sync_global_devices("hypertron diffusion preset")
+            self._written = True
         return folder
 
     def _records(self, cfg: Config, split: str, process_index: int, process_count: int) -> list:
@@ -454,34 +462,28 @@ class DiffusionTask:
             params = multihost_utils.process_allgather(params, tiled=True)
         if jax.process_index() != 0:
             return
-        base = self.folder(cfg)
+        base = base_folder(cfg)  # written already; process 0 alone is here: no waiting for the others
         out = Path(cfg.run_dir) / "model"
         tmp = out.with_name("model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("diffusion_pytorch_model*"))
+        unet = (base / "unet").resolve()
+        # every component as the base has it, but the UNet's weights (the VAE's keep theirs)
+        shutil.copytree(base, tmp, ignore=lambda d, names: [n for n in names if Path(d).resolve() == unet
+                                                             and n.startswith("diffusion_pytorch_model")])
         hf = read_json_dict(base / "unet" / "config.json")
-        write_component(tmp / "unet", hf, self._specs(cfg, hf), params)
+        write_component(tmp / "unet", hf, U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json"))),
+                        params)
         if out.exists():
             shutil.rmtree(out)
         tmp.replace(out)
         console.print(f"wrote the diffusers folder {out}" + (" (the EMA weights)" if "ema" in state else ""),
                       highlight=False)
 
-    @staticmethod
-    def _specs(cfg: Config, hf: dict) -> Any:
-        return U.declare_unet(U.unet_config(hf, "unet/config.json"))
-
 
 def read_json_dict(path: Path) -> dict:
     from hypertron.config.loading import read_json
 
     return read_json(path, DiffusionError, f"{path}: not found", lambda reason: f"{path}: invalid JSON ({reason})")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    from hypertron.parallel.rules import mesh_axes
-
-    return tuple(mesh_axes(entry))
 
 
 def _step_flops(trainer: DiffusionTrainer, cfg: Config, side: int) -> float:
