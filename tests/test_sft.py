@@ -47,7 +47,7 @@ def setup(tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     cfg, params = load_hf(path)
     train_cfg = SimpleNamespace(model=cfg, data=SimpleNamespace(source="jsonl"),
-                                train=SimpleNamespace(z_loss=0.0, pipeline_microbatches=0))
+                                train=SimpleNamespace(z_loss=0.0, pipeline_microbatches=0, pipeline_repeats=1))
 
     @jax.jit
     def loss_and_grads(params, batch):

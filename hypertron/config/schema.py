@@ -375,8 +375,12 @@ class TrainConfig:
     grad_accum: int = 1
     # With mesh.stage > 1: each micro-batch's rows (per data shard) cut into this many pieces that
     # follow one another through the stages (0: as many as the stages). The bubble is
-    # (stage - 1) / (microbatches + stage - 1) of a step.
+    # (stage - 1) / (microbatches x repeats + stage - 1) of a step.
     pipeline_microbatches: int = 0
+    # With mesh.stage > 1: the circular schedule, each stage holding this many blocks of
+    # num_layers / (stage x repeats) layers (block r x stage + s on stage s); the pieces go through
+    # the stages this many times. 1: GPipe's, a block of num_layers / stage layers a stage.
+    pipeline_repeats: int = 1
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10

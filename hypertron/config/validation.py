@@ -230,7 +230,7 @@ def validate(cfg: Config) -> None:
             check_choices(section, f.name + ".")
     validate_model(cfg.model)
     t = cfg.train
-    for k in ("steps", "global_batch", "seq_len", "grad_accum", "log_every"):
+    for k in ("steps", "global_batch", "seq_len", "grad_accum", "log_every", "pipeline_repeats"):
         if getattr(t, k) <= 0:
             raise ConfigError(f"train.{k}={getattr(t, k)}: must be positive")
     if t.warmup_steps < 0:
@@ -362,9 +362,11 @@ def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int)
     micro-batches to fill them that the rows per data shard divide into, a scanned dense model on
     one process, with neither context nor tensor splits yet."""
     s, m, what = shape["stage"], cfg.train.pipeline_microbatches or shape["stage"], f"mesh.stage={shape['stage']}"
-    if cfg.model.num_layers % s:
-        raise ConfigError(f"{what} does not divide model.num_layers={cfg.model.num_layers} (each stage holds "
-                          "an equal block of layers)")
+    r = cfg.train.pipeline_repeats
+    if cfg.model.num_layers % (s * r):
+        raise ConfigError(f"{what}" + (f" x train.pipeline_repeats={r}" if r > 1 else "")
+                          + f" does not divide model.num_layers={cfg.model.num_layers} (each stage holds "
+                          + ("an equal block of layers)" if r == 1 else f"{r} equal blocks of layers)"))
     if m < s:
         raise ConfigError(f"train.pipeline_microbatches={m} is below {what}: the stages would never all work")
     if rows % m:
@@ -376,7 +378,9 @@ def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int)
                      # each amax history would take every iteration's update (fp8.attach: one einsum a step)
                      (cfg.model.quantization == "fp8", "model.quantization=fp8"),
                      (shape["context"] > 1, "mesh.context"),
-                     (shape["tensor"] > 1, "mesh.tensor"), (processes > 1, "more than one process")):
+                     (shape["tensor"] > 1, "mesh.tensor"), (processes > 1, "more than one process"),
+                     # the step holds the layers in the circular order; the frozen base is read in the model's
+                     (cfg.lora.rank > 0 and r > 1, "lora.rank and train.pipeline_repeats > 1")):
         if bad:
             raise ConfigError(f"{what} with {why}: not supported yet (issue 42); use mesh.data or mesh.fsdp beside it")
 

@@ -58,7 +58,7 @@ class Plan:
     compute: float | None           # seconds per step at peak
     axes: list[Axis] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    bubble: float = 0.0  # the pipeline's idle share of a step, (stage - 1) / (pieces + stage - 1)
+    bubble: float = 0.0  # the pipeline's idle share of a step, (stage - 1) / (pieces x repeats + stage - 1)
 
     @property
     def fits(self) -> bool | None:
@@ -110,7 +110,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     inner = 1
     if mesh["stage"] > 1:
         pieces = t.pipeline_microbatches or mesh["stage"]
-        out.bubble = (mesh["stage"] - 1) / (pieces + mesh["stage"] - 1)
+        out.bubble = (mesh["stage"] - 1) / (pieces * t.pipeline_repeats + mesh["stage"] - 1)
     for a in ("stage", "tensor", "context", "expert", "fsdp", "data"):  # fastest-varying first: inside-node axes
         size = mesh[a]
         if size == 1:
@@ -130,7 +130,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
             sent = 2 * mem.state.grads * frac
         elif a == "stage":  # a piece's activations handed on each iteration, forward and backward
             pieces = t.pipeline_microbatches or size
-            sent = 2 * (pieces + size - 1) / pieces * act
+            sent = 2 * (pieces * t.pipeline_repeats + size - 1) / pieces * act
         elif a == "tensor":
             sent = 4 * m.num_layers * 2 * act * frac
         else:
@@ -189,7 +189,7 @@ def render(p: Plan):
     if p.compute is not None:
         parts.append(Text(f"compute: {1e3 * p.compute:.1f} ms per step at peak"))
     if p.bubble:
-        parts.append(Text(f"pipeline bubble: {100 * p.bubble:.0f}% of a step idle (stages - 1 of pieces + stages - 1)"))
+        parts.append(Text(f"pipeline bubble: {100 * p.bubble:.0f}% of a step idle (stages - 1 of pieces x repeats + stages - 1)"))
     if p.axes:
         comm = Table(title="communication per step (ring collectives)", title_justify="left", show_edge=False)
         for col in ("axis", "size", "links", "sent per device", "time"):

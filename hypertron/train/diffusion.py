@@ -193,6 +193,11 @@ class DiffusionTrainer:
     init_fn: Any = None
     updates: int = 0  # the state's step, counted on the host
 
+    def to_held(self, state: dict) -> dict:  # checkpoints hold the state as the step does
+        return state
+
+    to_model = to_held
+
     def abstract_state(self) -> dict:
         shapes = jax.eval_shape(self.init_fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                                            self.initial_params))

@@ -113,6 +113,11 @@ class DlrmTrainer:
         return {"params": {"dense": dense, "tables": tables}, "opt_state": {"dense": opt, "tables": table_state},
                 "step": jax.device_put(np.int32(0), replicated)}
 
+    def to_held(self, state: dict) -> dict:  # checkpoints hold the state as the step does
+        return state
+
+    to_model = to_held
+
     def abstract_state(self) -> dict:
         replicated = NamedSharding(self.mesh, P())
         shaped = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)

@@ -194,7 +194,7 @@ def _restore(cfg: Config, task: Task, trainer, ckpt: Checkpointer, start: int, d
         tracking.emit("restore_start", step)
         t0 = time.time()
         try:
-            state = ckpt.restore(step, trainer.abstract_state())
+            state = trainer.to_held(ckpt.restore(step, trainer.abstract_state()))
             meta = ckpt.meta(step)
             data_restored = meta.get("data") == task.data_fingerprint(cfg) and ckpt.has_data(step)
             if data_restored:
@@ -300,8 +300,9 @@ class _Loop:
                 if save:
                     # The job waits for its last save (and the bundle) anyway: all of it blocks.
                     reason = "preemption" if preempted else "final" if step == t.steps else "interval"
-                    then = (lambda: self.task.finish(cfg, state, self.console)) if reason == "final" else None
-                    self.ckpt.save(step, state, {"data": self.task.data_fingerprint(cfg)}, data_iterator=data,
+                    saved = self.trainer.to_model(state)  # checkpoints and bundles hold the model's order
+                    then = (lambda: self.task.finish(cfg, saved, self.console)) if reason == "final" else None
+                    self.ckpt.save(step, saved, {"data": self.task.data_fingerprint(cfg)}, data_iterator=data,
                                    reason=reason, wait=reason != "interval", then=then)
                 self.last_end = time.perf_counter()
             if preempted:

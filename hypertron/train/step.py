@@ -21,7 +21,7 @@ from hypertron.config import Config
 from hypertron.data.pipeline import balance_rows
 from hypertron.models import declare, forward, fp8_histories, resolve_dtype
 from hypertron.models import params as param_lib
-from hypertron.models.pipeline import use_microbatches
+from hypertron.models.pipeline import use_schedule
 from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, shardings_for, spec_for, use_rules
 from hypertron.quant import fp8
 from hypertron.train.optimizer import make_optimizer, schedule
@@ -53,7 +53,7 @@ def loss_terms(params, batch: Batch, cfg: Config, histories=None) -> tuple[jax.A
     # Synthetic rows are one document each: no segment mask, so GPU attention
     # takes the plain causal flash path.
     segment_ids = None if cfg.data.source == "synthetic" else batch["segment_ids"]
-    with use_microbatches(cfg.train.pipeline_microbatches):  # with mesh.stage
+    with use_schedule(cfg.train.pipeline_microbatches, cfg.train.pipeline_repeats):  # with mesh.stage
         fwd = forward(params, batch["inputs"], cfg.model, positions=batch["positions"], segment_ids=segment_ids,
                       stats=True)
     logits_btv, stats = fwd.logits, fwd.stats
@@ -153,6 +153,12 @@ class Trainer:
     # base): name -> its tree of ShapeDtypeStructs with shardings. No random placeholder is made
     # (or compiled) for them only to be replaced.
     external: dict[str, Any] = field(default_factory=dict)
+    # A state (or some of its entries) with the stacked layers moved from the model's order into
+    # the one ``init`` and the step hold (donating its arrays), and back: identities but for a
+    # circular pipeline (``train.pipeline_repeats`` > 1: :func:`hypertron.models.pipeline.held_order`).
+    # Checkpoints and bundles hold the model's order.
+    to_held: Callable[[State], State] = lambda state: state
+    to_model: Callable[[State], State] = lambda state: state
 
     def batch(self, local: dict) -> Batch:
         """This process's rows as the step takes them (:func:`global_batch`); where the rules
@@ -174,6 +180,37 @@ class Trainer:
 def made_by_init(state_shardings: dict, external: dict) -> dict:
     """The shardings of the state entries a trainer's ``init`` makes: all but ``external``'s."""
     return {k: v for k, v in state_shardings.items() if k not in external}
+
+
+def layer_orders(cfg: Config, mesh: Mesh, state_shardings: State, rules=DEFAULT_RULES) -> tuple[Callable, Callable] | None:
+    """``(to_held, to_model)`` for the states of a circular pipeline on ``mesh`` (None without
+    one): each stacked-layer leaf (sharded over the axes the rules put ``layers`` on) reordered
+    along its first axis, the others left as they are. Both are a reshape into blocks and a
+    transpose of their first two axes (``[R, S, ...]`` and ``[S, R, ...]``)."""
+    axes = mesh_axes(spec_for(("layers",), rules, mesh)[0])
+    stages, repeats = int(np.prod([mesh.shape[a] for a in axes])), cfg.train.pipeline_repeats
+    if stages == 1 or repeats == 1:
+        return None
+
+    def mover(first: int, second: int, donate: bool) -> Callable[[State], State]:
+        compiled = {}
+
+        def swap(x):  # blocks [first, second, ...] -> [second, first, ...]
+            return x.reshape(first, second, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+        def move(state: State) -> State:
+            leaves, tree = jax.tree.flatten(state)
+            shardings = jax.tree.leaves({k: state_shardings[k] for k in state})
+            layered = tuple(bool(sh.spec) and mesh_axes(sh.spec[0]) == axes for sh in shardings)
+            if (tree, layered) not in compiled:
+                compiled[tree, layered] = jax.jit(lambda xs: [swap(x) for x in xs], donate_argnums=0 if donate else (),
+                                                  out_shardings=[sh for sh, m in zip(shardings, layered) if m])
+            moved = iter(compiled[tree, layered]([a for a, m in zip(leaves, layered, strict=True) if m]))
+            return jax.tree.unflatten(tree, [next(moved) if m else a for a, m in zip(leaves, layered)])
+
+        return move
+
+    return mover(repeats, stages, True), mover(stages, repeats, False)
 
 
 def param_shardings(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES):
@@ -212,7 +249,10 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
         return eval_totals(state["params"], batch, cfg, state.get("quant"), mesh, rules)
 
     batch_sharding = NamedSharding(mesh, spec_for(("batch", "seq"), rules, mesh))
-    init = jax.jit(init_fn, out_shardings=state_shardings)
+    made = jax.jit(init_fn, out_shardings=state_shardings)
+    orders = layer_orders(cfg, mesh, state_shardings, rules)
+    # A circular pipeline's state is drawn in the model's order (the parameters of any other mesh), held in the step's.
+    init = made if orders is None else lambda key: orders[0](made(key))
     step = jax.jit(
         step_fn,
         in_shardings=(state_shardings, batch_sharding),
@@ -222,8 +262,11 @@ def make_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     read = [k for k in ("params", "quant") if k in state_shardings]  # what the evaluation reads of a state
     evaluate = jax.jit(eval_fn, in_shardings=({k: state_shardings[k] for k in read}, batch_sharding),
                        out_shardings=replicated)
-    return Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step,
-                   lambda state, batch: evaluate({k: state[k] for k in read}, batch))
+    trainer = Trainer(cfg, mesh, optimizer, state_shardings, batch_sharding, init, step,
+                      lambda state, batch: evaluate({k: state[k] for k in read}, batch))
+    if orders is not None:
+        trainer.to_held, trainer.to_model = orders
+    return trainer
 
 
 def eval_totals(params, batch: Batch, cfg: Config, histories, mesh: Mesh, rules=DEFAULT_RULES) -> dict:

@@ -67,7 +67,8 @@ class Task(Protocol):
         """What decides the data stream; a saved iterator position is only valid for the same values."""
 
     def trainer(self, cfg: Config, mesh: Mesh) -> Any:
-        """The sharded train state's ``init(key)``, ``abstract_state()`` and ``state_shardings``."""
+        """The sharded train state's ``init(key)``, ``abstract_state()``, ``state_shardings`` and
+        ``to_held`` / ``to_model`` (a state from the checkpoints' order into the step's, and back)."""
 
     def initial_state(self, cfg: Config, trainer: Any, console) -> dict:
         """A new run's state: random, or ``train.init_from``'s parameters."""
@@ -144,7 +145,8 @@ class LanguageModel:
             where = "base" if cfg.lora.rank else "params"  # LoRA: the frozen base the adapters train on
             console.print(f"starting from the parameters in {lora_base(cfg)}"
                           + (" (a frozen base for LoRA adapters)" if cfg.lora.rank else ""), highlight=False)
-            state[where] = read_params(cfg, lora_base(cfg), trainer.abstract_state()[where], _held(cfg))
+            state |= trainer.to_held({where: read_params(cfg, lora_base(cfg), trainer.abstract_state()[where],
+                                                         _held(cfg))})
             if is_adapter(cfg.train.init_from):  # continuing an adapter: its tensors are the start
                 from hypertron.models.lora import load_peft
 
