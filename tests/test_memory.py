@@ -97,8 +97,9 @@ def test_the_hardware_table_names_each_device_and_feeds_mfu():
 
 
 # Held out of the fit in hypertron.models.memory: other widths, head counts, GQA groups, a
-# tensor-parallel mesh and a larger vocabulary; seq 2048, width >= 512, two layers, where
-# activations dominate. XLA's temporaries hold the activations and the gradients.
+# tensor-parallel mesh and a larger vocabulary; seq 2048, width >= 512, two layers (four in the
+# circular pipeline), where activations dominate. XLA's temporaries hold the activations and the
+# gradients.
 HELD_OUT = [
     ("none", ["model.embed_dim=640", "model.num_heads=10", "model.num_kv_heads=2", "model.mlp_dim=1792"], []),
     ("dots", ["model.embed_dim=640", "model.num_heads=10", "model.num_kv_heads=2", "model.mlp_dim=1792"], []),
@@ -110,6 +111,12 @@ HELD_OUT = [
      ["mesh.data=2", "mesh.context=4"]),  # each device a quarter of every row, the keys gathered
     ("none", ["model.embed_dim=512", "model.num_heads=8", "model.num_kv_heads=2", "model.mlp_dim=1536"],
      ["mesh.context=8"]),
+    # pipelines (memory.STAGED): GPipe's schedule, and the circular one, 2 blocks a stage
+    ("dots", ["model.embed_dim=640", "model.num_heads=10", "model.num_kv_heads=2", "model.mlp_dim=1792",
+              "train.pipeline_microbatches=2"], ["mesh.stage=2", "mesh.data=4"]),
+    ("none", ["model.embed_dim=640", "model.num_heads=10", "model.num_kv_heads=2", "model.mlp_dim=1792",
+              "model.num_layers=4", "train.pipeline_repeats=2", "train.pipeline_microbatches=2"],
+     ["mesh.stage=2", "mesh.fsdp=4"]),
 ]
 
 
@@ -232,7 +239,7 @@ def test_rows_fewer_than_the_devices_are_refused_naming_the_context_split_that_r
 def test_plan_counts_the_pipeline_bubble_and_the_stages_hand_offs(capsys):
     """stage 2 x fsdp 4 with 4 pieces: a fifth of each step idle ((2 - 1) / (4 + 2 - 1)), the step
     predicted that much longer than without it, the stage axis sending each piece's activations
-    on and back, and the layers' state over the stages."""
+    on and back, and the layers' state over the stages; with 2 repeats, a ninth."""
     import json
 
     from hypertron import cli
@@ -249,6 +256,13 @@ def test_plan_counts_the_pipeline_bubble_and_the_stages_hand_offs(capsys):
     # 2 x (4 + 2 - 1) hand-offs of a piece: (16 rows / 4 data shards / 4 pieces) x 2048 x 2048 x bf16
     assert stage["bytes"] == pytest.approx(2 * 5 * 1 * 2048 * 2048 * 2)
     assert staged["memory"]["params"] == pytest.approx(flat["memory"]["params"], rel=0.2)  # 8 shards either way
+    # The circular schedule, 2 repeats (of 24 layers: llama-1b's 22 do not split in 4 blocks):
+    # 1 / (4 x 2 + 2 - 1) idle, 2 x 9 hand-offs.
+    assert cli.main([*args, "mesh.stage=2", "mesh.fsdp=4", "train.pipeline_microbatches=4",
+                     "train.pipeline_repeats=2", "model.num_layers=24"]) == 0
+    circular = json.loads(capsys.readouterr().out)
+    assert circular["bubble"] == pytest.approx(1 / 9)
+    assert next(a for a in circular["axes"] if a["name"] == "stage")["bytes"] == pytest.approx(2 * 9 * 2048 * 2048 * 2)
 
 
 def test_a_hardware_name_is_looked_up_in_the_table_and_an_unknown_one_lists_its_names():

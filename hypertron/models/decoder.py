@@ -163,11 +163,23 @@ def layer(x_btd, p: Params, ctx: dict, cfg: ModelConfig, einsum, cache: KVCache 
     return constrain(x_btd, ("batch", "seq", "act_embed")), cache, stats
 
 
+def _dots_batched_by_stages(prim, *_, **params) -> bool:
+    """``checkpoint_dots_with_no_batch_dims`` for a body the pipeline maps over its stages: its
+    projections' dots gain the stage as a batch dimension (weights and activations are both the
+    stage's), so they are those with at most that one; attention's keep theirs (rows, heads)."""
+    if prim is not jax.lax.dot_general_p:
+        return False
+    _, (lhs_batch, rhs_batch) = params["dimension_numbers"]
+    return len(lhs_batch) <= 1 and len(rhs_batch) <= 1
+
+
+_NAMED = jax.checkpoint_policies.save_only_these_names(ADAPTED)
 _REMAT_POLICIES = {
     "full": None,
     # the matmuls' outputs, an adapted projection's among them (its sum, named by the einsum hook)
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-                                                            jax.checkpoint_policies.save_only_these_names(ADAPTED)),
+                                                            _NAMED),
+    "dots_staged": jax.checkpoint_policies.save_from_both_policies(_dots_batched_by_stages, _NAMED),
 }
 
 
@@ -196,11 +208,13 @@ def _decoder(params: Params, tokens_bt, cfg: ModelConfig, positions_bt, segment_
         x, c, stats = layer(x, p, ctx | {"layer": i}, cfg, einsum, c)
         return (x, c), stats
 
+    staged = cache is None and cfg.moe is None and stage_axes()  # the layers split into pipeline stages
     if cfg.remat != "none" and cache is None:
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        policy = _REMAT_POLICIES["dots_staged" if staged and cfg.remat == "dots" else cfg.remat]
+        body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
 
     layers = params["layers"]
-    if cache is None and cfg.moe is None and stage_axes():  # the layers split into pipeline stages
+    if staged:
         x_btd, stats = run_stages(body, x_btd, layers, ctx, cfg.num_layers), {}
     elif cfg.scan_layers and not isinstance(layers, (list, tuple)):
         (x_btd, cache), stats = jax.lax.scan(lambda carry, li: body(carry, li, ctx), (x_btd, cache),

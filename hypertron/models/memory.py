@@ -164,6 +164,19 @@ SAVED = {  # kept per layer for the backward pass, by remat policy
 # table (v d, param dtype). That phase and a layer's backward are not live at once: the peak is
 # the larger of the two.
 LOGITS, VOCAB_GRADS = 1.45, 1.96
+# A pipeline (mesh.stage = S, M pieces, R repeats: I = M R + S - 1 iterations, each stage L / (S R)
+# layers), in S and A of the device's rows: (S, A) x I L / (S R M), the layer-iterations' share of
+# those rows kept; A x I / M for each iteration's hand-off; A once; and x **one layer** / M, the
+# live layer of a piece (the logits phase, as above, when larger). Fitted the same way, to 24
+# configurations a policy (widths 512 and 768, MHA and GQA, seq 1024-2048, S 2-4, M 2-8, R 1-2,
+# data and fsdp beside stage: ``python bench/memory.py --pipeline``): within 4 % (none), 10 %
+# (dots), 16 % (full; 8 % but one). The terms stand for what XLA keeps of a scan over iterations
+# of a vmap over stages of a scan over layers, not each for one buffer (an iteration term < 0).
+STAGED = {  # remat: kept S, kept A, iterations A, once A, one layer / M
+    "none": (1.89, 64.78, -31.55, 5.63, 0.70),
+    "dots": (0.0, 18.79, -4.40, 5.65, 0.85),
+    "full": (0.03, 5.07, -0.78, 5.60, 0.84),
+}
 
 
 @dataclass
@@ -216,13 +229,13 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
     p = DTYPE_BYTES[param_dtype(m, accelerator)]
     vocab = LOGITS * b * s * v * 4 + VOCAB_GRADS * v * m.embed_dim * p
     stages = mesh_shape.get("stage", 1)
-    if stages > 1:
-        # Each of the M + S - 1 iterations keeps its stage's L / S layers' activations of one piece
-        # (b / M rows): (M + S - 1) / M of the block's for all b rows. The live layer works on one
-        # piece; the batch's pieces in and out, and the stages' state, are about two more A.
-        pieces = tr.pipeline_microbatches or stages
-        kept = m.num_layers // stages * (pieces + stages - 1) / pieces
-        return StepBytes(state, int(kept * saved + max(one / pieces, vocab) + 2 * terms["A"]), b, flash)
+    if stages > 1:  # STAGED's terms
+        pieces, repeats = tr.pipeline_microbatches or stages, tr.pipeline_repeats
+        iterations = (pieces * repeats + stages - 1) / pieces
+        kept = m.num_layers // (stages * repeats) * iterations
+        k_s, k_a, i_a, once, live = STAGED[m.remat]
+        held = kept * (k_s * terms["S"] + k_a * terms["A"]) + (iterations * i_a + once) * terms["A"]
+        return StepBytes(state, int(held + max(live * one / pieces, vocab)), b, flash)
     return StepBytes(state, int((m.num_layers - 1) * saved + max(one, vocab)), b, flash)
 
 
