@@ -84,3 +84,22 @@ def test_a_split_that_scatters_a_process_rows_is_refused():
     # tensor across nodes: a tensor group would need one process's rows on another's devices.
     with pytest.raises(ConfigError, match="batch shards"):
         device_grid(MeshConfig(fsdp=1, tensor=2, dcn=DcnConfig(data=2, tensor=2)), devices(4, 2))
+
+
+def test_a_pipelines_processes_share_their_rows_and_a_stage_split_otherwise_is_refused():
+    """With ``mesh.dcn.stage`` the processes of one pipeline hold the same batch shards and feed
+    the same rows (``row_block``); without it a pipeline may not span processes."""
+    from hypertron.config.validation import check_mesh
+    from hypertron.parallel.mesh import row_block
+
+    # 4 processes x 4: data 2 across, stage 2 across, fsdp 4 inside.
+    cfg = MeshConfig(fsdp=4, dcn=DcnConfig(data=2, stage=2))
+    procs = processes_of(device_grid(cfg, devices(4, 4)))
+    assert procs.shape == (2, 4, 1, 1, 1, 2)
+    assert [set(procs[d, :, 0, 0, 0, s].ravel()) for d in range(2) for s in range(2)] == [{0}, {1}, {2}, {3}]
+    assert [row_block(cfg, 16, 4, p) for p in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert row_block(MeshConfig(dcn=DcnConfig(data=-1)), 16, 4, 3) == (3, 4)
+    staged = ["model=tiny", "model.num_layers=2", "train.global_batch=16"]
+    check_mesh(load_config(None, [*staged, "mesh.fsdp=4", "mesh.dcn.data=2", "mesh.dcn.stage=2"]), 16, 4, 4)
+    with pytest.raises(ConfigError, match="mesh.stage=8 spans processes here.*mesh.dcn.stage"):
+        check_mesh(load_config(None, [*staged, "model.num_layers=8", "mesh.fsdp=1", "mesh.stage=8"]), 8, 2, 4)

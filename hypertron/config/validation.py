@@ -333,17 +333,23 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
             raise ConfigError(f"mesh.context={shape['context']} with model.moe.mode=capped: its capacity counts a "
                               "whole row's tokens; use model.moe.mode=dropless")
     if shape["stage"] > 1:
-        _check_stages(cfg, shape, micro // data_shards, processes)
+        _check_stages(cfg, shape, micro // data_shards)
     if shape["expert"] > 1 and moe is not None and moe.num_experts % shape["expert"]:
         raise ConfigError(
             f"mesh.expert={shape['expert']} does not divide model.moe.num_experts={moe.num_experts}"
         )
     if processes > 1:
-        # Each process feeds its own rows, so the batch axes must split over the processes and a
-        # tensor-parallel group must not span two of them (its devices would get different rows).
-        if data_shards % processes:
+        # Each process feeds its own rows (a pipeline's processes, mesh.dcn.stage, the same ones), so
+        # the batch axes must split over the processes and a tensor-parallel group must not span two
+        # of them (its devices would get different rows).
+        inside = shape["context"] * shape["tensor"] * shape["stage"] // dcn["stage"]
+        if shape["stage"] > 1 and local_devices % inside:
+            raise ConfigError(f"mesh.stage={shape['stage']} spans processes here (their devices would get different "
+                              "rows); split a pipeline across nodes with mesh.dcn.stage")
+        if data_shards % (processes // dcn["stage"]):
             raise ConfigError(
                 f"mesh: the {data_shards} data shards (data x fsdp x expert) do not divide over {processes} processes"
+                + (f" in pipelines of {dcn['stage']}" if dcn["stage"] > 1 else "")
             )
         for a, what in (("tensor", "a tensor-parallel group"), ("context", "a context-parallel group")):
             if dcn[a] > 1:
@@ -357,10 +363,10 @@ def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int
     return shape
 
 
-def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int) -> None:
+def _check_stages(cfg: Config, shape: dict[str, int], rows: int) -> None:
     """A pipeline (``mesh.stage``) the decoder can run: layers that split into the stages, enough
-    micro-batches to fill them that the rows per data shard divide into, a scanned dense model on
-    one process, with neither context nor tensor splits yet."""
+    micro-batches to fill them that the rows per data shard divide into, a scanned dense model,
+    with neither context nor tensor splits yet."""
     s, m, what = shape["stage"], cfg.train.pipeline_microbatches or shape["stage"], f"mesh.stage={shape['stage']}"
     r = cfg.train.pipeline_repeats
     if cfg.model.num_layers % (s * r):
@@ -378,7 +384,7 @@ def _check_stages(cfg: Config, shape: dict[str, int], rows: int, processes: int)
                      # each amax history would take every iteration's update (fp8.attach: one einsum a step)
                      (cfg.model.quantization == "fp8", "model.quantization=fp8"),
                      (shape["context"] > 1, "mesh.context"),
-                     (shape["tensor"] > 1, "mesh.tensor"), (processes > 1, "more than one process"),
+                     (shape["tensor"] > 1, "mesh.tensor"),
                      # the step holds the layers in the circular order; the frozen base is read in the model's
                      (cfg.lora.rank > 0 and r > 1, "lora.rank and train.pipeline_repeats > 1")):
         if bad:

@@ -14,9 +14,9 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """A mesh with axes (data, fsdp, expert, context, tensor, stage); one configured size may be -1 (the rest).
 
     ``stage`` varies fastest, then ``tensor``, so tensor-parallel groups sit on neighbouring
-    devices (same host, fastest links; a pipeline runs on one process for now, its stages only
-    handing activations on), then ``expert`` (whose all-to-alls come next in traffic); ``data``
-    varies slowest. Devices are
+    devices (same host, fastest links; a pipeline's stages only hand activations on, and may span
+    nodes with ``mesh.dcn.stage``), then ``expert`` (whose all-to-alls come next in traffic);
+    ``data`` varies slowest. Devices are
     ordered by process, so each process holds a contiguous block of the batch
     axes and feeds exactly its own rows. With ``mesh.dcn``, see :func:`device_grid`.
     """
@@ -46,24 +46,34 @@ def device_grid(cfg: MeshConfig, devices: list) -> np.ndarray:
 
     grid = mesh_utils.create_hybrid_device_mesh([ici[a] for a in axes], [dcn[a] for a in axes], devices,
                                                 process_is_granule=True)
-    check_process_rows(grid, len(processes))
+    check_process_rows(grid, len(processes), dcn["stage"])
     return grid
 
 
-def check_process_rows(grid: np.ndarray, processes: int) -> None:
+def row_block(cfg: MeshConfig, num_devices: int, processes: int, process: int) -> tuple[int, int]:
+    """``(block, blocks)``: which block of each batch's rows ``process`` feeds, of how many. One a
+    process, except that the processes of one pipeline (``mesh.dcn.stage``, the fastest across-node
+    axis: in the hybrid layout they are consecutive) hold the same batch shards and feed the same
+    rows (:func:`check_process_rows` checks the devices' grid agrees)."""
+    stages = cfg.split(num_devices, processes)[1]["stage"] if cfg.dcn.hybrid else 1
+    return process // stages, processes // stages
+
+
+def check_process_rows(grid: np.ndarray, processes: int, stages: int = 1) -> None:
     """Each process feeds its own rows of the batch: its devices must hold one contiguous block of
-    the batch shards (data x fsdp x expert, in that order), block p for process p."""
+    the batch shards (data x fsdp x expert, in that order), block b for processes ``b x stages``
+    to ``b x stages + stages - 1`` (:func:`row_block`: a pipeline's processes share their rows)."""
     shards = grid.shape[0] * grid.shape[1] * grid.shape[2]
-    if shards % processes:
+    if shards % (processes // stages):
         raise ConfigError(f"mesh: the {shards} batch shards (data x fsdp x expert) do not divide over "
-                          f"{processes} processes")
-    per = shards // processes
+                          f"{processes // stages} row blocks of processes")
+    per = shards // (processes // stages)
     owners: dict[int, set[int]] = {}
     for index, device in np.ndenumerate(grid):
         shard = (index[0] * grid.shape[1] + index[1]) * grid.shape[2] + index[2]
         owners.setdefault(shard, set()).add(device.process_index)
     for shard, procs in sorted(owners.items()):
-        if procs != {shard // per}:
+        if procs != set(range(shard // per * stages, (shard // per + 1) * stages)):
             raise ConfigError(
                 "mesh.dcn: this split gives a process batch rows that are not one contiguous block "
                 f"(batch shard {shard} is on processes {sorted(procs)}); split across nodes along "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ from hypertron.models import resolve_dtype
 from hypertron.models.bundle import is_bundle, read_bundle, save_model, set_chat_template
 from hypertron.models.bundle import read_config as read_bundle_config
 from hypertron.models.flops import device_peak_flops, train_flops_per_token
-from hypertron.parallel.mesh import make_mesh
+from hypertron.parallel.mesh import make_mesh, row_block
 from hypertron.train.checks import validate_for_devices
 from hypertron.train.metrics import Throughput
 from hypertron.tokenizer import get_tokenizer
@@ -117,11 +118,9 @@ class LanguageModel:
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         d, t = cfg.data, cfg.train
-        per_process = t.global_batch // jax.process_count()
         return make_batches(
             source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
-            seq_len=t.seq_len, batch_size=per_process, seed=d.seed, shuffle=d.shuffle,
-            process_index=jax.process_index(), process_count=jax.process_count(),
+            seq_len=t.seq_len, seed=d.seed, shuffle=d.shuffle, **process_rows(cfg),
             vocab_size=cfg.model.vocab_size, split=split, eval_fraction=d.eval_fraction,
         )
 
@@ -242,8 +241,7 @@ class FineTune(LanguageModel):
         d, t = cfg.data, cfg.train
         tokenizer = get_tokenizer(d.tokenizer)
         return make_sft_batches(
-            self._examples(cfg), seq_len=t.seq_len, batch_size=t.global_batch // jax.process_count(), seed=d.seed,
-            shuffle=d.shuffle, process_index=jax.process_index(), process_count=jax.process_count(),
+            self._examples(cfg), seq_len=t.seq_len, seed=d.seed, shuffle=d.shuffle, **process_rows(cfg),
             pad_id=tokenizer.eos_id or 0, split=split, eval_fraction=d.eval_fraction)
 
     def step(self, trainer, state: dict, local: dict) -> tuple[dict, dict]:
@@ -317,8 +315,7 @@ class PreferenceTune(FineTune):
 
         d, t = cfg.data, cfg.train
         return make_dpo_batches(
-            self._examples(cfg), seq_len=t.seq_len, batch_size=t.global_batch // jax.process_count(), seed=d.seed,
-            shuffle=d.shuffle, process_index=jax.process_index(), process_count=jax.process_count(),
+            self._examples(cfg), seq_len=t.seq_len, seed=d.seed, shuffle=d.shuffle, **process_rows(cfg),
             pad_id=get_tokenizer(d.tokenizer).eos_id or 0)
 
     def trainer(self, cfg: Config, mesh: Mesh):
@@ -564,6 +561,12 @@ def files_digest(path: str, run_dir: str | None = None) -> str:
     return digest.hexdigest()
 
 
+def process_rows(cfg: Config) -> dict[str, int]:
+    """This process's rows of each batch (:func:`hypertron.parallel.mesh.row_block`)."""
+    block, blocks = row_block(cfg.mesh, jax.device_count(), jax.process_count(), jax.process_index())
+    return {"batch_size": cfg.train.global_batch // blocks, "process_index": block, "process_count": blocks}
+
+
 def chat_template_of(cfg: Config) -> str | None:
     """The chat template fine-tuning renders with: ``data.chat_template`` (a file), else the
     tokenizer's; None if neither has one."""
@@ -576,9 +579,8 @@ def chat_template_of(cfg: Config) -> str | None:
 
 
 def write_bundle(cfg: Config, params, console) -> None:
-    """The model bundle of the final parameters in ``RUN/model`` (:mod:`hypertron.models.bundle`):
-    what ``serve`` and ``generate`` read without the run. Every process takes part in gathering the
-    sharded parameters; process 0 writes them."""
+    """The final parameters as the model bundle ``RUN/model`` (:mod:`hypertron.models.bundle`), what
+    ``serve`` and ``generate`` read: every process takes part in gathering them, process 0 writes."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -594,7 +596,5 @@ def write_bundle(cfg: Config, params, console) -> None:
 def task_for(cfg: Config) -> Task:
     own = {"dlrm": ("hypertron.train.dlrm", "Recommender"), "diffusion": ("hypertron.train.diffusion", "DiffusionTask")}
     if cfg.task in own:  # tasks in modules of their own, imported when run
-        import importlib
-
         return getattr(importlib.import_module(own[cfg.task][0]), own[cfg.task][1])()
     return {"sft": FineTune, "dpo": PreferenceTune}.get(cfg.task, LanguageModel)()
