@@ -152,6 +152,10 @@ def _config_cases(i: _Inputs) -> dict[str, Case]:
         "stages_not_dividing_layers": Case(
             train("stages_not_dividing_layers", *SMALL, "data.source=synthetic", "mesh.fsdp=1", "mesh.stage=8"),
             ("mesh.stage=8", "model.num_layers=4")),
+        # fewer rows than data shards: the refusal names the context split that gives each a part of a row
+        "rows_fewer_than_shards": Case(
+            train("rows_fewer_than_shards", *SMALL, "data.source=synthetic", "train.global_batch=4"),
+            ("train.global_batch=4", "8 data shards", "mesh.context=2 splits each row over 2 devices")),
         "repeats_not_dividing_layers": Case(
             train("repeats_not_dividing_layers", *SMALL, "data.source=synthetic", "mesh.fsdp=4", "mesh.stage=2",
                   "train.pipeline_repeats=4"), ("mesh.stage=2 x train.pipeline_repeats=4", "model.num_layers=4")),
@@ -265,7 +269,7 @@ _CASE_NAMES = [
     "steps_not_int", "bool_not_bool", "wrong_type_in_recipe",
     "mesh_product", "mesh_two_free_axes", "batch_not_divisible", "seq_len_too_long",
     "seq_len_not_divisible_by_context", "seq_len_not_divisible_by_balanced_chunks", "context_with_capped_moe",
-    "stages_not_dividing_layers", "repeats_not_dividing_layers", "pieces_below_stages", "pieces_not_dividing_rows",
+    "rows_fewer_than_shards", "stages_not_dividing_layers", "repeats_not_dividing_layers", "pieces_below_stages", "pieces_not_dividing_rows",
     "stages_unscanned", "stages_with_moe", "stages_with_fp8",
     "missing_data_path", "empty_corpus_dir", "empty_corpus_file", "empty_jsonl",
     "unknown_preset", "missing_recipe", "invalid_yaml_recipe", "override_without_equals",
