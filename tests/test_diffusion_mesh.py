@@ -117,7 +117,7 @@ def test_placed_weights_are_sharded_by_the_rules(pipes):
 
 
 def _matmul_bytes(pipe) -> int:
-    specs = dict(leaves_with_paths(placement.denoiser_specs(pipe)))
+    specs = dict(leaves_with_paths(P.denoiser_specs(pipe)))
     leaves = []
     for path, spec in specs.items():
         value = pipe.denoiser_params

@@ -343,9 +343,20 @@ BAD_INPUT = {
     "mesh devices": (lambda sd, tmp: ["--model", sd, "--mesh", "data=64"], ["needs 64 devices"]),
     "compile cache a file": (lambda sd, tmp: ["--model", sd, "--compile-cache", _npy(tmp / "cache", (1,))],
                              ["--compile-cache", "cache: not a directory"]),
+    "lora missing": (lambda sd, tmp: ["--model", sd, "--lora", f"{tmp / 'none.safetensors'}:0.5"],
+                     ["--lora", "no file", "none.safetensors"]),
+    "lora of other modules": (lambda sd, tmp: ["--model", sd, "--lora", _lora_file(tmp / "l.safetensors")],
+                              ["the denoiser has no down.proj_x to adapt", "to_out.0"]),
     "existing out": (lambda sd, tmp: ["--model", sd, "--batch", "2", "--out", tmp / "out.png",
                                       _npy(tmp / "out-1.png", (1,)) and "--seed", "1"], ["out-1.png", "exists"]),
 }
+
+
+def _lora_file(path):
+    from safetensors.numpy import save_file
+
+    save_file({f"unet.down.proj_x.lora_{p}.weight": np.zeros((4, 4), np.float32) for p in "AB"}, path)
+    return path
 
 
 def _npy(path, shape):

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "rules (default: one device)")
     d.add_argument("--max-sequence-length", type=number_arg(int, low=1), default=512, metavar="N",
                    help="Flux: T5 tokens per prompt")
+    d.add_argument("--lora", default=None, metavar="FILE[:SCALE]",
+                   help="a diffusers LoRA file (pytorch_lora_weights.safetensors, or its folder) merged into the "
+                        "denoiser, SCALE times (default 1)")
     add_compile_cache(d)
 
 
@@ -56,7 +59,7 @@ def cmd_diffuse(args: argparse.Namespace) -> int:
 
     names = ("model", "prompt", "out", "negative_prompt", "steps", "guidance", "height", "width", "batch", "seed",
              "latents", "save_latents", "scheduler", "dtype", "quantize", "text_encoder_quantize", "mesh",
-             "max_sequence_length")
+             "max_sequence_length", "lora")
     request = DiffuseRequest(**{name: getattr(args, name) for name in names})
     use_compile_cache(args.compile_cache)
     diffuse(request)

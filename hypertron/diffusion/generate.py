@@ -19,6 +19,7 @@ from hypertron.config.numbers import shown
 from hypertron.config.schema import DIFFUSION_DTYPE
 from hypertron.diffusion import placement, sampling
 from hypertron.diffusion.errors import DiffusionError
+from hypertron.diffusion.lora import lora_argument
 from hypertron.diffusion.pipeline import PipelineSpec, read_pipeline
 from hypertron.diffusion.sampling import schedule_for
 
@@ -44,6 +45,7 @@ class DiffuseRequest:
     text_encoder_quantize: str = "none"  # the text encoders' matmuls: one of placement.TEXT_QUANTIZE
     mesh: str | None = None  # "data=2,fsdp=2": images over data, weights by the rules; None: one device
     max_sequence_length: int = 512
+    lora: str | None = None  # FILE[:SCALE]: a diffusers LoRA file merged into the denoiser (scale 1 by default)
 
 
 def output_paths(out: str | Path, count: int) -> list[Path]:
@@ -91,6 +93,7 @@ class _Plan:
     latents: np.ndarray | None
     paths: list[Path]
     mesh: Any  # a jax Mesh, or None
+    lora: tuple[Path, float] | None  # the LoRA file and its scale
 
 
 def check_request(req: DiffuseRequest) -> _Plan:
@@ -122,7 +125,8 @@ def check_request(req: DiffuseRequest) -> _Plan:
     _refuse_existing(paths + ([Path(req.save_latents)] if req.save_latents else []))
     schedule_for(spec, steps, height, width)  # steps within the scheduler's range
     guidance = spec.kind.guidance if req.guidance is None else req.guidance
-    return _Plan(spec, steps, float(guidance), height, width, latents, paths, mesh)
+    lora = None if req.lora is None else lora_argument(req.lora)
+    return _Plan(spec, steps, float(guidance), height, width, latents, paths, mesh, lora)
 
 
 def png_bytes(image_hwc: np.ndarray) -> bytes:
@@ -153,7 +157,7 @@ def diffuse(req: DiffuseRequest, log: Callable[[str], None] = print) -> list[Pat
     plan = check_request(req)
     start = time.perf_counter()
     pipe = placement.load_placed(plan.spec, dtype=req.dtype, quantize_mode=req.quantize,
-                                 text_quantize=req.text_encoder_quantize, mesh=plan.mesh)
+                                 text_quantize=req.text_encoder_quantize, mesh=plan.mesh, lora=plan.lora)
     log(f"load: {time.perf_counter() - start:.2f} s ({placement.described(pipe)})")
     count = len(plan.paths)
     start = time.perf_counter()

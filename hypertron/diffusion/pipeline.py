@@ -195,6 +195,11 @@ def _denoiser_module(spec: PipelineSpec) -> Any:
                              f"available in this build ({module_name} is missing)") from None
 
 
+def denoiser_specs(pipe: Pipeline) -> Any:
+    """The denoiser's parameter declaration (its module's ``declare_*`` of its config)."""
+    return getattr(_denoiser_module(pipe.spec), DENOISERS[pipe.spec.kind.denoiser_class][2])(pipe.denoiser_cfg)
+
+
 def _on_device(params: Any, dtype: Any) -> Any:
     """Float parameters as device arrays in ``dtype`` (cast once, at load), the others as they are."""
     def put(a):

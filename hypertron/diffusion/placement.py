@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
@@ -30,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, DiffusionQuantization, WeightQuantization, choices
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import DENOISERS, Pipeline, PipelineSpec, load_pipeline
+from hypertron.diffusion.lora import with_lora
+from hypertron.diffusion.pipeline import Pipeline, PipelineSpec, denoiser_specs, load_pipeline
 from hypertron.diffusion.text_encoders import TextEncoder
 from hypertron.diffusion.text_encoders import declare as declare_text
 from hypertron.errors import ConfigError
@@ -42,12 +42,6 @@ from hypertron.quant import QArray
 QUANTIZE = choices(DiffusionQuantization)  # hypertron diffuse --quantize, the image server's
 DTYPES = choices(DiffusionDtype)  # hypertron diffuse --dtype, the image server's
 TEXT_QUANTIZE = choices(WeightQuantization)  # hypertron diffuse --text-encoder-quantize, the image server's
-
-
-def denoiser_specs(pipe: Pipeline) -> Any:
-    """The denoiser's parameter declaration (its module's ``declare_*`` of its config)."""
-    module_name, _, declare = DENOISERS[pipe.spec.kind.denoiser_class]
-    return getattr(importlib.import_module(module_name), declare)(pipe.denoiser_cfg)
 
 
 def _put(specs: Any, params: Any, mesh: Mesh, rules: dict[str, MeshAxes]) -> Any:
@@ -105,11 +99,14 @@ def mesh_of(text: str | None) -> Mesh | None:
 
 
 def load_placed(spec: PipelineSpec, *, dtype: Any = DIFFUSION_DTYPE, quantize_mode: str = "none",
-                text_quantize: str = "none", mesh: Mesh | None = None) -> Pipeline:
-    """The pipeline of ``spec`` loaded in ``dtype`` (one of :data:`DTYPES`, or its ``jnp`` dtype), its
-    denoiser's matmuls in ``quantize_mode`` (:func:`quantize`), its text encoders' in
-    ``text_quantize`` (:func:`quantize_text`), placed on ``mesh`` when given (:func:`place`)."""
+                text_quantize: str = "none", mesh: Mesh | None = None, lora: tuple | None = None) -> Pipeline:
+    """The pipeline of ``spec`` loaded in ``dtype`` (one of :data:`DTYPES`, or its ``jnp`` dtype),
+    ``lora`` (a diffusers LoRA file and its scale) merged into its denoiser, its denoiser's matmuls
+    in ``quantize_mode`` (:func:`quantize`), its text encoders' in ``text_quantize``
+    (:func:`quantize_text`), placed on ``mesh`` when given (:func:`place`)."""
     pipe = load_pipeline(spec.folder, dtype=jnp.dtype(dtype), spec=spec)
+    if lora is not None:
+        pipe = with_lora(pipe, *lora)
     pipe = quantize(quantize_text(pipe, text_quantize), quantize_mode)
     return pipe if mesh is None else place(pipe, mesh)
 

@@ -39,6 +39,7 @@ from hypertron.quant.lora import LoraWeight, split_letters
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # a PeftModel's tensor names: this, then the module's
 _LAYOUTS = ("linear", "heads_in", "heads_out")  # HF [out, in] -> ours: the transpose, reshaped
 
 
@@ -78,17 +79,22 @@ class _Target:
     outs: tuple[int, ...]
 
 
-def targets(cfg: ModelConfig, modules: tuple[str, ...] | str = ALL_LINEAR) -> list[_Target]:
-    """The declared weights of ``cfg`` an adapter on ``modules`` (PEFT names, or ``"all-linear"``)
-    covers; a :class:`ConfigError` for a module the model does not have as a hook matmul, or one
-    of MoE experts."""
+def targets(model: ModelConfig | dict, modules: tuple[str, ...] | str = ALL_LINEAR) -> list[_Target]:
+    """The declared weights an adapter on ``modules`` covers: of a decoder (``model`` a config) or
+    of any declaration tree (a diffusion denoiser's). A module is named as PEFT matches it, the
+    end of the weight's Hugging Face module path (``q_proj``, ``to_out.0``); ``"all-linear"``: a
+    decoder layer's seven projections. A :class:`ConfigError` for a module the model does not have
+    as a hook matmul, or one of MoE experts."""
+    decoder = isinstance(model, ModelConfig)
     wanted = ALL_LINEAR if modules in ("all-linear", ("all-linear",)) else tuple(modules)
-    found, out = set(), []
-    for path, spec in leaves_with_paths(declare(cfg)):
-        if spec.einsum is None or spec.hf is None:
+    found, out, names = set(), [], set()
+    for path, spec in leaves_with_paths(declare(model) if decoder else model):
+        if spec.einsum is None or spec.hf is None or not spec.hf.endswith(".weight"):
             continue
-        module = spec.hf.rsplit(".", 2)[-2]
-        if module not in wanted:
+        where = spec.hf.removesuffix(".weight")
+        names.add(_short(where))
+        module = next((m for m in wanted if where == m or where.endswith("." + m)), None)
+        if module is None:
             continue
         if "expert" in spec.axes:
             raise ConfigError(f"lora: {module} is an MoE expert weight, which adapters do not cover yet")
@@ -100,12 +106,19 @@ def targets(cfg: ModelConfig, modules: tuple[str, ...] | str = ALL_LINEAR) -> li
         found.add(module)
     missing = [m for m in wanted if m not in found]
     if missing:
-        raise ConfigError(f"lora: {cfg.name} has no {', '.join(missing)} to adapt (its projections: "
-                          f"{', '.join(m for m in ALL_LINEAR)})")
+        have = ALL_LINEAR if decoder else sorted(names)
+        raise ConfigError(f"lora: {model.name if decoder else 'the denoiser'} has no {', '.join(missing)} to adapt "
+                          f"(its projections: {', '.join(have)})")
     return out
 
 
-def init_adapters(cfg: ModelConfig, settings: LoraSettings, key: jax.Array, dtype=jnp.float32) -> dict:
+def _short(where: str) -> str:
+    """The name a module is targeted by, from its path: ``q_proj``, ``to_out.0``."""
+    head, _, last = where.rpartition(".")
+    return f"{head.rpartition('.')[2]}.{last}" if last.isdigit() else last
+
+
+def init_adapters(cfg: ModelConfig | dict, settings: LoraSettings, key: jax.Array, dtype=jnp.float32) -> dict:
     """New adapters, as PEFT initialises them: ``A`` uniform in +-1/sqrt(fan-in) (Kaiming-uniform
     with a = sqrt(5)), ``B`` zeros (the adapter starts as no change)."""
     out: dict = {}
@@ -118,7 +131,7 @@ def init_adapters(cfg: ModelConfig, settings: LoraSettings, key: jax.Array, dtyp
     return out
 
 
-def adapter_axes(cfg: ModelConfig, settings: LoraSettings) -> dict:
+def adapter_axes(cfg: ModelConfig | dict, settings: LoraSettings) -> dict:
     """The logical axes of :func:`init_adapters`' tree: each weight's own for ``A``'s input and
     ``B``'s output dimensions (and the stacking ``layers``), None (never sharded) for the rank."""
     out: dict = {}
@@ -224,12 +237,19 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, LoraSettings]:
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"lora: {path}/{CONFIG_FILE}: r and lora_alpha must be numbers ({e!r})") from None
     settings = LoraSettings(rank=rank, alpha=alpha, targets=modules, rslora=bool(config.get("use_rslora", False)))
+    return from_peft_tensors(tensors, targets(cfg, settings.targets), settings, PEFT_PREFIX, path), settings
+
+
+def from_peft_tensors(tensors: dict, found: list[_Target], settings: LoraSettings, prefix: str, path) -> dict:
+    """The adapters of ``found`` from PEFT's tensors (``prefix + module + ".lora_A.weight"`` ``[r,
+    in]``, ``lora_B`` ``[out, r]``); a :class:`ConfigError` naming a missing, misshapen or extra
+    tensor of ``path``."""
     adapters: dict = {}
     used = set()
-    for t in targets(cfg, settings.targets):
+    for t in found:
         a_parts, b_parts = [], []
         for index in np.ndindex(*t.stack):
-            name = _peft_name(t, index)
+            name = _peft_name(t, index, prefix)
             for part in ("A", "B"):
                 key = f"{name}.lora_{part}.weight"
                 if key not in tensors:
@@ -247,7 +267,20 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, LoraSettings]:
     extra = sorted(set(tensors) - used)
     if extra:
         raise ConfigError(f"lora: {path}: {extra[0]} is not a LoRA tensor of this model's projections")
-    return adapters, settings
+    return adapters
+
+
+def peft_tensors(adapters: dict, found: list[_Target], settings: LoraSettings, prefix: str) -> dict[str, np.ndarray]:
+    """``adapters`` as PEFT's tensors (:func:`from_peft_tensors`' inverse)."""
+    tensors = {}
+    for t in found:
+        node = _get(adapters, t.path)
+        a, b = np.asarray(node["a"], np.float32), np.asarray(node["b"], np.float32)
+        for index in np.ndindex(*t.stack):
+            name = _peft_name(t, index, prefix)
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, settings.rank).T)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[index].reshape(settings.rank, -1).T)
+    return tensors
 
 
 def save_peft(path: str | Path, adapters: dict, settings: LoraSettings, cfg: ModelConfig, base: str = "") -> None:
@@ -257,15 +290,8 @@ def save_peft(path: str | Path, adapters: dict, settings: LoraSettings, cfg: Mod
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for t in targets(cfg, settings.targets):
-        node = _get(adapters, t.path)
-        a, b = np.asarray(node["a"], np.float32), np.asarray(node["b"], np.float32)
-        for index in np.ndindex(*t.stack):
-            name = _peft_name(t, index)
-            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, settings.rank).T)
-            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[index].reshape(settings.rank, -1).T)
-    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_file(peft_tensors(adapters, targets(cfg, settings.targets), settings, PEFT_PREFIX), path / WEIGHTS_FILE,
+              metadata={"format": "pt"})
     modules = sorted({t.module for t in targets(cfg, settings.targets)})  # all-linear spelled out
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
               "target_modules": modules, "use_rslora": settings.rslora, "lora_dropout": 0.0,
@@ -274,11 +300,11 @@ def save_peft(path: str | Path, adapters: dict, settings: LoraSettings, cfg: Mod
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def _peft_name(t: _Target, index: tuple[int, ...]) -> str:
+def _peft_name(t: _Target, index: tuple[int, ...], prefix: str) -> str:
     if t.spec.hf_layout not in _LAYOUTS:
         raise ConfigError(f"lora: {t.spec.hf} is laid out as {t.spec.hf_layout!r}, which adapters do not cover")
     name = t.spec.hf if not index else t.spec.hf.replace("{layer}", str(index[0]))  # the one stack axis: layers
-    return "base_model.model." + name.removesuffix(".weight")
+    return prefix + name.removesuffix(".weight")
 
 
 def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
