@@ -61,6 +61,42 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_lora_trains_only_adapters_and_writes_them_in_diffusers_file(tmp_path):
+    """``lora.rank``: the checkpoints hold the adapters alone (and their moments), RUN/lora holds
+    diffusers' file of them, and RUN/model's UNet is the base's with them merged: every weight the
+    adapters do not cover is the base's to the bit, every one they cover the base's plus their
+    product (1e-6)."""
+    from hypertron.diffusion import lora as DL
+    from hypertron.diffusion import unet as U
+    from hypertron.models import lora as L
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.global_batch=8", "train.steps=2", "checkpoint.every=2", "lora.rank=4", "lora.alpha=8",
+               "diffusion.use_ema=false", "train.lr=1e-2"))
+    saved = json.loads((run / "checkpoints" / "2" / "params" / "_METADATA").read_text())["tree_metadata"]
+    assert saved and all(key.rsplit("'", 2)[-2] in ("a", "b") for key in saved), list(saved)[:3]  # adapters only
+    cfg, base = U.load_unet(run / "preset" / "unet")
+    adapters, settings = DL.load_lora(run / "lora", U.declare_unet(cfg), "unet")
+    assert set(settings.targets) == set(DL.UNET_TARGETS) and (settings.rank, settings.alpha) == (4, 8.0)
+    assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters) if b.shape[0] == 4)  # B trained
+    _, tuned = U.load_unet(run / "model" / "unet")
+    want = L.merge(base, adapters, settings)
+    adapted = {".".join(map(str, t.path)) for t in L.targets(U.declare_unet(cfg), settings.targets)}
+    for path, got in jax.tree_util.tree_leaves_with_path(tuned):
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        expect = _leaf(want, path)
+        if name in adapted:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expect), atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(_leaf(base, path)))
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[getattr(k, "key", getattr(k, "idx", k))]
+    return tree
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["diffusion.objective=epsilon"], "objective epsilon does not fit the model's FlowMatchEulerDiscreteScheduler"),
     (["diffusion.ema.decay=1.5"], "diffusion.ema.decay=1.5: must be in (0, 1)"),
@@ -70,6 +106,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path):
     (["diffusion.model=nowhere"], "diffusion.model=nowhere: neither a diffusers folder nor a preset"),
     (["data.source=imagefolder", "data.paths=nowhere"], "nowhere"),
     (["train.init_from=somewhere"], "train.init_from: task=diffusion starts from diffusion.model"),
+    (["lora.rank=4", "lora.targets=[q_proj]"], "the denoiser has no q_proj to adapt"),
 ])
 def test_bad_configs_are_one_line_and_write_nothing(tmp_path, overrides, message):
     run = tmp_path / "run"

@@ -209,9 +209,13 @@ def _check_format(cfg: Config) -> None:
     if lo.rank < 0 or lo.alpha <= 0:
         raise ConfigError(f"lora.rank={lo.rank}, lora.alpha={lo.alpha}: the rank must not be negative (0: off), "
                           "alpha must be positive")
-    if lo.rank:
+    if lo.rank and cfg.task == "diffusion":  # on the denoiser of diffusion.model, held as read
+        if lo.base_dtype != "auto":
+            raise ConfigError(f"lora.base_dtype={lo.base_dtype}: task=diffusion holds the denoiser as read (auto)")
+    elif lo.rank:
         if cfg.task not in ("lm", "sft", "dpo"):
-            raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters (lm, sft and dpo do)")
+            raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters (lm, sft, dpo and "
+                              "diffusion do)")
         if cfg.task == "dpo" and cfg.dpo.reference not in ("frozen", "precomputed"):
             raise ConfigError(f"dpo.reference={cfg.dpo.reference} with lora.rank={lo.rank}: the reference is the "
                               "base with the adapters off (frozen, or precomputed)")

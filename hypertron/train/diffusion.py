@@ -41,6 +41,8 @@ from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
 from hypertron.diffusion.pipeline import PIXEL, SD, PipelineSpec, read_pipeline
+from hypertron.diffusion import lora as DL
+from hypertron.models import lora as L
 from hypertron.models import params as param_lib
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for, use_rules
@@ -164,7 +166,19 @@ def check_diffusion(cfg: Config) -> tuple[PipelineSpec, str, int]:
     O.check_weighting(f.weighting, objective)
     if f.shift and objective != "flow":
         raise ConfigError(f"diffusion.shift={f.shift}: a shift applies to the flow objective only, not {objective}")
+    if cfg.lora.rank:  # targets the denoiser has
+        L.targets(U.declare_unet(U.unet_config(spec.denoiser_config, f"{f.model}'s UNet")), lora_of(cfg).targets)
     return spec, objective, resolution_of(cfg, spec)
+
+
+def lora_of(cfg: Config) -> L.LoraSettings | None:
+    """The adapters ``lora.rank`` trains on the denoiser (None: the whole denoiser trains);
+    ``all-linear``, the default, is diffusers' training scripts' attention projections."""
+    lo = cfg.lora
+    if not lo.rank:
+        return None
+    targets = DL.UNET_TARGETS if tuple(lo.targets) == ("all-linear",) else tuple(lo.targets)
+    return L.LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=targets, rslora=lo.rslora)
 
 
 def _empty_context(text_cfg, tokenizer) -> np.ndarray:
@@ -187,7 +201,8 @@ class DiffusionTrainer:
     frozen: dict  # {"text": CLIP's params, "vae": the VAE's or None}, replicated
     state_shardings: dict
     batch_shardings: dict
-    initial_params: Any  # the folder's denoiser, numpy, until the first state is made
+    initial_params: Any  # what trains (the folder's denoiser, or new adapters), numpy, until the first state is made
+    lora: L.LoraSettings | None = None  # adapters train on the frozen denoiser (frozen["unet"])
     step_fn: Any = None
     eval_fn: Any = None
     init_fn: Any = None
@@ -205,7 +220,8 @@ class DiffusionTrainer:
                             self.state_shardings)
 
     def initial(self) -> dict:
-        params = param_lib.place_params(self.specs, self.initial_params, self.mesh, DEFAULT_RULES)
+        params = (param_lib.place_params(self.specs, self.initial_params, self.mesh, DEFAULT_RULES) if self.lora is None
+                  else jax.device_put(self.initial_params, self.state_shardings["params"]))
         self.updates = 0
         return self.init_fn(params)
 
@@ -246,14 +262,13 @@ class _Conditioning:
         return jax.lax.stop_gradient(x0), jax.lax.stop_gradient(context)
 
 
-def _shardings(cfg: Config, mesh: Mesh, specs: Any, optimizer, rules) -> tuple[dict, dict]:
-    """The state's shardings (the optimiser's and the EMA's as the parameters') and the batch's
-    (rows over the rules' batch axes)."""
+def _shardings(cfg: Config, mesh: Mesh, p_abstract: Any, axes: Any, optimizer, rules) -> tuple[dict, dict]:
+    """The state's shardings (the trained tree's by its logical ``axes``, the optimiser's and the
+    EMA's as those) and the batch's (rows over the rules' batch axes)."""
     from hypertron.parallel.rules import shardings_for
 
     replicated = NamedSharding(mesh, P())
-    p_abstract = param_lib.abstract(specs, jnp.float32)
-    p_shard = shardings_for(param_lib.logical_axes(specs), p_abstract, mesh, rules)
+    p_shard = shardings_for(axes, p_abstract, mesh, rules)
     opt_shard = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, p_abstract), p_shard,
                                       transform_non_params=lambda _: replicated)
     state = {"params": p_shard, "opt_state": opt_shard, "step": replicated}
@@ -277,9 +292,21 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
     replicated = NamedSharding(mesh, P())
     frozen = jax.device_put({"text": text.params,
                              "vae": V.load_vae(folder / "vae")[1] if spec.vae is not None else None}, replicated)
+    frozen_shardings = {"text": replicated, "vae": replicated}
     sched = O.training_schedule(spec.scheduler, objective, shift=f.shift or None)
     optimizer, lr = make_optimizer(cfg.train), schedule(cfg.train)
-    state_shardings, batch_shardings = _shardings(cfg, mesh, specs, optimizer, rules)
+    settings = lora_of(cfg)
+    if settings is None:
+        state_shardings, batch_shardings = _shardings(cfg, mesh, param_lib.abstract(specs, jnp.float32),
+                                                      param_lib.logical_axes(specs), optimizer, rules)
+        denoiser = lambda params, frozen: params  # noqa: E731
+    else:  # the folder's denoiser frozen beside the text encoder, sharded as it would train
+        frozen["unet"] = param_lib.place_params(specs, initial, mesh, rules)
+        frozen_shardings["unet"] = jax.tree.map(lambda a: a.sharding, frozen["unet"])
+        initial = jax.device_get(L.init_adapters(specs, settings, jax.random.key(cfg.train.seed)))
+        state_shardings, batch_shardings = _shardings(cfg, mesh, jax.eval_shape(lambda: initial),
+                                                      L.adapter_axes(specs, settings), optimizer, rules)
+        denoiser = lambda params, frozen: L.attach(frozen["unet"], params, settings)  # noqa: E731
 
     def init(params):
         state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -293,9 +320,10 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
             x0, context = cond.inputs(frozen, batch, k_inputs, f.cond_dropout)
             noise, index = draw_noise(k_noise, x0, sched, f.timesteps, noise_offset=f.noise_offset,
                                       logit_mean=f.logit_mean, logit_std=f.logit_std, mode_scale=f.mode_scale)
-            loss, grads = jax.value_and_grad(unet_loss)(
-                state["params"], unet_cfg, sched, {"latents": x0, "noise": noise, "index": index, "context": context},
-                weighting=f.weighting, snr_gamma=f.snr_gamma)
+            loss, grads = jax.value_and_grad(lambda p: unet_loss(
+                denoiser(p, frozen), unet_cfg, sched, {"latents": x0, "noise": noise, "index": index,
+                                                       "context": context},
+                weighting=f.weighting, snr_gamma=f.snr_gamma))(state["params"])
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
@@ -315,17 +343,17 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
             def at(i):
                 noise = jax.random.normal(jax.random.fold_in(key, i + 1), x0.shape, x0.dtype)
                 index = jnp.full((x0.shape[0],), jnp.asarray(eval_index)[i])
-                return unet_loss(params, unet_cfg, sched, {"latents": x0, "noise": noise, "index": index,
-                                                           "context": context})
+                return unet_loss(denoiser(params, frozen), unet_cfg, sched, {"latents": x0, "noise": noise,
+                                                                             "index": index, "context": context})
 
             return jnp.mean(jax.lax.map(at, jnp.arange(len(eval_index))))
 
     trainer = DiffusionTrainer(cfg, mesh, spec, folder, unet_cfg, specs, sched, frozen, state_shardings,
-                               batch_shardings, initial)
+                               batch_shardings, initial, settings)
     trainer.init_fn = jax.jit(init, out_shardings=state_shardings)
-    trainer.step_fn = jax.jit(step, in_shardings=(state_shardings, replicated, batch_shardings, replicated),
+    trainer.step_fn = jax.jit(step, in_shardings=(state_shardings, frozen_shardings, batch_shardings, replicated),
                               out_shardings=(state_shardings, replicated), donate_argnums=0)
-    trainer.eval_fn = jax.jit(evaluate, in_shardings=(state_shardings["params"], replicated, batch_shardings,
+    trainer.eval_fn = jax.jit(evaluate, in_shardings=(state_shardings["params"], frozen_shardings, batch_shardings,
                                                       replicated), out_shardings=replicated)
     return trainer
 
@@ -457,7 +485,9 @@ class DiffusionTask:
                           device_peak_flops(cfg.train.peak_flops), unit="images")
 
     def finish(self, cfg: Config, state: dict, console) -> None:
-        """``RUN/model``: the base folder with the trained denoiser (the EMA's with ``use_ema``)."""
+        """``RUN/model``: the base folder with the trained denoiser (the EMA's with ``use_ema``); with
+        ``lora.rank``, the adapters in ``RUN/lora/pytorch_lora_weights.safetensors`` and merged
+        into ``RUN/model``'s UNet."""
         from hypertron.diffusion.folders import write_component
 
         params = state["ema"] if "ema" in state else state["params"]
@@ -476,8 +506,13 @@ class DiffusionTask:
         shutil.copytree(base, tmp, ignore=lambda d, names: [n for n in names if Path(d).resolve() == unet
                                                              and n.startswith("diffusion_pytorch_model")])
         hf = read_json_dict(base / "unet" / "config.json")
-        write_component(tmp / "unet", hf, U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json"))),
-                        params)
+        specs = U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json")))
+        settings = lora_of(cfg)
+        if settings is not None:  # the adapters in diffusers' file, and merged into the folder's UNet
+            console.print(f"wrote the LoRA file {DL.save_lora(Path(cfg.run_dir) / 'lora', params, settings, specs, 'unet')}",
+                          highlight=False)
+            params = L.merge(U.load_unet(base / "unet")[1], params, settings)
+        write_component(tmp / "unet", hf, specs, params)
         if out.exists():
             shutil.rmtree(out)
         tmp.replace(out)
