@@ -62,17 +62,30 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path):
 
 
 def test_lora_trains_only_adapters_and_writes_them_in_diffusers_file(tmp_path):
-    """``lora.rank``: the checkpoints hold the adapters alone (and their moments), RUN/lora holds
-    diffusers' file of them, and RUN/model's UNet is the base's with them merged: every weight the
-    adapters do not cover is the base's to the bit, every one they cover the base's plus their
-    product (1e-6)."""
+    """``lora.rank``, on pictures read from files (an undecodable one counted in ``data_skipped``):
+    the checkpoints hold the adapters alone (and their moments), RUN/lora holds diffusers' file of
+    them, and RUN/model's UNet is the base's with them merged: every weight the adapters do not
+    cover is the base's to the bit, every one they cover the base's plus their product (1e-6)."""
     from hypertron.diffusion import lora as DL
     from hypertron.diffusion import unet as U
     from hypertron.models import lora as L
 
+    from PIL import Image
+
+    images = tmp_path / "images"  # read from files: 8 pictures captioned by sidecars, and one not a picture
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        pixels, caption = shapes.sample(rng)
+        Image.fromarray((pixels * 255).astype(np.uint8)).save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text(caption)
+    (images / "8.png").write_bytes(b"not a png")
+    (images / "8.txt").write_text("a red square")
     run = tmp_path / "run"
-    train(_cfg(run, "train.global_batch=8", "train.steps=2", "checkpoint.every=2", "lora.rank=4", "lora.alpha=8",
-               "diffusion.use_ema=false", "train.lr=1e-2"))
+    result = train(_cfg(run, "train.global_batch=8", "train.steps=2", "checkpoint.every=2", "lora.rank=4",
+                        "lora.alpha=8", "diffusion.use_ema=false", "train.lr=1e-2", "data.source=imagefolder",
+                        f"data.paths=[{images}]"))
+    assert result.rows[-1]["data_skipped"] >= 1  # counted, not fatal
     saved = json.loads((run / "checkpoints" / "2" / "params" / "_METADATA").read_text())["tree_metadata"]
     assert saved and all(key.rsplit("'", 2)[-2] in ("a", "b") for key in saved), list(saved)[:3]  # adapters only
     cfg, base = U.load_unet(run / "preset" / "unet")

@@ -365,6 +365,7 @@ class DiffusionTask:
         self._checked: tuple[PipelineSpec, str, int] | None = None
         self._flops: float = 0.0
         self._written = False  # the preset's folder, once per run
+        self._skipped = None  # the training reader's count of undecodable images (data.images.Skipped)
 
     def _check(self, cfg: Config) -> tuple[PipelineSpec, str, int]:
         if self._checked is None:
@@ -416,7 +417,7 @@ class DiffusionTask:
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         from hypertron.diffusion import shapes
         from hypertron.diffusion.text_encoders import prompt_ids, text_config
-        from hypertron.data.images import image_dataset
+        from hypertron.data.images import Skipped, image_dataset
         from hypertron.tokenizer import get_tokenizer
 
         d, t = cfg.data, cfg.train
@@ -430,7 +431,11 @@ class DiffusionTask:
             ds = shapes.dataset(seed)[jax.process_index()::jax.process_count()]
         else:
             records = self._records(cfg, split, jax.process_index(), jax.process_count())
-            ds = image_dataset(records, side, center_crop=d.center_crop, random_flip=d.random_flip, seed=seed)
+            skipped = Skipped()
+            if split == "train":
+                self._skipped = skipped
+            ds = image_dataset(records, side, center_crop=d.center_crop, random_flip=d.random_flip, seed=seed,
+                               skipped=skipped)
             if d.shuffle and split == "train":
                 ds = ds.shuffle(seed=seed)
             ds = ds.repeat()
@@ -468,7 +473,10 @@ class DiffusionTask:
         trainer.updates = int(jax.device_get(state["step"]))
 
     def step(self, trainer: DiffusionTrainer, state: dict, local: dict) -> tuple[dict, dict]:
-        return trainer.step(state, local)
+        """The trainer's step; with image files, ``data_skipped``: the undecodable images this
+        process's reader has met so far (it reads ahead of the step)."""
+        state, metrics = trainer.step(state, local)
+        return state, metrics if self._skipped is None else {**metrics, "data_skipped": self._skipped.count}
 
     def evaluate(self, trainer: DiffusionTrainer, state: dict, batches: Iterator[dict], count: int
                  ) -> dict[str, float]:
