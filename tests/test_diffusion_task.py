@@ -61,52 +61,70 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_lora_trains_only_adapters_and_writes_them_in_diffusers_file(tmp_path):
-    """``lora.rank``, on pictures read from files (an undecodable one counted in ``data_skipped``):
-    the checkpoints hold the adapters alone (and their moments), RUN/lora holds diffusers' file of
-    them, and RUN/model's UNet is the base's with them merged: every weight the adapters do not
-    cover is the base's to the bit, every one they cover the base's plus their product (1e-6)."""
+def test_lora_on_an_sd_folder_trains_adapters_alone_and_diffusers_loads_the_export(tmp_path):
+    """A tiny SD folder (VAE latents, DDIM, epsilon) fine-tuned with ``lora.rank`` for 2 steps on
+    pictures read from files (an undecodable one counted in ``data_skipped``): the checkpoints hold
+    the adapters alone, RUN/lora holds diffusers' file of them, and RUN/model's UNet is the base's
+    with them merged (every weight they do not cover the base's to the bit, every one they cover
+    the base's plus their product, 1e-6). diffusers' ``StableDiffusionPipeline.from_pretrained``
+    loads RUN/model, and from the same initial latents it gives ``hypertron diffuse``'s final
+    latents (1e-3)."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from PIL import Image
+
     from hypertron.diffusion import lora as DL
     from hypertron.diffusion import unet as U
     from hypertron.models import lora as L
+    from support.diffusion_folders import tiny_sd
 
-    from PIL import Image
-
-    images = tmp_path / "images"  # read from files: 8 pictures captioned by sidecars, and one not a picture
+    folder, _ = tiny_sd(tmp_path)
+    images = tmp_path / "images"  # 8 pictures captioned by sidecars, and one not a picture
     images.mkdir()
     rng = np.random.default_rng(0)
     for i in range(8):
-        pixels, caption = shapes.sample(rng)
-        Image.fromarray((pixels * 255).astype(np.uint8)).save(images / f"{i}.png")
-        (images / f"{i}.txt").write_text(caption)
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text(["a photo of a red cat", "a blue dog"][i % 2])
     (images / "8.png").write_bytes(b"not a png")
-    (images / "8.txt").write_text("a red square")
+    (images / "8.txt").write_text("a cat")
     run = tmp_path / "run"
-    result = train(_cfg(run, "train.global_batch=8", "train.steps=2", "checkpoint.every=2", "lora.rank=4",
-                        "lora.alpha=8", "diffusion.use_ema=false", "train.lr=1e-2", "data.source=imagefolder",
-                        f"data.paths=[{images}]"))
+    result = train(_cfg(run, f"diffusion.model={folder}", "data.source=imagefolder", f"data.paths=[{images}]",
+                        "data.resolution=16", "diffusion.timesteps=uniform", "train.global_batch=8", "train.steps=2",
+                        "checkpoint.every=2", "lora.rank=4", "lora.alpha=8", "diffusion.use_ema=false",
+                        "train.lr=1e-2"))
     assert result.rows[-1]["data_skipped"] >= 1  # counted, not fatal
     saved = json.loads((run / "checkpoints" / "2" / "params" / "_METADATA").read_text())["tree_metadata"]
     assert saved and all(key.rsplit("'", 2)[-2] in ("a", "b") for key in saved), list(saved)[:3]  # adapters only
-    cfg, base = U.load_unet(run / "preset" / "unet")
+    cfg, base = U.load_unet(folder / "unet")
     adapters, settings = DL.load_lora(run / "lora", U.declare_unet(cfg), "unet")
     assert set(settings.targets) == set(DL.UNET_TARGETS) and (settings.rank, settings.alpha) == (4, 8.0)
     assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters) if b.shape[0] == 4)  # B trained
     _, tuned = U.load_unet(run / "model" / "unet")
     want = L.merge(base, adapters, settings)
-    adapted = {".".join(map(str, t.path)) for t in L.targets(U.declare_unet(cfg), settings.targets)}
+    adapted = {t.path for t in L.targets(U.declare_unet(cfg), settings.targets)}
     for path, got in jax.tree_util.tree_leaves_with_path(tuned):
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
-        expect = _leaf(want, path)
-        if name in adapted:
-            np.testing.assert_allclose(np.asarray(got), np.asarray(expect), atol=1e-6)
+        keys = tuple(getattr(k, "key", k) for k in path)
+        if keys in adapted:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(_leaf(want, keys)), atol=1e-6)
         else:
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(_leaf(base, path)))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(_leaf(base, keys)))
+
+    initial = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "initial.npy", initial)
+    r = run_cli(["diffuse", "--model", run / "model", "--prompt", "a photo of a red cat", "--steps", "3",
+                 "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
+                 "--out", tmp_path / "img.png"])
+    assert r.rc == 0, r.describe()
+    theirs = diffusers.StableDiffusionPipeline.from_pretrained(run / "model")
+    with torch.no_grad():
+        expect = theirs("a photo of a red cat", latents=torch.from_numpy(initial), num_inference_steps=3,
+                        output_type="latent").images.numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), expect, atol=1e-3, rtol=0)
 
 
-def _leaf(tree, path):
-    for k in path:
-        tree = tree[getattr(k, "key", getattr(k, "idx", k))]
+def _leaf(tree, keys):
+    for k in keys:
+        tree = tree[k]
     return tree
 
 
