@@ -2,9 +2,10 @@
 what a pipeline's ``save_lora_weights`` writes and its ``load_lora_weights`` reads.
 
 The adapters are :mod:`hypertron.models.lora`'s, derived from the denoiser's declarations (a
-UNet's attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0``, its feed-forward
-``ff.net.0.proj`` and ``ff.net.2``, a Flux block's ``to_*`` and ``proj_*``): one mechanism for
-decoders and denoisers, applied by the einsum hook or merged. The file holds PEFT's tensors under
+UNet's attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0`` and its feed-forward
+``ff.net.0.proj``, ``ff.net.2``, held to diffusers by the tests; a Flux transformer's hook
+matmuls are named the same way, but no test holds them yet): one mechanism for decoders and
+denoisers, applied by the einsum hook or merged. The file holds PEFT's tensors under
 the component's name, ``unet.`` (``transformer.`` for Flux) + the module + ``.lora_A.weight``
 ``[r, in]`` and ``.lora_B.weight`` ``[out, r]``, and the LoRA config (``r``, ``lora_alpha``,
 ``target_modules``, ``use_rslora``) as diffusers keeps it: JSON in the safetensors metadata under

@@ -198,7 +198,7 @@ class DiffusionTrainer:
     unet_cfg: Any
     specs: Any  # the denoiser's declarations
     schedule: O.TrainingSchedule
-    frozen: dict  # {"text": CLIP's params, "vae": the VAE's or None}, replicated
+    frozen: dict  # {"text": CLIP's params, "vae": the VAE's or None} replicated; with LoRA "unet", sharded
     state_shardings: dict
     batch_shardings: dict
     initial_params: Any  # what trains (the folder's denoiser, or new adapters), numpy, until the first state is made
@@ -517,8 +517,8 @@ class DiffusionTask:
         specs = U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json")))
         settings = lora_of(cfg)
         if settings is not None:  # the adapters in diffusers' file, and merged into the folder's UNet
-            console.print(f"wrote the LoRA file {DL.save_lora(Path(cfg.run_dir) / 'lora', params, settings, specs, 'unet')}",
-                          highlight=False)
+            saved = DL.save_lora(Path(cfg.run_dir) / "lora", params, settings, specs, "unet")
+            console.print(f"wrote the LoRA file {saved}", highlight=False)
             params = L.merge(U.load_unet(base / "unet")[1], params, settings)
         write_component(tmp / "unet", hf, specs, params)
         if out.exists():

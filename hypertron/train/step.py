@@ -182,7 +182,8 @@ def made_by_init(state_shardings: dict, external: dict) -> dict:
     return {k: v for k, v in state_shardings.items() if k not in external}
 
 
-def layer_orders(cfg: Config, mesh: Mesh, state_shardings: State, rules=DEFAULT_RULES) -> tuple[Callable, Callable] | None:
+def layer_orders(cfg: Config, mesh: Mesh, state_shardings: State,
+                 rules=DEFAULT_RULES) -> tuple[Callable, Callable] | None:
     """``(to_held, to_model)`` for the states of a circular pipeline on ``mesh`` (None without
     one): each stacked-layer leaf (sharded over the axes the rules put ``layers`` on) reordered
     along its first axis, the others left as they are. Both are a reshape into blocks and a
