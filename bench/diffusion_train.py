@@ -34,7 +34,7 @@ def _hypertron(cfg):
     import jax
 
     from hypertron.parallel.mesh import make_mesh
-    from hypertron.train.diffusion import DiffusionTask
+    from hypertron.train.diffusion_task import DiffusionTask
 
     task = DiffusionTask()
     task.check_inputs(cfg)

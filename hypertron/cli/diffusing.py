@@ -1,16 +1,25 @@
-"""``hypertron diffuse``: text to PNGs with a diffusers pipeline folder (SD 1.x/2.x, SDXL, Flux).
-The work is :func:`hypertron.diffusion.generate.diffuse`'s; this module holds the flags."""
+"""``hypertron diffuse``: text to PNGs with a diffusers pipeline folder (SD 1.x/2.x, SDXL, Flux), and
+``hypertron diffusion cache``: a diffusion training config's encodings, once. The work is
+:func:`hypertron.diffusion.generate.diffuse`'s and :mod:`hypertron.train.diffusion_cache`'s; this
+module holds the flags."""
 
 from __future__ import annotations
 
 import argparse
 
-from hypertron.cli.flags import add_command, add_compile_cache, number_arg, use_compile_cache
+from hypertron.cli.flags import (add_command, add_command_group, add_compile_cache, number_arg, recipe_config,
+                                 use_compile_cache)
 from hypertron.config.schema import DIFFUSION_DTYPE, DiffusionDtype, choices
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``diffuse`` to ``sub``."""
+    """Add ``diffuse`` and ``diffusion cache`` to ``sub``."""
+    group = add_command_group(sub, "diffusion", help="diffusion training's data")
+    c = add_command(group, "cache", cmd_diffusion_cache,
+                    help="encode a diffusion training config's captions (and with diffusion.cache_latents its "
+                         "images) once, into diffusion.cache_dir")
+    c.add_argument("overrides", nargs="*", metavar="[RECIPE] key=value")
+    c.add_argument("--overwrite", action="store_true", help="replace the cache diffusion.cache_dir holds")
     d = add_command(sub, "diffuse", cmd_diffuse, help="generate images from a diffusers pipeline folder")
     d.add_argument("--model", required=True, metavar="DIR", help="diffusers pipeline folder")
     d.add_argument("--prompt", required=True)
@@ -63,4 +72,17 @@ def cmd_diffuse(args: argparse.Namespace) -> int:
     request = DiffuseRequest(**{name: getattr(args, name) for name in names})
     use_compile_cache(args.compile_cache)
     diffuse(request)
+    return 0
+
+
+def cmd_diffusion_cache(args: argparse.Namespace) -> int:
+    """Write the encodings a ``task: diffusion`` run reads with ``diffusion.cache_dir`` (the config's
+    recipe and overrides, as ``hypertron train`` takes them): every caption's prompt embeddings, and
+    with ``diffusion.cache_latents`` every image's VAE latents, in ArrayRecord shards."""
+    from rich.console import Console
+
+    from hypertron.train.diffusion_task import DiffusionTask
+
+    cfg = recipe_config(args.overrides)
+    DiffusionTask().write_cache(cfg, Console(stderr=True), overwrite=args.overwrite)
     return 0

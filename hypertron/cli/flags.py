@@ -181,3 +181,12 @@ def use_compile_cache(value: str | None) -> Path | None:
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
+
+
+def recipe_config(overrides: list[str]):
+    """The config of ``[RECIPE] key=value ...`` (train, plan, diffusion cache)."""
+    from hypertron.config import load_config
+
+    overrides = list(overrides)
+    recipe = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    return load_config(recipe, overrides)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hypertron.cli.flags import add_command, add_command_group, add_json_flag, bytes_arg, flag, number_arg
+from hypertron.cli.flags import (add_command, add_command_group, add_json_flag, bytes_arg, flag, number_arg,
+                                 recipe_config)
 from hypertron.config import TOKENIZABLE_SOURCES, ConfigError, choices
 from hypertron.config.numbers import INT32
 from hypertron.config.schema import WeightQuantization
@@ -103,12 +104,7 @@ def _add_tokenize(sub: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace):
     """The config of ``[RECIPE] key=value ...`` (train, plan)."""
-    from hypertron.config import load_config
-
-    recipe, overrides = None, list(args.overrides)
-    if overrides and "=" not in overrides[0]:
-        recipe = overrides.pop(0)
-    return load_config(recipe, overrides)
+    return recipe_config(args.overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

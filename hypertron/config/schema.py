@@ -347,7 +347,10 @@ class DiffusionConfig:
     noise; ``cond_dropout`` empties that share of the captions (the unconditional branch CFG
     needs). ``use_ema``: keep ``ema`` (diffusers' ``EMAModel``) in the train state; the
     evaluation and the final model then use it. ``eval_timesteps``: the held-out loss is taken at
-    that many fixed, evenly spaced timesteps with fixed noise."""
+    that many fixed, evenly spaced timesteps with fixed noise. ``cache_dir``: cached encodings
+    (``hypertron diffusion cache`` writes them) the run reads in place of encoding each batch: the
+    captions' prompt embeddings, and with ``cache_latents`` the images' VAE latents (or a pixel
+    model's pixels); such a run does not load the text encoder (nor, with latents, the VAE)."""
 
     model: str = "shapes-unet"
     objective: ObjectiveSetting = "auto"
@@ -363,6 +366,8 @@ class DiffusionConfig:
     use_ema: bool = False
     ema: EmaConfig = field(default_factory=EmaConfig)
     eval_timesteps: int = 8
+    cache_dir: str = ""
+    cache_latents: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

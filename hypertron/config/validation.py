@@ -156,6 +156,13 @@ def validate_diffusion(cfg: Config) -> None:
     for key in ("shift", "noise_offset", "mode_scale"):
         if getattr(f, key) < 0:
             raise ConfigError(f"diffusion.{key}={getattr(f, key)}: must not be negative")
+    if f.cache_latents and not f.cache_dir:
+        raise ConfigError("diffusion.cache_latents: set diffusion.cache_dir too (where the cache is)")
+    if f.cache_dir and d.source == "shapes":
+        raise ConfigError("diffusion.cache_dir: the shapes source draws new pictures every step; cache an image source")
+    if f.cache_latents and (d.random_flip or not d.center_crop):
+        raise ConfigError("diffusion.cache_latents: each image is encoded once, so data.random_flip and a random "
+                          "crop (data.center_crop=false) would be drawn once; turn them off or cache the text alone")
     if cfg.train.grad_accum != 1:
         raise ConfigError(f"train.grad_accum={cfg.train.grad_accum}: task=diffusion takes whole batches (1) so far")
     if cfg.train.init_from:

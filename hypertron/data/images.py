@@ -143,7 +143,7 @@ class _ParquetCell:
         if isinstance(value, dict):  # datasets' Image feature
             value = value.get("bytes")
         if not isinstance(value, (bytes, bytearray)):
-            raise _Undecodable(f"row {self.row} of {self.path}: no image bytes")
+            raise Undecodable(f"row {self.row} of {self.path}: no image bytes")
         return bytes(value)
 
 
@@ -202,22 +202,22 @@ def image_records(source: str, paths: Sequence[str], *, image_field: str = "imag
     return records[process_index::process_count]
 
 
-class _Undecodable(Exception):
-    pass
+class Undecodable(Exception):
+    """Bytes Pillow cannot read as an image (or a record without image bytes)."""
 
 
 def process(data: bytes, resolution: int, *, center_crop: bool = True, flip: bool = False,
             rng: np.random.Generator | None = None) -> np.ndarray:
     """``[resolution, resolution, 3]`` float32 in [-1, 1] from an encoded image (see the module's
     docstring); ``rng`` places a random crop when ``center_crop`` is off. Raises
-    :class:`_Undecodable` for bytes Pillow cannot read."""
+    :class:`Undecodable` for bytes Pillow cannot read."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise _Undecodable(str(e)) from None
+        raise Undecodable(str(e)) from None
     image = image.convert("RGB")
     w, h = image.size  # torchvision's Resize(resolution): the short side to it, the long in proportion
     size = (resolution, int(resolution * h / w)) if w <= h else (int(resolution * w / h), resolution)
@@ -248,8 +248,8 @@ class Skipped:
 
 def image_dataset(records: Sequence[Record], resolution: int, *, center_crop: bool = True,
                   random_flip: bool = False, seed: int = 0, skipped: Skipped | None = None) -> grain.MapDataset:
-    """A Grain dataset of ``{"pixels", "caption"}`` from ``records`` (undecodable images dropped and
-    counted in ``skipped``). Random crops and flips draw from ``(seed, index)``, so a restored
+    """A Grain dataset of ``{"pixels", "caption", "index"}`` (``index``: the record's in ``records``)
+    from ``records`` (undecodable images dropped and counted in ``skipped``). Random crops and flips draw from ``(seed, index)``, so a restored
     iterator repeats them."""
     skipped = skipped if skipped is not None else Skipped()
 
@@ -259,12 +259,13 @@ def image_dataset(records: Sequence[Record], resolution: int, *, center_crop: bo
         try:
             pixels = process(record.read(), resolution, center_crop=center_crop,
                              flip=random_flip and bool(rng.integers(2)), rng=rng)
-        except _Undecodable:
+        except Undecodable:
             skipped.add(record.where)
             return None
-        return {"pixels": pixels, "caption": record.caption}
+        return {"pixels": pixels, "caption": record.caption, "index": index}
 
     return grain.MapDataset.range(len(records)).map(load).filter(lambda x: x is not None)
 
 
-__all__ = ["IMAGE_SOURCES", "IMAGE_SUFFIXES", "Record", "Skipped", "image_dataset", "image_records", "process"]
+__all__ = ["IMAGE_SOURCES", "IMAGE_SUFFIXES", "Record", "Skipped", "Undecodable", "image_dataset", "image_records",
+           "process"]

@@ -1,32 +1,29 @@
-"""Diffusion training (issue 44): ``task: diffusion`` on the shared loop, and the loss of a batch as
-diffusers' training scripts compute it.
+"""Diffusion training (issue 44): the loss of a batch as diffusers' training scripts compute it, and
+the trainer of ``task: diffusion`` (:mod:`hypertron.train.diffusion_task` is the task).
 
 The losses: a UNet's (SD 1.x / 2.x, SDXL: :func:`unet_loss`) or a Flux transformer's
 (:func:`flux_loss`) on a batch whose noise and timesteps are given; :func:`draw_noise` draws them.
 
-The task (:class:`DiffusionTask`) trains the denoiser of ``diffusion.model``: a diffusers folder
-(SD 1.x / 2.x so far; SDXL and Flux are refused in one line until their conditioning is fed), or a
-preset trained from scratch (``shapes-unet``: :mod:`hypertron.diffusion.folders`, written to
-``RUN/preset`` at the run's start). The text encoder and the VAE stay frozen: the trainer holds
-them replicated, outside the checkpointed state, and reads them from the folder again on resume.
-A step draws its caption dropout, noise and timesteps from ``fold_in(key(train.seed), step)`` over
-the global batch, so a resumed run repeats an uninterrupted one's losses bit for bit, on any mesh.
-The state is the loop's ``params`` (the denoiser's), ``opt_state``, ``step`` and, with
-``diffusion.use_ema``, ``ema`` (float32, sharded as the parameters; its decay of each update is
-computed on the host, :mod:`hypertron.train.ema`). The evaluation takes the held-out loss at
-``diffusion.eval_timesteps`` fixed timesteps with fixed noise; ``finish`` writes ``RUN/model``: the
-base folder with the trained (or EMA) denoiser in place of its own.
+The trainer (:func:`make_diffusion_trainer`) trains a pipeline folder's denoiser (or LoRA adapters
+on it). The text encoder and the VAE stay frozen: the trainer holds them replicated, outside the
+checkpointed state, and reads them from the folder again on resume; with cached encodings
+(:class:`Cached`, :mod:`hypertron.train.diffusion_cache`) it loads neither the text encoder nor,
+with cached latents, the VAE. A step draws its caption dropout, noise and timesteps from
+``fold_in(key(train.seed), step)`` over the global batch, so a resumed run repeats an
+uninterrupted one's losses bit for bit, on any mesh, cached or not. The state is the loop's
+``params`` (the denoiser's), ``opt_state``, ``step`` and, with ``diffusion.use_ema``, ``ema``
+(float32, sharded as the parameters; its decay of each update is computed on the host,
+:mod:`hypertron.train.ema`). The evaluation takes the held-out loss at ``diffusion.eval_timesteps``
+fixed timesteps with fixed noise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import sys
+import functools
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,20 +31,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hypertron.config import Config, ConfigError
+from hypertron.config import Config
 from hypertron.diffusion import flux as F
 from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import PIXEL, SD, PipelineSpec, read_pipeline
+from hypertron.diffusion.pipeline import PipelineSpec, read_pipeline
 from hypertron.diffusion import lora as DL
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
-from hypertron.parallel.mesh import make_mesh
-from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for, use_rules
+from hypertron.parallel.rules import DEFAULT_RULES, spec_for, use_rules
 from hypertron.train import ema as E
-from hypertron.train.metrics import Throughput
 from hypertron.train.optimizer import make_optimizer, schedule
 
 
@@ -104,71 +99,7 @@ def flux_loss(params: Any, cfg: F.FluxConfig, schedule: O.TrainingSchedule, batc
     return _weighted_loss(schedule, batch, predict, weighting=weighting, time_divisor=1000)
 
 
-# ---------------------------------------------------------------------------
-# task: diffusion
-
-TRAINABLE = (SD, PIXEL)  # the pipeline classes whose denoiser the task trains so far
-PRESET_DIR = "preset"  # RUN/preset: a preset's folder, written at the run's start
 EVAL_SEED = 7919  # the evaluation's noise (and the shapes source's held-out pictures) from seed + this
-
-
-def base_folder(cfg: Config) -> Path:
-    """Where ``diffusion.model``'s folder is: itself, or for a preset ``RUN/preset``."""
-    from hypertron.diffusion.folders import PRESETS
-
-    return Path(cfg.run_dir) / PRESET_DIR if cfg.diffusion.model in PRESETS else Path(cfg.diffusion.model)
-
-
-def base_spec(cfg: Config) -> PipelineSpec:
-    """``diffusion.model``'s configs, no weights read: a preset's from memory, a folder's from it."""
-    from hypertron.diffusion.folders import PRESETS, preset_spec
-
-    name = cfg.diffusion.model
-    if name in PRESETS:
-        return preset_spec(name)
-    if not Path(name).is_dir():
-        raise DiffusionError(f"diffusion.model={name}: neither a diffusers folder nor a preset "
-                             f"({', '.join(PRESETS)})")
-    return read_pipeline(name)
-
-
-def objective_of(cfg: Config, spec: PipelineSpec) -> str:
-    """``diffusion.objective``; ``auto``: flow for a flow-matching scheduler, else its ``prediction_type``."""
-    if cfg.diffusion.objective != "auto":
-        return cfg.diffusion.objective
-    return "flow" if spec.scheduler.class_name == "FlowMatchEulerDiscreteScheduler" else spec.scheduler.prediction_type
-
-
-def resolution_of(cfg: Config, spec: PipelineSpec) -> int:
-    """``data.resolution`` (0: the model's default side), checked against what the model takes."""
-    from hypertron.diffusion import shapes
-
-    side = cfg.data.resolution or spec.default_size()
-    if cfg.data.source == "shapes" and side != shapes.SIZE:
-        raise ConfigError(f"data.resolution={side}: the shapes source draws {shapes.SIZE} x {shapes.SIZE} pictures")
-    multiple = spec.vae_scale_factor * U.unet_config(spec.denoiser_config, str(spec.folder)).size_multiple
-    if side % multiple:
-        raise ConfigError(f"data.resolution={side}: {spec.class_name} at {spec.folder} takes sides that are "
-                          f"multiples of {multiple}")
-    return side
-
-
-def check_diffusion(cfg: Config) -> tuple[PipelineSpec, str, int]:
-    """What needs the model's configs, before anything is compiled or written: the class, the
-    objective and weighting against its scheduler, the resolution. ``(spec, objective, side)``."""
-    f = cfg.diffusion
-    spec = base_spec(cfg)
-    if spec.class_name not in TRAINABLE:
-        raise DiffusionError(f"diffusion.model={f.model}: training a {spec.class_name} is not built yet "
-                             f"({', '.join(TRAINABLE)} are)")
-    objective = objective_of(cfg, spec)
-    O.check_objective(objective, spec.scheduler)
-    O.check_weighting(f.weighting, objective)
-    if f.shift and objective != "flow":
-        raise ConfigError(f"diffusion.shift={f.shift}: a shift applies to the flow objective only, not {objective}")
-    if cfg.lora.rank:  # targets the denoiser has
-        L.targets(U.declare_unet(U.unet_config(spec.denoiser_config, f"{f.model}'s UNet")), lora_of(cfg).targets)
-    return spec, objective, resolution_of(cfg, spec)
 
 
 def lora_of(cfg: Config) -> L.LoraSettings | None:
@@ -181,7 +112,8 @@ def lora_of(cfg: Config) -> L.LoraSettings | None:
     return L.LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=targets, rslora=lo.rslora)
 
 
-def _empty_context(text_cfg, tokenizer) -> np.ndarray:
+def empty_ids(text_cfg, tokenizer) -> np.ndarray:
+    """The empty caption's ids (what caption dropout encodes)."""
     from hypertron.diffusion.text_encoders import prompt_ids
 
     return prompt_ids(tokenizer, [""], text_cfg.max_positions, bos=True)[0]
@@ -202,8 +134,11 @@ class DiffusionTrainer:
     state_shardings: dict
     batch_shardings: dict
     initial_params: Any  # what trains (the folder's denoiser, or new adapters), numpy, until the first state is made
+    cond: Conditioning
+    cached: Cached | None = None  # the batches hold cached encodings (train.diffusion_cache)
     lora: L.LoraSettings | None = None  # adapters train on the frozen denoiser (frozen["unet"])
     step_fn: Any = None
+    grads_fn: Any = None  # (params, frozen, batch, step) -> (the step's loss, its gradient)
     eval_fn: Any = None
     init_fn: Any = None
     updates: int = 0  # the state's step, counted on the host
@@ -229,6 +164,22 @@ class DiffusionTrainer:
         return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], np.asarray(local[k]))
                 for k in self.batch_shardings}
 
+    def gradients(self, params: Any, local: dict, step: int = 0) -> tuple[jax.Array, Any]:
+        """What step ``step`` would compute from ``params`` and a batch: ``(loss, gradient)``."""
+        return self.grads_fn(params, self.frozen, self.batch(local), np.int32(step))
+
+    def example_shapes(self, side: int) -> dict[str, tuple[int, ...]]:
+        """Each batch array's shape for one example at ``side`` x ``side`` pixels."""
+        shapes = {"pixels": (side, side, 3)}
+        if "ids" in self.batch_shardings:
+            shapes["ids"] = (self.cond.text_cfg.max_positions,)
+        else:
+            shapes["context"] = tuple(self.cond.empty_context.shape)
+        if self.spec.vae is not None:
+            latent = side // self.spec.vae_scale_factor
+            shapes["mean"] = shapes["logvar"] = (latent, latent, self.spec.vae.latent_channels)
+        return {k: shapes[k] for k in self.batch_shardings}
+
     def step(self, state: dict, local: dict) -> tuple[dict, dict]:
         self.updates += 1  # which update this is, for the EMA's decay (the host's count: no sync)
         rate = E.rate(self.cfg.diffusion.ema, self.updates) if self.cfg.diffusion.use_ema else np.float32(0)
@@ -236,33 +187,74 @@ class DiffusionTrainer:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Conditioning:
+class Cached:
+    """What a run reads from cached encodings (:mod:`hypertron.train.diffusion_cache`) in place of
+    encoding each batch: the prompt embeddings always (``context`` [s, d] an example), and with
+    ``latents`` the image's too (the VAE's ``mean`` and ``logvar``, or a pixel model's ``pixels``).
+    ``empty_context``: the empty caption's embeddings, which caption dropout puts in."""
+
+    empty_context: np.ndarray
+    latents: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditioning:
     """What turns a batch into the denoiser's inputs: the frozen text encoder's config, the empty
-    caption's ids (caption dropout), the pipeline's VAE config (None: pixels)."""
+    caption's ids (caption dropout) or, cached, its embeddings; the pipeline's VAE config (None:
+    pixels). A batch holds ``ids`` or cached ``context``, and ``pixels`` or cached ``mean`` and
+    ``logvar``: either way the same key draws the same dropout and latents."""
 
     text_cfg: Any
-    empty_ids: np.ndarray
+    empty_ids: np.ndarray | None
     vae: Any
+    empty_context: np.ndarray | None = None
 
-    def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, jax.Array]:
-        """The clean latents (the pixels, or the VAE's sampled latents) and the prompt embeddings,
-        ``dropout`` of the captions emptied (the unconditional branch CFG needs)."""
+    def context(self, frozen: dict, ids: jax.Array) -> jax.Array:
+        """The prompt embeddings of ``ids`` [b, t] (SD 1.x / 2.x's: CLIP's last hidden state)."""
         from hypertron.diffusion.text_encoders import clip_encode, sd_prompt_embeds
 
+        return sd_prompt_embeds(clip_encode(frozen["text"], self.text_cfg, ids), frozen["text"], self.text_cfg)
+
+    def moments(self, frozen: dict, pixels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The VAE posterior's ``(mean, logvar)`` of ``pixels`` [b, h, w, 3] in [-1, 1]."""
+        return V.encode(frozen["vae"], self.vae, pixels)
+
+    def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, jax.Array]:
+        """The clean latents (the pixels, or latents sampled from the VAE's posterior) and the prompt
+        embeddings, ``dropout`` of the captions emptied (the unconditional branch CFG needs)."""
         k_drop, k_latent = jax.random.split(key)
-        ids = batch["ids"]
-        if dropout > 0:
-            drop = jax.random.uniform(k_drop, (ids.shape[0],)) < dropout
-            ids = jnp.where(drop[:, None], jnp.asarray(self.empty_ids)[None], ids)
-        context = sd_prompt_embeds(clip_encode(frozen["text"], self.text_cfg, ids), frozen["text"], self.text_cfg)
-        x0 = batch["pixels"]
-        if self.vae is not None:
-            mean, logvar = V.encode(frozen["vae"], self.vae, x0)
+        cached = "context" in batch
+        rows = (batch["context"] if cached else batch["ids"]).shape[0]
+        drop = jax.random.uniform(k_drop, (rows,)) < dropout if dropout > 0 else None
+        if cached:
+            context = batch["context"]
+            if drop is not None:
+                context = jnp.where(drop[:, None, None], jnp.asarray(self.empty_context)[None], context)
+        else:
+            ids = batch["ids"] if drop is None else jnp.where(drop[:, None], jnp.asarray(self.empty_ids)[None],
+                                                              batch["ids"])
+            context = self.context(frozen, ids)
+        if "mean" in batch:
+            mean, logvar = batch["mean"], batch["logvar"]
+        elif self.vae is not None:
+            mean, logvar = self.moments(frozen, batch["pixels"])
+        if self.vae is None:
+            x0 = batch["pixels"]
+        else:
             x0 = V.vae_to_latents(self.vae, mean + jnp.exp(0.5 * logvar) * jax.random.normal(k_latent, mean.shape))
         return jax.lax.stop_gradient(x0), jax.lax.stop_gradient(context)
 
 
-def _shardings(cfg: Config, mesh: Mesh, p_abstract: Any, axes: Any, optimizer, rules) -> tuple[dict, dict]:
+def batch_ranks(cached: Cached | None, vae: Any) -> dict[str, int]:
+    """A batch's arrays and their ranks: ``ids`` or cached ``context``; ``pixels``, or cached
+    latents' ``mean`` and ``logvar`` (a pixel model's cached latents are its ``pixels``)."""
+    text = {"ids": 2} if cached is None else {"context": 3}
+    return text | ({"mean": 4, "logvar": 4} if cached is not None and cached.latents and vae is not None
+                   else {"pixels": 4})
+
+
+def _shardings(cfg: Config, mesh: Mesh, p_abstract: Any, axes: Any, optimizer, rules, ranks: dict[str, int]
+               ) -> tuple[dict, dict]:
     """The state's shardings (the trained tree's by its logical ``axes``, the optimiser's and the
     EMA's as those) and the batch's (rows over the rules' batch axes)."""
     from hypertron.parallel.rules import shardings_for
@@ -275,62 +267,86 @@ def _shardings(cfg: Config, mesh: Mesh, p_abstract: Any, axes: Any, optimizer, r
     if cfg.diffusion.use_ema:
         state["ema"] = p_shard
     rows = spec_for(("batch",), rules, mesh)[0]
-    return state, {"pixels": NamedSharding(mesh, P(rows, None, None, None)), "ids": NamedSharding(mesh, P(rows, None))}
+    return state, {k: NamedSharding(mesh, P(rows, *[None] * (rank - 1))) for k, rank in ranks.items()}
 
 
-def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str, rules=DEFAULT_RULES
-                           ) -> DiffusionTrainer:
-    """The trainer of ``folder``'s denoiser (see the module's docstring); nothing compiled yet."""
-    from hypertron.diffusion.text_encoders import load_text_encoder
+def _init_state(optimizer, use_ema: bool, params: Any) -> dict:
+    """A first state of ``params``: the optimiser's, step 0, and with ``use_ema`` the average."""
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    if use_ema:
+        state["ema"] = E.init(params)
+    return state
+
+
+def _frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None) -> tuple[dict, Conditioning]:
+    """The frozen encoders a run loads (``text``, ``vae``: what is not cached) and the conditioning
+    over them."""
+    from hypertron.diffusion.text_encoders import load_text_encoder, text_config
     from hypertron.tokenizer import get_tokenizer
 
+    frozen: dict = {}
+    if cached is None:
+        text = load_text_encoder(folder / "text_encoder")
+        frozen["text"] = text.params
+        cond = Conditioning(text.cfg, empty_ids(text.cfg, get_tokenizer(str(folder / "tokenizer"))), spec.vae)
+    else:
+        text_cfg = text_config(read_json_file(folder / "text_encoder" / "config.json"), str(folder / "text_encoder"))
+        cond = Conditioning(text_cfg, None, spec.vae, cached.empty_context)
+    if spec.vae is not None and not (cached is not None and cached.latents):
+        frozen["vae"] = V.load_vae(folder / "vae")[1]
+    return frozen, cond
+
+
+def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str, rules=DEFAULT_RULES,
+                           cached: Cached | None = None) -> DiffusionTrainer:
+    """The trainer of ``folder``'s denoiser (see the module's docstring); nothing compiled yet.
+    ``cached``: the batches hold cached encodings, so the text encoder (and, with cached latents,
+    the VAE) is not loaded."""
     f, spec = cfg.diffusion, read_pipeline(folder)
     unet_cfg, initial = U.load_unet(folder / "unet")
     specs = U.declare_unet(unet_cfg)
-    text = load_text_encoder(folder / "text_encoder")
-    cond = _Conditioning(text.cfg, _empty_context(text.cfg, get_tokenizer(str(folder / "tokenizer"))), spec.vae)
     replicated = NamedSharding(mesh, P())
-    frozen = jax.device_put({"text": text.params,
-                             "vae": V.load_vae(folder / "vae")[1] if spec.vae is not None else None}, replicated)
-    frozen_shardings = {"text": replicated, "vae": replicated}
+    frozen, cond = _frozen_encoders(folder, spec, cached)
+    frozen = jax.device_put(frozen, replicated)
+    frozen_shardings = {k: replicated for k in frozen}
+    ranks = batch_ranks(cached, spec.vae)
     sched = O.training_schedule(spec.scheduler, objective, shift=f.shift or None)
     optimizer, lr = make_optimizer(cfg.train), schedule(cfg.train)
     settings = lora_of(cfg)
     if settings is None:
         state_shardings, batch_shardings = _shardings(cfg, mesh, param_lib.abstract(specs, jnp.float32),
-                                                      param_lib.logical_axes(specs), optimizer, rules)
+                                                      param_lib.logical_axes(specs), optimizer, rules, ranks)
         denoiser = lambda params, frozen: params  # noqa: E731
     else:  # the folder's denoiser frozen beside the text encoder, sharded as it would train
         frozen["unet"] = param_lib.place_params(specs, initial, mesh, rules)
         frozen_shardings["unet"] = jax.tree.map(lambda a: a.sharding, frozen["unet"])
         initial = jax.device_get(L.init_adapters(specs, settings, jax.random.key(cfg.train.seed)))
         state_shardings, batch_shardings = _shardings(cfg, mesh, jax.eval_shape(lambda: initial),
-                                                      L.adapter_axes(specs, settings), optimizer, rules)
+                                                      L.adapter_axes(specs, settings), optimizer, rules, ranks)
         denoiser = lambda params, frozen: L.attach(frozen["unet"], params, settings)  # noqa: E731
 
-    def init(params):
-        state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
-        if f.use_ema:
-            state["ema"] = E.init(params)
-        return state
-
-    def step(state, frozen, batch, rate):
+    def loss_and_grads(params, frozen, batch, step):
+        """The step's loss and the gradient of what trains, its draws from (seed, step)."""
         with use_rules(mesh, rules):
-            k_inputs, k_noise = jax.random.split(jax.random.fold_in(jax.random.key(cfg.train.seed), state["step"]))
+            k_inputs, k_noise = jax.random.split(jax.random.fold_in(jax.random.key(cfg.train.seed), step))
             x0, context = cond.inputs(frozen, batch, k_inputs, f.cond_dropout)
             noise, index = draw_noise(k_noise, x0, sched, f.timesteps, noise_offset=f.noise_offset,
                                       logit_mean=f.logit_mean, logit_std=f.logit_std, mode_scale=f.mode_scale)
-            loss, grads = jax.value_and_grad(lambda p: unet_loss(
+            return jax.value_and_grad(lambda p: unet_loss(
                 denoiser(p, frozen), unet_cfg, sched, {"latents": x0, "noise": noise, "index": index,
                                                        "context": context},
-                weighting=f.weighting, snr_gamma=f.snr_gamma))(state["params"])
+                weighting=f.weighting, snr_gamma=f.snr_gamma))(params)
+
+    def step(state, frozen, batch, rate):
+        loss, grads = loss_and_grads(state["params"], frozen, batch, state["step"])
+        with use_rules(mesh, rules):
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         if f.use_ema:
             new["ema"] = E.update(state["ema"], params, rate)
         return new, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"]),
-                     "images": jnp.float32(x0.shape[0])}
+                     "images": jnp.float32(jax.tree.leaves(batch)[0].shape[0])}
 
     eval_index = np.round(np.linspace(0, sched.num_train_timesteps - 1, f.eval_timesteps)).astype(np.int32)
 
@@ -349,204 +365,23 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
             return jnp.mean(jax.lax.map(at, jnp.arange(len(eval_index))))
 
     trainer = DiffusionTrainer(cfg, mesh, spec, folder, unet_cfg, specs, sched, frozen, state_shardings,
-                               batch_shardings, initial, settings)
-    trainer.init_fn = jax.jit(init, out_shardings=state_shardings)
+                               batch_shardings, initial, cond, cached, settings)
+    trainer.init_fn = jax.jit(functools.partial(_init_state, optimizer, f.use_ema), out_shardings=state_shardings)
     trainer.step_fn = jax.jit(step, in_shardings=(state_shardings, frozen_shardings, batch_shardings, replicated),
                               out_shardings=(state_shardings, replicated), donate_argnums=0)
+    trainer.grads_fn = jax.jit(loss_and_grads, in_shardings=(state_shardings["params"], frozen_shardings,
+                                                             batch_shardings, replicated),
+                               out_shardings=(replicated, state_shardings["params"]))
     trainer.eval_fn = jax.jit(evaluate, in_shardings=(state_shardings["params"], frozen_shardings, batch_shardings,
                                                       replicated), out_shardings=replicated)
     return trainer
 
 
-class DiffusionTask:
-    """``task: diffusion``: the :class:`hypertron.train.task.Task` of a denoiser (see the module's docstring)."""
-
-    def __init__(self):
-        self._checked: tuple[PipelineSpec, str, int] | None = None
-        self._flops: float = 0.0
-        self._written = False  # the preset's folder, once per run
-        self._skipped = None  # the training reader's count of undecodable images (data.images.Skipped)
-
-    def _check(self, cfg: Config) -> tuple[PipelineSpec, str, int]:
-        if self._checked is None:
-            self._checked = check_diffusion(cfg)
-        return self._checked
-
-    def check_inputs(self, cfg: Config) -> None:
-        self._check(cfg)
-        if cfg.data.source != "shapes":  # every record listed and checked (before the backend starts)
-            self._records(cfg, "train", 0, 1)
-
-    def mesh(self, cfg: Config, devices: list) -> Mesh:
-        mesh = make_mesh(cfg.mesh, devices)
-        rows = int(np.prod([mesh.shape[a] for a in mesh_axes(spec_for(("batch",), DEFAULT_RULES, mesh)[0])]))
-        if cfg.train.global_batch % max(rows, jax.process_count()):
-            raise ConfigError(f"train.global_batch={cfg.train.global_batch}: must divide over the {rows} batch "
-                              f"shards of mesh {dict(mesh.shape)} and the {jax.process_count()} processes")
-        return mesh
-
-    def check_init_from(self, cfg: Config) -> None:
-        pass  # validate_diffusion refuses train.init_from: diffusion.model is the start
-
-    def folder(self, cfg: Config) -> Path:
-        """The base pipeline folder: ``diffusion.model``, or a preset's in ``RUN/preset``, written
-        by process 0 the first time a run asks (the same bytes each time: seeded by ``train.seed``),
-        every process waiting for it."""
-        from hypertron.diffusion.folders import PRESETS, write_preset
-
-        folder = base_folder(cfg)
-        if cfg.diffusion.model in PRESETS and not self._written:
-            if jax.process_index() == 0 and not folder.exists():
-                write_preset(folder, PRESETS[cfg.diffusion.model], cfg.train.seed)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("hypertron diffusion preset")
-            self._written = True
-        return folder
-
-    def _records(self, cfg: Config, split: str, process_index: int, process_count: int) -> list:
-        from hypertron.data.images import image_records
-
-        d = cfg.data
-        records = image_records(d.source, d.paths, image_field=d.image_field, text_field=d.text_field,
-                                process_index=process_index, process_count=process_count)
-        held = int(len(records) * d.eval_fraction)
-        return records[len(records) - held:] if split == "eval" else records[:len(records) - held]
-
-    def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
-        from hypertron.diffusion import shapes
-        from hypertron.diffusion.text_encoders import prompt_ids, text_config
-        from hypertron.data.images import Skipped, image_dataset
-        from hypertron.tokenizer import get_tokenizer
-
-        d, t = cfg.data, cfg.train
-        _, _, side = self._check(cfg)
-        folder = self.folder(cfg)
-        where = folder / "text_encoder" / "config.json"
-        length = text_config(read_json_dict(where), str(where)).max_positions
-        tokenizer = get_tokenizer(str(folder / "tokenizer"))
-        seed = d.seed + (EVAL_SEED if split == "eval" else 0)
-        if d.source == "shapes":
-            ds = shapes.dataset(seed)[jax.process_index()::jax.process_count()]
-        else:
-            records = self._records(cfg, split, jax.process_index(), jax.process_count())
-            skipped = Skipped()
-            if split == "train":
-                self._skipped = skipped
-            ds = image_dataset(records, side, center_crop=d.center_crop, random_flip=d.random_flip, seed=seed,
-                               skipped=skipped)
-            if d.shuffle and split == "train":
-                ds = ds.shuffle(seed=seed)
-            ds = ds.repeat()
-
-        def tokenized(x: dict) -> dict:
-            return {"pixels": np.asarray(x["pixels"], np.float32),
-                    "ids": prompt_ids(tokenizer, [x["caption"]], length, bos=True)[0]}
-
-        per_process = t.global_batch // jax.process_count()
-        # to an IterDataset before batching: the image sources' filter (undecodable images) may drop elements
-        return iter(ds.map(tokenized).to_iter_dataset().batch(per_process, drop_remainder=True))
-
-    def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
-        d = cfg.data
-        return {"source": d.source, "paths": list(d.paths), "image_field": d.image_field, "text_field": d.text_field,
-                "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
-                "shuffle": d.shuffle, "seed": d.seed, "eval_fraction": d.eval_fraction,
-                "global_batch": cfg.train.global_batch, "process_count": jax.process_count(),
-                "model": cfg.diffusion.model}
-
-    def trainer(self, cfg: Config, mesh: Mesh) -> DiffusionTrainer:
-        _, objective, side = self._check(cfg)
-        trainer = make_diffusion_trainer(cfg, mesh, self.folder(cfg), objective)
-        self._flops = _step_flops(trainer, cfg, side)
-        return trainer
-
-    def initial_state(self, cfg: Config, trainer: DiffusionTrainer, console) -> dict:
-        console.print(f"training the {trainer.spec.class_name} denoiser of {trainer.folder} "
-                      f"({param_lib.count(trainer.specs) / 1e6:.2f}M parameters)", highlight=False)
-        return trainer.initial()
-
-    def restored(self, cfg: Config, trainer: DiffusionTrainer, state: dict, console) -> None:
-        """The frozen text encoder and VAE are the trainer's (read from the folder); the host's
-        count of updates takes the restored step."""
-        trainer.updates = int(jax.device_get(state["step"]))
-
-    def step(self, trainer: DiffusionTrainer, state: dict, local: dict) -> tuple[dict, dict]:
-        """The trainer's step; with image files, ``data_skipped``: the undecodable images this
-        process's reader has met so far (it reads ahead of the step)."""
-        state, metrics = trainer.step(state, local)
-        return state, metrics if self._skipped is None else {**metrics, "data_skipped": self._skipped.count}
-
-    def evaluate(self, trainer: DiffusionTrainer, state: dict, batches: Iterator[dict], count: int
-                 ) -> dict[str, float]:
-        """The held-out loss at the fixed timesteps (of the EMA weights with ``diffusion.use_ema``)."""
-        params = state["ema"] if "ema" in state else state["params"]
-        losses = [trainer.eval_fn(params, trainer.frozen, trainer.batch(next(batches)), np.int32(j))
-                  for j in range(count)]
-        return {"loss": float(np.mean(jax.device_get(losses))), "images": float(count * trainer.cfg.train.global_batch)}
-
-    def throughput(self, cfg: Config) -> Throughput:
-        from hypertron.models.flops import device_peak_flops
-
-        return Throughput(cfg.train.global_batch, self._flops, jax.device_count(),
-                          device_peak_flops(cfg.train.peak_flops), unit="images")
-
-    def finish(self, cfg: Config, state: dict, console) -> None:
-        """``RUN/model``: the base folder with the trained denoiser (the EMA's with ``use_ema``); with
-        ``lora.rank``, the adapters in ``RUN/lora/pytorch_lora_weights.safetensors`` and merged
-        into ``RUN/model``'s UNet."""
-        from hypertron.diffusion.folders import write_component
-
-        params = state["ema"] if "ema" in state else state["params"]
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            params = multihost_utils.process_allgather(params, tiled=True)
-        if jax.process_index() != 0:
-            return
-        base = base_folder(cfg)  # written already; process 0 alone is here: no waiting for the others
-        out = Path(cfg.run_dir) / "model"
-        tmp = out.with_name("model.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unet = (base / "unet").resolve()
-        # every component as the base has it, but the UNet's weights (the VAE's keep theirs)
-        shutil.copytree(base, tmp, ignore=lambda d, names: [n for n in names if Path(d).resolve() == unet
-                                                             and n.startswith("diffusion_pytorch_model")])
-        hf = read_json_dict(base / "unet" / "config.json")
-        specs = U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json")))
-        settings = lora_of(cfg)
-        if settings is not None:  # the adapters in diffusers' file, and merged into the folder's UNet
-            saved = DL.save_lora(Path(cfg.run_dir) / "lora", params, settings, specs, "unet")
-            console.print(f"wrote the LoRA file {saved}", highlight=False)
-            params = L.merge(U.load_unet(base / "unet")[1], params, settings)
-        write_component(tmp / "unet", hf, specs, params)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.replace(out)
-        console.print(f"wrote the diffusers folder {out}" + (" (the EMA weights)" if "ema" in state else ""),
-                      highlight=False)
-
-
-def read_json_dict(path: Path) -> dict:
+def read_json_file(path: Path) -> dict:
+    """A JSON object from ``path``; a missing or malformed file is a :class:`DiffusionError` naming it."""
     from hypertron.config.loading import read_json
 
-    return read_json(path, DiffusionError, f"{path}: not found", lambda reason: f"{path}: invalid JSON ({reason})")
-
-
-def _step_flops(trainer: DiffusionTrainer, cfg: Config, side: int) -> float:
-    """The training step's FLOPs, from XLA's cost analysis of the lowered step (the forward and
-    backward of the denoiser and the frozen encoders' forwards), 0 where it gives none."""
-    state, b = trainer.abstract_state(), cfg.train.global_batch
-    batch = {"pixels": jax.ShapeDtypeStruct((b, side, side, 3), jnp.float32, sharding=trainer.batch_shardings["pixels"]),
-             "ids": jax.ShapeDtypeStruct((b, _text_length(trainer)), jnp.int32, sharding=trainer.batch_shardings["ids"])}
-    try:
-        cost = trainer.step_fn.lower(state, trainer.frozen, batch, np.float32(0)).cost_analysis()
-    except Exception:  # noqa: BLE001 - a backend without cost analysis: no FLOPs, no MFU
-        return 0.0
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float((cost or {}).get("flops", 0.0))
-
-
-def _text_length(trainer: DiffusionTrainer) -> int:
-    return int(trainer.frozen["text"]["position_embed"].shape[0])
+    value = read_json(path, DiffusionError, f"{path}: not found", lambda reason: f"{path}: invalid JSON ({reason})")
+    if not isinstance(value, dict):
+        raise DiffusionError(f"{path}: not a JSON object")
+    return value

@@ -11,7 +11,7 @@ evaluation, the throughput's unit and FLOPs, and what is written at the end.
 - :class:`PreferenceTune` (``task: dpo``): the same model on preference pairs, the DPO objective against
   a reference: frozen in the state, or its log-probabilities precomputed (:mod:`hypertron.train.dpo`).
 - :class:`hypertron.train.dlrm.Recommender` (``task: dlrm``): DLRM-v2 over sharded embedding tables;
-  :class:`hypertron.train.diffusion.DiffusionTask` (``task: diffusion``): a diffusion model's denoiser.
+  :class:`hypertron.train.diffusion_task.DiffusionTask` (``task: diffusion``): a diffusion model's denoiser.
 
 The train state is a dict with ``params``, ``opt_state`` and ``step`` (and whatever else the
 task's checkpoints hold: ``quant`` for fp8): :class:`hypertron.checkpoint.Checkpointer` saves and
@@ -594,7 +594,7 @@ def write_bundle(cfg: Config, params, console) -> None:
 
 
 def task_for(cfg: Config) -> Task:
-    own = {"dlrm": ("hypertron.train.dlrm", "Recommender"), "diffusion": ("hypertron.train.diffusion", "DiffusionTask")}
+    own = {"dlrm": ("hypertron.train.dlrm", "Recommender"), "diffusion": ("hypertron.train.diffusion_task", "DiffusionTask")}
     if cfg.task in own:  # tasks in modules of their own, imported when run
         return getattr(importlib.import_module(own[cfg.task][0]), own[cfg.task][1])()
     return {"sft": FineTune, "dpo": PreferenceTune}.get(cfg.task, LanguageModel)()

@@ -1,0 +1,222 @@
+"""Cached encodings for ``task: diffusion`` (issue 44): every caption's prompt embeddings, and with
+``diffusion.cache_latents`` every image's VAE posterior (its ``mean`` and ``logvar``; a pixel
+model's processed pixels), encoded once by ``hypertron diffusion cache RECIPE`` into ArrayRecord
+shards in ``diffusion.cache_dir``. A run with ``diffusion.cache_dir`` reads them in place of
+encoding each batch: it never loads the text encoder, nor with cached latents the VAE, and it draws
+the same caption dropout (the empty caption's embeddings, cached too), latent samples, noise and
+timesteps, so its losses are the uncached run's.
+
+The folder: ``cache.json`` (the fingerprint, the sample count, the shards), ``empty.npy`` and
+``encodings-IIIII-of-NNNNN.array_record``, record ``i`` the ``i``-th sample of the source in its
+order (every process reads its share as it would read the source). A record is an ``.npz`` of
+``context`` and, with latents, ``mean`` and ``logvar`` or ``pixels``; an image that could not be
+decoded is a record without them, skipped and counted when read, as the source's would be.
+
+The fingerprint (:func:`fingerprint`) covers the text encoder's and tokenizer's files, with
+latents the VAE's, the resolution and crop, and the source (its kind, fields and every sample's
+place and caption). Each file's digest is kept with its size and time, so a run whose encoders
+did not change checks them without reading them; a cache whose fingerprint is not the run's is
+refused in one line naming what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypertron.diffusion.errors import DiffusionError
+from hypertron.train.diffusion import Cached, Conditioning, empty_ids, read_json_file
+
+VERSION = 1
+CACHE_FILE = "cache.json"
+EMPTY_FILE = "empty.npy"
+PER_SHARD = 4096  # records a shard
+TEXT_CHUNK, IMAGE_CHUNK = 64, 16  # captions, images encoded a call
+# what a fingerprint's keys are, in a stale cache's message
+WHAT = {"version": "the cache format", "text_encoder": "the text encoder's files", "tokenizer": "the tokenizer's files",
+        "vae": "the VAE's files", "latents": "diffusion.cache_latents", "resolution": "data.resolution",
+        "center_crop": "data.center_crop", "source": "data.source", "fields": "data.image_field / data.text_field",
+        "samples": "the samples (their files or captions)"}
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"encodings-{i:05d}-of-{n:05d}.array_record"
+
+
+def _stat(folder: Path) -> list:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return [[str(f.relative_to(folder)), st.st_size, st.st_mtime_ns] for f in files for st in [f.stat()]]
+
+
+def _files_digest(folder: Path, known: dict | None) -> dict:
+    """``{"stat", "sha256"}`` of every file under ``folder`` (names and contents); the digest in
+    ``known`` is taken while the files' names, sizes and times are its."""
+    stat = _stat(folder)
+    if isinstance(known, dict) and known.get("stat") == stat:
+        return known
+    digest = hashlib.sha256()
+    for name, _, _ in stat:
+        digest.update(name.encode())
+        with open(folder / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return {"stat": stat, "sha256": digest.hexdigest()}
+
+
+def fingerprint(cfg, folder: Path, side: int, records: Sequence, known: dict | None = None) -> dict:
+    """What a cache's encodings depend on (see the module's docstring). ``records``: every sample of
+    the source (``data.images.Record``s); ``known``: a cache's ``files`` (digests by stat)."""
+    d, latents, known = cfg.data, cfg.diffusion.cache_latents, known or {}
+    files = {"text_encoder": _files_digest(folder / "text_encoder", known.get("text_encoder")),
+             "tokenizer": _files_digest(folder / "tokenizer", known.get("tokenizer"))}
+    if latents and (folder / "vae").is_dir():
+        files["vae"] = _files_digest(folder / "vae", known.get("vae"))
+    samples = hashlib.sha256()
+    for r in records:
+        samples.update(json.dumps([r.where, r.caption]).encode())
+    return {"version": VERSION, **{k: v["sha256"] for k, v in files.items()}, "latents": latents,
+            "resolution": side if latents else None, "center_crop": d.center_crop if latents else None,
+            "source": d.source, "fields": [d.image_field, d.text_field], "samples": samples.hexdigest(),
+            "files": files}
+
+
+def _stale(want: dict, have: dict) -> str | None:
+    """What differs between two fingerprints, in words; None if nothing does."""
+    for key in WHAT:
+        if want.get(key) != have.get(key):
+            return WHAT[key]
+    return None
+
+
+def check_cache(cfg, folder: Path, side: int, records: Sequence) -> tuple[Cached, dict]:
+    """The cache in ``diffusion.cache_dir`` for this run, and its ``cache.json``: a
+    :class:`DiffusionError` naming the folder if there is none or it was made for other encoders,
+    settings or samples."""
+    where = Path(cfg.diffusion.cache_dir)
+    if not (where / CACHE_FILE).is_file():
+        raise DiffusionError(f"diffusion.cache_dir={where}: no cache there (write it with: hypertron diffusion "
+                             f"cache RECIPE ...)")
+    meta = read_json_file(where / CACHE_FILE)
+    changed = _stale(fingerprint(cfg, folder, side, records, meta.get("fingerprint", {}).get("files")),
+                     meta.get("fingerprint", {}))
+    if changed is not None:
+        raise DiffusionError(f"diffusion.cache_dir={where}: stale, {changed} changed since it was written "
+                             f"(write it again: hypertron diffusion cache RECIPE ... --overwrite)")
+    if meta.get("records") != len(records):
+        raise DiffusionError(f"diffusion.cache_dir={where}: holds {meta.get('records')} samples, the source "
+                             f"{len(records)}")
+    return Cached(np.load(where / EMPTY_FILE), bool(meta["fingerprint"]["latents"])), meta
+
+
+def _npz(**arrays) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+class Reader:
+    """Random access to a cache's records (thread-safe, as Grain's ArrayRecord source)."""
+
+    def __init__(self, where: Path, meta: dict):
+        import grain
+
+        self._source = grain.sources.ArrayRecordDataSource([str(where / name) for name in meta["shards"]])
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        with np.load(io.BytesIO(self._source[i]), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+
+def write_cache(cfg, folder: Path, spec, side: int, records: Sequence, *, process: Callable[[Any], np.ndarray | None],
+                overwrite: bool, console) -> Path:
+    """Encode every sample of ``records`` into ``diffusion.cache_dir`` (see the module's docstring):
+    the captions by the folder's text encoder, with latents the images (``process``: a record's
+    pixels, None if undecodable) by its VAE. Written to a temporary folder and renamed; an existing
+    cache is replaced only with ``overwrite``, a folder holding anything else never."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from hypertron.diffusion import vae as V
+    from hypertron.diffusion.text_encoders import load_text_encoder, prompt_ids
+    from hypertron.tokenizer import get_tokenizer
+
+    where = Path(cfg.diffusion.cache_dir)
+    if where.exists() and any(where.iterdir()):
+        if not (where / CACHE_FILE).is_file():
+            raise DiffusionError(f"diffusion.cache_dir={where}: not empty and not a cache; nothing written")
+        if not overwrite:
+            raise DiffusionError(f"diffusion.cache_dir={where}: holds a cache already (--overwrite replaces it)")
+    text = load_text_encoder(folder / "text_encoder")
+    tokenizer = get_tokenizer(str(folder / "tokenizer"))
+    latents = cfg.diffusion.cache_latents
+    vae = V.load_vae(folder / "vae")[1] if latents and spec.vae is not None else None
+    frozen = {"text": text.params, "vae": vae}
+    cond = Conditioning(text.cfg, empty_ids(text.cfg, tokenizer), spec.vae)
+    encode_text = jax.jit(lambda f, ids: cond.context(f, ids))
+    encode_image = jax.jit(lambda f, pixels: cond.moments(f, pixels))
+
+    def chunked(fn, rows: np.ndarray, size: int, pad: np.ndarray):
+        out = []
+        for i in range(0, len(rows), size):
+            chunk = rows[i:i + size]
+            padded = np.concatenate([chunk, np.repeat(pad[None], size - len(chunk), 0)]) if len(chunk) < size else chunk
+            out.append(jax.tree.map(lambda a: np.asarray(a)[:len(chunk)], fn(frozen, jnp.asarray(padded))))
+        return out
+
+    length = text.cfg.max_positions
+    ids = prompt_ids(tokenizer, [r.caption for r in records], length, bos=True)
+    empty = np.asarray(encode_text(frozen, jnp.asarray(cond.empty_ids)[None]))[0]
+    contexts = np.concatenate(chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids))
+    tmp = where.with_name(where.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.save(tmp / EMPTY_FILE, empty)
+    count = -(-len(records) // PER_SHARD)
+    shards = [shard_name(i, count) for i in range(count)]
+    skipped = 0
+    for n, name in enumerate(shards):
+        writer = ArrayRecordWriter(str(tmp / name), "group_size:1")
+        part = range(n * PER_SHARD, min(len(records), (n + 1) * PER_SHARD))
+        images: dict[int, dict] = {}
+        if latents:
+            pixels = {i: process(records[i]) for i in part}
+            good = [i for i in part if pixels[i] is not None]
+            skipped += len(part) - len(good)
+            if good and vae is not None:
+                stacked = np.stack([pixels[i] for i in good])
+                moments = chunked(encode_image, stacked, IMAGE_CHUNK, stacked[0])
+                mean, logvar = (np.concatenate([m[k] for m in moments]) for k in (0, 1))
+                images = {i: {"mean": mean[j], "logvar": logvar[j]} for j, i in enumerate(good)}
+            else:
+                images = {i: {"pixels": pixels[i]} for i in good}
+        for i in part:
+            writer.write(_npz(context=contexts[i], **images.get(i, {})))
+        writer.close()
+    meta = {"fingerprint": fingerprint(cfg, folder, side, records), "records": len(records), "shards": shards,
+            "context": list(empty.shape), "skipped": skipped}
+    (tmp / CACHE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    if where.exists():
+        shutil.rmtree(where)
+    tmp.replace(where)
+    console.print(f"wrote {len(records)} samples' encodings to {where}"
+                  + (f" ({skipped} undecodable images among them)" if skipped else ""), highlight=False)
+    return where
+
+
+def unloaded_bytes(folder: Path, cached: Cached, vae: bool) -> dict[str, int]:
+    """The bytes of the frozen components a cached run does not load, by name (their weight files)."""
+    names = ["text_encoder"] + (["vae"] if cached.latents and vae else [])
+    return {name: sum(p.stat().st_size for p in (folder / name).glob("*.safetensors")) for name in names}
+
+
+__all__ = ["CACHE_FILE", "Reader", "check_cache", "fingerprint", "unloaded_bytes", "write_cache"]
