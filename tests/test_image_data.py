@@ -86,6 +86,11 @@ def test_processing_is_train_text_to_images():
     np.testing.assert_array_equal(I.process(_png(0), 8, flip=True), I.process(_png(0), 8)[:, ::-1])
     crop = I.process(_png(4), 8, center_crop=False, rng=np.random.default_rng(0))
     assert crop.shape == (8, 8, 3) and crop.min() >= -1 and crop.max() <= 1
+    # SDXL's micro-conditioning as train_text_to_image_sdxl.py computes it: the original 12 x 16, the
+    # crop's corner (0, 1) in the resized 8 x 10; flipped, its left mirrored: 8 - 1
+    np.testing.assert_array_equal(I.processed(_png(0), 8)[1], [12, 16, 0, 1])
+    np.testing.assert_array_equal(I.processed(_png(0), 8, flip=True)[1], [12, 16, 0, 7])
+    np.testing.assert_array_equal(I.processed(_png(4), 8)[1], [20, 16, 1, 0])
 
 
 def test_two_processes_read_disjoint_halves_and_random_crops_repeat(sources):

@@ -211,6 +211,15 @@ def process(data: bytes, resolution: int, *, center_crop: bool = True, flip: boo
     """``[resolution, resolution, 3]`` float32 in [-1, 1] from an encoded image (see the module's
     docstring); ``rng`` places a random crop when ``center_crop`` is off. Raises
     :class:`Undecodable` for bytes Pillow cannot read."""
+    return processed(data, resolution, center_crop=center_crop, flip=flip, rng=rng)[0]
+
+
+def processed(data: bytes, resolution: int, *, center_crop: bool = True, flip: bool = False,
+              rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`process`'s pixels and the picture's geometry as SDXL's micro-conditioning takes it:
+    int32 ``[original height, original width, crop top, crop left]``, the crop's corner in the
+    resized picture, its left mirrored (``resolution - left``) when flipped, as diffusers'
+    ``train_text_to_image_sdxl.py`` computes ``crop_top_left``."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -219,7 +228,7 @@ def process(data: bytes, resolution: int, *, center_crop: bool = True, flip: boo
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise Undecodable(str(e)) from None
     image = image.convert("RGB")
-    w, h = image.size  # torchvision's Resize(resolution): the short side to it, the long in proportion
+    w, h = original = image.size  # torchvision's Resize(resolution): the short side to it, the long in proportion
     size = (resolution, int(resolution * h / w)) if w <= h else (int(resolution * w / h), resolution)
     image = image.resize(size, Image.Resampling.BILINEAR)
     w, h = image.size
@@ -230,8 +239,9 @@ def process(data: bytes, resolution: int, *, center_crop: bool = True, flip: boo
         top, left = int(rng.integers(0, h - resolution + 1)), int(rng.integers(0, w - resolution + 1))
     x = np.asarray(image.crop((left, top, left + resolution, top + resolution)), np.float32) / 255.0
     if flip:
-        x = x[:, ::-1]
-    return np.ascontiguousarray(x * 2.0 - 1.0)
+        x, left = x[:, ::-1], resolution - left
+    geometry = np.asarray([original[1], original[0], top, left], np.int32)
+    return np.ascontiguousarray(x * 2.0 - 1.0), geometry
 
 
 class Skipped:
@@ -248,8 +258,9 @@ class Skipped:
 
 def image_dataset(records: Sequence[Record], resolution: int, *, center_crop: bool = True,
                   random_flip: bool = False, seed: int = 0, skipped: Skipped | None = None) -> grain.MapDataset:
-    """A Grain dataset of ``{"pixels", "caption", "index"}`` (``index``: the record's in ``records``)
-    from ``records`` (undecodable images dropped and counted in ``skipped``). Random crops and flips draw from ``(seed, index)``, so a restored
+    """A Grain dataset of ``{"pixels", "caption", "index", "geometry"}`` from ``records`` (``index``:
+    the record's in ``records``; ``geometry``: :func:`processed`'s), undecodable images dropped and
+    counted in ``skipped``. Random crops and flips draw from ``(seed, index)``, so a restored
     iterator repeats them."""
     skipped = skipped if skipped is not None else Skipped()
 
@@ -257,15 +268,15 @@ def image_dataset(records: Sequence[Record], resolution: int, *, center_crop: bo
         record = records[index]
         rng = np.random.default_rng([seed, index])
         try:
-            pixels = process(record.read(), resolution, center_crop=center_crop,
-                             flip=random_flip and bool(rng.integers(2)), rng=rng)
+            pixels, geometry = processed(record.read(), resolution, center_crop=center_crop,
+                                         flip=random_flip and bool(rng.integers(2)), rng=rng)
         except Undecodable:
             skipped.add(record.where)
             return None
-        return {"pixels": pixels, "caption": record.caption, "index": index}
+        return {"pixels": pixels, "caption": record.caption, "index": index, "geometry": geometry}
 
     return grain.MapDataset.range(len(records)).map(load).filter(lambda x: x is not None)
 
 
 __all__ = ["IMAGE_SOURCES", "IMAGE_SUFFIXES", "Record", "Skipped", "Undecodable", "image_dataset", "image_records",
-           "process"]
+           "process", "processed"]

@@ -37,7 +37,7 @@ from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import PipelineSpec, read_pipeline
+from hypertron.diffusion.pipeline import SDXL, PipelineSpec, read_pipeline
 from hypertron.diffusion import lora as DL
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
@@ -130,7 +130,7 @@ class DiffusionTrainer:
     unet_cfg: Any
     specs: Any  # the denoiser's declarations
     schedule: O.TrainingSchedule
-    frozen: dict  # {"text": CLIP's params, "vae": the VAE's or None} replicated; with LoRA "unet", sharded
+    frozen: dict  # {"text"(, "text_2"): CLIP's params, "vae": the VAE's} replicated, what is not cached; LoRA's "unet" sharded
     state_shardings: dict
     batch_shardings: dict
     initial_params: Any  # what trains (the folder's denoiser, or new adapters), numpy, until the first state is made
@@ -170,11 +170,9 @@ class DiffusionTrainer:
 
     def example_shapes(self, side: int) -> dict[str, tuple[int, ...]]:
         """Each batch array's shape for one example at ``side`` x ``side`` pixels."""
-        shapes = {"pixels": (side, side, 3)}
-        if "ids" in self.batch_shardings:
-            shapes["ids"] = (self.cond.text_cfg.max_positions,)
-        else:
-            shapes["context"] = tuple(self.cond.empty_context.shape)
+        shapes = {"pixels": (side, side, 3), "time_ids": (6,)}
+        shapes |= {key: (c.max_positions,) for key, c in zip(IDS, self.cond.text_cfgs)}
+        shapes |= {k: tuple(v.shape) for k, v in (self.cond.empty or {}).items()}
         if self.spec.vae is not None:
             latent = side // self.spec.vae_scale_factor
             shapes["mean"] = shapes["logvar"] = (latent, latent, self.spec.vae.latent_channels)
@@ -189,51 +187,68 @@ class DiffusionTrainer:
 @dataclasses.dataclass(frozen=True)
 class Cached:
     """What a run reads from cached encodings (:mod:`hypertron.train.diffusion_cache`) in place of
-    encoding each batch: the prompt embeddings always (``context`` [s, d] an example), and with
-    ``latents`` the image's too (the VAE's ``mean`` and ``logvar``, or a pixel model's ``pixels``).
-    ``empty_context``: the empty caption's embeddings, which caption dropout puts in."""
+    encoding each batch: the prompt embeddings always (``context`` [s, d] an example, and SDXL's
+    ``pooled`` [p]), and with ``latents`` the image's too (the VAE's ``mean`` and ``logvar``, or a
+    pixel model's ``pixels``). ``empty``: the empty caption's embeddings, which caption dropout
+    puts in."""
 
-    empty_context: np.ndarray
+    empty: dict[str, np.ndarray]
     latents: bool
+
+
+IDS = ("ids", "ids_2")  # a batch's token ids, one array per text encoder (frozen "text", "text_2")
+TEXTS = ("text", "text_2")
 
 
 @dataclasses.dataclass(frozen=True)
 class Conditioning:
-    """What turns a batch into the denoiser's inputs: the frozen text encoder's config, the empty
-    caption's ids (caption dropout) or, cached, its embeddings; the pipeline's VAE config (None:
-    pixels). A batch holds ``ids`` or cached ``context``, and ``pixels`` or cached ``mean`` and
-    ``logvar``: either way the same key draws the same dropout and latents."""
+    """What turns a batch into the denoiser's inputs: the frozen text encoders' configs (SDXL has
+    two), the empty caption's ids per encoder (caption dropout) or, cached, its embeddings; the
+    pipeline's VAE config (None: pixels). A batch holds ``ids`` (``ids_2``) or cached ``context``
+    (``pooled``), ``pixels`` or cached ``mean`` and ``logvar``, and for SDXL ``time_ids`` (its
+    micro-conditioning: original size, crop corner, target size): either way the same key draws
+    the same dropout and latents."""
 
-    text_cfg: Any
-    empty_ids: np.ndarray | None
+    text_cfgs: tuple
+    empty_ids: tuple | None
     vae: Any
-    empty_context: np.ndarray | None = None
+    sdxl: bool = False
+    empty: dict | None = None
 
-    def context(self, frozen: dict, ids: jax.Array) -> jax.Array:
-        """The prompt embeddings of ``ids`` [b, t] (SD 1.x / 2.x's: CLIP's last hidden state)."""
-        from hypertron.diffusion.text_encoders import clip_encode, sd_prompt_embeds
+    def text(self, frozen: dict, ids: tuple) -> dict[str, jax.Array]:
+        """The prompt embeddings of each encoder's ids [b, t]: ``context`` (SD 1.x / 2.x: CLIP's last
+        hidden state; SDXL: both encoders' penultimate states side by side) and SDXL's ``pooled``
+        (the second encoder's projection), as diffusers' training scripts encode them."""
+        from hypertron.diffusion.text_encoders import clip_encode, sd_prompt_embeds, sdxl_prompt_embeds
 
-        return sd_prompt_embeds(clip_encode(frozen["text"], self.text_cfg, ids), frozen["text"], self.text_cfg)
+        outs = [clip_encode(frozen[name], c, i) for name, c, i in zip(TEXTS, self.text_cfgs, ids)]
+        if self.sdxl:
+            context, pooled = sdxl_prompt_embeds(*outs)
+            return {"context": context, "pooled": pooled}
+        return {"context": sd_prompt_embeds(outs[0], frozen["text"], self.text_cfgs[0])}
 
     def moments(self, frozen: dict, pixels: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The VAE posterior's ``(mean, logvar)`` of ``pixels`` [b, h, w, 3] in [-1, 1]."""
         return V.encode(frozen["vae"], self.vae, pixels)
 
-    def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, jax.Array]:
-        """The clean latents (the pixels, or latents sampled from the VAE's posterior) and the prompt
-        embeddings, ``dropout`` of the captions emptied (the unconditional branch CFG needs)."""
+    def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, dict]:
+        """The clean latents (the pixels, or latents sampled from the VAE's posterior) and the
+        denoiser's conditioning (``context``, and SDXL's ``added``), ``dropout`` of the captions
+        emptied (the unconditional branch CFG needs)."""
         k_drop, k_latent = jax.random.split(key)
         cached = "context" in batch
         rows = (batch["context"] if cached else batch["ids"]).shape[0]
         drop = jax.random.uniform(k_drop, (rows,)) < dropout if dropout > 0 else None
+
+        def dropped(x, empty):
+            if drop is None:
+                return x
+            return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), jnp.asarray(empty)[None], x)
+
         if cached:
-            context = batch["context"]
-            if drop is not None:
-                context = jnp.where(drop[:, None, None], jnp.asarray(self.empty_context)[None], context)
+            text = {k: dropped(batch[k], v) for k, v in self.empty.items()}
         else:
-            ids = batch["ids"] if drop is None else jnp.where(drop[:, None], jnp.asarray(self.empty_ids)[None],
-                                                              batch["ids"])
-            context = self.context(frozen, ids)
+            text = self.text(frozen, tuple(dropped(batch[k], e) for k, e in zip(IDS, self.empty_ids)))
         if "mean" in batch:
             mean, logvar = batch["mean"], batch["logvar"]
         elif self.vae is not None:
@@ -242,15 +257,22 @@ class Conditioning:
             x0 = batch["pixels"]
         else:
             x0 = V.vae_to_latents(self.vae, mean + jnp.exp(0.5 * logvar) * jax.random.normal(k_latent, mean.shape))
-        return jax.lax.stop_gradient(x0), jax.lax.stop_gradient(context)
+        cond = {"context": text["context"]}
+        if self.sdxl:
+            cond["added"] = {"text_embeds": text["pooled"], "time_ids": batch["time_ids"]}
+        return jax.lax.stop_gradient(x0), jax.lax.stop_gradient(cond)
 
 
-def batch_ranks(cached: Cached | None, vae: Any) -> dict[str, int]:
-    """A batch's arrays and their ranks: ``ids`` or cached ``context``; ``pixels``, or cached
-    latents' ``mean`` and ``logvar`` (a pixel model's cached latents are its ``pixels``)."""
-    text = {"ids": 2} if cached is None else {"context": 3}
-    return text | ({"mean": 4, "logvar": 4} if cached is not None and cached.latents and vae is not None
-                   else {"pixels": 4})
+def batch_ranks(cached: Cached | None, spec: PipelineSpec) -> dict[str, int]:
+    """A batch's arrays and their ranks: ``ids`` (``ids_2``) or cached ``context`` (``pooled``);
+    ``pixels``, or cached latents' ``mean`` and ``logvar`` (a pixel model's cached latents are its
+    ``pixels``); SDXL's ``time_ids``."""
+    sdxl = spec.class_name == SDXL
+    text = ({k: 2 for k in IDS[:len(spec.kind.text_encoders)]} if cached is None
+            else {"context": 3} | ({"pooled": 2} if sdxl else {}))
+    image = ({"mean": 4, "logvar": 4} if cached is not None and cached.latents and spec.vae is not None
+             else {"pixels": 4})
+    return text | image | ({"time_ids": 2} if sdxl else {})
 
 
 def _shardings(cfg: Config, mesh: Mesh, p_abstract: Any, axes: Any, optimizer, rules, ranks: dict[str, int]
@@ -278,20 +300,24 @@ def _init_state(optimizer, use_ema: bool, params: Any) -> dict:
     return state
 
 
-def _frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None) -> tuple[dict, Conditioning]:
-    """The frozen encoders a run loads (``text``, ``vae``: what is not cached) and the conditioning
-    over them."""
+def frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None) -> tuple[dict, Conditioning]:
+    """The frozen encoders a run loads (``text``, ``text_2``, ``vae``: what is not cached) and the
+    conditioning over them."""
     from hypertron.diffusion.text_encoders import load_text_encoder, text_config
     from hypertron.tokenizer import get_tokenizer
 
     frozen: dict = {}
+    sdxl = spec.class_name == SDXL
     if cached is None:
-        text = load_text_encoder(folder / "text_encoder")
-        frozen["text"] = text.params
-        cond = Conditioning(text.cfg, empty_ids(text.cfg, get_tokenizer(str(folder / "tokenizer"))), spec.vae)
+        encoders = [load_text_encoder(folder / name) for name in spec.kind.text_encoders]
+        frozen |= {key: e.params for key, e in zip(TEXTS, encoders)}
+        empty = tuple(empty_ids(e.cfg, get_tokenizer(str(folder / name)))
+                      for e, name in zip(encoders, spec.kind.tokenizers))
+        cond = Conditioning(tuple(e.cfg for e in encoders), empty, spec.vae, sdxl)
     else:
-        text_cfg = text_config(read_json_file(folder / "text_encoder" / "config.json"), str(folder / "text_encoder"))
-        cond = Conditioning(text_cfg, None, spec.vae, cached.empty_context)
+        cfgs = tuple(text_config(read_json_file(folder / name / "config.json"), str(folder / name))
+                     for name in spec.kind.text_encoders)
+        cond = Conditioning(cfgs, None, spec.vae, sdxl, cached.empty)
     if spec.vae is not None and not (cached is not None and cached.latents):
         frozen["vae"] = V.load_vae(folder / "vae")[1]
     return frozen, cond
@@ -306,10 +332,10 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
     unet_cfg, initial = U.load_unet(folder / "unet")
     specs = U.declare_unet(unet_cfg)
     replicated = NamedSharding(mesh, P())
-    frozen, cond = _frozen_encoders(folder, spec, cached)
+    frozen, cond = frozen_encoders(folder, spec, cached)
     frozen = jax.device_put(frozen, replicated)
     frozen_shardings = {k: replicated for k in frozen}
-    ranks = batch_ranks(cached, spec.vae)
+    ranks = batch_ranks(cached, spec)
     sched = O.training_schedule(spec.scheduler, objective, shift=f.shift or None)
     optimizer, lr = make_optimizer(cfg.train), schedule(cfg.train)
     settings = lora_of(cfg)
@@ -329,12 +355,11 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
         """The step's loss and the gradient of what trains, its draws from (seed, step)."""
         with use_rules(mesh, rules):
             k_inputs, k_noise = jax.random.split(jax.random.fold_in(jax.random.key(cfg.train.seed), step))
-            x0, context = cond.inputs(frozen, batch, k_inputs, f.cond_dropout)
+            x0, conditioning = cond.inputs(frozen, batch, k_inputs, f.cond_dropout)
             noise, index = draw_noise(k_noise, x0, sched, f.timesteps, noise_offset=f.noise_offset,
                                       logit_mean=f.logit_mean, logit_std=f.logit_std, mode_scale=f.mode_scale)
             return jax.value_and_grad(lambda p: unet_loss(
-                denoiser(p, frozen), unet_cfg, sched, {"latents": x0, "noise": noise, "index": index,
-                                                       "context": context},
+                denoiser(p, frozen), unet_cfg, sched, {"latents": x0, "noise": noise, "index": index, **conditioning},
                 weighting=f.weighting, snr_gamma=f.snr_gamma))(params)
 
     def step(state, frozen, batch, rate):
@@ -354,13 +379,13 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
         """The mean loss of a held-out batch over the fixed timesteps, noise from (seed, batch j)."""
         with use_rules(mesh, rules):
             key = jax.random.fold_in(jax.random.key(cfg.train.seed + EVAL_SEED), j)
-            x0, context = cond.inputs(frozen, batch, key, 0.0)
+            x0, conditioning = cond.inputs(frozen, batch, key, 0.0)
 
             def at(i):
                 noise = jax.random.normal(jax.random.fold_in(key, i + 1), x0.shape, x0.dtype)
                 index = jnp.full((x0.shape[0],), jnp.asarray(eval_index)[i])
                 return unet_loss(denoiser(params, frozen), unet_cfg, sched, {"latents": x0, "noise": noise,
-                                                                             "index": index, "context": context})
+                                                                             "index": index, **conditioning})
 
             return jnp.mean(jax.lax.map(at, jnp.arange(len(eval_index))))
 

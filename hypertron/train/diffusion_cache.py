@@ -6,13 +6,15 @@ encoding each batch: it never loads the text encoder, nor with cached latents th
 the same caption dropout (the empty caption's embeddings, cached too), latent samples, noise and
 timesteps, so its losses are the uncached run's.
 
-The folder: ``cache.json`` (the fingerprint, the sample count, the shards), ``empty.npy`` and
+The folder: ``cache.json`` (the fingerprint, the sample count, the shards), ``empty.npz`` and
 ``encodings-IIIII-of-NNNNN.array_record``, record ``i`` the ``i``-th sample of the source in its
 order (every process reads its share as it would read the source). A record is an ``.npz`` of
-``context`` and, with latents, ``mean`` and ``logvar`` or ``pixels``; an image that could not be
-decoded is a record without them, skipped and counted when read, as the source's would be.
+``context`` (and SDXL's ``pooled``) and, with latents, ``mean`` and ``logvar`` or ``pixels``, and
+the picture's ``geometry`` (SDXL's micro-conditioning, :func:`hypertron.data.images.processed`);
+an image that could not be decoded is a record without them, skipped and counted when read, as
+the source's would be.
 
-The fingerprint (:func:`fingerprint`) covers the text encoder's and tokenizer's files, with
+The fingerprint (:func:`fingerprint`) covers the text encoders' and tokenizers' files, with
 latents the VAE's, the resolution and crop, and the source (its kind, fields and every sample's
 place and caption). Each file's digest is kept with its size and time, so a run whose encoders
 did not change checks them without reading them; a cache whose fingerprint is not the run's is
@@ -33,16 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.train.diffusion import Cached, Conditioning, empty_ids, read_json_file
+from hypertron.train.diffusion import Cached, frozen_encoders, read_json_file
 
 VERSION = 1
 CACHE_FILE = "cache.json"
-EMPTY_FILE = "empty.npy"
+EMPTY_FILE = "empty.npz"  # the empty caption's embeddings (context, and SDXL's pooled)
 PER_SHARD = 4096  # records a shard
 TEXT_CHUNK, IMAGE_CHUNK = 64, 16  # captions, images encoded a call
-# what a fingerprint's keys are, in a stale cache's message
-WHAT = {"version": "the cache format", "text_encoder": "the text encoder's files", "tokenizer": "the tokenizer's files",
-        "vae": "the VAE's files", "latents": "diffusion.cache_latents", "resolution": "data.resolution",
+# what a fingerprint's keys are, in a stale cache's message (its components': "the NAME's files")
+WHAT = {"version": "the cache format", "latents": "diffusion.cache_latents", "resolution": "data.resolution",
         "center_crop": "data.center_crop", "source": "data.source", "fields": "data.image_field / data.text_field",
         "samples": "the samples (their files or captions)"}
 
@@ -71,18 +72,17 @@ def _files_digest(folder: Path, known: dict | None) -> dict:
     return {"stat": stat, "sha256": digest.hexdigest()}
 
 
-def fingerprint(cfg, folder: Path, side: int, records: Sequence, known: dict | None = None) -> dict:
-    """What a cache's encodings depend on (see the module's docstring). ``records``: every sample of
-    the source (``data.images.Record``s); ``known``: a cache's ``files`` (digests by stat)."""
+def fingerprint(cfg, spec, side: int, records: Sequence, known: dict | None = None) -> dict:
+    """What a cache's encodings depend on (see the module's docstring). ``spec``: the pipeline's
+    (its text encoders and tokenizers, and with latents its VAE); ``records``: every sample of the
+    source (``data.images.Record``s); ``known``: a cache's ``files`` (digests by stat)."""
     d, latents, known = cfg.data, cfg.diffusion.cache_latents, known or {}
-    files = {"text_encoder": _files_digest(folder / "text_encoder", known.get("text_encoder")),
-             "tokenizer": _files_digest(folder / "tokenizer", known.get("tokenizer"))}
-    if latents and (folder / "vae").is_dir():
-        files["vae"] = _files_digest(folder / "vae", known.get("vae"))
+    names = [*spec.kind.text_encoders, *spec.kind.tokenizers] + (["vae"] if latents and spec.vae is not None else [])
+    files = {name: _files_digest(Path(spec.folder) / name, known.get(name)) for name in names}
     samples = hashlib.sha256()
     for r in records:
         samples.update(json.dumps([r.where, r.caption]).encode())
-    return {"version": VERSION, **{k: v["sha256"] for k, v in files.items()}, "latents": latents,
+    return {"version": VERSION, "components": {k: v["sha256"] for k, v in files.items()}, "latents": latents,
             "resolution": side if latents else None, "center_crop": d.center_crop if latents else None,
             "source": d.source, "fields": [d.image_field, d.text_field], "samples": samples.hexdigest(),
             "files": files}
@@ -90,13 +90,19 @@ def fingerprint(cfg, folder: Path, side: int, records: Sequence, known: dict | N
 
 def _stale(want: dict, have: dict) -> str | None:
     """What differs between two fingerprints, in words; None if nothing does."""
+    if want["version"] != have.get("version"):
+        return WHAT["version"]
+    theirs = have.get("components") or {}
+    for name, digest in want["components"].items():
+        if theirs.get(name) != digest:
+            return f"the {name.replace('_', ' ')}'s files"
     for key in WHAT:
         if want.get(key) != have.get(key):
             return WHAT[key]
     return None
 
 
-def check_cache(cfg, folder: Path, side: int, records: Sequence) -> tuple[Cached, dict]:
+def check_cache(cfg, spec, side: int, records: Sequence) -> tuple[Cached, dict]:
     """The cache in ``diffusion.cache_dir`` for this run, and its ``cache.json``: a
     :class:`DiffusionError` naming the folder if there is none or it was made for other encoders,
     settings or samples."""
@@ -105,7 +111,7 @@ def check_cache(cfg, folder: Path, side: int, records: Sequence) -> tuple[Cached
         raise DiffusionError(f"diffusion.cache_dir={where}: no cache there (write it with: hypertron diffusion "
                              f"cache RECIPE ...)")
     meta = read_json_file(where / CACHE_FILE)
-    changed = _stale(fingerprint(cfg, folder, side, records, meta.get("fingerprint", {}).get("files")),
+    changed = _stale(fingerprint(cfg, spec, side, records, meta.get("fingerprint", {}).get("files")),
                      meta.get("fingerprint", {}))
     if changed is not None:
         raise DiffusionError(f"diffusion.cache_dir={where}: stale, {changed} changed since it was written "
@@ -113,7 +119,8 @@ def check_cache(cfg, folder: Path, side: int, records: Sequence) -> tuple[Cached
     if meta.get("records") != len(records):
         raise DiffusionError(f"diffusion.cache_dir={where}: holds {meta.get('records')} samples, the source "
                              f"{len(records)}")
-    return Cached(np.load(where / EMPTY_FILE), bool(meta["fingerprint"]["latents"])), meta
+    with np.load(where / EMPTY_FILE, allow_pickle=False) as empty:
+        return Cached({k: empty[k] for k in empty.files}, bool(meta["fingerprint"]["latents"])), meta
 
 
 def _npz(**arrays) -> bytes:
@@ -138,16 +145,15 @@ class Reader:
             return {k: z[k] for k in z.files}
 
 
-def write_cache(cfg, folder: Path, spec, side: int, records: Sequence, *, process: Callable[[Any], np.ndarray | None],
+def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[Any], tuple | None],
                 overwrite: bool, console) -> Path:
     """Encode every sample of ``records`` into ``diffusion.cache_dir`` (see the module's docstring):
-    the captions by the folder's text encoder, with latents the images (``process``: a record's
-    pixels, None if undecodable) by its VAE. Written to a temporary folder and renamed; an existing
-    cache is replaced only with ``overwrite``, a folder holding anything else never."""
+    the captions by the pipeline's text encoders, with latents the images (``process``: a record's
+    pixels and geometry, None if undecodable) by its VAE. Written to a temporary folder and renamed;
+    an existing cache is replaced only with ``overwrite``, a folder holding anything else never."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from hypertron.diffusion import vae as V
-    from hypertron.diffusion.text_encoders import load_text_encoder, prompt_ids
+    from hypertron.diffusion.text_encoders import prompt_ids
     from hypertron.tokenizer import get_tokenizer
 
     where = Path(cfg.diffusion.cache_dir)
@@ -156,31 +162,32 @@ def write_cache(cfg, folder: Path, spec, side: int, records: Sequence, *, proces
             raise DiffusionError(f"diffusion.cache_dir={where}: not empty and not a cache; nothing written")
         if not overwrite:
             raise DiffusionError(f"diffusion.cache_dir={where}: holds a cache already (--overwrite replaces it)")
-    text = load_text_encoder(folder / "text_encoder")
-    tokenizer = get_tokenizer(str(folder / "tokenizer"))
     latents = cfg.diffusion.cache_latents
-    vae = V.load_vae(folder / "vae")[1] if latents and spec.vae is not None else None
-    frozen = {"text": text.params, "vae": vae}
-    cond = Conditioning(text.cfg, empty_ids(text.cfg, tokenizer), spec.vae)
-    encode_text = jax.jit(lambda f, ids: cond.context(f, ids))
+    frozen, cond = frozen_encoders(Path(spec.folder), spec, None)
+    if not latents:
+        frozen.pop("vae", None)
+    encode_text = jax.jit(lambda f, ids: cond.text(f, ids))
     encode_image = jax.jit(lambda f, pixels: cond.moments(f, pixels))
 
-    def chunked(fn, rows: np.ndarray, size: int, pad: np.ndarray):
+    def chunked(fn, rows, size: int, pad):
+        """``fn`` over ``rows`` (a tuple of arrays) in calls of ``size`` rows, the last padded with ``pad``."""
         out = []
-        for i in range(0, len(rows), size):
-            chunk = rows[i:i + size]
-            padded = np.concatenate([chunk, np.repeat(pad[None], size - len(chunk), 0)]) if len(chunk) < size else chunk
-            out.append(jax.tree.map(lambda a: np.asarray(a)[:len(chunk)], fn(frozen, jnp.asarray(padded))))
-        return out
+        for i in range(0, len(rows[0]), size):
+            chunk = [r[i:i + size] for r in rows]
+            n = len(chunk[0])
+            padded = tuple(np.concatenate([c, np.repeat(p[None], size - n, 0)]) for c, p in zip(chunk, pad))
+            out.append(jax.tree.map(lambda a: np.asarray(a)[:n], fn(frozen, tuple(map(jnp.asarray, padded)))))
+        return jax.tree.map(lambda *parts: np.concatenate(parts), *out)
 
-    length = text.cfg.max_positions
-    ids = prompt_ids(tokenizer, [r.caption for r in records], length, bos=True)
-    empty = np.asarray(encode_text(frozen, jnp.asarray(cond.empty_ids)[None]))[0]
-    contexts = np.concatenate(chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids))
+    ids = tuple(prompt_ids(get_tokenizer(str(Path(spec.folder) / name)), [r.caption for r in records], c.max_positions,
+                           bos=True) for name, c in zip(spec.kind.tokenizers, cond.text_cfgs))
+    empty = jax.tree.map(lambda a: np.asarray(a)[0], encode_text(frozen, tuple(jnp.asarray(e)[None]
+                                                                          for e in cond.empty_ids)))
+    texts = chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids)
     tmp = where.with_name(where.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    np.save(tmp / EMPTY_FILE, empty)
+    np.savez(tmp / EMPTY_FILE, **empty)
     count = -(-len(records) // PER_SHARD)
     shards = [shard_name(i, count) for i in range(count)]
     skipped = 0
@@ -189,21 +196,19 @@ def write_cache(cfg, folder: Path, spec, side: int, records: Sequence, *, proces
         part = range(n * PER_SHARD, min(len(records), (n + 1) * PER_SHARD))
         images: dict[int, dict] = {}
         if latents:
-            pixels = {i: process(records[i]) for i in part}
-            good = [i for i in part if pixels[i] is not None]
+            done = {i: process(records[i]) for i in part}
+            good = [i for i in part if done[i] is not None]
             skipped += len(part) - len(good)
-            if good and vae is not None:
-                stacked = np.stack([pixels[i] for i in good])
-                moments = chunked(encode_image, stacked, IMAGE_CHUNK, stacked[0])
-                mean, logvar = (np.concatenate([m[k] for m in moments]) for k in (0, 1))
-                images = {i: {"mean": mean[j], "logvar": logvar[j]} for j, i in enumerate(good)}
-            else:
-                images = {i: {"pixels": pixels[i]} for i in good}
+            images = {i: {"pixels": done[i][0], "geometry": done[i][1]} for i in good}
+            if good and "vae" in frozen:
+                stacked = np.stack([done[i][0] for i in good])
+                mean, logvar = chunked(lambda f, x: encode_image(f, x[0]), (stacked,), IMAGE_CHUNK, (stacked[0],))
+                images = {i: {"mean": mean[j], "logvar": logvar[j], "geometry": done[i][1]} for j, i in enumerate(good)}
         for i in part:
-            writer.write(_npz(context=contexts[i], **images.get(i, {})))
+            writer.write(_npz(**{k: v[i] for k, v in texts.items()}, **images.get(i, {})))
         writer.close()
-    meta = {"fingerprint": fingerprint(cfg, folder, side, records), "records": len(records), "shards": shards,
-            "context": list(empty.shape), "skipped": skipped}
+    meta = {"fingerprint": fingerprint(cfg, spec, side, records), "records": len(records), "shards": shards,
+            "skipped": skipped}
     (tmp / CACHE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     if where.exists():
         shutil.rmtree(where)
@@ -213,10 +218,10 @@ def write_cache(cfg, folder: Path, spec, side: int, records: Sequence, *, proces
     return where
 
 
-def unloaded_bytes(folder: Path, cached: Cached, vae: bool) -> dict[str, int]:
+def unloaded_bytes(spec, cached: Cached) -> dict[str, int]:
     """The bytes of the frozen components a cached run does not load, by name (their weight files)."""
-    names = ["text_encoder"] + (["vae"] if cached.latents and vae else [])
-    return {name: sum(p.stat().st_size for p in (folder / name).glob("*.safetensors")) for name in names}
+    names = [*spec.kind.text_encoders] + (["vae"] if cached.latents and spec.vae is not None else [])
+    return {name: sum(p.stat().st_size for p in (Path(spec.folder) / name).glob("*.safetensors")) for name in names}
 
 
 __all__ = ["CACHE_FILE", "Reader", "check_cache", "fingerprint", "unloaded_bytes", "write_cache"]

@@ -1,8 +1,8 @@
 """``task: diffusion`` (issue 44): the :class:`hypertron.train.task.Task` that trains a diffusion
 model's denoiser on the shared loop, with the trainer of :mod:`hypertron.train.diffusion`.
 
-It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x so far; SDXL and
-Flux are refused in one line until their conditioning is fed), or a preset trained from scratch
+It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x and SDXL so far;
+Flux is refused in one line until its conditioning is fed), or a preset trained from scratch
 (``shapes-unet``: :mod:`hypertron.diffusion.folders`, written to ``RUN/preset`` at the run's
 start). The data: the shapes source, or image files (:mod:`hypertron.data.images`), or with
 ``diffusion.cache_dir`` their cached encodings (:mod:`hypertron.train.diffusion_cache`). The
@@ -27,16 +27,17 @@ from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import lora as DL
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import PIXEL, SD, PipelineSpec, read_pipeline
+from hypertron.diffusion.pipeline import PIXEL, SD, SDXL, PipelineSpec, read_pipeline
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for
 from hypertron.train import diffusion_cache as C
-from hypertron.train.diffusion import EVAL_SEED, DiffusionTrainer, lora_of, make_diffusion_trainer, read_json_file
+from hypertron.train.diffusion import (EVAL_SEED, IDS, DiffusionTrainer, lora_of, make_diffusion_trainer,
+                                       read_json_file)
 from hypertron.train.metrics import Throughput
 
-TRAINABLE = (SD, PIXEL)  # the pipeline classes whose denoiser the task trains so far
+TRAINABLE = (SD, SDXL, PIXEL)  # the pipeline classes whose denoiser the task trains so far
 PRESET_DIR = "preset"  # RUN/preset: a preset's folder, written at the run's start
 
 
@@ -168,7 +169,8 @@ class DiffusionTask:
     def _cache(self, cfg: Config) -> tuple:
         """The run's cached encodings and their ``cache.json`` (:func:`diffusion_cache.check_cache`), checked once."""
         if self._cached is None:
-            self._cached = C.check_cache(cfg, self.folder(cfg), self._check(cfg)[2], self._all_records(cfg))
+            spec, _, side = self._check(cfg)
+            self._cached = C.check_cache(cfg, spec, side, self._all_records(cfg))
         return self._cached
 
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
@@ -178,12 +180,10 @@ class DiffusionTask:
         import grain
 
         from hypertron.diffusion import shapes
-        from hypertron.diffusion.text_encoders import prompt_ids, text_config
         from hypertron.data.images import Skipped, image_dataset
-        from hypertron.tokenizer import get_tokenizer
 
         d, t = cfg.data, cfg.train
-        _, _, side = self._check(cfg)
+        spec, _, side = self._check(cfg)
         folder = self.folder(cfg)
         seed = d.seed + (EVAL_SEED if split == "eval" else 0)
         skipped = Skipped()
@@ -200,7 +200,7 @@ class DiffusionTask:
             if cfg.diffusion.cache_dir and cached.latents:
                 def load(j: int):
                     encoded = reader[mine[j]]
-                    if len(encoded) == 1:  # the caption's alone: an image the cache could not decode
+                    if "geometry" not in encoded:  # the caption's alone: an image the cache could not decode
                         skipped.add(records[mine[j]].where)
                         return None
                     return encoded
@@ -210,25 +210,18 @@ class DiffusionTask:
                 ds = image_dataset([records[i] for i in mine], side, center_crop=d.center_crop,
                                    random_flip=d.random_flip, seed=seed, skipped=skipped)
                 if cfg.diffusion.cache_dir:
-                    ds = ds.map(lambda x: {"pixels": x["pixels"], **reader[mine[x["index"]]]})
+                    ds = ds.map(lambda x: {**x, **reader[mine[x["index"]]]})
             if d.shuffle and split == "train":
                 ds = ds.shuffle(seed=seed)
             ds = ds.repeat()
-        if cfg.diffusion.cache_dir:
-            example = lambda x: {k: np.asarray(v, np.float32) for k, v in x.items()}  # noqa: E731
-        else:
-            where = folder / "text_encoder" / "config.json"
-            length = text_config(read_json_file(where), str(where)).max_positions
-            tokenizer = get_tokenizer(str(folder / "tokenizer"))
-            example = lambda x: {"pixels": np.asarray(x["pixels"], np.float32),  # noqa: E731
-                                 "ids": prompt_ids(tokenizer, [x["caption"]], length, bos=True)[0]}
+        example = _example_fn(cfg, spec, folder, side)
         per_process = t.global_batch // jax.process_count()
         # to an IterDataset before batching: the image sources' filter (undecodable images) may drop elements
         return iter(ds.map(example).to_iter_dataset().batch(per_process, drop_remainder=True))
 
     def write_cache(self, cfg: Config, console, *, overwrite: bool = False) -> Path:
         """``hypertron diffusion cache``: every sample's encodings into ``diffusion.cache_dir``."""
-        from hypertron.data.images import Undecodable, process
+        from hypertron.data.images import Undecodable, processed
 
         if cfg.task != "diffusion" or not cfg.diffusion.cache_dir:
             raise ConfigError("diffusion.cache_dir: set it (and task=diffusion) to say where the cache goes")
@@ -240,11 +233,11 @@ class DiffusionTask:
 
         def pixels(record):
             try:
-                return process(record.read(), side, center_crop=d.center_crop)
+                return processed(record.read(), side, center_crop=d.center_crop)
             except Undecodable:  # kept as such: skipped and counted when read, as the source's would be
                 return None
 
-        return C.write_cache(cfg, self.folder(cfg), spec, side, self._all_records(cfg), process=pixels,
+        return C.write_cache(cfg, spec, side, self._all_records(cfg), process=pixels,
                              overwrite=overwrite, console=console)
 
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
@@ -338,11 +331,34 @@ def _mine(items: Sequence, eval_fraction: float, split: str, process_index: int,
     return share[len(share) - held:] if split == "eval" else share[:len(share) - held]
 
 
+def _example_fn(cfg: Config, spec: PipelineSpec, folder: Path, side: int):
+    """What one example of a batch holds, from a dataset element: cached encodings (``context``,
+    ``pooled``, ``mean``, ``logvar``, ``pixels``) as they are, or the pixels and each tokenizer's
+    ids of the caption; for SDXL its ``time_ids`` (original size, crop corner, target size, as
+    ``train_text_to_image_sdxl.py``'s ``add_time_ids``)."""
+    from hypertron.diffusion.text_encoders import prompt_ids, text_config
+    from hypertron.tokenizer import get_tokenizer
+
+    sdxl = spec.class_name == SDXL
+    if cfg.diffusion.cache_dir:
+        keys = ("context", "pooled", "mean", "logvar", "pixels")
+        text = lambda x: {k: np.asarray(x[k], np.float32) for k in keys if k in x}  # noqa: E731
+    else:
+        tokenizers = [(key, get_tokenizer(str(folder / name)),
+                       text_config(read_json_file(folder / encoder / "config.json"), str(folder / encoder)).max_positions)
+                      for key, name, encoder in zip(IDS, spec.kind.tokenizers, spec.kind.text_encoders)]
+        text = lambda x: {"pixels": np.asarray(x["pixels"], np.float32),  # noqa: E731
+                          **{k: prompt_ids(tok, [x["caption"]], n, bos=True)[0] for k, tok, n in tokenizers}}
+    if not sdxl:
+        return text
+    return lambda x: {**text(x), "time_ids": np.asarray([*x["geometry"], side, side], np.float32)}
+
+
 def _say_cached(cfg: Config, trainer: DiffusionTrainer, console) -> None:
     """With cached encodings, the line saying what the run did not load (the memory it saved)."""
     if trainer.cached is None:
         return
-    unloaded = C.unloaded_bytes(trainer.folder, trainer.cached, trainer.spec.vae is not None)
+    unloaded = C.unloaded_bytes(trainer.spec, trainer.cached)
     console.print(f"reading cached encodings from {cfg.diffusion.cache_dir}: not loaded "
                   + ", ".join(f"the {name.replace('_', ' ')} ({size / 2**20:.1f} MiB)" for name, size in unloaded.items()),
                   highlight=False)
@@ -354,7 +370,7 @@ def _compile_step(trainer: DiffusionTrainer, cfg: Config, side: int) -> float:
     analysis of the lowered step (the denoiser's forward and backward and the frozen encoders'
     forwards), 0 where the backend gives none."""
     state, b = trainer.abstract_state(), cfg.train.global_batch
-    batch = {k: jax.ShapeDtypeStruct((b, *shape), jnp.int32 if k == "ids" else jnp.float32,
+    batch = {k: jax.ShapeDtypeStruct((b, *shape), jnp.int32 if k in IDS else jnp.float32,
                                      sharding=trainer.batch_shardings[k])
              for k, shape in trainer.example_shapes(side).items()}
     lowered = trainer.step_fn.lower(state, trainer.frozen, batch, np.float32(0))

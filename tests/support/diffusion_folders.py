@@ -88,14 +88,14 @@ def small_sd(root: Path):
     return tiny_sd(root, SMALL_UNET, "small-sd")
 
 
-def tiny_sdxl(root: Path):
+def tiny_sdxl(root: Path, unet: dict = TINY_UNET):
     """A random tiny SDXL pipeline (16x16 images): two CLIP encoders (16 + 16 penultimate features, the
-    second's pooled projection of 24), a ``text_time`` UNet, Euler."""
+    second's pooled projection of 24), a ``text_time`` UNet (``unet``'s config besides), Euler."""
     torch, _, diffusers = _libraries()
     torch.manual_seed(0)
     tokenizer, encoder = _clip(root, "sdxl-vocab", 16)
     tokenizer_2, encoder_2 = _clip(root, "sdxl-vocab-2", 16, projection_dim=24)
-    unet = diffusers.UNet2DConditionModel(**TINY_UNET | dict(
+    unet = diffusers.UNet2DConditionModel(**unet | dict(
         addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 24))
     scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                                  steps_offset=1, timestep_spacing="leading")
