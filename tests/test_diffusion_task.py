@@ -62,24 +62,26 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path, one_de
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_lora_on_an_sd_folder_trains_adapters_alone_and_diffusers_loads_the_export(tmp_path):
-    """A tiny SD folder (VAE latents, DDIM, epsilon) fine-tuned with ``lora.rank`` for 2 steps on
-    pictures read from files (an undecodable one counted in ``data_skipped``): the checkpoints hold
-    the adapters alone, RUN/lora holds diffusers' file of them, and RUN/model's UNet is the base's
-    with them merged (every weight they do not cover the base's to the bit, every one they cover
-    the base's plus their product, 1e-6). diffusers' ``StableDiffusionPipeline.from_pretrained``
-    loads RUN/model, and from the same initial latents it gives ``hypertron diffuse``'s final
-    latents (1e-3)."""
+def test_lora_on_a_flux_folder_trains_adapters_alone_and_diffusers_loads_the_export(tmp_path, one_device):
+    """A tiny Flux-dev folder (T5 and CLIP, VAE latents packed 2 x 2, flow matching, embedded
+    guidance) fine-tuned with ``lora.rank`` for 2 steps on pictures read from files (an
+    undecodable one counted in ``data_skipped``): the checkpoints hold the adapters alone,
+    RUN/lora holds diffusers' file of them (``transformer.`` + the double and single blocks'
+    ``attn.to_q`` / ``to_k`` / ``to_v`` and the double blocks' ``attn.to_out.0``, diffusers' Flux
+    LoRA scripts' targets), and RUN/model's transformer is the base's with them merged (every
+    weight they do not cover the base's to the bit, every one they cover the base's plus their
+    product, 1e-6). diffusers' ``FluxPipeline.from_pretrained`` loads RUN/model, and from the same
+    initial latents it gives ``hypertron diffuse``'s final latents (1e-3)."""
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     from PIL import Image
 
+    from hypertron.diffusion import flux as F
     from hypertron.diffusion import lora as DL
-    from hypertron.diffusion import unet as U
     from hypertron.models import lora as L
-    from support.diffusion_folders import tiny_sd
+    from support.diffusion_folders import tiny_flux
 
-    folder, _ = tiny_sd(tmp_path)
+    folder, _ = tiny_flux(tmp_path)
     images = tmp_path / "images"  # 8 pictures captioned by sidecars, and one not a picture
     images.mkdir()
     rng = np.random.default_rng(0)
@@ -90,19 +92,28 @@ def test_lora_on_an_sd_folder_trains_adapters_alone_and_diffusers_loads_the_expo
     (images / "8.txt").write_text("a cat")
     run = tmp_path / "run"
     result = train(_cfg(run, f"diffusion.model={folder}", "data.source=imagefolder", f"data.paths=[{images}]",
-                        "data.resolution=16", "diffusion.timesteps=uniform", "train.global_batch=8", "train.steps=2",
-                        "checkpoint.every=2", "lora.rank=4", "lora.alpha=8", "diffusion.use_ema=false",
-                        "train.lr=1e-2", "mesh.data=8", "mesh.fsdp=1"))
+                        "data.resolution=16", "diffusion.max_sequence_length=16", "train.global_batch=8",
+                        "train.steps=2", "checkpoint.every=2", "lora.rank=4", "lora.alpha=8", "diffusion.use_ema=false",
+                        "train.lr=1e-2"))
     assert result.rows[-1]["data_skipped"] >= 1  # counted, not fatal
     saved = json.loads((run / "checkpoints" / "2" / "params" / "_METADATA").read_text())["tree_metadata"]
     assert saved and all(key.rsplit("'", 2)[-2] in ("a", "b") for key in saved), list(saved)[:3]  # adapters only
-    cfg, base = U.load_unet(folder / "unet")
-    adapters, settings = DL.load_lora(run / "lora", U.declare_unet(cfg), "unet")
-    assert set(settings.targets) == set(DL.UNET_TARGETS) and (settings.rank, settings.alpha) == (4, 8.0)
+    cfg, base = F.load_flux(folder / "transformer")
+    adapters, settings = DL.load_lora(run / "lora", F.declare_flux(cfg), "transformer")
+    found = L.targets(F.declare_flux(cfg), settings.targets)
+    from safetensors import safe_open  # the file's modules: every Linear of diffusers' model PEFT would match
+
+    with safe_open(run / "lora" / DL.LORA_FILE, "np") as f:
+        modules = {k[len("transformer."):-len(".lora_A.weight")] for k in f.keys() if k.endswith(".lora_A.weight")}
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(folder / "transformer")
+    want_modules = {n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)
+                    and any(n == t or n.endswith("." + t) for t in DL.UNET_TARGETS)}
+    assert modules == want_modules and len(modules) == 7, (modules, want_modules)
+    assert (settings.rank, settings.alpha) == (4, 8.0)
     assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters) if b.shape[0] == 4)  # B trained
-    _, tuned = U.load_unet(run / "model" / "unet")
+    _, tuned = F.load_flux(run / "model" / "transformer")
     want = L.merge(base, adapters, settings)
-    adapted = {t.path for t in L.targets(U.declare_unet(cfg), settings.targets)}
+    adapted = {t.path for t in found}
     for path, got in jax.tree_util.tree_leaves_with_path(tuned):
         keys = tuple(getattr(k, "key", k) for k in path)
         if keys in adapted:
@@ -110,16 +121,16 @@ def test_lora_on_an_sd_folder_trains_adapters_alone_and_diffusers_loads_the_expo
         else:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(_leaf(base, keys)))
 
-    initial = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
+    initial = rng.normal(size=(1, 16, 16)).astype(np.float32)  # packed: 4 x 4 tokens of 4 channels x 2 x 2
     np.save(tmp_path / "initial.npy", initial)
     r = run_cli(["diffuse", "--model", run / "model", "--prompt", "a photo of a red cat", "--steps", "3",
-                 "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
-                 "--out", tmp_path / "img.png"])
+                 "--max-sequence-length", "16", "--height", "16", "--width", "16", "--latents", tmp_path / "initial.npy",
+                 "--save-latents", tmp_path / "final.npy", "--out", tmp_path / "img.png"])
     assert r.rc == 0, r.describe()
-    theirs = diffusers.StableDiffusionPipeline.from_pretrained(run / "model")
+    theirs = diffusers.FluxPipeline.from_pretrained(run / "model")
     with torch.no_grad():
-        expect = theirs("a photo of a red cat", latents=torch.from_numpy(initial), num_inference_steps=3,
-                        output_type="latent").images.numpy()
+        expect = theirs("a photo of a red cat", latents=torch.from_numpy(initial), num_inference_steps=3, height=16,
+                        width=16, max_sequence_length=16, output_type="latent").images.numpy()
     np.testing.assert_allclose(np.load(tmp_path / "final.npy"), expect, atol=1e-3, rtol=0)
 
 

@@ -368,6 +368,8 @@ class DiffusionConfig:
     eval_timesteps: int = 8
     cache_dir: str = ""
     cache_latents: bool = False
+    guidance: float = 0.0  # Flux-dev's embedded guidance while training (0: the pipeline's, 3.5)
+    max_sequence_length: int = 512  # Flux: T5's tokens a caption
 
 
 @dataclass(frozen=True, kw_only=True)

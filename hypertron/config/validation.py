@@ -153,7 +153,9 @@ def validate_diffusion(cfg: Config) -> None:
     for key in ("logit_std", "snr_gamma", "eval_timesteps"):
         if not getattr(f, key) > 0:
             raise ConfigError(f"diffusion.{key}={getattr(f, key)}: must be positive")
-    for key in ("shift", "noise_offset", "mode_scale"):
+    if f.max_sequence_length <= 0:
+        raise ConfigError(f"diffusion.max_sequence_length={f.max_sequence_length}: must be positive")
+    for key in ("shift", "noise_offset", "mode_scale", "guidance"):
         if getattr(f, key) < 0:
             raise ConfigError(f"diffusion.{key}={getattr(f, key)}: must not be negative")
     if f.cache_latents and not f.cache_dir:

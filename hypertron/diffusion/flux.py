@@ -260,7 +260,8 @@ def _qkv(h_btd: jax.Array, p: Params, einsum) -> tuple[jax.Array, jax.Array, jax
     """Queries and keys (RMS-normed per head) and values [b, t, n, h] of one stream."""
     def proj(name: str) -> jax.Array:
         w = p[name]
-        return einsum("btd,dnh->btnh", h_btd, w["w"]) + w["b"].reshape(w["w"].shape[1:]).astype(h_btd.dtype)
+        out = einsum("btd,dnh->btnh", h_btd, w["w"])  # the weight may be wrapped (LoRA, int8): the bias by the output
+        return out + w["b"].reshape(out.shape[2:]).astype(h_btd.dtype)
 
     return _rms_norm(proj("q"), p["norm_q"]), _rms_norm(proj("k"), p["norm_k"]), proj("v")
 

@@ -9,7 +9,7 @@
   start of a model trained from scratch (``diffusion.model=shapes-unet``).
 
 A training run's final ``RUN/model`` is its base folder with the trained denoiser written over the
-base's (``hypertron.train.diffusion``), so the pipeline class and every other component stay the
+base's (``hypertron.train.diffusion_task``), so the pipeline class and every other component stay the
 base's, and diffusers' ``from_pretrained`` and ``hypertron diffuse`` read it alike.
 """
 

@@ -3,8 +3,8 @@ what a pipeline's ``save_lora_weights`` writes and its ``load_lora_weights`` rea
 
 The adapters are :mod:`hypertron.models.lora`'s, derived from the denoiser's declarations (a
 UNet's attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0`` and its feed-forward
-``ff.net.0.proj``, ``ff.net.2``, held to diffusers by the tests; a Flux transformer's hook
-matmuls are named the same way, but no test holds them yet): one mechanism for decoders and
+``ff.net.0.proj``, ``ff.net.2``, held to diffusers by the tests; a Flux transformer's attention
+projections likewise, held to diffusers' module names by tests/test_diffusion_task.py): one mechanism for decoders and
 denoisers, applied by the einsum hook or merged. The file holds PEFT's tensors under
 the component's name, ``unet.`` (``transformer.`` for Flux) + the module + ``.lora_A.weight``
 ``[r, in]`` and ``.lora_B.weight`` ``[out, r]``, and the LoRA config (``r``, ``lora_alpha``,

@@ -59,11 +59,11 @@ KINDS = {
                ("tokenizer", "tokenizer_2"), 28, 3.5, 128, 2),
     PIXEL: Kind("unet", "UNet2DConditionModel", ("text_encoder",), ("tokenizer",), 25, 3.0, None, 1, vae=False),
 }
-# The denoiser's class -> (module, its loader: folder -> (cfg, params), its declaration: cfg -> specs),
-# imported when loaded.
+# The denoiser's class -> (module, its loader: folder -> (cfg, params), its declaration: cfg -> specs,
+# its config: (config.json's dict, where) -> cfg), imported when loaded.
 DENOISERS = {
-    "UNet2DConditionModel": ("hypertron.diffusion.unet", "load_unet", "declare_unet"),
-    "FluxTransformer2DModel": ("hypertron.diffusion.flux", "load_flux", "declare_flux"),
+    "UNet2DConditionModel": ("hypertron.diffusion.unet", "load_unet", "declare_unet", "unet_config"),
+    "FluxTransformer2DModel": ("hypertron.diffusion.flux", "load_flux", "declare_flux", "flux_config"),
 }
 
 
@@ -197,7 +197,26 @@ def _denoiser_module(spec: PipelineSpec) -> Any:
 
 def denoiser_specs(pipe: Pipeline) -> Any:
     """The denoiser's parameter declaration (its module's ``declare_*`` of its config)."""
-    return getattr(_denoiser_module(pipe.spec), DENOISERS[pipe.spec.kind.denoiser_class][2])(pipe.denoiser_cfg)
+    return declare_denoiser(pipe.spec, pipe.denoiser_cfg)
+
+
+def declare_denoiser(spec: PipelineSpec, cfg: Any) -> Any:
+    """The declaration of ``spec``'s denoiser at config ``cfg``."""
+    return getattr(_denoiser_module(spec), DENOISERS[spec.kind.denoiser_class][2])(cfg)
+
+
+def denoiser_config(spec: PipelineSpec) -> Any:
+    """``spec``'s denoiser's config (from its ``config.json``, no weights read)."""
+    return getattr(_denoiser_module(spec), DENOISERS[spec.kind.denoiser_class][3])(
+        spec.denoiser_config, str(spec.folder / spec.kind.denoiser / "config.json"))
+
+
+def load_denoiser(spec: PipelineSpec) -> tuple[Any, Any, Any]:
+    """``(module, cfg, params)`` of ``spec``'s denoiser: the module holding its ``apply``, its config
+    and its weights (numpy, float32)."""
+    module = _denoiser_module(spec)
+    cfg, params = getattr(module, DENOISERS[spec.kind.denoiser_class][1])(spec.folder / spec.kind.denoiser)
+    return module, cfg, params
 
 
 def _on_device(params: Any, dtype: Any) -> Any:
@@ -218,9 +237,7 @@ def load_pipeline(folder: str | Path, *, scheduler: str | None = None, dtype: An
     encoders = tuple(load_text_encoder(spec.folder / name) for name in spec.kind.text_encoders)
     tokenizers = tuple(get_tokenizer(str(spec.folder / name)) for name in spec.kind.tokenizers)
     vae_params = load_vae(spec.folder / "vae")[1] if spec.vae is not None else None
-    module = _denoiser_module(spec)
-    denoiser_cfg, denoiser_params = getattr(module, DENOISERS[spec.kind.denoiser_class][1])(
-        spec.folder / spec.kind.denoiser)
+    module, denoiser_cfg, denoiser_params = load_denoiser(spec)
     encoders = tuple(TextEncoder(e.cfg, _on_device(e.params, jnp.float32)) for e in encoders)
     return Pipeline(spec=spec, text_encoders=encoders, tokenizers=tokenizers, denoiser_cfg=denoiser_cfg,
                     denoiser_params=_on_device(denoiser_params, dtype), vae_params=_on_device(vae_params, dtype),

@@ -37,7 +37,7 @@ from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import SDXL, PipelineSpec, read_pipeline
+from hypertron.diffusion.pipeline import FLUX, SDXL, PipelineSpec, declare_denoiser, load_denoiser, read_pipeline
 from hypertron.diffusion import lora as DL
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
@@ -99,6 +99,25 @@ def flux_loss(params: Any, cfg: F.FluxConfig, schedule: O.TrainingSchedule, batc
     return _weighted_loss(schedule, batch, predict, weighting=weighting, time_divisor=1000)
 
 
+def denoiser_loss(pipeline: str, cfg: Any, schedule: O.TrainingSchedule, params: Any, x0: jax.Array,
+                  noise: jax.Array, index: jax.Array, cond: dict, *, weighting: str = "none", snr_gamma: float = 5.0,
+                  guidance: float = 3.5) -> jax.Array:
+    """The loss of ``pipeline``'s denoiser at clean latents ``x0`` [b, h, w, c] with ``noise`` of
+    their shape at schedule ``index`` [b], conditioned by ``cond`` (:meth:`Conditioning.inputs`):
+    a UNet's (:func:`unet_loss`), or a Flux transformer's (:func:`flux_loss`) over the latents and
+    noise packed as FluxPipeline packs them, with its image and text ids and, for a model with
+    ``guidance_embeds``, ``guidance`` on every row (``train_dreambooth_flux.py``'s ``guidance_scale``)."""
+    if pipeline != FLUX:
+        return unet_loss(params, cfg, schedule, {"latents": x0, "noise": noise, "index": index, **cond},
+                         weighting=weighting, snr_gamma=snr_gamma)
+    b, h, w, _ = x0.shape
+    packed = {k: F.pack_latents(x.transpose(0, 3, 1, 2)) for k, x in (("latents", x0), ("noise", noise))}
+    batch = {**packed, "index": index, "context": cond["context"], "pooled": cond["pooled"],
+             "img_ids": F.latent_image_ids(h // 2, w // 2), "txt_ids": F.text_ids(cond["context"].shape[1]),
+             "guidance": jnp.full((b,), guidance, jnp.float32) if cfg.guidance_embeds else None}
+    return flux_loss(params, cfg, schedule, batch, weighting=weighting)
+
+
 EVAL_SEED = 7919  # the evaluation's noise (and the shapes source's held-out pictures) from seed + this
 
 
@@ -112,13 +131,6 @@ def lora_of(cfg: Config) -> L.LoraSettings | None:
     return L.LoraSettings(rank=lo.rank, alpha=lo.alpha, targets=targets, rslora=lo.rslora)
 
 
-def empty_ids(text_cfg, tokenizer) -> np.ndarray:
-    """The empty caption's ids (what caption dropout encodes)."""
-    from hypertron.diffusion.text_encoders import prompt_ids
-
-    return prompt_ids(tokenizer, [""], text_cfg.max_positions, bos=True)[0]
-
-
 @dataclasses.dataclass
 class DiffusionTrainer:
     """The denoiser's sharded state and its step; the frozen text encoder (and VAE) beside it."""
@@ -127,16 +139,16 @@ class DiffusionTrainer:
     mesh: Mesh
     spec: PipelineSpec
     folder: Path
-    unet_cfg: Any
+    denoiser_cfg: Any  # its module's config (UNetConfig, FluxConfig)
     specs: Any  # the denoiser's declarations
     schedule: O.TrainingSchedule
-    frozen: dict  # {"text"(, "text_2"): CLIP's params, "vae": the VAE's} replicated, what is not cached; LoRA's "unet" sharded
+    frozen: dict  # {"text"(, "text_2"), "vae"} replicated, what is not cached; LoRA's base "denoiser", sharded
     state_shardings: dict
     batch_shardings: dict
     initial_params: Any  # what trains (the folder's denoiser, or new adapters), numpy, until the first state is made
     cond: Conditioning
     cached: Cached | None = None  # the batches hold cached encodings (train.diffusion_cache)
-    lora: L.LoraSettings | None = None  # adapters train on the frozen denoiser (frozen["unet"])
+    lora: L.LoraSettings | None = None  # adapters train on the frozen denoiser (frozen["denoiser"])
     step_fn: Any = None
     grads_fn: Any = None  # (params, frozen, batch, step) -> (the step's loss, its gradient)
     eval_fn: Any = None
@@ -171,7 +183,7 @@ class DiffusionTrainer:
     def example_shapes(self, side: int) -> dict[str, tuple[int, ...]]:
         """Each batch array's shape for one example at ``side`` x ``side`` pixels."""
         shapes = {"pixels": (side, side, 3), "time_ids": (6,)}
-        shapes |= {key: (c.max_positions,) for key, c in zip(IDS, self.cond.text_cfgs)}
+        shapes |= {key: (n,) for key, n in zip(IDS, self.cond.lengths)}
         shapes |= {k: tuple(v.shape) for k, v in (self.cond.empty or {}).items()}
         if self.spec.vae is not None:
             latent = side // self.spec.vae_scale_factor
@@ -202,27 +214,34 @@ TEXTS = ("text", "text_2")
 
 @dataclasses.dataclass(frozen=True)
 class Conditioning:
-    """What turns a batch into the denoiser's inputs: the frozen text encoders' configs (SDXL has
-    two), the empty caption's ids per encoder (caption dropout) or, cached, its embeddings; the
-    pipeline's VAE config (None: pixels). A batch holds ``ids`` (``ids_2``) or cached ``context``
-    (``pooled``), ``pixels`` or cached ``mean`` and ``logvar``, and for SDXL ``time_ids`` (its
-    micro-conditioning: original size, crop corner, target size): either way the same key draws
-    the same dropout and latents."""
+    """What turns a batch into the denoiser's inputs: the pipeline's class, the frozen text
+    encoders' configs (SDXL and Flux have two), each one's tokens a caption and whether they start
+    with bos (CLIP's do, T5's not), the empty caption's ids per encoder (caption dropout) or,
+    cached, its embeddings; the pipeline's VAE config (None: pixels). A batch holds ``ids``
+    (``ids_2``) or cached ``context`` (``pooled``), ``pixels`` or cached ``mean`` and ``logvar``,
+    and for SDXL ``time_ids`` (its micro-conditioning: original size, crop corner, target size):
+    either way the same key draws the same dropout and latents."""
 
+    pipeline: str
     text_cfgs: tuple
+    lengths: tuple[int, ...]
+    bos: tuple[bool, ...]
     empty_ids: tuple | None
     vae: Any
-    sdxl: bool = False
     empty: dict | None = None
 
     def text(self, frozen: dict, ids: tuple) -> dict[str, jax.Array]:
-        """The prompt embeddings of each encoder's ids [b, t]: ``context`` (SD 1.x / 2.x: CLIP's last
-        hidden state; SDXL: both encoders' penultimate states side by side) and SDXL's ``pooled``
-        (the second encoder's projection), as diffusers' training scripts encode them."""
-        from hypertron.diffusion.text_encoders import clip_encode, sd_prompt_embeds, sdxl_prompt_embeds
+        """The prompt embeddings of each encoder's ids [b, t], as diffusers' training scripts encode
+        them: ``context`` (SD 1.x / 2.x: CLIP's last hidden state; SDXL: both CLIPs' penultimate
+        states side by side; Flux: T5's last state) and SDXL's and Flux's ``pooled`` (SDXL: the
+        second CLIP's projection; Flux: CLIP's pooled output)."""
+        from hypertron.diffusion.text_encoders import clip_encode, sd_prompt_embeds, sdxl_prompt_embeds, t5_encode
 
+        if self.pipeline == FLUX:
+            return {"context": t5_encode(frozen["text_2"], self.text_cfgs[1], ids[1]),
+                    "pooled": clip_encode(frozen["text"], self.text_cfgs[0], ids[0]).pooled_bd}
         outs = [clip_encode(frozen[name], c, i) for name, c, i in zip(TEXTS, self.text_cfgs, ids)]
-        if self.sdxl:
+        if self.pipeline == SDXL:
             context, pooled = sdxl_prompt_embeds(*outs)
             return {"context": context, "pooled": pooled}
         return {"context": sd_prompt_embeds(outs[0], frozen["text"], self.text_cfgs[0])}
@@ -233,7 +252,7 @@ class Conditioning:
 
     def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, dict]:
         """The clean latents (the pixels, or latents sampled from the VAE's posterior) and the
-        denoiser's conditioning (``context``, and SDXL's ``added``), ``dropout`` of the captions
+        denoiser's conditioning (``context``; SDXL's ``added``, Flux's ``pooled``), ``dropout`` of the captions
         emptied (the unconditional branch CFG needs)."""
         k_drop, k_latent = jax.random.split(key)
         cached = "context" in batch
@@ -257,9 +276,9 @@ class Conditioning:
             x0 = batch["pixels"]
         else:
             x0 = V.vae_to_latents(self.vae, mean + jnp.exp(0.5 * logvar) * jax.random.normal(k_latent, mean.shape))
-        cond = {"context": text["context"]}
-        if self.sdxl:
-            cond["added"] = {"text_embeds": text["pooled"], "time_ids": batch["time_ids"]}
+        cond = dict(text)
+        if self.pipeline == SDXL:
+            cond = {"context": text["context"], "added": {"text_embeds": text["pooled"], "time_ids": batch["time_ids"]}}
         return jax.lax.stop_gradient(x0), jax.lax.stop_gradient(cond)
 
 
@@ -269,7 +288,7 @@ def batch_ranks(cached: Cached | None, spec: PipelineSpec) -> dict[str, int]:
     ``pixels``); SDXL's ``time_ids``."""
     sdxl = spec.class_name == SDXL
     text = ({k: 2 for k in IDS[:len(spec.kind.text_encoders)]} if cached is None
-            else {"context": 3} | ({"pooled": 2} if sdxl else {}))
+            else {"context": 3} | ({"pooled": 2} if spec.class_name in (SDXL, FLUX) else {}))
     image = ({"mean": 4, "logvar": 4} if cached is not None and cached.latents and spec.vae is not None
              else {"pixels": 4})
     return text | image | ({"time_ids": 2} if sdxl else {})
@@ -300,24 +319,33 @@ def _init_state(optimizer, use_ema: bool, params: Any) -> dict:
     return state
 
 
-def frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None) -> tuple[dict, Conditioning]:
+def token_layout(folder: Path, spec: PipelineSpec, t5_length: int) -> tuple[tuple, tuple[int, ...], tuple[bool, ...]]:
+    """Each text encoder's config (read from its ``config.json``), tokens a caption (CLIP's
+    positions, T5's ``t5_length``) and whether its ids start with bos (CLIP's do, T5's not)."""
+    from hypertron.diffusion.text_encoders import T5EncoderConfig, text_config
+
+    cfgs = tuple(text_config(read_json_file(folder / name / "config.json"), str(folder / name))
+                 for name in spec.kind.text_encoders)
+    t5 = tuple(isinstance(c, T5EncoderConfig) for c in cfgs)
+    return cfgs, tuple(t5_length if is_t5 else c.max_positions for c, is_t5 in zip(cfgs, t5)), tuple(not x for x in t5)
+
+
+def frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None, t5_length: int
+                    ) -> tuple[dict, Conditioning]:
     """The frozen encoders a run loads (``text``, ``text_2``, ``vae``: what is not cached) and the
-    conditioning over them."""
-    from hypertron.diffusion.text_encoders import load_text_encoder, text_config
+    conditioning over them; ``t5_length``: T5's tokens a caption (Flux)."""
+    from hypertron.diffusion.text_encoders import load_text_encoder, prompt_ids
     from hypertron.tokenizer import get_tokenizer
 
     frozen: dict = {}
-    sdxl = spec.class_name == SDXL
     if cached is None:
         encoders = [load_text_encoder(folder / name) for name in spec.kind.text_encoders]
         frozen |= {key: e.params for key, e in zip(TEXTS, encoders)}
-        empty = tuple(empty_ids(e.cfg, get_tokenizer(str(folder / name)))
-                      for e, name in zip(encoders, spec.kind.tokenizers))
-        cond = Conditioning(tuple(e.cfg for e in encoders), empty, spec.vae, sdxl)
-    else:
-        cfgs = tuple(text_config(read_json_file(folder / name / "config.json"), str(folder / name))
-                     for name in spec.kind.text_encoders)
-        cond = Conditioning(cfgs, None, spec.vae, sdxl, cached.empty)
+    cfgs, lengths, bos = token_layout(folder, spec, t5_length)
+    empty = None if cached is not None else tuple(
+        prompt_ids(get_tokenizer(str(folder / name)), [""], n, bos=b)[0]
+        for name, n, b in zip(spec.kind.tokenizers, lengths, bos))
+    cond = Conditioning(spec.class_name, cfgs, lengths, bos, empty, spec.vae, cached.empty if cached else None)
     if spec.vae is not None and not (cached is not None and cached.latents):
         frozen["vae"] = V.load_vae(folder / "vae")[1]
     return frozen, cond
@@ -329,10 +357,11 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
     ``cached``: the batches hold cached encodings, so the text encoder (and, with cached latents,
     the VAE) is not loaded."""
     f, spec = cfg.diffusion, read_pipeline(folder)
-    unet_cfg, initial = U.load_unet(folder / "unet")
-    specs = U.declare_unet(unet_cfg)
+    _, denoiser_cfg, initial = load_denoiser(spec)
+    specs = declare_denoiser(spec, denoiser_cfg)
     replicated = NamedSharding(mesh, P())
-    frozen, cond = frozen_encoders(folder, spec, cached)
+    frozen, cond = frozen_encoders(folder, spec, cached, f.max_sequence_length)
+    guidance = f.guidance or spec.kind.guidance
     frozen = jax.device_put(frozen, replicated)
     frozen_shardings = {k: replicated for k in frozen}
     ranks = batch_ranks(cached, spec)
@@ -344,12 +373,12 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
                                                       param_lib.logical_axes(specs), optimizer, rules, ranks)
         denoiser = lambda params, frozen: params  # noqa: E731
     else:  # the folder's denoiser frozen beside the text encoder, sharded as it would train
-        frozen["unet"] = param_lib.place_params(specs, initial, mesh, rules)
-        frozen_shardings["unet"] = jax.tree.map(lambda a: a.sharding, frozen["unet"])
+        frozen["denoiser"] = param_lib.place_params(specs, initial, mesh, rules)
+        frozen_shardings["denoiser"] = jax.tree.map(lambda a: a.sharding, frozen["denoiser"])
         initial = jax.device_get(L.init_adapters(specs, settings, jax.random.key(cfg.train.seed)))
         state_shardings, batch_shardings = _shardings(cfg, mesh, jax.eval_shape(lambda: initial),
                                                       L.adapter_axes(specs, settings), optimizer, rules, ranks)
-        denoiser = lambda params, frozen: L.attach(frozen["unet"], params, settings)  # noqa: E731
+        denoiser = lambda params, frozen: L.attach(frozen["denoiser"], params, settings)  # noqa: E731
 
     def loss_and_grads(params, frozen, batch, step):
         """The step's loss and the gradient of what trains, its draws from (seed, step)."""
@@ -358,9 +387,9 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
             x0, conditioning = cond.inputs(frozen, batch, k_inputs, f.cond_dropout)
             noise, index = draw_noise(k_noise, x0, sched, f.timesteps, noise_offset=f.noise_offset,
                                       logit_mean=f.logit_mean, logit_std=f.logit_std, mode_scale=f.mode_scale)
-            return jax.value_and_grad(lambda p: unet_loss(
-                denoiser(p, frozen), unet_cfg, sched, {"latents": x0, "noise": noise, "index": index, **conditioning},
-                weighting=f.weighting, snr_gamma=f.snr_gamma))(params)
+            return jax.value_and_grad(lambda p: denoiser_loss(
+                spec.class_name, denoiser_cfg, sched, denoiser(p, frozen), x0, noise, index, conditioning,
+                weighting=f.weighting, snr_gamma=f.snr_gamma, guidance=guidance))(params)
 
     def step(state, frozen, batch, rate):
         loss, grads = loss_and_grads(state["params"], frozen, batch, state["step"])
@@ -384,12 +413,12 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
             def at(i):
                 noise = jax.random.normal(jax.random.fold_in(key, i + 1), x0.shape, x0.dtype)
                 index = jnp.full((x0.shape[0],), jnp.asarray(eval_index)[i])
-                return unet_loss(denoiser(params, frozen), unet_cfg, sched, {"latents": x0, "noise": noise,
-                                                                             "index": index, **conditioning})
+                return denoiser_loss(spec.class_name, denoiser_cfg, sched, denoiser(params, frozen), x0, noise,
+                                     index, conditioning, weighting="none", guidance=guidance)
 
             return jnp.mean(jax.lax.map(at, jnp.arange(len(eval_index))))
 
-    trainer = DiffusionTrainer(cfg, mesh, spec, folder, unet_cfg, specs, sched, frozen, state_shardings,
+    trainer = DiffusionTrainer(cfg, mesh, spec, folder, denoiser_cfg, specs, sched, frozen, state_shardings,
                                batch_shardings, initial, cond, cached, settings)
     trainer.init_fn = jax.jit(functools.partial(_init_state, optimizer, f.use_ema), out_shardings=state_shardings)
     trainer.step_fn = jax.jit(step, in_shardings=(state_shardings, frozen_shardings, batch_shardings, replicated),

@@ -163,7 +163,7 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
         if not overwrite:
             raise DiffusionError(f"diffusion.cache_dir={where}: holds a cache already (--overwrite replaces it)")
     latents = cfg.diffusion.cache_latents
-    frozen, cond = frozen_encoders(Path(spec.folder), spec, None)
+    frozen, cond = frozen_encoders(Path(spec.folder), spec, None, cfg.diffusion.max_sequence_length)
     if not latents:
         frozen.pop("vae", None)
     encode_text = jax.jit(lambda f, ids: cond.text(f, ids))
@@ -179,8 +179,8 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
             out.append(jax.tree.map(lambda a: np.asarray(a)[:n], fn(frozen, tuple(map(jnp.asarray, padded)))))
         return jax.tree.map(lambda *parts: np.concatenate(parts), *out)
 
-    ids = tuple(prompt_ids(get_tokenizer(str(Path(spec.folder) / name)), [r.caption for r in records], c.max_positions,
-                           bos=True) for name, c in zip(spec.kind.tokenizers, cond.text_cfgs))
+    ids = tuple(prompt_ids(get_tokenizer(str(Path(spec.folder) / name)), [r.caption for r in records], n, bos=b)
+                for name, n, b in zip(spec.kind.tokenizers, cond.lengths, cond.bos))
     empty = jax.tree.map(lambda a: np.asarray(a)[0], encode_text(frozen, tuple(jnp.asarray(e)[None]
                                                                           for e in cond.empty_ids)))
     texts = chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids)

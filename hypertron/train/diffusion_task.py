@@ -1,8 +1,8 @@
 """``task: diffusion`` (issue 44): the :class:`hypertron.train.task.Task` that trains a diffusion
 model's denoiser on the shared loop, with the trainer of :mod:`hypertron.train.diffusion`.
 
-It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x and SDXL so far;
-Flux is refused in one line until its conditioning is fed), or a preset trained from scratch
+It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x, SDXL, Flux), or
+a preset trained from scratch
 (``shapes-unet``: :mod:`hypertron.diffusion.folders`, written to ``RUN/preset`` at the run's
 start). The data: the shapes source, or image files (:mod:`hypertron.data.images`), or with
 ``diffusion.cache_dir`` their cached encodings (:mod:`hypertron.train.diffusion_cache`). The
@@ -24,20 +24,19 @@ from jax.sharding import Mesh
 
 from hypertron.config import Config, ConfigError
 from hypertron.diffusion import objectives as O
-from hypertron.diffusion import unet as U
 from hypertron.diffusion import lora as DL
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import PIXEL, SD, SDXL, PipelineSpec, read_pipeline
+from hypertron.diffusion.pipeline import (FLUX, PIXEL, SD, SDXL, PipelineSpec, declare_denoiser,
+                                         denoiser_config, load_denoiser, read_pipeline)
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
 from hypertron.parallel.mesh import make_mesh
 from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for
 from hypertron.train import diffusion_cache as C
-from hypertron.train.diffusion import (EVAL_SEED, IDS, DiffusionTrainer, lora_of, make_diffusion_trainer,
-                                       read_json_file)
+from hypertron.train.diffusion import EVAL_SEED, IDS, DiffusionTrainer, lora_of, make_diffusion_trainer, token_layout
 from hypertron.train.metrics import Throughput
 
-TRAINABLE = (SD, SDXL, PIXEL)  # the pipeline classes whose denoiser the task trains so far
+TRAINABLE = (SD, SDXL, FLUX, PIXEL)  # the pipeline classes whose denoiser the task trains so far
 PRESET_DIR = "preset"  # RUN/preset: a preset's folder, written at the run's start
 
 
@@ -75,7 +74,7 @@ def resolution_of(cfg: Config, spec: PipelineSpec) -> int:
     side = cfg.data.resolution or spec.default_size()
     if cfg.data.source == "shapes" and side != shapes.SIZE:
         raise ConfigError(f"data.resolution={side}: the shapes source draws {shapes.SIZE} x {shapes.SIZE} pictures")
-    multiple = spec.vae_scale_factor * U.unet_config(spec.denoiser_config, str(spec.folder)).size_multiple
+    multiple = spec.vae_scale_factor * getattr(denoiser_config(spec), "size_multiple", spec.kind.size_multiple)
     if side % multiple:
         raise ConfigError(f"data.resolution={side}: {spec.class_name} at {spec.folder} takes sides that are "
                           f"multiples of {multiple}")
@@ -101,7 +100,7 @@ def check_diffusion(cfg: Config) -> tuple[PipelineSpec, str, int]:
         raise ConfigError(f"diffusion.cache_dir: caches a diffusers folder's encoders, and {f.model} is a preset "
                           f"(its encoders are made at the run's start)")
     if cfg.lora.rank:  # targets the denoiser has
-        L.targets(U.declare_unet(U.unet_config(spec.denoiser_config, f"{f.model}'s UNet")), lora_of(cfg).targets)
+        L.targets(declare_denoiser(spec, denoiser_config(spec)), lora_of(cfg).targets)
     return spec, objective, resolution_of(cfg, spec)
 
 
@@ -290,7 +289,7 @@ class DiffusionTask:
     def finish(self, cfg: Config, state: dict, console) -> None:
         """``RUN/model``: the base folder with the trained denoiser (the EMA's with ``use_ema``); with
         ``lora.rank``, the adapters in ``RUN/lora/pytorch_lora_weights.safetensors`` and merged
-        into ``RUN/model``'s UNet."""
+        into ``RUN/model``'s denoiser."""
         from hypertron.diffusion.folders import write_component
 
         params = state["ema"] if "ema" in state else state["params"]
@@ -301,21 +300,23 @@ class DiffusionTask:
         if jax.process_index() != 0:
             return
         base = base_folder(cfg)  # written already; process 0 alone is here: no waiting for the others
+        spec = read_pipeline(base)
+        name = spec.kind.denoiser  # unet or transformer
         out = Path(cfg.run_dir) / "model"
         tmp = out.with_name("model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        unet = (base / "unet").resolve()
-        # every component as the base has it, but the UNet's weights (the VAE's keep theirs)
-        shutil.copytree(base, tmp, ignore=lambda d, names: [n for n in names if Path(d).resolve() == unet
+        denoiser = (base / name).resolve()
+        # every component as the base has it, but the denoiser's weights (the VAE's keep theirs)
+        shutil.copytree(base, tmp, ignore=lambda d, names: [n for n in names if Path(d).resolve() == denoiser
                                                              and n.startswith("diffusion_pytorch_model")])
-        hf = read_json_file(base / "unet" / "config.json")
-        specs = U.declare_unet(U.unet_config(hf, str(base / "unet" / "config.json")))
+        specs = declare_denoiser(spec, denoiser_config(spec))
         settings = lora_of(cfg)
-        if settings is not None:  # the adapters in diffusers' file, and merged into the folder's UNet
-            saved = DL.save_lora(Path(cfg.run_dir) / "lora", params, settings, specs, "unet")
+        if settings is not None:  # the adapters in diffusers' file, and merged into the folder's denoiser
+            saved = DL.save_lora(Path(cfg.run_dir) / "lora", params, settings, specs,
+                                 DL.COMPONENTS[spec.kind.denoiser_class])
             console.print(f"wrote the LoRA file {saved}", highlight=False)
-            params = L.merge(U.load_unet(base / "unet")[1], params, settings)
-        write_component(tmp / "unet", hf, specs, params)
+            params = L.merge(load_denoiser(spec)[2], params, settings)
+        write_component(tmp / name, spec.denoiser_config, specs, params)
         if out.exists():
             shutil.rmtree(out)
         tmp.replace(out)
@@ -336,7 +337,7 @@ def _example_fn(cfg: Config, spec: PipelineSpec, folder: Path, side: int):
     ``pooled``, ``mean``, ``logvar``, ``pixels``) as they are, or the pixels and each tokenizer's
     ids of the caption; for SDXL its ``time_ids`` (original size, crop corner, target size, as
     ``train_text_to_image_sdxl.py``'s ``add_time_ids``)."""
-    from hypertron.diffusion.text_encoders import prompt_ids, text_config
+    from hypertron.diffusion.text_encoders import prompt_ids
     from hypertron.tokenizer import get_tokenizer
 
     sdxl = spec.class_name == SDXL
@@ -344,11 +345,11 @@ def _example_fn(cfg: Config, spec: PipelineSpec, folder: Path, side: int):
         keys = ("context", "pooled", "mean", "logvar", "pixels")
         text = lambda x: {k: np.asarray(x[k], np.float32) for k in keys if k in x}  # noqa: E731
     else:
-        tokenizers = [(key, get_tokenizer(str(folder / name)),
-                       text_config(read_json_file(folder / encoder / "config.json"), str(folder / encoder)).max_positions)
-                      for key, name, encoder in zip(IDS, spec.kind.tokenizers, spec.kind.text_encoders)]
+        _, lengths, bos = token_layout(folder, spec, cfg.diffusion.max_sequence_length)
+        tokenizers = [(key, get_tokenizer(str(folder / name)), n, b)
+                      for key, name, n, b in zip(IDS, spec.kind.tokenizers, lengths, bos)]
         text = lambda x: {"pixels": np.asarray(x["pixels"], np.float32),  # noqa: E731
-                          **{k: prompt_ids(tok, [x["caption"]], n, bos=True)[0] for k, tok, n in tokenizers}}
+                          **{k: prompt_ids(tok, [x["caption"]], n, bos=b)[0] for k, tok, n, b in tokenizers}}
     if not sdxl:
         return text
     return lambda x: {**text(x), "time_ids": np.asarray([*x["geometry"], side, side], np.float32)}
