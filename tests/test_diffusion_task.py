@@ -64,7 +64,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path, one_de
 
 def test_lora_on_a_flux_folder_trains_adapters_alone_and_diffusers_loads_the_export(tmp_path, one_device):
     """A tiny Flux-dev folder (T5 and CLIP, VAE latents packed 2 x 2, flow matching, embedded
-    guidance) fine-tuned with ``lora.rank`` for 2 steps on pictures read from files (an
+    guidance) fine-tuned with ``lora.rank`` over its transformer held int8 (QLoRA-style) for 2 steps on pictures read from files (an
     undecodable one counted in ``data_skipped``): the checkpoints hold the adapters alone,
     RUN/lora holds diffusers' file of them (``transformer.`` + the double and single blocks'
     ``attn.to_q`` / ``to_k`` / ``to_v`` and the double blocks' ``attn.to_out.0``, diffusers' Flux
@@ -93,11 +93,21 @@ def test_lora_on_a_flux_folder_trains_adapters_alone_and_diffusers_loads_the_exp
     run = tmp_path / "run"
     result = train(_cfg(run, f"diffusion.model={folder}", "data.source=imagefolder", f"data.paths=[{images}]",
                         "data.resolution=16", "diffusion.max_sequence_length=16", "train.global_batch=8",
-                        "train.steps=2", "checkpoint.every=2", "lora.rank=4", "lora.alpha=8", "diffusion.use_ema=false",
-                        "train.lr=1e-2"))
+                        "train.steps=2", "checkpoint.every=2", "lora.rank=4", "lora.alpha=8", "lora.base_dtype=int8",
+                        "diffusion.use_ema=false", "train.lr=1e-2"))
     assert result.rows[-1]["data_skipped"] >= 1  # counted, not fatal
+    assert result.losses[-1] < 10, result.losses
     saved = json.loads((run / "checkpoints" / "2" / "params" / "_METADATA").read_text())["tree_metadata"]
     assert saved and all(key.rsplit("'", 2)[-2] in ("a", "b") for key in saved), list(saved)[:3]  # adapters only
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.quant import QArray
+    from hypertron.train.diffusion import make_diffusion_trainer
+
+    held = make_diffusion_trainer(_cfg(tmp_path / "other", f"diffusion.model={folder}", "lora.rank=4",
+                                       "lora.base_dtype=int8", "data.source=imagefolder", f"data.paths=[{images}]"),
+                                  make_mesh(_cfg(tmp_path / "other").mesh, jax.devices()[:1]), folder, "flow")
+    q = held.frozen["denoiser"]["single"]["q"]["w"]  # the base the adapters trained over: int8 matmul weights
+    assert isinstance(q, QArray) and q.values.dtype == np.int8, type(q)
     cfg, base = F.load_flux(folder / "transformer")
     adapters, settings = DL.load_lora(run / "lora", F.declare_flux(cfg), "transformer")
     found = L.targets(F.declare_flux(cfg), settings.targets)

@@ -218,10 +218,7 @@ def _check_format(cfg: Config) -> None:
     if lo.rank < 0 or lo.alpha <= 0:
         raise ConfigError(f"lora.rank={lo.rank}, lora.alpha={lo.alpha}: the rank must not be negative (0: off), "
                           "alpha must be positive")
-    if lo.rank and cfg.task == "diffusion":  # on the denoiser of diffusion.model, held as read
-        if lo.base_dtype != "auto":
-            raise ConfigError(f"lora.base_dtype={lo.base_dtype}: task=diffusion holds the denoiser as read (auto)")
-    elif lo.rank:
+    if lo.rank and cfg.task != "diffusion":  # diffusion's adapters are on diffusion.model's denoiser
         if cfg.task not in ("lm", "sft", "dpo"):
             raise ConfigError(f"lora.rank={lo.rank}: task={cfg.task} does not train adapters (lm, sft, dpo and "
                               "diffusion do)")

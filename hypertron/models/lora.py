@@ -141,18 +141,20 @@ def adapter_axes(cfg: ModelConfig | dict, settings: LoraSettings) -> dict:
     return out
 
 
-def held_base(cfg: ModelConfig, params: dict, base_dtype: str) -> dict:
-    """A frozen base as adapters train on it (``lora.base_dtype``): ``auto`` as it is; ``bfloat16``
+def held_base(cfg: ModelConfig | dict, params: dict, base_dtype: str) -> dict:
+    """A frozen base (a decoder's, ``cfg`` its config; or any declaration tree's, a diffusion
+    denoiser's) as adapters train on it (``lora.base_dtype``): ``auto`` as it is; ``bfloat16``
     its matmul weights in bfloat16; ``int8`` its matmul weights int8 with a scale per output
     channel (:func:`hypertron.models.params.quantize_params`, serving's int8); ``fp8`` the same in
     float8_e4m3fn (one byte a weight as int8; 3 mantissa bits, relative to each value rather than
     to its channel's largest). The matmuls read either in the compute dtype. Norms stay float32."""
     from hypertron.models.params import cast_params, quantize_params
 
+    specs = declare(cfg) if isinstance(cfg, ModelConfig) else cfg
     if base_dtype in ("int8", "fp8"):
-        return quantize_params(declare(cfg), params, jnp.int8 if base_dtype == "int8" else jnp.float8_e4m3fn)
+        return quantize_params(specs, params, jnp.int8 if base_dtype == "int8" else jnp.float8_e4m3fn)
     if base_dtype == "bfloat16":
-        return cast_params(declare(cfg), params, jnp.bfloat16)
+        return cast_params(specs, params, jnp.bfloat16)
     return params
 
 

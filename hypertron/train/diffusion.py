@@ -373,7 +373,8 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
                                                       param_lib.logical_axes(specs), optimizer, rules, ranks)
         denoiser = lambda params, frozen: params  # noqa: E731
     else:  # the folder's denoiser frozen beside the text encoder, sharded as it would train
-        frozen["denoiser"] = param_lib.place_params(specs, initial, mesh, rules)
+        held = L.held_base(specs, initial, cfg.lora.base_dtype)  # as read, or bfloat16, int8, fp8 matmul weights
+        frozen["denoiser"] = param_lib.place_params(specs, held, mesh, rules)
         frozen_shardings["denoiser"] = jax.tree.map(lambda a: a.sharding, frozen["denoiser"])
         initial = jax.device_get(L.init_adapters(specs, settings, jax.random.key(cfg.train.seed)))
         state_shardings, batch_shardings = _shardings(cfg, mesh, jax.eval_shape(lambda: initial),
