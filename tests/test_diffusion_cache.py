@@ -103,13 +103,25 @@ def test_sdxl_conditioning_is_diffusers_and_cached_runs_take_the_uncached_losses
         assert ("the vae" in line) == (latents == "true"), line
 
 
-def test_a_stale_or_existing_cache_and_settings_a_cache_cannot_keep_are_one_line(setup, tmp_path):
+def test_a_stale_or_existing_cache_and_settings_a_cache_cannot_keep_are_one_line(setup, tmp_path, monkeypatch):
     from safetensors.numpy import load_file, save_file
+
+    from hypertron.train import diffusion_cache as C
 
     root, folder, settings, _ = setup
     cache = [f"diffusion.cache_dir={tmp_path / 'cache'}"]
     assert run_cli(["diffusion", "cache", *settings, *cache]).rc == 0
     written = (tmp_path / "cache" / "cache.json").read_text()
+    monkeypatch.setattr(C, "PER_SHARD", 4)  # the same records in shards of 4 (and 3 captions a call)
+    monkeypatch.setattr(C, "TEXT_CHUNK", 3)
+    assert run_cli(["diffusion", "cache", *settings, f"diffusion.cache_dir={tmp_path / 'sharded'}"]).rc == 0
+    one, three = (json.loads((tmp_path / n / "cache.json").read_text()) for n in ("cache", "sharded"))
+    assert (len(one["shards"]), len(three["shards"])) == (1, 3)
+    a, b = C.Reader(tmp_path / "cache", one), C.Reader(tmp_path / "sharded", three)
+    assert len(a) == len(b) == 9
+    for i in range(9):
+        assert a[i].keys() == b[i].keys() == {"context", "pooled"}
+        np.testing.assert_allclose(b[i]["context"], a[i]["context"], rtol=1e-6, atol=1e-6)
     one_error_line(run_cli(["diffusion", "cache", *settings, *cache]), "holds a cache already (--overwrite replaces it)")
     assert (tmp_path / "cache" / "cache.json").read_text() == written
 

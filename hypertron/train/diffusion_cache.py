@@ -179,34 +179,40 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
             out.append(jax.tree.map(lambda a: np.asarray(a)[:n], fn(frozen, tuple(map(jnp.asarray, padded)))))
         return jax.tree.map(lambda *parts: np.concatenate(parts), *out)
 
-    ids = tuple(prompt_ids(get_tokenizer(str(Path(spec.folder) / name)), [r.caption for r in records], n, bos=b)
-                for name, n, b in zip(spec.kind.tokenizers, cond.lengths, cond.bos))
+    tokenizers = [get_tokenizer(str(Path(spec.folder) / name)) for name in spec.kind.tokenizers]
     empty = jax.tree.map(lambda a: np.asarray(a)[0], encode_text(frozen, tuple(jnp.asarray(e)[None]
                                                                           for e in cond.empty_ids)))
-    texts = chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids)
     tmp = where.with_name(where.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     np.savez(tmp / EMPTY_FILE, **empty)
     count = -(-len(records) // PER_SHARD)
     shards = [shard_name(i, count) for i in range(count)]
-    skipped = 0
-    for n, name in enumerate(shards):
-        writer = ArrayRecordWriter(str(tmp / name), "group_size:1")
-        part = range(n * PER_SHARD, min(len(records), (n + 1) * PER_SHARD))
+    skipped, writer = 0, None
+    # TEXT_CHUNK samples at a time, each written at once: the encodings are never all in memory
+    # (Flux's T5 states are 8 MB a caption in float32)
+    for first in range(0, len(records), TEXT_CHUNK):
+        part = records[first:first + TEXT_CHUNK]
+        ids = tuple(prompt_ids(t, [r.caption for r in part], n, bos=b)
+                    for t, n, b in zip(tokenizers, cond.lengths, cond.bos))
+        texts = chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids)
         images: dict[int, dict] = {}
         if latents:
-            done = {i: process(records[i]) for i in part}
-            good = [i for i in part if done[i] is not None]
+            done = [process(r) for r in part]
+            good = [j for j, x in enumerate(done) if x is not None]
             skipped += len(part) - len(good)
-            images = {i: {"pixels": done[i][0], "geometry": done[i][1]} for i in good}
+            images = {j: {"pixels": done[j][0], "geometry": done[j][1]} for j in good}
             if good and "vae" in frozen:
-                stacked = np.stack([done[i][0] for i in good])
+                stacked = np.stack([done[j][0] for j in good])
                 mean, logvar = chunked(lambda f, x: encode_image(f, x[0]), (stacked,), IMAGE_CHUNK, (stacked[0],))
-                images = {i: {"mean": mean[j], "logvar": logvar[j], "geometry": done[i][1]} for j, i in enumerate(good)}
-        for i in part:
-            writer.write(_npz(**{k: v[i] for k, v in texts.items()}, **images.get(i, {})))
-        writer.close()
+                images = {j: {"mean": mean[k], "logvar": logvar[k], "geometry": done[j][1]} for k, j in enumerate(good)}
+        for j in range(len(part)):
+            if (first + j) % PER_SHARD == 0:
+                if writer is not None:
+                    writer.close()
+                writer = ArrayRecordWriter(str(tmp / shards[(first + j) // PER_SHARD]), "group_size:1")
+            writer.write(_npz(**{k: v[j] for k, v in texts.items()}, **images.get(j, {})))
+    writer.close()
     meta = {"fingerprint": fingerprint(cfg, spec, side, records), "records": len(records), "shards": shards,
             "skipped": skipped}
     (tmp / CACHE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
