@@ -100,6 +100,32 @@ def test_flow_sigmas_noise_target_and_sd3_weights_equal_diffusers(shift, dynamic
                compute_loss_weighting_for_sd3(scheme, theirs.sigmas[idx]), 1e-5)
 
 
+def test_dynamic_shift_is_flux_pipelines_calculate_shift_and_time_shift():
+    """``diffusion.dynamic_shift``: the training sigmas shifted by ``exp(mu)``, ``mu`` FluxPipeline's
+    ``calculate_shift`` of the latents' packed tokens (4,096 at 1024 x 1024: 128 x 128 latents in 2 x 2
+    patches), equal the scheduler's ``time_shift(mu, 1, sigma)`` (1e-6); the task takes that count."""
+    import types
+
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from hypertron.config import load_config
+    from hypertron.diffusion.pipeline import FLUX
+    from hypertron.diffusion.schedulers import dynamic_shift
+    from hypertron.train.diffusion_task import training_shift
+
+    config = {"shift": 3.0, "use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+              "base_shift": 0.5, "max_shift": 1.15}
+    theirs = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **config)
+    ours_cfg = parse_config({"_class_name": "FlowMatchEulerDiscreteScheduler", **config})
+    for tokens in (256, 1024, 4096):
+        mu = calculate_shift(tokens, 256, 4096, 0.5, 1.15)
+        want = theirs.time_shift(mu, 1.0, theirs.sigmas)
+        _close(O.training_schedule(ours_cfg, "flow", shift=dynamic_shift(ours_cfg, tokens)).s, want, 1e-6)
+    spec = types.SimpleNamespace(class_name=FLUX, vae_scale_factor=8, scheduler=ours_cfg)
+    cfg = load_config(None, ["task=diffusion", "data.source=imagefolder", "data.paths=[x]", "diffusion.dynamic_shift=true"])
+    assert training_shift(cfg, spec, 1024) == pytest.approx(np.exp(calculate_shift(4096, 256, 4096, 0.5, 1.15)))
+
+
 @pytest.mark.parametrize("sampler", ["logit_normal", "mode", "uniform"])
 def test_timestep_samplers_give_compute_density_for_timestep_sampling_s_indices(sampler):
     """From the same draws (torch's generator, read back), the same ``u`` and the same schedule

@@ -160,6 +160,7 @@ def _leaf(tree, keys):
     (["data.source=imagefolder", "data.paths=nowhere"], "nowhere"),
     (["train.init_from=somewhere"], "train.init_from: task=diffusion starts from diffusion.model"),
     (["lora.rank=4", "lora.targets=[q_proj]"], "the denoiser has no q_proj to adapt"),
+    (["diffusion.dynamic_shift=true", "diffusion.shift=3"], "diffusion.shift=3.0 and diffusion.dynamic_shift: one"),
 ])
 def test_bad_configs_are_one_line_and_write_nothing(tmp_path, overrides, message):
     run = tmp_path / "run"

@@ -359,6 +359,7 @@ class DiffusionConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     shift: float = 0.0
+    dynamic_shift: bool = False  # flow: shift by Flux's exp(mu) of the latents' token count (FluxPipeline's)
     weighting: Weighting = "none"
     snr_gamma: float = 5.0
     noise_offset: float = 0.0

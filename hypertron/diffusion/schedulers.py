@@ -514,9 +514,8 @@ def _flow_schedule(cfg: SchedulerConfig, steps: int, image_seq_len: int | None,
         if image_seq_len is None or image_seq_len < 1:
             raise DiffusionError(f"{FLOW}: use_dynamic_shifting needs the image's sequence length, "
                                  f"not {image_seq_len!r}")
-        slope = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
-        mu = image_seq_len * slope + cfg.base_shift - slope * cfg.base_image_seq_len
-        sigma = math.exp(mu) / (math.exp(mu) + (1 / sigma - 1))
+        shift = dynamic_shift(cfg, image_seq_len)
+        sigma = shift / (shift + (1 / sigma - 1))
     else:
         sigma = _shifted(sigma, cfg.shift)
     if cfg.use_karras_sigmas:
@@ -526,6 +525,15 @@ def _flow_schedule(cfg: SchedulerConfig, steps: int, image_seq_len: int | None,
     s = sigmas.astype(np.float64)
     table = _table(dt=s[1:] - s[:-1], noised_x0=1 - s[:-1], noised_eps=s[:-1])
     return Schedule(sigma * _F32(total), sigmas, table, 1.0, FLOW, None)
+
+
+def dynamic_shift(cfg: SchedulerConfig, image_seq_len: int) -> float:
+    """Flux's resolution-dependent shift ``exp(mu)``, ``mu`` linear in the image's sequence length
+    from ``base_shift`` at ``base_image_seq_len`` to ``max_shift`` at ``max_image_seq_len``
+    (FluxPipeline's ``calculate_shift``); shifting sigma by it is diffusers' ``time_shift``
+    (``e^mu / (e^mu + 1 / sigma - 1)``, the same as :func:`_shifted` by ``e^mu``)."""
+    slope = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
+    return math.exp(image_seq_len * slope + cfg.base_shift - slope * cfg.base_image_seq_len)
 
 
 def _shifted(sigma: np.ndarray, shift: float) -> np.ndarray:

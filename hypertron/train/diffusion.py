@@ -352,10 +352,11 @@ def frozen_encoders(folder: Path, spec: PipelineSpec, cached: Cached | None, t5_
 
 
 def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str, rules=DEFAULT_RULES,
-                           cached: Cached | None = None) -> DiffusionTrainer:
+                           cached: Cached | None = None, shift: float | None = None) -> DiffusionTrainer:
     """The trainer of ``folder``'s denoiser (see the module's docstring); nothing compiled yet.
     ``cached``: the batches hold cached encodings, so the text encoder (and, with cached latents,
-    the VAE) is not loaded."""
+    the VAE) is not loaded. ``shift``: the flow objective's (None: ``diffusion.shift``, or the
+    scheduler's)."""
     f, spec = cfg.diffusion, read_pipeline(folder)
     _, denoiser_cfg, initial = load_denoiser(spec)
     specs = declare_denoiser(spec, denoiser_cfg)
@@ -365,7 +366,7 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
     frozen = jax.device_put(frozen, replicated)
     frozen_shardings = {k: replicated for k in frozen}
     ranks = batch_ranks(cached, spec)
-    sched = O.training_schedule(spec.scheduler, objective, shift=f.shift or None)
+    sched = O.training_schedule(spec.scheduler, objective, shift=shift or f.shift or None)
     optimizer, lr = make_optimizer(cfg.train), schedule(cfg.train)
     settings = lora_of(cfg)
     if settings is None:

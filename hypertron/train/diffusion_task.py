@@ -81,6 +81,19 @@ def resolution_of(cfg: Config, spec: PipelineSpec) -> int:
     return side
 
 
+def training_shift(cfg: Config, spec: PipelineSpec, side: int) -> float | None:
+    """The flow objective's shift: ``diffusion.shift``, or with ``diffusion.dynamic_shift`` Flux's
+    ``exp(mu)`` of the denoiser's tokens at ``side`` x ``side`` pixels (latent pixels, Flux's packed
+    2 x 2); None: the scheduler's own."""
+    from hypertron.diffusion.schedulers import dynamic_shift
+
+    f = cfg.diffusion
+    if not f.dynamic_shift:
+        return f.shift or None
+    tokens = (side // spec.vae_scale_factor // (2 if spec.class_name == FLUX else 1)) ** 2
+    return dynamic_shift(spec.scheduler, tokens)
+
+
 def check_diffusion(cfg: Config) -> tuple[PipelineSpec, str, int]:
     """What needs the model's configs, before anything is compiled or written: the class, the
     objective and weighting against its scheduler, the resolution. ``(spec, objective, side)``."""
@@ -94,8 +107,11 @@ def check_diffusion(cfg: Config) -> tuple[PipelineSpec, str, int]:
     objective = objective_of(cfg, spec)
     O.check_objective(objective, spec.scheduler)
     O.check_weighting(f.weighting, objective)
-    if f.shift and objective != "flow":
-        raise ConfigError(f"diffusion.shift={f.shift}: a shift applies to the flow objective only, not {objective}")
+    if (f.shift or f.dynamic_shift) and objective != "flow":
+        raise ConfigError(f"diffusion.shift={f.shift}, diffusion.dynamic_shift={f.dynamic_shift}: a shift applies to "
+                          f"the flow objective only, not {objective}")
+    if f.shift and f.dynamic_shift:
+        raise ConfigError(f"diffusion.shift={f.shift} and diffusion.dynamic_shift: one shift or the other")
     if f.cache_dir and f.model in PRESETS:
         raise ConfigError(f"diffusion.cache_dir: caches a diffusers folder's encoders, and {f.model} is a preset "
                           f"(its encoders are made at the run's start)")
@@ -248,9 +264,10 @@ class DiffusionTask:
                 "model": cfg.diffusion.model}
 
     def trainer(self, cfg: Config, mesh: Mesh) -> DiffusionTrainer:
-        _, objective, side = self._check(cfg)
+        spec, objective, side = self._check(cfg)
         cached = self._cache(cfg)[0] if cfg.diffusion.cache_dir else None
-        trainer = make_diffusion_trainer(cfg, mesh, self.folder(cfg), objective, cached=cached)
+        trainer = make_diffusion_trainer(cfg, mesh, self.folder(cfg), objective, cached=cached,
+                                         shift=training_shift(cfg, spec, side))
         self._flops = _compile_step(trainer, cfg, side)
         return trainer
 
