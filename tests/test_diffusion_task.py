@@ -144,6 +144,47 @@ def test_lora_on_a_flux_folder_trains_adapters_alone_and_diffusers_loads_the_exp
     np.testing.assert_allclose(np.load(tmp_path / "final.npy"), expect, atol=1e-3, rtol=0)
 
 
+def test_an_sd_folder_fine_tuned_3_steps_is_a_folder_diffusers_loads(tmp_path, one_device):
+    """Issue 44's export point: a tiny SD folder (VAE latents, DDIM, epsilon; a UNet of one level)
+    fine-tuned in full for
+    3 steps writes a RUN/model that diffusers' ``StableDiffusionPipeline.from_pretrained`` loads,
+    and from the same initial latents it gives ``hypertron diffuse``'s final latents (1e-3); its
+    UNet is no longer the base's."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from PIL import Image
+
+    from hypertron.diffusion import unet as U
+    from support.diffusion_folders import TINY_UNET, tiny_sd
+
+    folder, _ = tiny_sd(tmp_path, TINY_UNET | {"block_out_channels": (32,), "down_block_types": ("CrossAttnDownBlock2D",),
+                                               "up_block_types": ("CrossAttnUpBlock2D",)})  # one level: quick to compile
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text(["a photo of a red cat", "a blue dog"][i % 2])
+    run = tmp_path / "run"
+    train(_cfg(run, f"diffusion.model={folder}", "data.source=imagefolder", f"data.paths=[{images}]",
+               "data.resolution=16", "diffusion.timesteps=uniform", "train.global_batch=4", "train.steps=3",
+               "checkpoint.every=3", "diffusion.use_ema=false", "train.lr=1e-2"))
+    _, base = U.load_unet(folder / "unet")
+    _, tuned = U.load_unet(run / "model" / "unet")
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(tuned)))
+    initial = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "initial.npy", initial)
+    r = run_cli(["diffuse", "--model", run / "model", "--prompt", "a photo of a red cat", "--steps", "3",
+                 "--latents", tmp_path / "initial.npy", "--save-latents", tmp_path / "final.npy",
+                 "--out", tmp_path / "img.png"])
+    assert r.rc == 0, r.describe()
+    theirs = diffusers.StableDiffusionPipeline.from_pretrained(run / "model")
+    with torch.no_grad():
+        expect = theirs("a photo of a red cat", latents=torch.from_numpy(initial), num_inference_steps=3,
+                        output_type="latent").images.numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), expect, atol=1e-3, rtol=0)
+
+
 def _leaf(tree, keys):
     for k in keys:
         tree = tree[k]
