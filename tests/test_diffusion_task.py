@@ -146,10 +146,9 @@ def test_lora_on_a_flux_folder_trains_adapters_alone_and_diffusers_loads_the_exp
 
 def test_an_sd_folder_fine_tuned_3_steps_is_a_folder_diffusers_loads(tmp_path, one_device):
     """Issue 44's export point: a tiny SD folder (VAE latents, DDIM, epsilon; a UNet of one level)
-    fine-tuned in full for
-    3 steps writes a RUN/model that diffusers' ``StableDiffusionPipeline.from_pretrained`` loads,
-    and from the same initial latents it gives ``hypertron diffuse``'s final latents (1e-3); its
-    UNet is no longer the base's."""
+    fine-tuned in full for 3 steps writes a RUN/model that diffusers'
+    ``StableDiffusionPipeline.from_pretrained`` loads, and from the same initial latents it gives
+    ``hypertron diffuse``'s final latents (1e-3); its UNet is no longer the base's."""
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     from PIL import Image
