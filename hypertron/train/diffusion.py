@@ -199,8 +199,8 @@ class DiffusionTrainer:
 @dataclasses.dataclass(frozen=True)
 class Cached:
     """What a run reads from cached encodings (:mod:`hypertron.train.diffusion_cache`) in place of
-    encoding each batch: the prompt embeddings always (``context`` [s, d] an example, and SDXL's
-    ``pooled`` [p]), and with ``latents`` the image's too (the VAE's ``mean`` and ``logvar``, or a
+    encoding each batch: the prompt embeddings always (``context`` [s, d] an example, and SDXL's and
+    Flux's ``pooled`` [p]), and with ``latents`` the image's too (the VAE's ``mean`` and ``logvar``, or a
     pixel model's ``pixels``). ``empty``: the empty caption's embeddings, which caption dropout
     puts in."""
 
@@ -252,8 +252,8 @@ class Conditioning:
 
     def inputs(self, frozen: dict, batch: dict, key: jax.Array, dropout: float) -> tuple[jax.Array, dict]:
         """The clean latents (the pixels, or latents sampled from the VAE's posterior) and the
-        denoiser's conditioning (``context``; SDXL's ``added``, Flux's ``pooled``), ``dropout`` of the captions
-        emptied (the unconditional branch CFG needs)."""
+        denoiser's conditioning (``context``; SDXL's ``added``, Flux's ``pooled``), ``dropout`` of
+        the captions emptied (the unconditional branch CFG needs)."""
         k_drop, k_latent = jax.random.split(key)
         cached = "context" in batch
         rows = (batch["context"] if cached else batch["ids"]).shape[0]
