@@ -63,13 +63,12 @@ def _losses(run, settings, *extra) -> tuple[list[float], str, object]:
     task, said = DiffusionTask(), io.StringIO()
     task.check_inputs(cfg)
     trainer = task.trainer(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
-    state, batches, losses = task.initial_state(cfg, trainer, Console(file=said, soft_wrap=True)), task.batches(cfg), []
-    for i in range(2):
-        batch = next(batches)
-        first = batch if i == 0 else first
+    state, batches = task.initial_state(cfg, trainer, Console(file=said, soft_wrap=True)), task.batches(cfg)
+    taken, losses = [next(batches) for _ in range(2)], []
+    for batch in taken:
         state, metrics = task.step(trainer, state, batch)
         losses.append(float(metrics["loss"]))
-    return losses, said.getvalue(), (trainer, first)
+    return losses, said.getvalue(), (trainer, taken[0])
 
 
 def test_sdxl_conditioning_is_diffusers_and_cached_runs_take_the_uncached_losses(setup):
