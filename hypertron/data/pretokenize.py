@@ -44,7 +44,6 @@ import shutil
 from collections.abc import Callable
 
 import grain
-import numpy as np
 
 from hypertron.config import TOKENIZABLE_SOURCES
 from hypertron.data.sources import SOURCES, check_source, load_documents
