@@ -23,8 +23,10 @@ refused in one line naming what changed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
+import os
 import json
 import shutil
 from pathlib import Path
@@ -189,6 +191,8 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
     count = -(-len(records) // PER_SHARD)
     shards = [shard_name(i, count) for i in range(count)]
     skipped, writer = 0, None
+    # images decoded on threads (Pillow lets go of the GIL while it decodes and resizes)
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)))
     # TEXT_CHUNK samples at a time, each written at once: the encodings are never all in memory
     # (Flux's T5 states are 8 MB a caption in float32)
     for first in range(0, len(records), TEXT_CHUNK):
@@ -198,7 +202,7 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
         texts = chunked(encode_text, ids, TEXT_CHUNK, cond.empty_ids)
         images: dict[int, dict] = {}
         if latents:
-            done = [process(r) for r in part]
+            done = list(pool.map(process, part))
             good = [j for j, x in enumerate(done) if x is not None]
             skipped += len(part) - len(good)
             images = {j: {"pixels": done[j][0], "geometry": done[j][1]} for j in good}
@@ -213,6 +217,7 @@ def write_cache(cfg, spec, side: int, records: Sequence, *, process: Callable[[A
                 writer = ArrayRecordWriter(str(tmp / shards[(first + j) // PER_SHARD]), "group_size:1")
             writer.write(_npz(**{k: v[j] for k, v in texts.items()}, **images.get(j, {})))
     writer.close()
+    pool.shutdown()
     meta = {"fingerprint": fingerprint(cfg, spec, side, records), "records": len(records), "shards": shards,
             "skipped": skipped}
     (tmp / CACHE_FILE).write_text(json.dumps(meta, indent=1) + "\n")
