@@ -209,6 +209,12 @@ def test_bad_configs_are_one_line_and_write_nothing(tmp_path, overrides, message
     assert not run.exists()
 
 
+def test_plan_refuses_a_diffusion_config_in_one_line():
+    """The planner counts a decoder: on a diffusion recipe it planned the config's unused language
+    model (a wrong answer, exit 0), so it refuses the task until it plans a denoiser."""
+    one_error_line(run_cli(["plan", str(RECIPE)]), "task=diffusion: hypertron plan does not plan a diffusion denoiser")
+
+
 def test_one_step_on_each_mesh_is_the_single_devices(tmp_path):
     """One step's loss and gradient (``DiffusionTrainer.gradients``: what the step computes) of a
     small pixel UNet from the same state and batch: on 8 devices as (data=8), (fsdp=8) and (fsdp=4,

@@ -141,6 +141,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"{flag(given[0])}: only with --serve (a training plan's split is mesh.tensor=N, mesh.expert=N)")
     if cfg.task == "dlrm":
         return _plan_dlrm(cfg, args)
+    if cfg.task == "diffusion":  # the planner counts a decoder's parameters: it would plan the config's unused model
+        raise ConfigError("task=diffusion: hypertron plan does not plan a diffusion denoiser yet (it plans "
+                          "task=lm, sft, dpo and dlrm)")
     p = planner.plan(cfg, args.hardware, args.devices)
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
