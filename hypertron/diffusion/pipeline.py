@@ -135,7 +135,9 @@ class Pipeline:
     programs: dict = dataclasses.field(default_factory=dict, compare=False, init=False)
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
+    """A JSON object from ``path``; a missing, malformed or non-object file is a one-line
+    :class:`DiffusionError` naming it."""
     value = read_json(path, DiffusionError, f"{path}: not found", lambda reason: f"{path}: invalid JSON ({reason})")
     if not isinstance(value, dict):
         raise DiffusionError(f"{path}: must be a JSON object")
@@ -162,7 +164,7 @@ def read_pipeline(folder: str | Path, scheduler: str | None = None) -> PipelineS
     ``scheduler``: a scheduler class to run instead of the folder's, with the folder's options (as
     diffusers' ``Scheduler.from_config(pipe.scheduler.config)``)."""
     folder = Path(folder)
-    index = _read_config(folder / MODEL_INDEX) if folder.is_dir() else None
+    index = read_config(folder / MODEL_INDEX) if folder.is_dir() else None
     if index is None:
         raise DiffusionError(f"{folder}: not a directory")
     class_name = index.get("_class_name")
@@ -173,15 +175,15 @@ def read_pipeline(folder: str | Path, scheduler: str | None = None) -> PipelineS
     for name in kind.text_encoders + kind.tokenizers:
         _component(folder, index, name)
     config_file = _component(folder, index, "scheduler") / "scheduler_config.json"
-    scheduler_cfg = S.parse_config(_read_config(config_file), source=str(config_file), class_name=scheduler)
+    scheduler_cfg = S.parse_config(read_config(config_file), source=str(config_file), class_name=scheduler)
     vae = None
     if kind.vae:
         vae_file = _component(folder, index, "vae", "AutoencoderKL") / "config.json"
-        vae = vae_config(_read_config(vae_file), str(vae_file))
+        vae = vae_config(read_config(vae_file), str(vae_file))
     denoiser_file = _component(folder, index, kind.denoiser, kind.denoiser_class) / "config.json"
     options = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
     return PipelineSpec(folder=folder, class_name=class_name, kind=kind, scheduler=scheduler_cfg, vae=vae,
-                        denoiser_config=_read_config(denoiser_file), options=options)
+                        denoiser_config=read_config(denoiser_file), options=options)
 
 
 def _denoiser_module(spec: PipelineSpec) -> Any:

@@ -36,8 +36,8 @@ from hypertron.diffusion import flux as F
 from hypertron.diffusion import objectives as O
 from hypertron.diffusion import unet as U
 from hypertron.diffusion import vae as V
-from hypertron.diffusion.errors import DiffusionError
-from hypertron.diffusion.pipeline import FLUX, SDXL, PipelineSpec, declare_denoiser, load_denoiser, read_pipeline
+from hypertron.diffusion.pipeline import (FLUX, SDXL, PipelineSpec, declare_denoiser, load_denoiser, read_config,
+                                         read_pipeline)
 from hypertron.diffusion import lora as DL
 from hypertron.models import lora as L
 from hypertron.models import params as param_lib
@@ -324,7 +324,7 @@ def token_layout(folder: Path, spec: PipelineSpec, t5_length: int) -> tuple[tupl
     positions, T5's ``t5_length``) and whether its ids start with bos (CLIP's do, T5's not)."""
     from hypertron.diffusion.text_encoders import T5EncoderConfig, text_config
 
-    cfgs = tuple(text_config(read_json_file(folder / name / "config.json"), str(folder / name))
+    cfgs = tuple(text_config(read_config(folder / name / "config.json"), str(folder / name))
                  for name in spec.kind.text_encoders)
     t5 = tuple(isinstance(c, T5EncoderConfig) for c in cfgs)
     return cfgs, tuple(t5_length if is_t5 else c.max_positions for c, is_t5 in zip(cfgs, t5)), tuple(not x for x in t5)
@@ -431,13 +431,3 @@ def make_diffusion_trainer(cfg: Config, mesh: Mesh, folder: Path, objective: str
     trainer.eval_fn = jax.jit(evaluate, in_shardings=(state_shardings["params"], frozen_shardings, batch_shardings,
                                                       replicated), out_shardings=replicated)
     return trainer
-
-
-def read_json_file(path: Path) -> dict:
-    """A JSON object from ``path``; a missing or malformed file is a :class:`DiffusionError` naming it."""
-    from hypertron.config.loading import read_json
-
-    value = read_json(path, DiffusionError, f"{path}: not found", lambda reason: f"{path}: invalid JSON ({reason})")
-    if not isinstance(value, dict):
-        raise DiffusionError(f"{path}: not a JSON object")
-    return value

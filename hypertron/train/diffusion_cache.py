@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypertron.diffusion.errors import DiffusionError
-from hypertron.train.diffusion import Cached, frozen_encoders, read_json_file
+from hypertron.diffusion.pipeline import read_config
+from hypertron.train.diffusion import Cached, frozen_encoders
 
 VERSION = 1
 CACHE_FILE = "cache.json"
@@ -112,7 +113,7 @@ def check_cache(cfg, spec, side: int, records: Sequence) -> tuple[Cached, dict]:
     if not (where / CACHE_FILE).is_file():
         raise DiffusionError(f"diffusion.cache_dir={where}: no cache there (write it with: hypertron diffusion "
                              f"cache RECIPE ...)")
-    meta = read_json_file(where / CACHE_FILE)
+    meta = read_config(where / CACHE_FILE)
     changed = _stale(fingerprint(cfg, spec, side, records, meta.get("fingerprint", {}).get("files")),
                      meta.get("fingerprint", {}))
     if changed is not None:

@@ -1,10 +1,9 @@
 """``task: diffusion`` (issue 44): the :class:`hypertron.train.task.Task` that trains a diffusion
 model's denoiser on the shared loop, with the trainer of :mod:`hypertron.train.diffusion`.
 
-It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x, SDXL, Flux), or
-a preset trained from scratch
-(``shapes-unet``: :mod:`hypertron.diffusion.folders`, written to ``RUN/preset`` at the run's
-start). The data: the shapes source, or image files (:mod:`hypertron.data.images`), or with
+It trains the denoiser of ``diffusion.model``: a diffusers folder (SD 1.x / 2.x, SDXL, Flux), or a
+preset trained from scratch (``shapes-unet``: :mod:`hypertron.diffusion.folders`, written to
+``RUN/preset`` at the run's start). The data: the shapes source, or image files (:mod:`hypertron.data.images`), or with
 ``diffusion.cache_dir`` their cached encodings (:mod:`hypertron.train.diffusion_cache`). The
 evaluation takes the held-out loss at ``diffusion.eval_timesteps`` fixed timesteps with fixed
 noise; ``finish`` writes ``RUN/model``: the base folder with the trained (or EMA) denoiser in
@@ -240,10 +239,7 @@ class DiffusionTask:
 
         if cfg.task != "diffusion" or not cfg.diffusion.cache_dir:
             raise ConfigError("diffusion.cache_dir: set it (and task=diffusion) to say where the cache goes")
-        spec, _, side = self._check(cfg)
-        if cfg.data.source == "shapes":
-            raise ConfigError("diffusion.cache_dir: the shapes source draws new pictures every step; "
-                              "cache an image source")
+        spec, _, side = self._check(cfg)  # (the shapes source with a cache_dir: refused by the config's validation)
         d = cfg.data
 
         def pixels(record):
