@@ -44,7 +44,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_http_servers import Server, bench, script  # bench/, this directory
+from serve_http_prefix import settle  # bench/, this directory
+from serve_http_servers import Server, bench, compile_counts, counts_since, script  # bench/, this directory
 from serve_model import add_model_args, build_model, write_prompts  # bench/, this directory
 
 from hypertron.launch.local import free_ports
@@ -108,10 +109,14 @@ def measure_server(argv: list[str], port: int, models: str, prompts: dict, args,
         for c in args.concurrency:
             n = max(args.num_requests, 2 * c)
             runs(f"c{c}w", c, n, f"c{c}-warmup")
+            settle(srv.base_url)  # the shapes the warm-ups queued compile before the clock
+            before = compile_counts(srv.base_url)
             reports = [runs(f"c{c}r{i}", c, n, f"c{c}-r{i}") for i in range(args.repeats)]
             assert all(r["completed"] == n for r in reports), [r["completed"] for r in reports]
             out[c] = statistics.median(r["output_throughput"] for r in reports)
-            print(f"  {name} c{c}: {[round(r['output_throughput'], 1) for r in reports]} tok/s", file=sys.stderr)
+            compiles = counts_since(before, compile_counts(srv.base_url))
+            print(f"  {name} c{c}: {[round(r['output_throughput'], 1) for r in reports]} tok/s, compiles in the "
+                  f"measured runs {compiles}", file=sys.stderr)
     return out
 
 
