@@ -1,27 +1,34 @@
 """``task: diffusion`` on the training loop: the shapes demo learns its prompts' colours (and not
-without its prompts), a resumed run repeats an uninterrupted one's losses bit for bit with
-its EMA, the final ``RUN/model`` is a pipeline folder ``hypertron diffuse`` loads, and bad configs
+without its prompts), a run killed with SIGKILL resumes to an uninterrupted one's losses bit for
+bit with its EMA, the final ``RUN/model`` is a pipeline folder ``hypertron diffuse`` loads, and bad configs
 are one line before anything is written. On 8 simulated CPU devices; the preset's UNet is
 0.36M parameters."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from hypertron.checkpoint import MANIFEST
 from hypertron.config import load_config
 from hypertron.diffusion import shapes
 from hypertron.diffusion.pipeline import PIXEL, load_pipeline
-from hypertron.train.loop import train
+from hypertron.train.loop import FAULT_DATA_DELAY, train
+from support import processes, runs  # tests/support
 from support.cli import one_error_line, run_cli  # tests/support
 
 ROOT = Path(__file__).parent.parent
 RECIPE = ROOT / "recipes" / "cpu" / "diffusion-shapes.yaml"
 QUIET = ["monitor.collect=false", "train.eval_every=0"]
+# A process on one CPU device, compiled fast (its steps are few and tiny; the three processes compile alike).
+ONE_DEVICE = processes.fast_compile(processes.hypertron_env(
+    JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=1")))
 
 
 def _cfg(run: Path, *overrides: str):
@@ -47,18 +54,34 @@ def test_the_shapes_demo_learns_its_prompts_colour(tmp_path, one_device):
     assert zeroed.colour <= 0.6 * zeroed.total, zeroed
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_losses_and_ema(tmp_path, one_device):
-    """4 steps straight, and 2 then 2 more from the checkpoint at 2: the same losses to the bit,
-    the same EMA and parameters (on one device: meshes give its step, the mesh test below)."""
-    common = ["train.global_batch=8", "train.schedule=constant", "train.warmup_steps=0",
-              "diffusion.ema.decay=0.9", "checkpoint.every=2"]
-    straight = train(_cfg(tmp_path / "a", *common, "train.steps=4"))
+@pytest.mark.slow
+def test_a_run_killed_after_checkpoint_6_resumes_to_the_uninterrupted_losses_and_ema(tmp_path):
+    """Real ``hypertron train`` processes on the recipe (one device, as the demo runs): 12 steps
+    straight; then 12 with SIGKILL once checkpoint 6 is final, and again, resuming at 6: the same 12
+    losses to the bit, and the same EMA weights in RUN/model (test_resume.py's kill, on this task's
+    state: parameters, optimizer, EMA and data position)."""
+    common = [str(RECIPE), *QUIET, "train.steps=12", "checkpoint.every=6", "train.log_every=1",
+              "train.global_batch=8", "diffusion.ema.decay=0.9"]
+    cmd = lambda run: processes.hypertron_argv("train", *common, f"run_dir={run}")  # noqa: E731
+    straight = processes.run(cmd(tmp_path / "a"), env=ONE_DEVICE)
+    assert straight.returncode == 0, straight.stderr
     run = tmp_path / "b"
-    first = train(_cfg(run, *common, "train.steps=2"))
-    resumed = train(_cfg(run, *common, "train.steps=4"))
-    assert first.losses + resumed.losses == straight.losses
-    a, b = (load_pipeline(tmp_path / name / "model").denoiser_params for name in ("a", "b"))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    killed = processes.start(cmd(run), env={**ONE_DEVICE, FAULT_DATA_DELAY: "*:0.5"})
+    try:
+        processes.wait_for(lambda: (run / "checkpoints" / "6" / MANIFEST).exists(), killed, "checkpoint 6 became final")
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert not (run / "checkpoints" / "12").exists(), "the run finished before the kill; steps too fast"
+    finally:
+        processes.kill(killed)
+    resumed = processes.run(cmd(run), env=ONE_DEVICE)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 6" in resumed.stderr
+    want, got = runs.losses(tmp_path / "a"), runs.losses(run)
+    assert sorted(want) == sorted(got) == list(range(1, 13))
+    assert [got[s] for s in range(1, 13)] == [want[s] for s in range(1, 13)]  # exact float equality
+    a, b = (load_pipeline(r / "model").denoiser_params for r in (tmp_path / "a", run))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
