@@ -296,7 +296,14 @@ class Checkpointer:
         return jax.tree.map(lambda a: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), a.sharding), abstract)
 
     def restore_data(self, step: int, data_iterator) -> None:
-        """Move ``data_iterator`` to where it was when ``step`` was saved."""
+        """Move ``data_iterator`` to where it was when ``step`` was saved. An iterator with
+        ``restore_from_files`` (the text pipeline's, whose shards any process may have saved) is
+        given every process's saved state, whatever the process count then; any other reads this
+        process's, as Grain's handler does."""
+        from_files = getattr(data_iterator, "restore_from_files", None)
+        if from_files is not None:
+            from_files(sorted((self.directory / str(step) / "data").glob("process_*-of-*.json")))
+            return
         self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
 
     def has_data(self, step: int) -> bool:

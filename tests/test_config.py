@@ -64,6 +64,9 @@ def test_dump_and_reload_is_identity():
         (["run_dir="], "run_dir"),
         (["train.eval_every=10"], "needs a held-out split: set data.eval_fraction"),
         (["data.eval_fraction=1.5"], "data.eval_fraction=1.5"),
+        (["data.shards=3", "train.global_batch=8"], "data.shards=3 must divide train.global_batch=8"),
+        (["data.shards=-1"], "data.shards=-1: must be at least 1"),
+        (["task=diffusion", "data.source=shapes", "data.shards=2"], "data.shards=2: task=diffusion reads its data by process"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -237,6 +237,78 @@ def test_processes_read_disjoint_documents(text_corpus, shuffle):
         assert seen[0] | seen[1] == set(DOCUMENTS)
 
 
+def _global_batches(processes: int, count: int, corpus, **kwargs) -> list[np.ndarray]:
+    """The first ``count`` global batches' inputs of 8 shards read by ``processes`` processes
+    (their local batches side by side, in process order)."""
+    streams = [make_batches(source="text", paths=(str(corpus),), seq_len=16, batch_size=8 // processes, seed=3,
+                            shards=8, process_index=p, process_count=processes, **kwargs) for p in range(processes)]
+    return [np.concatenate([next(s)["inputs"] for s in streams]) for _ in range(count)]
+
+
+def test_shards_make_the_same_global_batches_on_every_process_count(tmp_path):
+    """data.shards=8: one, two, four or eight processes feed the same global batches (issue 46), and
+    shard 0's rows are the unsharded stream's with its window (the seeds of shard 0 are the pipeline's)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(24):
+        (corpus / f"{i:02d}.txt").write_text(f"document {i}: " + "abcdefghij"[i % 10] * (5 + 7 * i))
+    want = _global_batches(1, 5, corpus)
+    for processes in (2, 4, 8):
+        got = _global_batches(processes, 5, corpus)
+        assert all(np.array_equal(a, b) for a, b in zip(want, got)), processes
+    # Each shard holds its own documents: shard v's rows come from documents v, v + 8, v + 16 only.
+    first = _global_batches(1, 1, corpus, shuffle=False)[0]
+    for v in range(8):
+        text = TOKENIZER.decode([int(t) for t in first[v] if t > 2])
+        assert text.startswith(f"document {v}: "), (v, text)
+    synthetic = [make_batches(source="synthetic", seq_len=8, batch_size=4 // n, shards=4, process_index=p,
+                              process_count=n, vocab_size=50) for n in (1, 2) for p in range(n)]
+    one, halves = next(synthetic[0])["inputs"], [next(s)["inputs"] for s in synthetic[1:]]
+    np.testing.assert_array_equal(one, np.concatenate(halves))
+
+
+def test_a_position_saved_by_two_processes_resumes_on_one_and_on_four(tmp_path, text_corpus):
+    """Each process saves its shards' positions (as a checkpoint's data/process_P-of-N.json); a stream
+    on another process count takes its own shards' from those files and goes on as the
+    uninterrupted run would."""
+    def streams(processes):
+        return [make_batches(source="text", paths=(str(text_corpus),), seq_len=16, batch_size=4 // processes,
+                             seed=7, shards=4, process_index=p, process_count=processes) for p in range(processes)]
+
+    straight = streams(1)[0]
+    want = [next(straight)["inputs"] for _ in range(6)]
+    two = streams(2)
+    for _ in range(3):
+        for s in two:
+            next(s)
+    files = []
+    for p, s in enumerate(two):
+        files.append(tmp_path / f"process_{p}-of-2.json")
+        files[-1].write_text(json.dumps(s.get_state()))
+    for processes in (1, 4):
+        resumed = streams(processes)
+        for s in resumed:
+            s.restore_from_files(files)
+        got = [np.concatenate([next(s)["inputs"] for s in resumed]) for _ in range(3)]
+        assert all(np.array_equal(a, b) for a, b in zip(want[3:], got)), processes
+    with pytest.raises(DataError, match=r"no state for shards \[2\]"):  # process 1 of 2 saved shards 2, 3
+        streams(4)[2].restore_from_files(files[:1])
+
+
+def test_bad_shard_counts_are_refused_in_one_line(text_corpus):
+    with pytest.raises(DataError, match=r"^data.shards=8: the 3 processes that read the data must divide it"):
+        make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=4, shards=8,
+                     process_index=0, process_count=3)
+    with pytest.raises(DataError, match=r"^data.shards=8 must divide the global batch of 4 rows"):
+        make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=4, shards=8)
+    with pytest.raises(DataError, match=r"too few for data.shards=8"):
+        next(make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=8, shards=8))
+    # data.shards 0 (the task's default) takes fewer shards for a corpus of 6 documents: 4 of 8.
+    few = make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=8, shards=8,
+                       fewer_shards_for_few_documents=True)
+    assert sorted(few.get_state()["shards"]) == ["0", "1", "2", "3"]
+
+
 def test_stdlib_source_yields_a_batch():
     paths = stdlib_paths()
     assert paths == sorted(paths) and len(paths) > 100

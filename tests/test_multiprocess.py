@@ -40,12 +40,13 @@ def _launch(*overrides: str) -> subprocess.CompletedProcess:
 
 
 def _reference_losses(steps: int) -> list[float]:
-    """One process, 8 devices, fed each global batch as process 0's rows then process 1's."""
+    """One process, 8 devices, fed each global batch as process 0's rows then process 1's (each
+    feeding 4 of the default 8 data shards)."""
     cfg = load_config(None, TINY)
     trainer = make_trainer(cfg, make_mesh(cfg.mesh, jax.devices()))
     state = trainer.init(jax.random.key(cfg.train.seed))
-    shards = [make_batches(source="stdlib", seq_len=32, batch_size=4, seed=0, process_index=p, process_count=2)
-              for p in range(2)]
+    shards = [make_batches(source="stdlib", seq_len=32, batch_size=4, seed=0, shards=8, process_index=p,
+                           process_count=2) for p in range(2)]
     losses = []
     for _ in range(steps):
         halves = [next(s) for s in shards]
@@ -136,7 +137,7 @@ def test_a_pipeline_across_the_two_processes_trains_like_one_process(tmp_path):
     cfg = load_config(None, TINY)
     trainer = make_trainer(cfg, make_mesh(cfg.mesh, jax.devices()))
     state = trainer.init(jax.random.key(cfg.train.seed))
-    stream = make_batches(source="stdlib", seq_len=32, batch_size=8, seed=0)
+    stream = make_batches(source="stdlib", seq_len=32, batch_size=8, seed=0, shards=8)
     want = []
     for _ in range(3):
         state, metrics = trainer.step(state, global_batch(next(stream), trainer.batch_sharding))

@@ -245,7 +245,10 @@ def test_200_steps_in_fp8_and_int8_stay_within_3_percent_of_float32(tmp_path, on
         result = train(load_config(None, common + [f"run_dir={tmp_path / mode}", f"model.quantization={mode}"]))
         assert len(result.losses) == 200 and np.all(np.isfinite(result.losses)), mode
         final[mode] = float(np.mean(result.losses[-10:]))
-    assert final["none"] < 2.0, final  # it learned
+    # It learned (6.1 at step 1). Each batch holds rows of 8 data shards' documents; before data.shards
+    # (issue 46) one or two stdlib files filled the rows of ~128 batches in a row, and the loss on the file in
+    # hand fell to 1.3 over the same steps.
+    assert final["none"] < 2.5, final
     for mode in ("fp8", "int8"):
         assert abs(final[mode] - final["none"]) <= 0.03 * final["none"], final
 

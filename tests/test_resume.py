@@ -9,6 +9,7 @@ final" and the end of the run to send its signal, at no cost in CPU.
 from __future__ import annotations
 
 import io
+import json
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hypertron.checkpoint import MANIFEST, CheckpointError
+from hypertron.checkpoint import MANIFEST, CheckpointError, _write_manifest
 from hypertron.config import load_config
 from hypertron.runfiles import EVENTS
 from hypertron.train.events import read_events
@@ -179,3 +180,25 @@ def test_a_config_that_fits_no_checkpoint_is_refused_and_nothing_is_moved(tmp_pa
     assert not (run / "unusable_checkpoints").exists()
     result, _ = _train_quiet([*common, "train.steps=5"])  # the original config resumes as before
     assert result.first_step == 4
+
+
+def test_a_data_position_saved_by_two_processes_resumes_in_one(tmp_path):
+    """data.shards=4: checkpoint 2's data position rewritten as two processes would have saved it
+    (shards 0-1 and 2-3 in process_0-of-2.json and process_1-of-2.json), then resumed in this one
+    process: the uninterrupted run's losses, bit for bit, with no "starts afresh" (issue 46's
+    elastic resume at the loop; tests/test_data.py covers the streams on 1, 2 and 4 processes)."""
+    common = [*TINY, "data.shards=4", "train.global_batch=8", "checkpoint.every=2", "train.schedule=constant",
+              "train.warmup_steps=0"]
+    straight, _ = _train_quiet([*common, "train.steps=4", f"run_dir={tmp_path / 'a'}"])
+    run = tmp_path / "b"
+    first, _ = _train_quiet([*common, "train.steps=2", f"run_dir={run}"])
+    data = run / "checkpoints" / "2" / "data"
+    saved = json.loads((data / "process_0-of-1.json").read_text())["shards"]
+    assert sorted(saved) == ["0", "1", "2", "3"]
+    (data / "process_0-of-1.json").unlink()
+    for p, shards in enumerate((["0", "1"], ["2", "3"])):
+        (data / f"process_{p}-of-2.json").write_text(json.dumps({"shards": {v: saved[v] for v in shards}}))
+    _write_manifest(run / "checkpoints" / "2")  # the files the two processes' save would have listed
+    resumed, out = _train_quiet([*common, "train.steps=4", f"run_dir={run}"])
+    assert "starts afresh" not in out and resumed.first_step == 2
+    assert first.losses + resumed.losses == straight.losses

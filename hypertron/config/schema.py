@@ -283,6 +283,10 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     eval_fraction: float = 0.0  # documents held out of training for train.eval_every (0 = none)
+    # Text (task: lm): the documents as this many streams, each global batch the same rows of each, so a
+    # run resumes exactly on any process count that divides it (docs/launch.md "Elastic restarts");
+    # 0 = 8, or the largest divisor of train.global_batch below it that the processes divide.
+    shards: int = 0
     # Fine-tuning (task: sft; docs/finetuning.md): how each record reads, and its fields
     format: DataFormat = "text"
     messages_field: str = "messages"

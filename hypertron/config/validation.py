@@ -176,6 +176,19 @@ FINE_TUNING_DATA_KEYS = ("format", "messages_field", "prompt_field", "completion
                          "rejected_field", "loss_on", "chat_template", "overlong")
 
 
+def _check_shards(cfg: Config) -> None:
+    """``data.shards`` (0: chosen for the batch) divides the global batch, for pre-training text only."""
+    shards = cfg.data.shards
+    if shards < 0:
+        raise ConfigError(f"data.shards={shards}: must be at least 1 (0: chosen for the batch)")
+    if shards and cfg.task != "lm":
+        raise ConfigError(f"data.shards={shards}: task={cfg.task} reads its data by process; shards are "
+                          "pre-training text's (task: lm)")
+    if shards and cfg.train.global_batch % shards:
+        raise ConfigError(f"data.shards={shards} must divide train.global_batch={cfg.train.global_batch} "
+                          "(each shard gives the same number of rows)")
+
+
 def _check_format(cfg: Config) -> None:
     """``data.format`` and ``data.loss_on`` fit the task: records of text for ``lm``, examples
     (messages, prompt_completion) for ``sft``, read from jsonl so far."""
@@ -256,6 +269,7 @@ def validate(cfg: Config) -> None:
     _check_run_dir(cfg.run_dir)
     if t.eval_every < 0 or t.eval_batches <= 0:
         raise ConfigError("train.eval_every must not be negative and train.eval_batches must be positive")
+    _check_shards(cfg)
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
     if cfg.task == "dlrm":

@@ -18,27 +18,44 @@ A document continued from the previous row starts again at position 0 (Grain
 restarts positions in each row); it has a new segment id in the new row, and
 attention never reaches back across rows anyway.
 
+Virtual shards (``shards`` V, ``data.shards``): the documents are V streams, shard v holding
+documents v, v + V, ... and shuffled, packed and window-shuffled on its own; each global batch is,
+for v = 0 .. V-1 in order, the next global_batch / V rows of shard v. A process feeds the V / P
+contiguous shards of its rows, so the global batches are the same on any process count that divides
+V, and a run resumes on another one with its data position exact: each shard's position is saved
+(:meth:`_Stream.get_state`: ``{"shards": {v: state}}``, this process's shards), and a restoring process
+takes the positions of the shards it now feeds from whichever processes saved them
+(:meth:`_Stream.restore_from_files`). Shard 0 of any V draws as the unsharded stream did
+(its seeds are the pipeline's own, others' are keyed by v too), and V = P gives the streams each
+of P processes read before shards existed.
+
 The returned iterator is a Grain ``DatasetIterator``: its ``get_state`` /
-``set_state`` let a checkpoint resume the stream exactly.
+``set_state`` let a checkpoint resume the stream exactly. A process's shards are read, tokenised
+and packed by one background thread, a few batches ahead (:data:`PREFETCH_BATCHES`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import grain
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset, WindowShuffleIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 
 from hypertron.data.sources import load_documents
 from hypertron.errors import DataError
 from hypertron.tokenizer import ByteTokenizer, Tokenizer, check_vocab, get_tokenizer
 
-# Threads that read and tokenise documents ahead of packing. Reading is I/O and
-# numpy, so a couple of threads keep up with training without multiprocessing.
-_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)
+# A process's shards are read and tokenised on one thread (the prefetching one below), not each
+# shard on threads of its own: eight shards would hold sixteen threads and 256 documents ahead.
+_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+# Batches a process's thread makes ahead of training.
+PREFETCH_BATCHES = 4
 # Packed rows are shuffled within a window of about half a million tokens (at
 # most 1024 rows): filling the first window takes ~0.2 s on the stdlib corpus
 # and ~1 s for corpora of 100-byte documents, on two CPU cores.
@@ -58,6 +75,8 @@ def make_batches(
     shuffle: bool = True,
     process_index: int = 0,
     process_count: int = 1,
+    shards: int | None = None,
+    fewer_shards_for_few_documents: bool = False,
     vocab_size: int = 259,
     split: str = "train",
     eval_fraction: float = 0.0,
@@ -71,11 +90,15 @@ def make_batches(
     a document continued from the previous row restarts at 0) and ``loss_weights`` (float32, 1 on real
     targets, 0 on padding).
 
-    ``batch_size`` is per process. With ``process_count > 1`` the documents are
-    sharded by ``process_index`` before shuffling, so processes read disjoint
-    documents. Epochs repeat forever, reshuffled per epoch from ``seed``.
-    ``source="synthetic"`` gives uniform random ids in [3, vocab_size), one
-    document per row, reading no files.
+    ``batch_size`` is per process. The documents are split into ``shards`` streams
+    (default: one a process) before shuffling (the module docstring): this process feeds shards
+    ``process_index * shards / process_count`` on, ``batch_size * process_count / shards``
+    rows of each a batch, so processes read disjoint documents and the global batch
+    does not depend on ``process_count``. Epochs repeat forever, reshuffled per epoch
+    from ``seed`` (and the shard); ``fewer_shards_for_few_documents`` (``data.shards`` 0): a corpus of
+    fewer documents than ``shards`` takes the largest divisor of it that has a document a shard
+    (the same on every process count it allows). ``source="synthetic"`` gives uniform random ids in
+    [3, vocab_size), one document per row, keyed by (seed, shard, row), reading no files.
 
     ``split`` is ``"train"`` or ``"eval"``: a fraction ``eval_fraction`` of the
     documents, spread evenly through the corpus (see :func:`held_out`), is
@@ -89,18 +112,24 @@ def make_batches(
                  process_count=process_count, seed=seed)
     if split not in ("train", "eval"):
         raise DataError(f"split={split!r}: expected 'train' or 'eval'")
+    shards = process_count if shards is None else shards
+    _check_shards(shards, batch_size * process_count, process_count)
     if source == "synthetic":
         if vocab_size <= ByteTokenizer.eos_id + 1:
             raise DataError(f"model.vocab_size={vocab_size}: synthetic data needs more than 3 ids")
-        rows = _synthetic_rows(seq_len=seq_len, vocab_size=vocab_size, seed=seed,
-                               process_index=process_index, stream=int(split == "eval"))
+        streams = {v: _synthetic_rows(seq_len=seq_len, vocab_size=vocab_size, seed=seed, shard=v,
+                                      stream=int(split == "eval")) for v in _mine(shards, process_index, process_count)}
     else:
         documents = _split(load_documents(source, paths, text_field, tokenizer=tokenizer), split, eval_fraction)
         text_tokenizer = get_tokenizer(tokenizer)
         check_vocab(text_tokenizer, vocab_size)
-        rows = _packed_rows(documents, text_tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
-                            process_index=process_index, process_count=process_count)
-    return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True)))
+        if fewer_shards_for_few_documents and len(documents) < shards:
+            shards = max([v for v in range(1, len(documents) + 1) if shards % v == 0 and v % process_count == 0],
+                         default=shards)  # none fits: _packed_rows says the corpus is too small
+        streams = {v: _packed_rows(documents, text_tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                                   shard=v, shards=shards) for v in _mine(shards, process_index, process_count)}
+    return _Stream(_Shards({v: _JsonStateIterator(iter(s)) for v, s in streams.items()},
+                           rows=batch_size * process_count // shards))
 
 
 def balanced_order(seq_len: int, context: int) -> np.ndarray:
@@ -120,6 +149,68 @@ def balance_rows(rows: dict[str, np.ndarray], context: int) -> dict[str, np.ndar
     attention masks by positions and segment ids, so nothing else changes."""
     order = balanced_order(next(iter(rows.values())).shape[1], context)
     return {k: v[:, order] for k, v in rows.items()}
+
+
+class _Shards:
+    """This process's shards' row iterators (``{shard: iterator}``), ``rows`` rows of each a batch
+    in shard order. Its state is ``{"shards": {str(shard): state}}`` as JSON text (the prefetching
+    thread copies a state a batch, and a string is copied for nothing: a deep copy of eight shards'
+    nested states cost a sixth of the pipeline); ``set_state`` takes a state holding at least its
+    own shards' (others are ignored)."""
+
+    def __init__(self, iterators: dict[int, grain.DatasetIterator], rows: int):
+        self._iterators, self._rows = iterators, rows
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rows = [next(it) for it in self._iterators.values() for _ in range(self._rows)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> str:
+        return json.dumps({"shards": {str(v): it.get_state() for v, it in self._iterators.items()}})
+
+    def set_state(self, state: str) -> None:
+        saved = json.loads(state).get("shards", {})
+        missing = [v for v in self._iterators if str(v) not in saved]
+        if missing:
+            raise DataError(f"the saved data position has no state for shards {missing} (saved: "
+                            f"{sorted(saved, key=int)}); data.shards or the data settings changed")
+        for v, it in self._iterators.items():
+            it.set_state(saved[str(v)])
+
+
+class _Stream(grain.DatasetIterator):
+    """A process's batches, made a few ahead on one thread, with the state of the last one taken
+    (Grain's ``ThreadPrefetchDatasetIterator`` over :class:`_Shards`)."""
+
+    def __init__(self, shards: _Shards):
+        super().__init__()
+        self._prefetch = ThreadPrefetchDatasetIterator(shards, PREFETCH_BATCHES)
+
+    def __next__(self):
+        return next(self._prefetch)
+
+    def get_state(self):
+        return json.loads(self._prefetch.get_state())
+
+    def set_state(self, state):
+        self._prefetch.set_state(json.dumps(state))
+
+    def start_prefetch(self) -> None:
+        self._prefetch.start_prefetch()
+
+    def close(self) -> None:
+        self._prefetch.close()
+
+    def restore_from_files(self, paths: Iterable[Path]) -> None:
+        """Take this process's shards' positions from the states saved in ``paths`` (JSON, one per
+        process of the saving run, whatever their number: :meth:`_Shards.get_state`'s)."""
+        merged: dict = {}
+        for path in paths:
+            merged.update(json.loads(Path(path).read_text()).get("shards", {}))
+        self.set_state({"shards": merged})
 
 
 class _JsonStateIterator(grain.DatasetIterator):
@@ -195,6 +286,33 @@ def _check_sizes(*, seq_len: int, batch_size: int, process_index: int, process_c
         raise DataError(f"data.seed={seed}: must be non-negative")
 
 
+def resolve_shards(asked: int, global_batch: int, readers: int) -> int:
+    """``data.shards``: ``asked``, or for 0 the largest of 8, 4, 2 and 1 that divides ``global_batch``
+    and that the ``readers`` (processes feeding their own rows) divide, else one a reader (a resume
+    then needs the same process count). :func:`make_batches` refuses an ``asked`` the readers do not
+    divide, in one line."""
+    if asked:
+        return asked
+    fits = [v for v in (8, 4, 2, 1) if global_batch % v == 0 and v % readers == 0]
+    return fits[0] if fits else readers
+
+
+def _mine(shards: int, process_index: int, process_count: int) -> range:
+    """The shards process ``process_index`` of ``process_count`` feeds: a contiguous block."""
+    return range(process_index * shards // process_count, (process_index + 1) * shards // process_count)
+
+
+def _check_shards(shards: int, global_batch: int, process_count: int) -> None:
+    if shards < 1:
+        raise DataError(f"data.shards={shards}: must be at least 1")
+    if shards % process_count:
+        raise DataError(f"data.shards={shards}: the {process_count} processes that read the data must divide it "
+                        f"(each feeds the same number of shards; resume on 1, 2, 4 or 8 processes with 8)")
+    if global_batch % shards:
+        raise DataError(f"data.shards={shards} must divide the global batch of {global_batch} rows "
+                        f"(each shard gives the same number of rows)")
+
+
 def _packed_rows(
     documents: grain.MapDataset,
     tokenizer: Tokenizer,
@@ -202,17 +320,18 @@ def _packed_rows(
     seq_len: int,
     seed: int,
     shuffle: bool,
-    process_index: int,
-    process_count: int,
+    shard: int,
+    shards: int,
 ) -> grain.IterDataset:
-    """Rows of packed documents: dicts of arrays of shape [seq_len] (see make_batches)."""
+    """Shard ``shard`` of ``shards``' rows of packed documents: dicts of arrays of shape [seq_len]
+    (see make_batches)."""
     # Shard before shuffling: the shard is then a fixed set of documents, whatever the seed.
-    shard = documents[process_index::process_count]
-    if len(shard) == 0:
+    docs = documents[shard::shards]
+    if len(docs) == 0:
         raise DataError(
-            f"data: the corpus has {len(documents)} documents, too few for {process_count} processes"
+            f"data: the corpus has {len(documents)} documents, too few for data.shards={shards}"
         )
-    epochs = _ShuffledEpochs(shard, seed=seed) if shuffle else shard.repeat()
+    epochs = _ShuffledEpochs(docs, seed=seed, shard=shard) if shuffle else docs.repeat()
     examples = epochs.map(functools.partial(_document_example, tokenizer))
     packed = ConcatThenSplitIterDataset(
         examples.to_iter_dataset(_READ_OPTIONS),
@@ -222,9 +341,9 @@ def _packed_rows(
     if shuffle:
         # A long document fills many consecutive rows; mixing rows within a
         # window keeps one big file from making up whole batches in a row.
-        window_rows = max(1, min(_ROW_SHUFFLE_MAX_ROWS, _ROW_SHUFFLE_TOKENS // seq_len))
-        # Grain adds the window index to this seed and needs the sum to fit in 32 bits.
-        rows = WindowShuffleIterDataset(rows, window_size=window_rows, seed=seed % 2**31)
+        # The shards of a process share the window's rows.
+        window_rows = max(1, min(_ROW_SHUFFLE_MAX_ROWS, _ROW_SHUFFLE_TOKENS // seq_len) // shards)
+        rows = _WindowShuffle(rows, window=window_rows, seed=seed, shard=shard)
     return rows
 
 
@@ -232,7 +351,7 @@ class _ShuffledEpochs(grain.MapDataset):
     """The parent repeated forever, each epoch in its own random order.
 
     Element ``i`` is ``parent[order_e[i % n]]`` for epoch ``e = i // n``, where
-    ``order_e`` is a numpy permutation seeded by ``(seed, e)``. Grain's own
+    ``order_e`` is a numpy permutation seeded by ``(seed, e)`` (``(seed, e, shard)`` past shard 0). Grain's own
     ``shuffle`` computes each index with ``index_shuffle``, which costs
     milliseconds per index on small datasets (10 ms for 2 documents, 0.3 ms for
     100, measured with grain 0.2.18); one permutation per epoch is O(n) once.
@@ -241,9 +360,10 @@ class _ShuffledEpochs(grain.MapDataset):
 
     _MUTATES_ELEMENT_SPEC = False
 
-    def __init__(self, parent: grain.MapDataset, *, seed: int):
+    def __init__(self, parent: grain.MapDataset, *, seed: int, shard: int = 0):
         super().__init__(parent)
         self._seed = seed
+        self._shard = shard
         self._parent_length = len(parent)
         self._order = (-1, np.zeros(0, np.int64))  # (epoch, permutation): the latest epoch's order
 
@@ -256,7 +376,8 @@ class _ShuffledEpochs(grain.MapDataset):
     def _epoch_order(self, epoch: int) -> np.ndarray:
         cached_epoch, order = self._order  # one read: reader threads may replace it concurrently
         if cached_epoch != epoch:
-            order = np.random.default_rng((self._seed, epoch)).permutation(self._parent_length)
+            key = (self._seed, epoch) + ((self._shard,) if self._shard else ())  # shard 0: as unsharded
+            order = np.random.default_rng(key).permutation(self._parent_length)
             self._order = (epoch, order)
         return order
 
@@ -265,6 +386,55 @@ class _ShuffledEpochs(grain.MapDataset):
             return self.slice(index)
         epoch, index_in_epoch = divmod(index, self._parent_length)
         return self._parent[int(self._epoch_order(epoch)[index_in_epoch])]
+
+
+class _WindowShuffle(grain.IterDataset):
+    """The parent's elements in windows of ``window``, each window in a numpy permutation seeded by
+    ``(seed, window index)`` (``(seed, window index, shard)`` past shard 0). Grain's
+    ``WindowShuffleIterDataset`` draws each position with ``index_shuffle``, whose cost grows as the
+    window shrinks (28 us an element for 1,024, 200 for 128: grain 0.2.18, this project's CPU), which
+    eight shards' windows of 128 rows made most of the pipeline's time. The same state as Grain's:
+    the parent's state at the window's start and the position in it."""
+
+    def __init__(self, parent: grain.IterDataset, *, window: int, seed: int, shard: int = 0):
+        super().__init__(parent)
+        self._window, self._seed, self._shard = window, seed, shard
+
+    def __iter__(self):
+        return _WindowShuffleIterator(self._parent.__iter__(), self._window, self._seed, self._shard)
+
+
+class _WindowShuffleIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, window: int, seed: int, shard: int):
+        super().__init__(parent)
+        self._size, self._seed, self._shard = window, seed, shard
+        self._index, self._pos, self._window = 0, 0, []
+        self._start = self._parent.get_state()
+
+    def _fill(self) -> None:
+        rows = [next(self._parent) for _ in range(self._size)]  # the stream is endless
+        key = (self._seed, self._index) + ((self._shard,) if self._shard else ())
+        self._window = [rows[i] for i in np.random.default_rng(key).permutation(len(rows))]
+
+    def __next__(self):
+        if self._pos == len(self._window):
+            if self._window:
+                self._index += 1
+            self._start = self._parent.get_state()
+            self._pos = 0
+            self._fill()
+        self._pos += 1
+        return self._window[self._pos - 1]
+
+    def get_state(self):  # self._start is replaced, never changed in place
+        return {"parent_window_start_state": self._start, "window_index": self._index,
+                "pos_in_window": self._pos}
+
+    def set_state(self, state):
+        self._start = copy.deepcopy(state["parent_window_start_state"])
+        self._parent.set_state(self._start)
+        self._index, self._pos = state["window_index"], state["pos_in_window"]
+        self._fill()
 
 
 def _document_example(tokenizer: Tokenizer, document: str | np.ndarray) -> dict[str, np.ndarray]:
@@ -305,21 +475,21 @@ def _training_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def _synthetic_rows(*, seq_len: int, vocab_size: int, seed: int, process_index: int,
+def _synthetic_rows(*, seq_len: int, vocab_size: int, seed: int, shard: int,
                     stream: int = 0) -> grain.IterDataset:
     """Endless rows of random ids, one document per row, each array of shape [seq_len]."""
     row_ids = grain.MapDataset.range(sys.maxsize)
     make_row = functools.partial(_synthetic_row, seq_len=seq_len, vocab_size=vocab_size,
-                                 seed=seed, process_index=process_index, stream=stream)
+                                 seed=seed, shard=shard, stream=stream)
     return row_ids.map(make_row).to_iter_dataset(_READ_OPTIONS)
 
 
 def _synthetic_row(row_id: int, *, seq_len: int, vocab_size: int, seed: int,
-                   process_index: int, stream: int) -> dict[str, np.ndarray]:
-    # Seeding by (seed, process, row) makes every row reproducible on its own,
+                   shard: int, stream: int) -> dict[str, np.ndarray]:
+    # Seeding by (seed, shard, row) makes every row reproducible on its own,
     # so a restored iterator gives the same rows without replaying the stream.
     # The eval stream (1) appends a key, leaving the train stream (0) unchanged.
-    key = (seed, process_index, row_id) + ((stream,) if stream else ())
+    key = (seed, shard, row_id) + ((stream,) if stream else ())
     rng = np.random.default_rng(key)
     tokens = rng.integers(ByteTokenizer.eos_id + 1, vocab_size, size=seq_len + 1, dtype=np.int32)
     return {

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hypertron.checkpoint import CheckpointError
 from hypertron.config import Config
 from hypertron.models import declare
 from hypertron.models.lora import LoraSettings, adapter_axes, attach, held_base, init_adapters
@@ -114,3 +116,43 @@ def make_lora_trainer(cfg: Config, mesh: Mesh, rules=DEFAULT_RULES) -> Trainer:
     return dataclasses.replace(base, optimizer=optimizer, state_shardings=shardings, external=external,
                                init=jax.jit(init_fn, out_shardings=made_by_init(shardings, external)), step=step,
                                eval=lambda state, batch: evaluate({k: state[k] for k in ("params", "base")}, batch))
+
+
+def is_adapter(path: str) -> bool:
+    """Whether ``path`` is a PEFT adapter directory (``train.init_from`` then continues it)."""
+    from hypertron.models.lora import CONFIG_FILE
+
+    return bool(path) and (Path(path) / CONFIG_FILE).is_file()
+
+
+def lora_base(cfg: Config) -> str:
+    """Where the frozen base is read from: ``train.init_from``, or, for an adapter there, its
+    ``base_model_name_or_path``."""
+    if not is_adapter(cfg.train.init_from):
+        return cfg.train.init_from
+    from hypertron.models.lora import peft_config
+
+    return str(peft_config(cfg.train.init_from).get("base_model_name_or_path") or "")
+
+
+def check_adapter(cfg: Config) -> None:
+    """``train.init_from`` names an adapter: ``lora.*`` must be its settings, and it must name its base."""
+    from hypertron.models.lora import load_peft
+
+    where = f"train.init_from={cfg.train.init_from}"
+    if not cfg.lora.rank:
+        raise CheckpointError(f"{where} is a LoRA adapter: set lora.rank (and lora.alpha, lora.targets) to its "
+                              "settings to train it further, or merge it into its base first "
+                              "(hypertron convert --lora)")
+    _, theirs = load_peft(cfg.train.init_from, cfg.model)
+    ours = lora_settings(cfg)
+    from hypertron.models.lora import targets
+
+    for name, a, b in (("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha),
+                       ("rslora", theirs.rslora, ours.rslora),
+                       ("targets", sorted(t.module for t in targets(cfg.model, theirs.targets)),
+                        sorted(t.module for t in targets(cfg.model, ours.targets)))):
+        if a != b:
+            raise CheckpointError(f"{where}: its adapter has {name} {a}, not lora.{name}={b}")
+    if not lora_base(cfg):
+        raise CheckpointError(f"{where}: its adapter_config.json names no base_model_name_or_path")

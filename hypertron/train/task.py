@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from hypertron.checkpoint import CheckpointError, latest_step, load_params, read_run_config
 from hypertron.config import Config
-from hypertron.data import DataError, check_source, make_batches
+from hypertron.data import DataError, check_source, make_batches, resolve_shards
 from hypertron.errors import one_line
 from hypertron.models import resolve_dtype
 from hypertron.models.bundle import is_bundle, read_bundle, save_model, set_chat_template
@@ -46,6 +46,7 @@ from hypertron.parallel.mesh import make_mesh, row_block
 from hypertron.train.checks import validate_for_devices
 from hypertron.train.metrics import Throughput
 from hypertron.tokenizer import get_tokenizer
+from hypertron.train.lora import check_adapter, is_adapter, lora_base
 from hypertron.train.step import make_trainer, row_array
 
 
@@ -120,16 +121,15 @@ class LanguageModel:
         d, t = cfg.data, cfg.train
         return make_batches(
             source=d.source, paths=d.paths, text_field=d.text_field, tokenizer=d.tokenizer,
-            seq_len=t.seq_len, seed=d.seed, shuffle=d.shuffle, **process_rows(cfg),
+            seq_len=t.seq_len, seed=d.seed, shuffle=d.shuffle, **process_rows(cfg), shards=text_shards(cfg),
+            fewer_shards_for_few_documents=not cfg.data.shards,
             vocab_size=cfg.model.vocab_size, split=split, eval_fraction=d.eval_fraction,
         )
 
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
-        d, t = cfg.data, cfg.train
-        return {"source": d.source, "paths": list(d.paths), "text_field": d.text_field,
-                "tokenizer": d.tokenizer, "shuffle": d.shuffle, "seed": d.seed,
-                "eval_fraction": d.eval_fraction, "seq_len": t.seq_len, "global_batch": t.global_batch,
-                "process_count": jax.process_count()}
+        """The settings the saved data position holds for: the shards, not the process count (a
+        run resumes on any process count its shards allow)."""
+        return {**_records_fingerprint(cfg), "shards": text_shards(cfg)}
 
     def trainer(self, cfg: Config, mesh: Mesh):
         if cfg.lora.rank:  # adapters only, over a frozen base (hypertron.train.lora)
@@ -255,7 +255,9 @@ class FineTune(LanguageModel):
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
         d = cfg.data
         template = chat_template_of(cfg)
-        return {**super().data_fingerprint(cfg), "format": d.format, "loss_on": d.loss_on, "overlong": d.overlong,
+        # Examples are read by process (hypertron.data.finetune), so their position holds for the process count.
+        return {**_records_fingerprint(cfg), "process_count": process_rows(cfg)["process_count"],
+                "format": d.format, "loss_on": d.loss_on, "overlong": d.overlong,
                 "fields": [d.messages_field, d.prompt_field, d.completion_field, d.chosen_field, d.rejected_field],
                 "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
 
@@ -477,47 +479,6 @@ def _held(cfg: Config):
     return hold_base
 
 
-def is_adapter(path: str) -> bool:
-    """Whether ``path`` is a PEFT adapter directory (``train.init_from`` then continues it)."""
-    from hypertron.models.lora import CONFIG_FILE
-
-    return bool(path) and (Path(path) / CONFIG_FILE).is_file()
-
-
-def lora_base(cfg: Config) -> str:
-    """Where the frozen base is read from: ``train.init_from``, or, for an adapter there, its
-    ``base_model_name_or_path``."""
-    if not is_adapter(cfg.train.init_from):
-        return cfg.train.init_from
-    from hypertron.models.lora import peft_config
-
-    return str(peft_config(cfg.train.init_from).get("base_model_name_or_path") or "")
-
-
-def check_adapter(cfg: Config) -> None:
-    """``train.init_from`` names an adapter: ``lora.*`` must be its settings, and it must name its base."""
-    from hypertron.models.lora import load_peft
-    from hypertron.train.lora import lora_settings
-
-    where = f"train.init_from={cfg.train.init_from}"
-    if not cfg.lora.rank:
-        raise CheckpointError(f"{where} is a LoRA adapter: set lora.rank (and lora.alpha, lora.targets) to its "
-                              "settings to train it further, or merge it into its base first "
-                              "(hypertron convert --lora)")
-    _, theirs = load_peft(cfg.train.init_from, cfg.model)
-    ours = lora_settings(cfg)
-    from hypertron.models.lora import targets
-
-    for name, a, b in (("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha),
-                       ("rslora", theirs.rslora, ours.rslora),
-                       ("targets", sorted(t.module for t in targets(cfg.model, theirs.targets)),
-                        sorted(t.module for t in targets(cfg.model, ours.targets)))):
-        if a != b:
-            raise CheckpointError(f"{where}: its adapter has {name} {a}, not lora.{name}={b}")
-    if not lora_base(cfg):
-        raise CheckpointError(f"{where}: its adapter_config.json names no base_model_name_or_path")
-
-
 def reference_source(cfg: Config) -> dict[str, Any]:
     """Where a precomputed reference's parameters come from: ``train.init_from`` and a digest of
     its files, or the random start (model and seed)."""
@@ -565,6 +526,19 @@ def process_rows(cfg: Config) -> dict[str, int]:
     """This process's rows of each batch (:func:`hypertron.parallel.mesh.row_block`)."""
     block, blocks = row_block(cfg.mesh, jax.device_count(), jax.process_count(), jax.process_index())
     return {"batch_size": cfg.train.global_batch // blocks, "process_index": block, "process_count": blocks}
+
+
+def text_shards(cfg: Config) -> int:
+    """The text pipeline's shards (:func:`hypertron.data.pipeline.resolve_shards`)."""
+    return resolve_shards(cfg.data.shards, cfg.train.global_batch, process_rows(cfg)["process_count"])
+
+
+def _records_fingerprint(cfg: Config) -> dict[str, Any]:
+    """The data settings every text task's saved position holds for."""
+    d, t = cfg.data, cfg.train
+    return {"source": d.source, "paths": list(d.paths), "text_field": d.text_field,
+            "tokenizer": d.tokenizer, "shuffle": d.shuffle, "seed": d.seed,
+            "eval_fraction": d.eval_fraction, "seq_len": t.seq_len, "global_batch": t.global_batch}
 
 
 def chat_template_of(cfg: Config) -> str | None:
