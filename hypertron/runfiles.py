@@ -23,7 +23,8 @@ EVENT_FIELDS: dict[str, type] = {
     "pid": int, "host": str, "process_count": int, "argv": list, "platform": str, "device_count": int,
     "local_device_count": int, "mesh": dict, "mesh_coords": list, "seconds": float, "reason": str,
     "data_restored": bool, "step_time": float, "data_wait": float, "loss": float, "tokens": float, "auc": float,
-    "samples": float, "signal": str, "blocking_seconds": float, "status": str,
+    "samples": float, "signal": str, "blocking_seconds": float, "status": str, "batch_digest": str,
+    "saved_topology": dict, "topology": dict,
 }
 COMMON_FIELDS = ("time", "event", "process", "step")
 # The Unix times a run file's ``time`` may hold, and ``monitor --since`` take: 1970 to the end of
@@ -35,12 +36,14 @@ TIME_RANGE = (0.0, 253402300799.0)
 EVENTS: dict[str, tuple[str, ...]] = {
     "job_start": ("pid", "host", "process_count", "argv"),
     # seconds since job_start; mesh: axis sizes; mesh_coords: this process's devices' coordinates
-    "backend_ready": ("platform", "device_count", "local_device_count", "seconds", "mesh", "mesh_coords"),
+    "backend_ready": ("platform", "device_count", "local_device_count", "seconds", "mesh", "mesh_coords",
+                      "process_count"),
     "checkpoint_skipped": ("reason",),  # a checkpoint found unusable before restoring
     "restore_start": (),
-    "restore_end": ("seconds", "data_restored"),
+    # saved_topology, topology: {processes, devices, mesh} of the run that saved the step, and of this one
+    "restore_end": ("seconds", "data_restored", "saved_topology", "topology"),
     "first_step": ("seconds",),  # since job_start: startup, restore and compile included
-    "step": ("step_time", "data_wait"),  # seconds; time = when the step ended
+    "step": ("step_time", "data_wait", "batch_digest"),  # seconds; time = when the step ended; the rows' CRC-32
     "eval": ("loss", "tokens", "auc", "samples", "seconds"),  # the task's: tokens (lm), auc and samples (dlrm)
     "checkpoint_save_start": ("reason",),  # interval | final | preemption
     "checkpoint_save_end": ("seconds", "blocking_seconds"),  # start to final on disk; training's wait

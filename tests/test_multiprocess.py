@@ -1,10 +1,9 @@
 """Two real processes on localhost (``jax.distributed`` over gloo, CPU) training data-parallel.
 
-``hypertron launch local`` starts both; each reads its own half of the
-documents and feeds its own rows of the global batch. The losses must equal
-one process fed the same global batch (both halves, concatenated in process
-order), also across a resume, where each process restores its own data position, onto a mesh
-split across the processes (``mesh.dcn.data=-1``).
+``hypertron launch local`` starts both; each feeds its own rows of the global batch (its 4 of the
+8 data shards). The losses must equal one process fed the same global batch (both halves,
+concatenated in process order). Resuming on the same or another process count, onto a mesh split
+across the processes (``mesh.dcn.data=-1``), is ``tests/test_elastic.py``'s.
 """
 
 from __future__ import annotations
@@ -57,34 +56,28 @@ def _reference_losses(steps: int) -> list[float]:
     return losses
 
 
-def test_two_processes_train_like_one_on_the_same_global_batch_and_resume(tmp_path):
+def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
+    """Resuming, also on another process count and across nodes (mesh.dcn.data), is
+    tests/test_elastic.py's."""
     run = tmp_path / "run"
     first = _launch(*TINY, "train.steps=2", f"run_dir={run}")
     assert first.returncode == 0, first.stdout + first.stderr
-    # The resumed job splits the mesh across nodes (processes): data across, fsdp inside each.
-    second = _launch(*TINY, "train.steps=4", f"run_dir={run}", "mesh.dcn.data=-1")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "resuming from step 2" in second.stdout + second.stderr
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # written once, by process 0
-    np.testing.assert_allclose([r["loss"] for r in rows], _reference_losses(4), rtol=2e-5)
+    assert [r["step"] for r in rows] == [1, 2]  # written once, by process 0
+    np.testing.assert_allclose([r["loss"] for r in rows], _reference_losses(2), rtol=2e-5)
 
     # Each process saved its own data position, and wrote its own events.
-    assert sorted(p.name for p in (run / "checkpoints" / "4" / "data").glob("process_*")) == [
+    assert sorted(p.name for p in (run / "checkpoints" / "2" / "data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
     for name, index in (("events.jsonl", 0), ("events.1.jsonl", 1)):
         events = read_events(run / name)
         assert {e["process"] for e in events} == {index}
-        assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
-        assert [e["event"] for e in events if e["event"].startswith("restore")] == ["restore_start", "restore_end"]
-        # Where this process's 4 devices sat: first fsdp=8 over both processes, then data=2 x fsdp=4,
-        # the process on the across-node axis and its devices along the inside one.
-        flat, hybrid = [e for e in events if e["event"] == "backend_ready"]
+        assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
+        # Where this process's 4 devices sat: fsdp=8 over both processes.
+        (flat,) = [e for e in events if e["event"] == "backend_ready"]
         assert flat["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
         assert flat["mesh_coords"] == [[0, 4 * index + i, 0, 0, 0, 0] for i in range(4)]
-        assert hybrid["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
-        assert hybrid["mesh_coords"] == [[index, i, 0, 0, 0, 0] for i in range(4)]
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_at_the_same_step(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -93,7 +94,7 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
     tracking.emit("job_start", at=started, **job_start_fields(jax.process_count()))
     tracking.emit("backend_ready", at=backend_ready, platform=jax.default_backend(), device_count=len(devices),
                 local_device_count=jax.local_device_count(), seconds=backend_ready - started,
-                mesh=dict(mesh.shape), mesh_coords=local_coords(mesh))
+                mesh=dict(mesh.shape), mesh_coords=local_coords(mesh), process_count=jax.process_count())
     for step, problem in skipped:
         tracking.emit("checkpoint_skipped", step, reason=problem)
     if ckpt:
@@ -216,7 +217,9 @@ def _restore(cfg: Config, task: Task, trainer, ckpt: Checkpointer, start: int, d
         if not data_restored:
             console.print(f"the data settings differ from those of step {step}: the data stream starts afresh",
                           highlight=False)
-        tracking.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored)
+        saved = {"saved_topology": meta["topology"]} if meta.get("topology") else {}  # older steps kept none
+        tracking.emit("restore_end", step, seconds=time.time() - t0, data_restored=data_restored,
+                      topology=topology(trainer), **saved)
         return state, step
     first_step, first_reason = failed[0]
     raise CheckpointError(
@@ -282,9 +285,10 @@ class _Loop:
                 time.sleep(self.data_delay)  # fault injection: a slow input pipeline on this process
             data_wait = time.perf_counter() - t0
             state, metrics = self.task.step(self.trainer, state, local)
+            digest = batch_digest(local)  # while the step runs
             if pending:
                 self._finish(*pending)
-            pending = (step, metrics, data_wait)
+            pending = (step, metrics, data_wait, digest)
             # SIGTERM during the last step changes nothing: the run completes and saves anyway.
             preempted = self.stop.reached(step) and step < t.steps
             save = self.ckpt and (step % cfg.checkpoint.every == 0 or step == t.steps or preempted)
@@ -302,8 +306,9 @@ class _Loop:
                     reason = "preemption" if preempted else "final" if step == t.steps else "interval"
                     saved = self.trainer.to_model(state)  # checkpoints and bundles hold the model's order
                     then = (lambda: self.task.finish(cfg, saved, self.console)) if reason == "final" else None
-                    self.ckpt.save(step, saved, {"data": self.task.data_fingerprint(cfg)}, data_iterator=data,
-                                   reason=reason, wait=reason != "interval", then=then)
+                    meta = {"data": self.task.data_fingerprint(cfg), "topology": topology(self.trainer)}
+                    self.ckpt.save(step, saved, meta, data_iterator=data, reason=reason, wait=reason != "interval",
+                                   then=then)
                 self.last_end = time.perf_counter()
             if preempted:
                 break
@@ -311,7 +316,7 @@ class _Loop:
             self._finish(*pending)
         return self.result
 
-    def _finish(self, step: int, metrics: dict, data_wait: float) -> None:
+    def _finish(self, step: int, metrics: dict, data_wait: float, digest: str) -> None:
         """Fetch a step's metrics (waiting for it), then report its scalars and events."""
         host = jax.device_get(metrics)
         now, wall = time.perf_counter(), time.time()  # the step's end, on both clocks
@@ -321,7 +326,7 @@ class _Loop:
         if step == self.start + 1:
             self.tracking.emit("first_step", step, at=wall, seconds=wall - self.tracking.start_time)
         # Stamped with the step's end, so ``time - step_time`` is when it began (docs/events.md).
-        self.tracking.emit("step", step, at=wall, step_time=step_time, data_wait=data_wait)
+        self.tracking.emit("step", step, at=wall, step_time=step_time, data_wait=data_wait, batch_digest=digest)
         self.tracking.scalars(step, values)
         self.result.losses.append(values["loss"])
         self.result.rows.append({"step": step, **values})
@@ -338,6 +343,23 @@ class _Loop:
         self.tracking.scalars(step, values, group="eval")
         self.tracking.emit("eval", step, **values)
         self.result.eval_rows.append({"step": step, **{f"eval_{k}": v for k, v in values.items()}})
+
+
+def batch_digest(local: dict) -> str:
+    """This process's rows of a step, as 8 hex digits: CRC-32 over its arrays' bytes in key order
+    (the ``step`` event's ``batch_digest``: which rows a step saw, compared across runs and process
+    counts without keeping them)."""
+    crc = 0
+    for leaf in jax.tree.leaves(local):  # dicts flatten in key order
+        a = np.asarray(leaf)
+        crc = zlib.crc32(a.tobytes() if a.dtype != object else repr(a.tolist()).encode(), crc)
+    return f"{crc:08x}"
+
+
+def topology(trainer) -> dict:
+    """The processes, devices and mesh a run trains on (checkpoint meta; ``restore_end``)."""
+    mesh = trainer.mesh
+    return {"processes": jax.process_count(), "devices": int(mesh.devices.size), "mesh": dict(mesh.shape)}
 
 
 def steps_per_second(result: TrainResult) -> float:
