@@ -111,6 +111,40 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     cs.add_argument("--queue", default="hypertron", metavar="Q", help="default %(default)s")
     _add_namespace(cs, "the LocalQueue's")
     add_output_flags(cs, "apply")
+    _add_gke(cla)
+
+
+def _add_gke(cla) -> None:
+    """``cluster create | delete | list``: a GKE cluster of TPU slices, with XPK's flag names."""
+    from hypertron.launch.machines import TPU_SLICES
+
+    def where(p, verb: str) -> None:
+        p.add_argument("--project", required=True, metavar="P", help="the Google Cloud project")
+        p.add_argument("--zone", required=True, metavar="Z", help="its zone (the cluster is regional: the zone's region)")
+        p.add_argument("--dry-run", action="store_true", help=f"print the commands, one a line; {verb} nothing")
+
+    cc = cla.add_parser(
+        "create", help="a GKE cluster of TPU slices, with JobSet, Kueue and cluster setup's queue (XPK's commands)",
+        description="Run (or with --dry-run print) the gcloud and kubectl commands XPK 1.16 runs for the same "
+        "arguments: the cluster and its CPU pool, a node pool of each slice, the credentials, JobSet's and "
+        "Kueue's releases, then cluster setup's objects for every chip. Needs gcloud and kubectl on PATH; stops "
+        "at the first command that fails. GPU clusters come from Cluster Toolkit's blueprints.")
+    cc.add_argument("name", metavar="NAME", help="the cluster's name")
+    where(cc, "create")
+    cc.add_argument("--tpu-type", required=True, metavar="T", help=f"the slice type: {', '.join(TPU_SLICES)}")
+    cc.add_argument("--num-slices", type=number_arg(int), default=1, metavar="N", help="default %(default)s")
+    capacity = cc.add_mutually_exclusive_group()
+    capacity.add_argument("--spot", action="store_true", help="spot VMs")
+    capacity.add_argument("--on-demand", action="store_true", help="on-demand VMs (the default)")
+    capacity.add_argument("--reservation", metavar="R", help="VMs of the reservation R")
+    cc.add_argument("--default-pool-cpu-machine-type", default="e2-standard-16", metavar="M", help="default %(default)s")
+    cc.add_argument("--default-pool-cpu-num-nodes", type=number_arg(int), default=6, metavar="N",
+                    help="default %(default)s")
+    cc.add_argument("--queue", default="hypertron", metavar="Q", help="cluster setup's queue; default %(default)s")
+    cd = cla.add_parser("delete", help="delete a GKE cluster (gcloud, as XPK deletes it)")
+    cd.add_argument("name", metavar="NAME", help="the cluster's name")
+    where(cd, "delete")
+    where(cla.add_parser("list", help="the GKE clusters of a project in a zone's region"), "list")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -326,7 +360,27 @@ def cmd_workload(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from hypertron.launch import k8s, machines
+    from hypertron.launch import gke, k8s, machines
 
-    objects = k8s.cluster_objects(machines.machine(args.machine), args.nodes, args.queue, args.namespace)
-    return _render_or_apply(objects, args, "applied", create_only=False)
+    if args.action == "setup":
+        objects = k8s.cluster_objects(machines.machine(args.machine), args.nodes, args.queue, args.namespace)
+        return _render_or_apply(objects, args, "applied", create_only=False)
+    if args.action == "create":
+        capacity = "spot" if args.spot else "reservation" if args.reservation else "on-demand"
+        spec = gke.ClusterSpec(args.name, args.project, args.zone, args.tpu_type, args.num_slices, capacity,
+                               args.reservation or "", args.default_pool_cpu_machine_type,
+                               args.default_pool_cpu_num_nodes)
+        slice_ = gke.check(spec)
+        nodes = spec.num_slices * slice_.vms
+        objects = k8s.cluster_objects(machines.MACHINES[slice_.machine], nodes, args.queue)
+        setup = f"hypertron cluster setup --machine {slice_.machine} --nodes {nodes} --queue {args.queue} --dry-run"
+        commands = gke.create_commands(spec, k8s.to_yaml(objects), setup)
+    elif args.action == "delete":
+        commands = gke.delete_commands(args.name, args.project, args.zone)
+    else:
+        commands = gke.list_commands(args.project, args.zone)
+    if args.dry_run:
+        print("\n".join(c.line() for c in commands))
+        return 0
+    gke.run(commands, f"cluster {args.action}")
+    return 0

@@ -53,6 +53,7 @@ RUN_MOUNT = "/mnt/run"
 RECIPE_MOUNT = "/etc/hypertron"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 GPU = "nvidia.com/gpu"
+TPU = "google.com/tpu"
 
 
 @dataclass(frozen=True)
@@ -257,9 +258,10 @@ def cluster_objects(m: Machine, nodes: int, queue: str = "hypertron", namespace:
     int32(nodes, "--nodes", low=1)
     dns_label(queue, "--queue")
     dns_label(namespace, "--namespace")
-    resource, per_node = (GPU, m.gpus) if m.gpus else ("cpu", 1)
+    resource, per_node = (GPU, m.gpus) if m.gpus else (TPU, m.tpus) if m.tpus else ("cpu", 1)
+    label = "cloud.google.com/gke-tpu-accelerator" if m.tpus else "cloud.google.com/gke-accelerator"
     flavor = {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": m.name},
-              "spec": {"nodeLabels": {"cloud.google.com/gke-accelerator": m.accelerator}} if m.accelerator else {}}
+              "spec": {"nodeLabels": {label: m.accelerator}} if m.accelerator else {}}
     cluster_queue = {
         "apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": f"{queue}-cluster"},
         "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",

@@ -147,6 +147,9 @@ def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, 
     if not cfg.launch.machine:
         raise UserError(f"recipe {name}: no launch.machine, so no machine to run on (recipes/<machine>/ have one)")
     m = machine(cfg.launch.machine)
+    if m.tpus:
+        raise UserError(f"recipe {name}: launch.machine={m.name}: TPU recipes and workloads are not built yet "
+                        "(hypertron cluster create makes a cluster of TPU slices; cluster setup its queue)")
     if nodes is not None:
         if nodes < 1:
             raise UserError(f"--nodes={nodes}: must be at least 1")
