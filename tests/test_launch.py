@@ -33,7 +33,8 @@ from support.tiny import TWO_LAYERS  # tests/support
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
 REQUIRED = {"a3mega-h100/llama2-7b", "a3mega-h100/llama2-70b", "a3mega-h100/llama3.1-8b",
-            "a3mega-h100/llama3.1-70b", "a3mega-h100/mixtral-8x7b", "a3ultra-h200/llama3.1-70b", "cpu/tiny"}
+            "a3mega-h100/llama3.1-70b", "a3mega-h100/mixtral-8x7b", "a3ultra-h200/llama3.1-70b", "cpu/tiny",
+            "tpu-v5p/llama3.1-70b", "tpu-v6e/llama3.1-70b", "tpu-v6e/llama3.1-8b", "tpu-v5e/llama3.1-8b"}
 
 
 def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
@@ -51,6 +52,11 @@ def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
             assert all(s.reason for s in (*r.cfg.launch.xla_flags, *r.cfg.launch.env)), name
         p = r.predict()  # abstract shapes: nothing is allocated
         assert p.fits is True, (name, p.memory.total, p.device_memory)
+        if r.machine.tpus:  # a slice's VMs; the dcn axes span the slices; libtpu reads the flags
+            slice_ = machines.tpu_slice(r.cfg.launch.tpu_type)
+            assert r.nodes == r.cfg.launch.slices * slice_.vms and slice_.machine == r.machine.name, name
+            assert set(r.env()) >= {"LIBTPU_INIT_ARGS"} and "XLA_FLAGS" not in r.env(), name
+            assert all(s.reason for s in r.cfg.launch.xla_flags), name
         if name.startswith("a3mega-h100/"):  # what GPUDirect-TCPXO needs is in every A3 Mega recipe
             env = r.env()
             assert env["NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY"] == "/dev/aperture_devices", name
@@ -64,7 +70,7 @@ def _xla_accepts(flags: str) -> subprocess.CompletedProcess:
 
 
 def test_each_recipes_xla_flags_are_accepted_by_xla():
-    flag_sets = {recipes.load(n).xla_flags() for n in recipes.names()}
+    flag_sets = {r.xla_flags() for r in map(recipes.load, recipes.names()) if not r.machine.tpus}  # libtpu's: not here
     assert len(flag_sets) >= 3
     for flags in sorted(flag_sets):
         r = _xla_accepts(flags)
@@ -88,6 +94,10 @@ CASES = {  # golden file: (objects, the command line that prints them)
                                                              max_restarts=2, queue="cpu-queue")),
                       ["workload", "create", "tiny", "--recipe", "cpu/tiny", "--image", IMAGE, "--storage", "pvc:runs",
                        "--priority", "low", "--max-restarts", "2", "--queue", "cpu-queue"]),
+    "llama3.1-70b-tpu-v5p.yaml": (lambda: k8s.workload_objects(_workload("tpu-v5p/llama3.1-70b")),
+                                  ["workload", "create", "llama70", "--recipe", "tpu-v5p/llama3.1-70b",
+                                   "--image", IMAGE, "--storage", "gs://my-runs", "--priority", "high",
+                                   "--max-restarts", "5"]),
     "cluster-a3mega.yaml": (lambda: k8s.cluster_objects(machines.machine("a3mega-h100"), 32),
                             ["cluster", "setup", "--machine", "a3mega-h100", "--nodes", "32"]),
 }
@@ -111,14 +121,55 @@ def test_rendered_objects_equal_their_golden_files_and_pass_strict_validation(go
     for js in (o for o in objects if o["kind"] == "JobSet"):
         nodes = js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"]
         name = js["metadata"]["name"]
-        env = k8s.pod_environment(js, nodes - 1)
-        assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-workers-0-0.{name}:{k8s.PORT}"
-        assert env["JAX_NUM_PROCESSES"] == str(nodes) and env["JAX_PROCESS_ID"] == str(nodes - 1)
+        env = k8s.pod_environment(js, nodes - 1, job=js["spec"]["replicatedJobs"][0]["replicas"] - 1)
+        if "tpu" in golden:
+            _check_tpu_jobset(js, env)
+        else:
+            assert env["JAX_COORDINATOR_ADDRESS"] == f"{name}-workers-0-0.{name}:{k8s.PORT}"
+            assert env["JAX_NUM_PROCESSES"] == str(nodes) and env["JAX_PROCESS_ID"] == str(nodes - 1)
         (cm,) = [o for o in objects if o["kind"] == "ConfigMap"]
         run = yaml.safe_load(cm["data"]["recipe.yaml"])
         assert run["run_dir"] == f"/mnt/run/{name}" and run["train"]["preempt_exit_code"] == k8s.PREEMPT_EXIT_CODE
         rules = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
         assert k8s.PREEMPT_EXIT_CODE in rules[0]["onExitCodes"]["values"] and 2 not in rules[0]["onExitCodes"]["values"]
+
+
+def _check_tpu_jobset(js: dict, env: dict) -> None:
+    """XPK's shape for 2 slices of v5p-128 (``xpk workload create --tpu-type=v5p-128 --num-slices=2``):
+    the job ``slice-job``, a replica a slice of a pod a VM, the slice's node pool by accelerator and
+    topology, 4 chips a pod, one slice a node pool, the host's network and ports, the TPU taint; the
+    multislice variables from the JobSet's own fields (this pod: the last slice's last VM)."""
+    name, (job,) = js["metadata"]["name"], js["spec"]["replicatedJobs"]
+    assert (job["name"], job["replicas"], job["template"]["spec"]["parallelism"]) == ("slice-job", 2, 16)
+    assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    pod = job["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    (c,) = pod["containers"]
+    assert c["resources"] == {"limits": {"google.com/tpu": "4"}} and c["securityContext"] == {"privileged": True}
+    assert sorted(p["containerPort"] for p in c["ports"]) == [8080, 8471]
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == f"{name}-slice-job-0-0.{name}"
+    assert (env["MEGASCALE_NUM_SLICES"], env["MEGASCALE_SLICE_ID"], env["MEGASCALE_PORT"]) == ("2", "1", "8080")
+    assert "--xla_tpu_enable_data_parallel_all_reduce_opt=true" in env["LIBTPU_INIT_ARGS"] and "XLA_FLAGS" not in env
+    assert not any(k.startswith("JAX_") for k in env)  # JAX finds a GKE slice's processes itself
+
+
+def test_tpu_recipes_are_refused_in_one_line_where_they_do_not_fit_their_machine(tmp_path):
+    text = recipes.path_of("tpu-v5p/llama3.1-70b").read_text()
+    for old, new, message in [("tpu_type: v5p-128", "tpu_type: v6e-256", "is a tpu-v6e slice, not tpu-v5p's"),
+                              ("tpu_type: v5p-128", "tpu_type: v5p-100", "--tpu-type=v5p-100: not a TPU type"),
+                              ("  slices: 2", "  slices: 0", "launch.slices=0: must be at least 1")]:
+        mine = tmp_path / "mine.yaml"
+        mine.write_text(text.replace(old, new))
+        with pytest.raises(UserError, match=message.replace("(", r"\(")):
+            recipes.load(str(mine))
+    with pytest.raises(UserError, match="a TPU recipe's nodes are its slices' VMs; give launch.slices=N"):
+        recipes.load("tpu-v5p/llama3.1-70b", nodes=4)
+    # On 4 slices the dcn axis spans the slices, each slice's 64 chips the fsdp axis.
+    assert recipes.load("tpu-v5p/llama3.1-70b", overrides=["launch.slices=4", "train.global_batch=512"]).mesh == {
+        "data": 4, "fsdp": 64, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
 
 
 def _broken(mutate):
@@ -290,3 +341,17 @@ def test_launch_local_gives_each_process_its_own_gpus():
         gpu_slices(parse_gpus("8"), 3)
     with pytest.raises(UserError, match="distinct GPU ids"):
         parse_gpus("0,0")
+
+
+def test_a_gke_tpu_pods_environment_lets_jax_find_its_processes():
+    """In a TPU workload's pod hypertron sets no JAX_* variables: GKE's TPU webhook gives each VM
+    TPU_WORKER_HOSTNAMES, and the JobSet MEGASCALE_*; jax.distributed.initialize() then finds the
+    processes itself (no arguments but the timeouts). One VM of one slice is one process."""
+    from hypertron.config import DistributedConfig
+    from hypertron.parallel import distributed
+
+    cfg = DistributedConfig()
+    assert distributed.settings(cfg, {"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "2"}) == {
+        "initialization_timeout": 300, "heartbeat_timeout_seconds": 100}
+    assert distributed.settings(cfg, {"MEGASCALE_NUM_SLICES": "2", "TPU_WORKER_HOSTNAMES": "a"}) is not None
+    assert distributed.settings(cfg, {"TPU_WORKER_HOSTNAMES": "a", "MEGASCALE_NUM_SLICES": "1"}) is None

@@ -496,7 +496,9 @@ class LaunchConfig:
     machine: str = ""  # a machine of hypertron.launch.machines (a3mega-h100, a3ultra-h200, cpu); "" = none
     nodes: int = 1  # the default node count; the mesh's dcn axes take the rest
     processes_per_node: int = 1  # 1: one process drives a node's devices; a GPU machine's GPU count: one per GPU
-    xla_flags: tuple[Setting, ...] = ()
+    tpu_type: str = ""  # a TPU machine's slice type (XPK's --tpu-type: v5p-128); nodes = slices x its VMs
+    slices: int = 1  # TPU slices (the dcn axes span them)
+    xla_flags: tuple[Setting, ...] = ()  # on a TPU machine they go in LIBTPU_INIT_ARGS
     env: tuple[Setting, ...] = ()
 
 

@@ -39,6 +39,10 @@ from hypertron.launch.validate import DNS_1035_LABEL, DNS_SUBDOMAIN, dns_label, 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 JOB = "workers"                   # the replicated job's name (part of every pod's host name)
+TPU_JOB = "slice-job"             # XPK's, one replica a TPU slice
+MEGASCALE_PORT = 8080             # multislice traffic between the slices (XPK's)
+TPU_RUNTIME_PORT = 8471           # the TPU runtime's, between a slice's VMs
+JOB_INDEX = "metadata.labels['jobset.sigs.k8s.io/job-index']"
 CONTAINER = "train"
 PORT = 6002                       # the coordinator's port on pod 0 (XPK's and gpu-recipes')
 # Exit codes that restart the gang: a preemption, and death by a signal (128 + n: killed past the
@@ -76,9 +80,19 @@ class Workload:
         return f"{RUN_MOUNT}/{self.name}"
 
 
+def shape(w: Workload) -> tuple[str, int, int]:
+    """``(job name, replicas, pods a replica)``: one job of a pod a node, or on TPUs XPK's
+    ``slice-job`` of a replica a slice, a pod a VM."""
+    if w.recipe.machine.tpus:
+        slices = w.recipe.cfg.launch.slices
+        return TPU_JOB, slices, w.nodes // slices
+    return JOB, 1, w.nodes
+
+
 def check(w: Workload) -> None:
     """Every mistake that can be caught before submission, one line each."""
-    last_host = f"{w.name}-{JOB}-0-{w.nodes - 1}"
+    job, replicas, pods = shape(w)
+    last_host = f"{w.name}-{job}-{replicas - 1}-{pods - 1}"
     dns_label(w.name, "workload name", DNS_1035_LABEL)  # the JobSet's Service is named after it
     dns_label(w.namespace, "--namespace")
     int32(w.nodes, "--nodes", low=1)  # the Job's parallelism
@@ -125,10 +139,40 @@ def coordinator(name: str) -> str:
 
 
 def container_env(w: Workload) -> list[dict]:
-    env = [{"name": "JAX_COORDINATOR_ADDRESS", "value": coordinator(w.name)},
-           {"name": "JAX_NUM_PROCESSES", "value": str(w.nodes)},
-           {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}]
+    """``jax.distributed``'s coordinator, process count and id; on TPUs, where JAX finds a GKE slice's
+    processes itself (the TPU webhook's ``TPU_WORKER_*``), the multislice variables from the
+    JobSet's own fields: slice 0's first pod, the slice count, this replica's job index, the port.
+    Then the recipe's environment."""
+    if w.recipe.machine.tpus:
+        _, slices, _ = shape(w)
+        env = [{"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{w.name}-{TPU_JOB}-0-0.{w.name}"},
+               {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
+               {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
+               {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)}]
+    else:
+        env = [{"name": "JAX_COORDINATOR_ADDRESS", "value": coordinator(w.name)},
+               {"name": "JAX_NUM_PROCESSES", "value": str(w.nodes)},
+               {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}]
     return env + [{"name": k, "value": v} for k, v in w.recipe.env().items()]
+
+
+def _tpu(w: Workload) -> dict:
+    """What a TPU slice adds to a pod (XPK's workload): the slice's node pool by accelerator and
+    topology, its chips, the host's network (the TPU runtime and multislice ports), privileged,
+    the TPU taint tolerated; the JobSet's pods of one slice placed on one node pool."""
+    from hypertron.launch.machines import tpu_slice
+
+    m, slice_ = w.recipe.machine, tpu_slice(w.recipe.cfg.launch.tpu_type)
+    return {
+        "pod": {"nodeSelector": {"cloud.google.com/gke-tpu-accelerator": m.accelerator,
+                                 "cloud.google.com/gke-tpu-topology": slice_.topology},
+                "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+                "tolerations": [{"key": TPU, "operator": "Exists", "effect": "NoSchedule"}]},
+        "resources": {"limits": {TPU: str(m.tpus)}},
+        "ports": [{"containerPort": TPU_RUNTIME_PORT, "name": "tpu-runtime"},
+                  {"containerPort": MEGASCALE_PORT, "name": "megascale"}],
+        "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
+    }
 
 
 def _network(m: Machine) -> dict:
@@ -179,20 +223,22 @@ def jobset(w: Workload) -> dict:
     m = w.recipe.machine
     volume, annotations = storage_volume(w.storage)
     net = _network(m)
+    tpu = _tpu(w) if m.tpus else {}
     net_annotations, init = net.get("annotations", {}), net.get("init", [])
-    resources = {"limits": {GPU: str(m.gpus)}} if m.gpus else {"requests": {"cpu": "1"}}
+    resources = tpu.get("resources") or ({"limits": {GPU: str(m.gpus)}} if m.gpus else {"requests": {"cpu": "1"}})
+    job, replicas, pods = shape(w)
     command = ["hypertron", "train", f"{RECIPE_MOUNT}/recipe.yaml"]
     if "source" in net:  # exec: SIGTERM reaches hypertron, and its exit code is the container's
         command = ["/bin/sh", "-c", f". {net['source']} && exec {' '.join(command)}"]
     container = {
         "name": CONTAINER, "image": w.image, "command": command,
         "env": container_env(w),
-        "ports": [{"containerPort": PORT, "name": "coordinator"}],
+        "ports": tpu.get("ports", [{"containerPort": PORT, "name": "coordinator"}]),
         "resources": resources,
         "volumeMounts": [{"name": "recipe", "mountPath": RECIPE_MOUNT, "readOnly": True},
                          {"name": "run", "mountPath": RUN_MOUNT},
                          {"name": "dshm", "mountPath": "/dev/shm"}] + net.get("mounts", []),
-        **({"securityContext": {"privileged": True}} if net.get("privileged") else {}),
+        **({"securityContext": {"privileged": True}} if net.get("privileged") or tpu else {}),
     }
     pod_spec = {
         "restartPolicy": "Never",
@@ -200,6 +246,7 @@ def jobset(w: Workload) -> dict:
         "terminationGracePeriodSeconds": GRACE_SECONDS,
         **({"nodeSelector": {"cloud.google.com/gke-accelerator": m.accelerator},
             "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]} if m.gpus else {}),
+        **tpu.get("pod", {}),
         **({"initContainers": init} if init else {}),
         "containers": [container],
         "volumes": [{"name": "recipe", "configMap": {"name": f"{w.name}-recipe"}}, volume,
@@ -210,14 +257,14 @@ def jobset(w: Workload) -> dict:
         "apiVersion": JOBSET_API, "kind": "JobSet",
         "metadata": {"name": w.name, "namespace": w.namespace,
                      "labels": {"kueue.x-k8s.io/queue-name": w.queue, "app.kubernetes.io/managed-by": "hypertron"},
-                     "annotations": {"hypertron.dev/recipe": w.recipe.name}},
+                     "annotations": {"hypertron.dev/recipe": w.recipe.name, **tpu.get("annotations", {})}},
         "spec": {
             "failurePolicy": {"maxRestarts": w.max_restarts, "rules": [
                 {"name": "NoRestartOnPodFailurePolicy", "action": "FailJobSet",
                  "onJobFailureReasons": ["PodFailurePolicy"]}]},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "replicatedJobs": [{"name": JOB, "replicas": 1, "template": {"spec": {
-                "parallelism": w.nodes, "completions": w.nodes, "completionMode": "Indexed", "backoffLimit": 0,
+            "replicatedJobs": [{"name": job, "replicas": replicas, "template": {"spec": {
+                "parallelism": pods, "completions": pods, "completionMode": "Indexed", "backoffLimit": 0,
                 "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
                     "containerName": CONTAINER, "operator": "NotIn", "values": list(RESTART_CODES)}}]},
                 "template": {**({"metadata": pod_meta} if pod_meta else {}), "spec": pod_spec},
@@ -235,10 +282,10 @@ def workload_objects(w: Workload) -> list[dict]:
     return [config_map, jobset(w)]
 
 
-def pod_environment(js: dict, index: int) -> dict[str, str]:
-    """The training container's environment in pod ``index`` of a rendered JobSet, as the kubelet
-    would set it: literal values, the completion index for its annotation, ``$(VAR)`` references
-    to earlier variables."""
+def pod_environment(js: dict, index: int, job: int = 0) -> dict[str, str]:
+    """The training container's environment in pod ``index`` of replica ``job`` of a rendered
+    JobSet, as the kubelet would set it: literal values, the completion index and job index for
+    their fields, ``$(VAR)`` references to earlier variables."""
     spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     (container,) = [c for c in spec["containers"] if c["name"] == CONTAINER]
     env: dict[str, str] = {}
@@ -247,6 +294,8 @@ def pod_environment(js: dict, index: int) -> dict[str, str]:
             env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda g: env.get(g.group(1), g.group(0)), e["value"])
         elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == COMPLETION_INDEX:
             env[e["name"]] = str(index)
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == JOB_INDEX:
+            env[e["name"]] = str(job)
         else:
             raise ValueError(f"cannot evaluate {e}")
     return env

@@ -96,6 +96,11 @@ class Recipe:
     def devices(self) -> int:
         return self.processes * self.devices_per_process
 
+    @property
+    def devices_per_granule(self) -> int:
+        """The devices the across-node (dcn) axes step over: a node's, or a TPU slice's."""
+        return self.devices // self.cfg.launch.slices if self.machine.tpus else self.devices_per_node
+
     def run_config(self, run_dir: str, rendered_by: str) -> str:
         """The recipe as a scheduler's processes run it: resolved, in ``run_dir``, and SIGTERM's
         exit code :data:`PREEMPT_EXIT_CODE`, so that a preempted run is restarted, not counted done."""
@@ -107,16 +112,17 @@ class Recipe:
         return " ".join(s.value for s in self.cfg.launch.xla_flags)
 
     def env(self) -> dict[str, str]:
-        """The recipe's environment, ``XLA_FLAGS`` included."""
+        """The recipe's environment, its XLA flags included: ``XLA_FLAGS``, or on a TPU machine
+        ``LIBTPU_INIT_ARGS`` (the TPU compiler lives in libtpu and reads its flags there)."""
         out = dict(s.value.split("=", 1) for s in self.cfg.launch.env)
         if self.cfg.launch.xla_flags:
-            out["XLA_FLAGS"] = self.xla_flags()
+            out["LIBTPU_INIT_ARGS" if self.machine.tpus else "XLA_FLAGS"] = self.xla_flags()
         return out
 
     def predict(self) -> Plan:
         """The memory model's plan for this recipe on its nodes, against the share of each device
         that ``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves JAX when the recipe sets it."""
-        p = plan(self.cfg, self.machine.device, self.devices, self.devices_per_node)
+        p = plan(self.cfg, self.machine.device, self.devices, self.devices_per_granule)
         fraction = self.env().get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         if fraction and p.device_memory is not None:
             share, reason = check_number(fraction, float, above=0, high=1)
@@ -127,9 +133,30 @@ class Recipe:
         return p
 
 
+def _tpu_nodes(name: str, cfg: Config, nodes: int | None) -> Config:
+    """A TPU recipe's nodes: its slices' VMs (``launch.tpu_type`` x ``launch.slices``)."""
+    from hypertron.launch.machines import tpu_slice
+
+    t = cfg.launch
+    if nodes is not None:
+        raise UserError(f"recipe {name}: a TPU recipe's nodes are its slices' VMs; give launch.slices=N, not --nodes")
+    if not t.tpu_type:
+        raise UserError(f"recipe {name}: launch.machine={t.machine} needs launch.tpu_type (a slice type, e.g. v5p-128)")
+    slice_ = tpu_slice(t.tpu_type)
+    if slice_.machine != t.machine:
+        raise UserError(f"recipe {name}: launch.tpu_type={t.tpu_type} is a {slice_.machine} slice, not {t.machine}'s")
+    if t.slices < 1:
+        raise UserError(f"recipe {name}: launch.slices={t.slices}: must be at least 1")
+    if t.processes_per_node != 1:
+        raise UserError(f"recipe {name}: launch.processes_per_node={t.processes_per_node}: a TPU VM runs one process")
+    return replace(cfg, launch=replace(t, nodes=t.slices * slice_.vms))
+
+
 def devices_per_process(cfg: Config, m: Machine) -> int:
     """A GPU machine's GPUs over its processes; on the CPU, the simulated devices the recipe's XLA
     flags ask for."""
+    if m.tpus:
+        return m.tpus
     if m.gpus:
         per_node = cfg.launch.processes_per_node
         if m.gpus % per_node:
@@ -148,16 +175,19 @@ def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, 
         raise UserError(f"recipe {name}: no launch.machine, so no machine to run on (recipes/<machine>/ have one)")
     m = machine(cfg.launch.machine)
     if m.tpus:
-        raise UserError(f"recipe {name}: launch.machine={m.name}: TPU recipes and workloads are not built yet "
-                        "(hypertron cluster create makes a cluster of TPU slices; cluster setup its queue)")
+        cfg = _tpu_nodes(name, cfg, nodes)
+        nodes = None
     if nodes is not None:
         if nodes < 1:
             raise UserError(f"--nodes={nodes}: must be at least 1")
         cfg = replace(cfg, launch=replace(cfg.launch, nodes=nodes))
     per_process = devices_per_process(cfg, m)
     n, processes = cfg.launch.nodes, cfg.launch.nodes * cfg.launch.processes_per_node
+    # The across-node (dcn) axes span what is joined by the data-center network: the processes, or
+    # on TPUs the slices (a slice's VMs share its ICI).
+    granules = cfg.launch.slices if m.tpus else processes
     try:
-        mesh = check_mesh(cfg, processes * per_process, processes, per_process)
+        mesh = check_mesh(cfg, processes * per_process, granules, processes * per_process // granules)
     except ConfigError as e:
         raise UserError(f"recipe {name} on {n} node{'s' * (n > 1)} ({processes * per_process} devices): {e}") from None
     return Recipe(name, cfg, m, per_process, mesh)

@@ -1,7 +1,8 @@
 """Starting ``jax.distributed`` for multi-process runs, from config or the environment.
 
 JAX itself reads ``JAX_COORDINATOR_ADDRESS`` but not the process count or
-index outside a detected cluster (Slurm, Open MPI, Kubernetes, TPU pods), so
+index outside a detected cluster (Slurm, Open MPI, Kubernetes, TPU pods: GKE's TPU slices are found
+from ``TPU_WORKER_HOSTNAMES`` and ``MEGASCALE_NUM_SLICES``), so
 hypertron reads ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` too; this is
 what ``hypertron launch local`` sets, and what a plain ``docker run`` or
 ``ssh`` launcher can set by hand. Config values win over the environment.
@@ -46,6 +47,8 @@ def settings(cfg: DistributedConfig, environ=os.environ) -> dict | None:
         return None
     if any(_int_env(environ, var, 1) > 1 for var in _CLUSTER_SIZE_VARS):
         return timeouts  # JAX reads the scheduler's variables
+    if "," in environ.get("TPU_WORKER_HOSTNAMES", "") or _int_env(environ, "MEGASCALE_NUM_SLICES", 1) > 1:
+        return timeouts  # a multi-host TPU slice (or several) on GKE: JAX finds its processes itself
     return None
 
 
