@@ -77,6 +77,32 @@ def test_each_process_fills_the_inside_part_of_every_axis():
     assert all(len(set(procs[d, 4 * b:4 * b + 4].ravel())) == 1 for d in range(4) for b in range(2))
 
 
+@dataclass(frozen=True)
+class TpuVm:
+    """A stand-in TPU chip: its VM's process and its slice."""
+
+    id: int
+    process_index: int
+    slice_index: int
+    platform: str = "cpu"  # JAX's mesh_utils lays a slice out as given unless the kind is a known TPU
+    device_kind: str = "cpu"
+
+
+def test_tpu_slices_not_processes_fill_the_inside_part_of_every_axis():
+    """2 slices of 4 VMs x 4 chips: the across-node (dcn) axes span the slices, each slice's 16 chips
+    (over 4 processes) the inside part, each VM holding one contiguous block of the fsdp axis; on
+    processes alone the dcn axis would span 8 VMs."""
+    chips = [TpuVm(16 * s + 4 * v + c, 4 * s + v, s) for s in range(2) for v in range(4) for c in range(4)]
+    grid = device_grid(MeshConfig(dcn=DcnConfig(data=-1)), chips)
+    assert grid.shape == (2, 16, 1, 1, 1, 1)
+    slices = np.vectorize(lambda d: d.slice_index)(grid)[:, :, 0, 0, 0, 0]
+    assert slices.tolist() == [[0] * 16, [1] * 16]
+    assert processes_of(grid)[1, :, 0, 0, 0, 0].tolist() == [p for p in range(4, 8) for _ in range(4)]
+    uneven = [c for c in chips if c.id != 31]
+    with pytest.raises(ConfigError, match=r"31 devices do not split evenly over 2 processes \(or TPU slices\)"):
+        device_grid(MeshConfig(dcn=DcnConfig(data=-1)), uneven)
+
+
 def test_a_split_that_scatters_a_process_rows_is_refused():
     # data 2 inside and fsdp across: process 0 would hold batch shards 0 and 2.
     with pytest.raises(ConfigError, match="not one contiguous block.*mesh.dcn.data"):

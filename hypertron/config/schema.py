@@ -262,7 +262,7 @@ class MeshConfig:
         if not self.dcn.hybrid:
             return _resolve(ici, num_devices, "devices", "mesh"), dict.fromkeys(self.AXES, 1)
         if num_devices % num_processes:
-            raise ConfigError(f"mesh.dcn: {num_devices} devices do not split evenly over {num_processes} processes")
+            raise ConfigError(f"mesh.dcn: {num_devices} devices do not split evenly over {num_processes} processes (or TPU slices)")
         dcn = _resolve({a: getattr(self.dcn, a) for a in self.AXES}, num_processes, "processes", "mesh.dcn")
         return _resolve(ici, num_devices // num_processes, "devices per process", "mesh"), dcn
 

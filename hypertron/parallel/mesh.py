@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -28,24 +30,30 @@ def device_grid(cfg: MeshConfig, devices: list) -> np.ndarray:
     """The devices as an array of the mesh's shape.
 
     Without ``mesh.dcn``: in (process, id) order, reshaped. With it, a hybrid mesh
-    (``mesh_utils.create_hybrid_device_mesh`` with ``process_is_granule=True``): each process's
-    devices form a block of the inside-node shape, the blocks are laid out in the across-node
-    shape, and along each axis index ``i`` is block ``i // inside``, position ``i % inside``. One
-    process's devices then differ only in their inside-node coordinates, so a collective over an
-    inside part never leaves the node.
+    (``mesh_utils.create_hybrid_device_mesh``): each granule's devices form a block of the
+    inside-node shape, the blocks are laid out in the across-node shape, and along each axis index
+    ``i`` is block ``i // inside``, position ``i % inside``. A granule is a process, or on TPU
+    slices (devices with a ``slice_index``, several of them) a slice, whose VMs share its ICI and
+    whose devices JAX lays out by the slice's physical topology. One granule's devices then differ
+    only in their inside coordinates, so a collective over an inside part never leaves it. Each
+    process must still hold one contiguous block of the batch (:func:`check_process_rows`).
     """
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     processes = sorted({d.process_index for d in devices})
-    ici, dcn = cfg.split(len(devices), len(processes))
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_slice = None not in slices and len(slices) > 1
+    granules = len(slices) if by_slice else len(processes)
+    ici, dcn = cfg.split(len(devices), granules)
     axes = MeshConfig.AXES
     if not cfg.dcn.hybrid:
         return np.array(devices, dtype=object).reshape([ici[a] for a in axes])
-    if len({sum(d.process_index == p for d in devices) for p in processes}) != 1:
-        raise ConfigError("mesh.dcn: every process must have the same number of devices")
+    key = (lambda d: d.slice_index) if by_slice else (lambda d: d.process_index)
+    if len(set(collections.Counter(map(key, devices)).values())) != 1:
+        raise ConfigError(f"mesh.dcn: every {'slice' if by_slice else 'process'} must have the same number of devices")
     from jax.experimental import mesh_utils
 
     grid = mesh_utils.create_hybrid_device_mesh([ici[a] for a in axes], [dcn[a] for a in axes], devices,
-                                                process_is_granule=True)
+                                                process_is_granule=not by_slice)
     check_process_rows(grid, len(processes), dcn["stage"])
     return grid
 
