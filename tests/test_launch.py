@@ -34,7 +34,8 @@ GOLDEN = Path(__file__).parent / "golden" / "launch"
 IMAGE = "us-docker.pkg.dev/my-project/hypertron:0.1.0"
 REQUIRED = {"a3mega-h100/llama2-7b", "a3mega-h100/llama2-70b", "a3mega-h100/llama3.1-8b",
             "a3mega-h100/llama3.1-70b", "a3mega-h100/mixtral-8x7b", "a3ultra-h200/llama3.1-70b", "cpu/tiny",
-            "tpu-v5p/llama3.1-70b", "tpu-v6e/llama3.1-70b", "tpu-v6e/llama3.1-8b", "tpu-v5e/llama3.1-8b"}
+            "tpu-v5p/llama3.1-70b", "tpu-v5p/mixtral-8x7b", "tpu-v6e/llama3.1-70b", "tpu-v6e/llama3.1-8b",
+            "tpu-v5e/llama3.1-8b"}
 
 
 def test_every_recipe_resolves_for_its_devices_and_fits_its_hardware():
