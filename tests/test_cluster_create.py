@@ -108,9 +108,12 @@ def test_create_runs_the_printed_commands_in_order_and_stops_at_the_first_failur
     (tmp_path / "bin").rename(tmp_path / "ok-bin")
     monkeypatch.setenv("PATH", f"{_fake_tools(tmp_path, fail_on='node-pools create demo-np-0')}{os.pathsep}"
                                f"{os.environ['PATH']}")
-    line = one_error_line(run_cli(args), "cluster create", "node-pools create demo-np-0", "exit 3",
-                          "quota exceeded for TPUS")
+    failed = run_cli(args)
+    assert failed.rc == 2 and "Traceback" not in failed.stderr, failed.describe()
+    shown, line = failed.stderr.splitlines()  # the tool's own stderr passed through, then one line
+    assert shown == "ERROR: (gcloud) quota exceeded for TPUS"
     assert line.startswith("error: cluster create: `gcloud beta container node-pools create demo-np-0")
+    assert line.endswith("failed (exit 3): ERROR: (gcloud) quota exceeded for TPUS")
     assert len((tmp_path / "calls.log").read_text().splitlines()) == 2  # the cluster, then the failed pool
 
 
@@ -127,6 +130,8 @@ def test_without_gcloud_on_path_it_is_one_line(tmp_path, monkeypatch):
     (["--tpu-type=v5p-16", "--spot", "--reservation", "r"], ["--reservation", "not allowed with", "--spot"]),
     (["--tpu-type=h100-mega-80gb-8"], ["is a GPU", "Cluster Toolkit"]),
     (["--tpu-type=v5p-16", "--zone="], ["--zone is required"]),
+    (["--tpu-type=v5p-16", "--zone=us-east5"], ["--zone=us-east5: a zone (us-east5-a), not a region"]),
+    (["--tpu-type=v5p-16", "--reservation="], ["--reservation: name the reservation"]),
 ])
 def test_bad_arguments_are_one_line(argv, needles):
     one_error_line(run_cli(["cluster", "create", "demo", "--zone", "us-east5-a", *WHERE, *argv, "--dry-run"]),

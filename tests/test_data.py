@@ -303,6 +303,10 @@ def test_bad_shard_counts_are_refused_in_one_line(text_corpus):
         make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=4, shards=8)
     with pytest.raises(DataError, match=r"too few for data.shards=8"):
         next(make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=8, shards=8))
+    # The eval split, a few documents, always takes fewer (its position is never saved).
+    held = make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=8, shards=8, split="eval",
+                        eval_fraction=0.5)
+    assert len(held.get_state()["shards"]) < 8 and next(held)["inputs"].shape == (8, 8)
     # data.shards 0 (the task's default) takes fewer shards for a corpus of 6 documents: 4 of 8.
     few = make_batches(source="text", paths=(str(text_corpus),), seq_len=8, batch_size=8, shards=8,
                        fewer_shards_for_few_documents=True)

@@ -22,6 +22,7 @@ import yaml
 
 from hypertron import cli
 from hypertron.config import load_config
+from hypertron.config.validation import check_devices
 from hypertron.errors import UserError
 from hypertron.launch.local import free_ports
 from hypertron.launch import k8s, machines, recipes, validate
@@ -168,9 +169,11 @@ def test_tpu_recipes_are_refused_in_one_line_where_they_do_not_fit_their_machine
             recipes.load(str(mine))
     with pytest.raises(UserError, match="a TPU recipe's nodes are its slices' VMs; give launch.slices=N"):
         recipes.load("tpu-v5p/llama3.1-70b", nodes=4)
-    # On 4 slices the dcn axis spans the slices, each slice's 64 chips the fsdp axis.
-    assert recipes.load("tpu-v5p/llama3.1-70b", overrides=["launch.slices=4", "train.global_batch=512"]).mesh == {
-        "data": 4, "fsdp": 64, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
+    # On 4 slices the dcn axis spans the slices, each slice's 64 chips the fsdp axis; train's own check
+    # of the devices (32 VM processes of 4 chips, 4 slices) gives the same mesh.
+    r = recipes.load("tpu-v5p/llama3.1-70b", overrides=["launch.slices=4", "train.global_batch=512"])
+    assert r.mesh == {"data": 4, "fsdp": 64, "expert": 1, "context": 1, "tensor": 1, "stage": 1}
+    assert check_devices(r.cfg, 256, 64, 4, "tpu", granules=4) == r.mesh
 
 
 def _broken(mutate):

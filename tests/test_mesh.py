@@ -79,20 +79,24 @@ def test_each_process_fills_the_inside_part_of_every_axis():
 
 @dataclass(frozen=True)
 class TpuVm:
-    """A stand-in TPU chip: its VM's process and its slice."""
+    """A stand-in TPU v5p chip: its VM's process, its slice and its place in the slice's 2x2x4
+    topology (JAX's mesh_utils would lay a slice out by these, scattering a VM's chips along fsdp)."""
 
     id: int
     process_index: int
     slice_index: int
-    platform: str = "cpu"  # JAX's mesh_utils lays a slice out as given unless the kind is a known TPU
-    device_kind: str = "cpu"
+    coords: tuple = (0, 0, 0)
+    core_on_chip: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v5p"
 
 
 def test_tpu_slices_not_processes_fill_the_inside_part_of_every_axis():
     """2 slices of 4 VMs x 4 chips: the across-node (dcn) axes span the slices, each slice's 16 chips
     (over 4 processes) the inside part, each VM holding one contiguous block of the fsdp axis; on
     processes alone the dcn axis would span 8 VMs."""
-    chips = [TpuVm(16 * s + 4 * v + c, 4 * s + v, s) for s in range(2) for v in range(4) for c in range(4)]
+    chips = [TpuVm(16 * s + 4 * v + c, 4 * s + v, s, (c % 2, c // 2, v)) for s in range(2) for v in range(4)
+             for c in range(4)]
     grid = device_grid(MeshConfig(dcn=DcnConfig(data=-1)), chips)
     assert grid.shape == (2, 16, 1, 1, 1, 1)
     slices = np.vectorize(lambda d: d.slice_index)(grid)[:, :, 0, 0, 0, 0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -199,6 +200,14 @@ def test_a_data_position_saved_by_two_processes_resumes_in_one(tmp_path):
     for p, shards in enumerate((["0", "1"], ["2", "3"])):
         (data / f"process_{p}-of-2.json").write_text(json.dumps({"shards": {v: saved[v] for v in shards}}))
     _write_manifest(run / "checkpoints" / "2")  # the files the two processes' save would have listed
+    # A copy missing process 1's file: its shards' positions are not there, so the stream starts afresh
+    # (the checkpoint itself is good: no earlier step is tried, nothing is moved aside).
+    partial = tmp_path / "c"
+    shutil.copytree(run, partial)
+    (partial / "checkpoints" / "2" / "data" / "process_1-of-2.json").unlink()
+    _write_manifest(partial / "checkpoints" / "2")
+    afresh, said = _train_quiet([*common, "train.steps=3", f"run_dir={partial}"])
+    assert afresh.first_step == 2 and "no state for shards [2, 3]" in said and "starts afresh" in said
     resumed, out = _train_quiet([*common, "train.steps=4", f"run_dir={run}"])
     assert "starts afresh" not in out and resumed.first_step == 2
     assert first.losses + resumed.losses == straight.losses

@@ -98,7 +98,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     from hypertron.launch.machines import MACHINES
 
     cla = add_command_group(
-        sub, "cluster", help="a cluster's queueing objects (Kueue and priority classes)", func=cmd_cluster)
+        sub, "cluster", help="a GKE cluster of TPU slices (create, delete, list) and its queueing objects (setup)",
+        func=cmd_cluster)
     cs = cla.add_parser(
         "setup", help="Kueue's ResourceFlavor, ClusterQueue and LocalQueue, and five PriorityClasses",
         description="Render, validate and apply (server-side) what workloads need on a cluster with Kueue "
@@ -366,13 +367,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         objects = k8s.cluster_objects(machines.machine(args.machine), args.nodes, args.queue, args.namespace)
         return _render_or_apply(objects, args, "applied", create_only=False)
     if args.action == "create":
-        capacity = "spot" if args.spot else "reservation" if args.reservation else "on-demand"
+        capacity = "spot" if args.spot else "reservation" if args.reservation is not None else "on-demand"
         spec = gke.ClusterSpec(args.name, args.project, args.zone, args.tpu_type, args.num_slices, capacity,
                                args.reservation or "", args.default_pool_cpu_machine_type,
                                args.default_pool_cpu_num_nodes)
         slice_ = gke.check(spec)
         nodes = spec.num_slices * slice_.vms
-        objects = k8s.cluster_objects(machines.MACHINES[slice_.machine], nodes, args.queue)
+        objects = k8s.cluster_objects(machines.MACHINES[slice_.machine], nodes, args.queue,
+                                      per_node=slice_.chips // slice_.vms)
         setup = f"hypertron cluster setup --machine {slice_.machine} --nodes {nodes} --queue {args.queue} --dry-run"
         commands = gke.create_commands(spec, k8s.to_yaml(objects), setup)
     elif args.action == "delete":

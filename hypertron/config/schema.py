@@ -285,7 +285,8 @@ class DataConfig:
     eval_fraction: float = 0.0  # documents held out of training for train.eval_every (0 = none)
     # Text (task: lm): the documents as this many streams, each global batch the same rows of each, so a
     # run resumes exactly on any process count that divides it (docs/launch.md "Elastic restarts");
-    # 0 = 8, or the largest divisor of train.global_batch below it that the processes divide.
+    # 0 = 8, or the largest divisor of train.global_batch below it that the processes divide, else one
+    # a process (a resume then needs the same process count).
     shards: int = 0
     # Fine-tuning (task: sft; docs/finetuning.md): how each record reads, and its fields
     format: DataFormat = "text"

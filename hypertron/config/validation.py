@@ -325,14 +325,19 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"launch.env: {s.value!r} is not NAME=value")
 
 
-def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int) -> dict[str, int]:
+def check_mesh(cfg: Config, num_devices: int, processes: int, local_devices: int,
+               granules: int | None = None) -> dict[str, int]:
     """The mesh shape of ``cfg`` on ``num_devices`` devices in ``processes`` processes of
     ``local_devices`` each, with no devices needed (``hypertron train`` checks the ones it has,
     ``hypertron recipes`` and ``workload`` a cluster's): a mesh that does not match the devices, a
     batch that does not split over the data shards or the processes, an expert axis that does not
     divide the experts, a tensor-parallel group that would span two processes, and an across-node
-    split that would not give each process one contiguous block of the batch."""
-    ici, dcn = cfg.mesh.split(num_devices, processes)
+    split that would not give each process one contiguous block of the batch. ``granules``: what the
+    across-node (dcn) axes span when it is not the processes (TPU slices, each of several VMs)."""
+    ici, dcn = cfg.mesh.split(num_devices, granules or processes)
+    if granules and granules != processes and dcn["stage"] > 1:
+        raise ConfigError("mesh.dcn.stage across TPU slices: not supported yet (a pipeline's processes would "
+                          "need the same rows); split the slices along mesh.dcn.data or mesh.dcn.fsdp")
     shape = {a: ici[a] * dcn[a] for a in ici}
     data_shards = shape["data"] * shape["fsdp"] * shape["expert"]
     micro = cfg.train.global_batch // cfg.train.grad_accum
@@ -459,13 +464,14 @@ def check_dlrm_devices(cfg: Config, num_devices: int, processes: int) -> None:
                           f"{num_devices} devices, so it must be a multiple of {num_devices}")
 
 
-def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: int, platform: str) -> dict[str, int]:
+def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: int, platform: str,
+                  granules: int | None = None) -> dict[str, int]:
     """What ``hypertron train`` checks of its devices before compiling and ``hypertron plan`` of the
     devices it plans for (one function, so a plan that fits is a run that starts): cuDNN attention
     only on NVIDIA GPUs, then :func:`check_mesh`. ``platform`` is JAX's name (gpu, tpu, cpu)."""
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {platform}")
-    return check_mesh(cfg, num_devices, processes, local_devices)
+    return check_mesh(cfg, num_devices, processes, local_devices, granules)
 
 
 def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: key) -> None:

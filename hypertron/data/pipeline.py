@@ -25,9 +25,9 @@ contiguous shards of its rows, so the global batches are the same on any process
 V, and a run resumes on another one with its data position exact: each shard's position is saved
 (:meth:`_Stream.get_state`: ``{"shards": {v: state}}``, this process's shards), and a restoring process
 takes the positions of the shards it now feeds from whichever processes saved them
-(:meth:`_Stream.restore_from_files`). Shard 0 of any V draws as the unsharded stream did
-(its seeds are the pipeline's own, others' are keyed by v too), and V = P gives the streams each
-of P processes read before shards existed.
+(:meth:`_Stream.restore_from_files`). Shard 0's seeds are the pipeline's own, the others' keyed by
+v too; unshuffled, V = P reads as each of P processes read before shards existed (shuffled, the row
+window is now a numpy permutation, and the window's rows are divided among the V shards).
 
 The returned iterator is a Grain ``DatasetIterator``: its ``get_state`` /
 ``set_state`` let a checkpoint resume the stream exactly. A process's shards are read, tokenised
@@ -123,7 +123,8 @@ def make_batches(
         documents = _split(load_documents(source, paths, text_field, tokenizer=tokenizer), split, eval_fraction)
         text_tokenizer = get_tokenizer(tokenizer)
         check_vocab(text_tokenizer, vocab_size)
-        if fewer_shards_for_few_documents and len(documents) < shards:
+        # The eval split (never checkpointed) may always take fewer: it is a fraction of the corpus.
+        if (fewer_shards_for_few_documents or split == "eval") and len(documents) < shards:
             shards = max([v for v in range(1, len(documents) + 1) if shards % v == 0 and v % process_count == 0],
                          default=shards)  # none fits: _packed_rows says the corpus is too small
         streams = {v: _packed_rows(documents, text_tokenizer, seq_len=seq_len, seed=seed, shuffle=shuffle,
@@ -202,7 +203,8 @@ class _Stream(grain.DatasetIterator):
         self._prefetch.start_prefetch()
 
     def close(self) -> None:
-        self._prefetch.close()
+        if not sys.is_finalizing():  # at exit Grain's module globals may be gone already
+            self._prefetch.close()
 
     def restore_from_files(self, paths: Iterable[Path]) -> None:
         """Take this process's shards' positions from the states saved in ``paths`` (JSON, one per
@@ -307,7 +309,7 @@ def _check_shards(shards: int, global_batch: int, process_count: int) -> None:
         raise DataError(f"data.shards={shards}: must be at least 1")
     if shards % process_count:
         raise DataError(f"data.shards={shards}: the {process_count} processes that read the data must divide it "
-                        f"(each feeds the same number of shards; resume on 1, 2, 4 or 8 processes with 8)")
+                        f"(each feeds the same number of shards)")
     if global_batch % shards:
         raise DataError(f"data.shards={shards} must divide the global batch of {global_batch} rows "
                         f"(each shard gives the same number of rows)")
@@ -329,7 +331,7 @@ def _packed_rows(
     docs = documents[shard::shards]
     if len(docs) == 0:
         raise DataError(
-            f"data: the corpus has {len(documents)} documents, too few for data.shards={shards}"
+            f"data: the corpus has {len(documents)} training documents, too few for data.shards={shards}"
         )
     epochs = _ShuffledEpochs(docs, seed=seed, shard=shard) if shuffle else docs.repeat()
     examples = epochs.map(functools.partial(_document_example, tokenizer))
@@ -341,7 +343,7 @@ def _packed_rows(
     if shuffle:
         # A long document fills many consecutive rows; mixing rows within a
         # window keeps one big file from making up whole batches in a row.
-        # The shards of a process share the window's rows.
+        # The V shards divide the window's rows among them (a process holds its shards' parts).
         window_rows = max(1, min(_ROW_SHUFFLE_MAX_ROWS, _ROW_SHUFFLE_TOKENS // seq_len) // shards)
         rows = _WindowShuffle(rows, window=window_rows, seed=seed, shard=shard)
     return rows
@@ -374,7 +376,7 @@ class _ShuffledEpochs(grain.MapDataset):
         return f"_ShuffledEpochs(seed={self._seed})"
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        cached_epoch, order = self._order  # one read: reader threads may replace it concurrently
+        cached_epoch, order = self._order  # one read: another thread may replace it concurrently
         if cached_epoch != epoch:
             key = (self._seed, epoch) + ((self._shard,) if self._shard else ())  # shard 0: as unsharded
             order = np.random.default_rng(key).permutation(self._parent_length)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from hypertron.errors import UserError
@@ -63,13 +64,16 @@ def region(zone: str) -> str:
 
 def check(spec: ClusterSpec) -> TpuSlice:
     """The spec's slice type, or one line naming what is wrong."""
-    if not spec.name or not spec.name[0].isalpha() or not all(c.isalnum() and c == c.lower() or c == "-"
-                                                                   for c in spec.name) or len(spec.name) > 40:
-        raise UserError(f"cluster name {spec.name!r}: lowercase letters, digits and '-', starting with a letter, "
-                        "at most 40 characters (GKE's rule)")
+    if not spec.name or not spec.name[0].isalpha() or spec.name.endswith("-") or len(spec.name) > 40 or not all(
+            c.isalnum() and c == c.lower() or c == "-" for c in spec.name):
+        raise UserError(f"cluster name {spec.name!r}: lowercase letters, digits and '-', starting with a letter and "
+                        "not ending with '-', at most 40 characters (GKE's rule)")
     for flag, value in (("--project", spec.project), ("--zone", spec.zone)):
         if not value:
             raise UserError(f"cluster create: {flag} is required")
+    if len(spec.zone.split("-")) < 3:
+        raise UserError(f"--zone={spec.zone}: a zone (us-east5-a), not a region: the slices' node pools are "
+                        "placed in it")
     gpu = {m.name for m in MACHINES.values() if m.gpus} | {m.accelerator for m in MACHINES.values() if m.gpus}
     if spec.tpu_type in gpu or spec.tpu_type.startswith(("h100", "h200", "a100", "b200", "gb200", "nvidia")):
         raise UserError(f"--tpu-type={spec.tpu_type} is a GPU: GPU clusters (A3 Mega, A3 Ultra) are made from "
@@ -135,7 +139,16 @@ def run(commands: list[Command], what: str) -> None:
             raise UserError(f"{what}: {tool} is not on PATH (the Google Cloud CLI has both gcloud and kubectl); "
                             "--dry-run prints the commands")
     for c in commands:
-        done = subprocess.run(c.argv, input=c.stdin, text=True, stderr=subprocess.PIPE, check=False)
-        if done.returncode:
-            first = next((line for line in done.stderr.splitlines() if line.strip()), "")
-            raise UserError(f"{what}: `{shlex.join(c.argv[:6])} ...` failed (exit {done.returncode}): {first}")
+        proc = subprocess.Popen(c.argv, stdin=subprocess.PIPE if c.stdin is not None else subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        if c.stdin is not None:
+            proc.stdin.write(c.stdin)
+            proc.stdin.close()
+        lines = []
+        for line in proc.stderr:  # gcloud's progress goes to stderr: shown as it comes
+            sys.stderr.write(line)
+            lines.append(line.strip())
+        if proc.wait():
+            said = [line for line in lines if line]
+            error = next((line for line in said if line.startswith("ERROR:")), said[-1] if said else "")
+            raise UserError(f"{what}: `{shlex.join(c.argv[:6])} ...` failed (exit {proc.returncode}): {error}")

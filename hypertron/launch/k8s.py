@@ -168,7 +168,7 @@ def _tpu(w: Workload) -> dict:
                                  "cloud.google.com/gke-tpu-topology": slice_.topology},
                 "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
                 "tolerations": [{"key": TPU, "operator": "Exists", "effect": "NoSchedule"}]},
-        "resources": {"limits": {TPU: str(m.tpus)}},
+        "resources": {"limits": {TPU: str(slice_.chips // slice_.vms)}},
         "ports": [{"containerPort": TPU_RUNTIME_PORT, "name": "tpu-runtime"},
                   {"containerPort": MEGASCALE_PORT, "name": "megascale"}],
         "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
@@ -301,13 +301,16 @@ def pod_environment(js: dict, index: int, job: int = 0) -> dict[str, str]:
     return env
 
 
-def cluster_objects(m: Machine, nodes: int, queue: str = "hypertron", namespace: str = "default") -> list[dict]:
-    """Kueue's ResourceFlavor for the machine, a ClusterQueue with a quota of ``nodes`` of them, the
-    LocalQueue workloads name, and the five PriorityClasses."""
+def cluster_objects(m: Machine, nodes: int, queue: str = "hypertron", namespace: str = "default",
+                    per_node: int | None = None) -> list[dict]:
+    """Kueue's ResourceFlavor for the machine, a ClusterQueue with a quota of ``nodes`` of them
+    (``per_node`` devices each, default the machine's), the LocalQueue workloads name, and the five
+    PriorityClasses."""
     int32(nodes, "--nodes", low=1)
     dns_label(queue, "--queue")
     dns_label(namespace, "--namespace")
-    resource, per_node = (GPU, m.gpus) if m.gpus else (TPU, m.tpus) if m.tpus else ("cpu", 1)
+    resource, default = (GPU, m.gpus) if m.gpus else (TPU, m.tpus) if m.tpus else ("cpu", 1)
+    per_node = per_node or default
     label = "cloud.google.com/gke-tpu-accelerator" if m.tpus else "cloud.google.com/gke-accelerator"
     flavor = {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": m.name},
               "spec": {"nodeLabels": {label: m.accelerator}} if m.accelerator else {}}

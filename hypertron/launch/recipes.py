@@ -155,8 +155,11 @@ def _tpu_nodes(name: str, cfg: Config, nodes: int | None) -> Config:
 def devices_per_process(cfg: Config, m: Machine) -> int:
     """A GPU machine's GPUs over its processes; on the CPU, the simulated devices the recipe's XLA
     flags ask for."""
-    if m.tpus:
-        return m.tpus
+    if m.tpus:  # a VM's chips: 4, or a single-chip slice's 1
+        from hypertron.launch.machines import tpu_slice
+
+        slice_ = tpu_slice(cfg.launch.tpu_type)
+        return slice_.chips // slice_.vms
     if m.gpus:
         per_node = cfg.launch.processes_per_node
         if m.gpus % per_node:
@@ -187,7 +190,7 @@ def load(name: str, nodes: int | None = None, overrides: list[str] | tuple[str, 
     # on TPUs the slices (a slice's VMs share its ICI).
     granules = cfg.launch.slices if m.tpus else processes
     try:
-        mesh = check_mesh(cfg, processes * per_process, granules, processes * per_process // granules)
+        mesh = check_mesh(cfg, processes * per_process, processes, per_process, granules)
     except ConfigError as e:
         raise UserError(f"recipe {name} on {n} node{'s' * (n > 1)} ({processes * per_process} devices): {e}") from None
     return Recipe(name, cfg, m, per_process, mesh)

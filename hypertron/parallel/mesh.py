@@ -33,29 +33,43 @@ def device_grid(cfg: MeshConfig, devices: list) -> np.ndarray:
     (``mesh_utils.create_hybrid_device_mesh``): each granule's devices form a block of the
     inside-node shape, the blocks are laid out in the across-node shape, and along each axis index
     ``i`` is block ``i // inside``, position ``i % inside``. A granule is a process, or on TPU
-    slices (devices with a ``slice_index``, several of them) a slice, whose VMs share its ICI and
-    whose devices JAX lays out by the slice's physical topology. One granule's devices then differ
+    slices (devices with a ``slice_index``, several of them) a slice, whose VMs share its ICI; a
+    slice's block holds its chips in (process, id) order. One granule's devices then differ
     only in their inside coordinates, so a collective over an inside part never leaves it. Each
     process must still hold one contiguous block of the batch (:func:`check_process_rows`).
     """
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     processes = sorted({d.process_index for d in devices})
-    slices = {getattr(d, "slice_index", None) for d in devices}
-    by_slice = None not in slices and len(slices) > 1
-    granules = len(slices) if by_slice else len(processes)
-    ici, dcn = cfg.split(len(devices), granules)
+    by_slice = slice_count(devices) > 0
+    ici, dcn = cfg.split(len(devices), slice_count(devices) or len(processes))
     axes = MeshConfig.AXES
     if not cfg.dcn.hybrid:
         return np.array(devices, dtype=object).reshape([ici[a] for a in axes])
     key = (lambda d: d.slice_index) if by_slice else (lambda d: d.process_index)
     if len(set(collections.Counter(map(key, devices)).values())) != 1:
         raise ConfigError(f"mesh.dcn: every {'slice' if by_slice else 'process'} must have the same number of devices")
-    from jax.experimental import mesh_utils
+    if by_slice:
+        # Each slice's chips in (process, id) order, not JAX's physical layout: that would scatter a
+        # VM's chips along fsdp, and each process feeds one block of rows.
+        blocks = np.empty([dcn[a] for a in axes], dtype=object)
+        for i, s in enumerate(sorted({d.slice_index for d in devices})):
+            blocks.flat[i] = np.array([d for d in devices if d.slice_index == s], dtype=object).reshape(
+                [ici[a] for a in axes])
+        grid = np.block(blocks.tolist())
+    else:
+        from jax.experimental import mesh_utils
 
-    grid = mesh_utils.create_hybrid_device_mesh([ici[a] for a in axes], [dcn[a] for a in axes], devices,
-                                                process_is_granule=not by_slice)
+        grid = mesh_utils.create_hybrid_device_mesh([ici[a] for a in axes], [dcn[a] for a in axes], devices,
+                                                    process_is_granule=True)
     check_process_rows(grid, len(processes), dcn["stage"])
     return grid
+
+
+def slice_count(devices: list) -> int:
+    """How many TPU slices ``devices`` span when more than one (each device's ``slice_index``), else 0:
+    the across-node granule is then the slice, not the process."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    return len(slices) if None not in slices and len(slices) > 1 else 0
 
 
 def row_block(cfg: MeshConfig, num_devices: int, processes: int, process: int) -> tuple[int, int]:

@@ -22,7 +22,10 @@ def validate_for_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     processes (``hypertron plan`` runs the same), a vocabulary smaller than the tokenizer's, and
     (with ``train.memory_check``) a run the memory model says cannot fit a device.
     """
-    shape = check_devices(cfg, num_devices, jax.process_count(), jax.local_device_count(), jax.default_backend())
+    from hypertron.parallel.mesh import slice_count
+
+    shape = check_devices(cfg, num_devices, jax.process_count(), jax.local_device_count(), jax.default_backend(),
+                          slice_count(jax.devices()) or None)
     if cfg.data.source != "synthetic":
         check_vocab(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
     if cfg.train.memory_check:

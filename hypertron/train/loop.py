@@ -31,6 +31,7 @@ from hypertron.checkpoint import (
     write_run_config,
 )
 from hypertron.config import Config, ConfigError
+from hypertron.errors import DataError
 from hypertron.parallel import distributed
 from hypertron.parallel.mesh import local_coords
 from hypertron.runfiles import METRICS_FILE, TENSORBOARD_DIR
@@ -199,7 +200,11 @@ def _restore(cfg: Config, task: Task, trainer, ckpt: Checkpointer, start: int, d
             meta = ckpt.meta(step)
             data_restored = meta.get("data") == task.data_fingerprint(cfg) and ckpt.has_data(step)
             if data_restored:
-                ckpt.restore_data(step, data)
+                try:
+                    ckpt.restore_data(step, data)
+                except DataError as e:  # the position, not the checkpoint: the stream starts afresh
+                    console.print(f"checkpoint {step}'s data position does not fit this run ({e})", highlight=False)
+                    data_restored = False
         except (CheckpointError, KeyboardInterrupt):
             raise
         except Exception as e:  # Orbax / TensorStore raise many types for unreadable files
@@ -352,7 +357,8 @@ def batch_digest(local: dict) -> str:
     crc = 0
     for leaf in jax.tree.leaves(local):  # dicts flatten in key order
         a = np.asarray(leaf)
-        crc = zlib.crc32(a.tobytes() if a.dtype != object else repr(a.tolist()).encode(), crc)
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B") if a.dtype != object
+                         else repr(a.tolist()).encode(), crc)
     return f"{crc:08x}"
 
 
