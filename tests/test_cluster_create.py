@@ -69,15 +69,17 @@ def test_the_gcloud_commands_are_xpks(case):
         assert all(c["--reservation=my-res"] == 1 for c in got[kinds[1]])
 
 
-def _fake_tools(tmp_path: Path, fail_on: str = "") -> Path:
+def _fake_tools(tmp_path: Path, fail_on: str = "", existing: str = "") -> Path:
     """``gcloud`` and ``kubectl`` scripts that log their arguments (and how many bytes they read on
-    stdin) to ``calls.log``; a call containing ``fail_on`` exits 3 with an error."""
+    stdin) to ``calls.log``, listings apart in ``lists.log``; a listing prints ``existing``; a call
+    containing ``fail_on`` exits 3 with an error."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("gcloud", "kubectl"):
         script = bin_dir / tool
         script.write_text(f"""#!/bin/sh
 args="{tool} $*"
+case "$args" in *" list "*"--format=value(name)"*) echo "$args" >> "{tmp_path}/lists.log"; echo "{existing}"; exit 0;; esac
 if [ "$4" = "-" ] || [ "$5" = "-" ]; then args="$args [stdin $(wc -c | tr -d ' ')]"; fi
 echo "$args" >> "{tmp_path}/calls.log"
 case "$args" in *"{fail_on or '@@never@@'}"*) echo "ERROR: (gcloud) quota exceeded for TPUS" >&2; exit 3;; esac
@@ -115,6 +117,16 @@ def test_create_runs_the_printed_commands_in_order_and_stops_at_the_first_failur
     assert line.startswith("error: cluster create: `gcloud beta container node-pools create demo-np-0")
     assert line.endswith("failed (exit 3): ERROR: (gcloud) quota exceeded for TPUS")
     assert len((tmp_path / "calls.log").read_text().splitlines()) == 2  # the cluster, then the failed pool
+
+    # Run again once the quota is there: the cluster and pool 0 exist now, and are not made again.
+    (tmp_path / "calls.log").unlink()
+    (tmp_path / "bin").rename(tmp_path / "failed-bin")
+    monkeypatch.setenv("PATH", f"{_fake_tools(tmp_path, existing='demo demo-np-0')}{os.pathsep}{os.environ['PATH']}")
+    again = run_cli(args)
+    assert again.rc == 0, again.describe()
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls[0].startswith("gcloud beta container node-pools create demo-np-1") and len(calls) == 6
+    assert "demo exists already; not made again" in again.stderr and "demo-np-0 exists already" in again.stderr
 
 
 def test_without_gcloud_on_path_it_is_one_line(tmp_path, monkeypatch):

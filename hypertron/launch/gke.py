@@ -37,6 +37,9 @@ class Command:
     argv: tuple[str, ...]
     stdin: str | None = None
     stdin_from: str = ""
+    # A listing that names what this command makes once it exists (and the name to look for): a
+    # rerun after a failure skips what the run before made, as XPK does.
+    exists: tuple[tuple[str, ...], str] | None = None
 
     def line(self) -> str:
         """The command as a shell line; one reading a manifest names the command that prints it."""
@@ -109,11 +112,15 @@ def create_commands(spec: ClusterSpec, setup_manifest: str, setup_command: str) 
     pools = [Command(("gcloud", "beta", "container", "node-pools", "create", f"{spec.name}-np-{i}",
                       f"--location={where}", f"--cluster={spec.name}", project, f"--node-locations={spec.zone}",
                       f"--machine-type={slice_.machine_type}", "--host-maintenance-interval=AS_NEEDED", *capacity,
-                      "--enable-gvnic", *network, f"--num-nodes={slice_.vms}", f"--scopes={SCOPES}", *several))
+                      "--enable-gvnic", *network, f"--num-nodes={slice_.vms}", f"--scopes={SCOPES}", *several),
+                     exists=(("gcloud", "beta", "container", "node-pools", "list", f"--cluster={spec.name}", project,
+                              f"--location={where}", "--format=value(name)"), f"{spec.name}-np-{i}"))
              for i in range(spec.num_slices)]
     kueue_wait = ("kubectl", "wait", "deploy/kueue-controller-manager", "-n", "kueue-system",
                   "--for=condition=available", "--timeout=10m")
-    return [Command(tuple(cluster)), *pools,
+    return [Command(tuple(cluster), exists=(("gcloud", "container", "clusters", "list", project,
+                                             f"--filter=name={spec.name}", "--format=value(name)"), spec.name)),
+            *pools,
             Command(("gcloud", "container", "clusters", "get-credentials", spec.name, f"--location={where}", project)),
             Command(("kubectl", "apply", "--server-side", "--force-conflicts", "-f", JOBSET_MANIFESTS)),
             Command(("kubectl", "apply", "--server-side", "--force-conflicts", "-f", KUEUE_MANIFESTS)),
@@ -133,12 +140,19 @@ def list_commands(project: str, zone: str) -> list[Command]:
 
 def run(commands: list[Command], what: str) -> None:
     """Run ``commands`` in order, each's output passed through; stop at the first that fails, with
-    its first stderr line. Refused in one line when a tool is not on PATH."""
+    its ``ERROR:`` line (else its last). One whose ``exists`` listing names what it makes is skipped
+    (a rerun after a failure goes on from there). Refused in one line when a tool is not on PATH."""
     for tool in dict.fromkeys(c.argv[0] for c in commands):
         if shutil.which(tool) is None:
             raise UserError(f"{what}: {tool} is not on PATH (the Google Cloud CLI has both gcloud and kubectl); "
                             "--dry-run prints the commands")
     for c in commands:
+        if c.exists is not None:
+            listing, name = c.exists
+            found = subprocess.run(listing, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+            if found.returncode == 0 and name in found.stdout.split():
+                print(f"{what}: {name} exists already; not made again", file=sys.stderr)
+                continue
         proc = subprocess.Popen(c.argv, stdin=subprocess.PIPE if c.stdin is not None else subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         if c.stdin is not None:
