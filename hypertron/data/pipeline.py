@@ -349,6 +349,12 @@ def _packed_rows(
     return rows
 
 
+def _shard_key(shard: int, *key: int) -> tuple[int, ...]:
+    """A shuffle's random key for ``shard``: ``key``, with the shard appended past shard 0 (whose
+    key is the unsharded pipeline's)."""
+    return key + ((shard,) if shard else ())
+
+
 class _ShuffledEpochs(grain.MapDataset):
     """The parent repeated forever, each epoch in its own random order.
 
@@ -378,8 +384,7 @@ class _ShuffledEpochs(grain.MapDataset):
     def _epoch_order(self, epoch: int) -> np.ndarray:
         cached_epoch, order = self._order  # one read: another thread may replace it concurrently
         if cached_epoch != epoch:
-            key = (self._seed, epoch) + ((self._shard,) if self._shard else ())  # shard 0: as unsharded
-            order = np.random.default_rng(key).permutation(self._parent_length)
+            order = np.random.default_rng(_shard_key(self._shard, self._seed, epoch)).permutation(self._parent_length)
             self._order = (epoch, order)
         return order
 
@@ -415,8 +420,8 @@ class _WindowShuffleIterator(grain.DatasetIterator):
 
     def _fill(self) -> None:
         rows = [next(self._parent) for _ in range(self._size)]  # the stream is endless
-        key = (self._seed, self._index) + ((self._shard,) if self._shard else ())
-        self._window = [rows[i] for i in np.random.default_rng(key).permutation(len(rows))]
+        order = np.random.default_rng(_shard_key(self._shard, self._seed, self._index)).permutation(len(rows))
+        self._window = [rows[i] for i in order]
 
     def __next__(self):
         if self._pos == len(self._window):
