@@ -143,7 +143,8 @@ class _TwoProcesses:
         return 4
 
 
-# train's refusals: (overrides, plan's --hardware and --devices for the same devices in processes,
+# train's refusals: (overrides, plan's --hardware and --devices for the same devices in processes (two
+# TPU slices of 4 chips standing for two processes of 4 devices),
 # whether train runs them as 2 processes x 4 devices rather than one of 8)
 TRAIN_REFUSES = {
     "batch over data shards": (["model=tiny", "train.global_batch=3"], ["--hardware", "h100", "--devices", "8"], False),
@@ -153,12 +154,12 @@ TRAIN_REFUSES = {
     "dcn over one process": (["model=tiny", "mesh.dcn.tensor=2"], ["--hardware", "h100", "--devices", "8"], False),
     "cudnn off a GPU": (["model=tiny", "model.attention=cudnn"], ["--hardware", "cpu", "--devices", "8"], False),
     "tensor across nodes": (["model=tiny", "mesh.dcn.tensor=2", "mesh.tensor=1"],
-                            ["--hardware", "tpu-v5p", "--devices", "8"], True),
+                            ["--hardware", "tpu-v5p", "--devices", "8", "launch.slices=2"], True),
     "rows not one block": (["model=tiny", "mesh.data=2", "mesh.fsdp=2", "mesh.dcn.fsdp=-1"],
-                           ["--hardware", "tpu-v5p", "--devices", "8"], True),
+                           ["--hardware", "tpu-v5p", "--devices", "8", "launch.slices=2"], True),
     "dlrm batch over devices": (["task=dlrm", "dlrm=dlrm-v2-tiny", "train.global_batch=100"],
                                 ["--hardware", "h100", "--devices", "8"], False),
-    "batch over processes": (["model=tiny", "mesh.fsdp=1", "mesh.tensor=8"], ["--hardware", "tpu-v5p", "--devices", "8"],
+    "batch over processes": (["model=tiny", "mesh.fsdp=1", "mesh.tensor=8"], ["--hardware", "tpu-v5p", "--devices", "8", "launch.slices=2"],
                              True),
 }
 

@@ -207,16 +207,18 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         print(json.dumps([_recipe_json(r, p) for r, p in rows], indent=1))
         return 0
     table = Table(show_edge=False)
-    for col in ("recipe", "nodes", "devices", "mesh", "batch x seq", "memory per device", "of", "fits"):
-        table.add_column(col, justify="right" if col in ("nodes", "devices", "memory per device", "of") else "left",
+    for col in ("recipe", "nodes", "devices", "mesh", "batch x seq", "memory per device", "of", "fits", "step", "MFU"):
+        table.add_column(col, justify="left" if col in ("recipe", "mesh", "batch x seq", "fits") else "right",
                          no_wrap=True)
     for r, p in rows:
         mesh = " x ".join(f"{a} {n}" for a, n in r.mesh.items() if n > 1) or "1 device"
+        step = p.predict()  # the planner's prediction (docs/memory.md, "Held to published results")
         table.add_row(r.name, str(r.nodes), str(r.devices), mesh, f"{r.cfg.train.global_batch} x {r.cfg.train.seq_len}",
                       describe_bytes(p.memory.total), describe_bytes(p.device_memory) if p.device_memory else "?",
-                      {True: "yes", False: "NO", None: "?"}[p.fits])
+                      {True: "yes", False: "NO", None: "?"}[p.fits], "-" if step is None else f"{step:.2f} s",
+                      "-" if step is None else f"{100 * p.compute / step:.0f}%")
     console = Console()
-    console.width = max(console.width, 120)
+    console.width = max(console.width, 140)
     console.print(table)
     return 0
 

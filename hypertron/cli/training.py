@@ -32,6 +32,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     _add_hardware_flags(pl, "the accelerator: a name in the hardware table (default %(default)s; a name not in "
                         "it lists them)")
     add_json_flag(pl, "the plan")
+    se = pl.add_argument_group("searching (--search)")
+    se.add_argument("--search", action="store_true",
+                    help="rank the meshes (over the nodes or TPU slices too), remat policies and micro-batch counts "
+                         "that fit by predicted step time, and print the fastest (docs/memory.md)")
+    se.add_argument("--top", type=number_arg(int), default=5, metavar="N", help="how many to print (default %(default)s)")
+    se.add_argument("--published", action="store_true",
+                    help="the published results the step prediction is fitted on and held to, each beside its "
+                         "prediction (docs/memory.md)")
     sv = pl.add_argument_group("serving (--serve)")
     sv.add_argument("--serve", action="store_true",
                     help="plan one serving engine instead: weights and workspace per device, and the KV cache's "
@@ -132,8 +140,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from hypertron.models import plan as planner
 
+    if args.published:
+        from hypertron.models import published
+
+        compared = published.compare()
+        if args.json:
+            print(json.dumps([published.to_json(c) for c in compared], indent=1))
+        else:
+            console = Console()
+            console.width = max(console.width, 120)
+            console.print(published.render(compared))
+        return 0
     cfg = _config(args)
     if args.serve:
+        if args.search:
+            raise ConfigError("--search: plans a training run's meshes; not with --serve")
         return _plan_serving(cfg, args)
     given = [f for f, default in (("tensor", 1), ("expert", 1), ("quantize", "none"), ("kv_cache_dtype", "auto"))
              if getattr(args, f) != default]
@@ -144,12 +165,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg.task == "diffusion":  # the planner counts a decoder's parameters: it would plan the config's unused model
         raise ConfigError("task=diffusion: hypertron plan does not plan a diffusion denoiser yet (it plans "
                           "task=lm, sft, dpo and dlrm)")
+    if args.search:
+        return _plan_search(cfg, args)
     p = planner.plan(cfg, args.hardware, args.devices)
     if args.json:
         print(json.dumps(planner.to_json(p), indent=1))
     else:
         Console(soft_wrap=True).print(planner.render(p))
     return 0 if p.fits is not False else 1
+
+
+def _plan_search(cfg, args: argparse.Namespace) -> int:
+    """``hypertron plan --search``: the fastest meshes, remat policies and micro-batch counts that fit
+    (:mod:`hypertron.models.search`); exit 1 when none does."""
+    import json
+
+    from rich.console import Console
+
+    from hypertron.hardware import lookup
+    from hypertron.models import plan as planner
+    from hypertron.models import search
+
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top}: must be at least 1")
+    devices = args.devices or lookup(args.hardware).per_node
+    found, planned = search.search(cfg, args.hardware, devices, top=args.top)
+    if args.json:
+        print(json.dumps({"planned": planned, "found": [
+            {"overrides": list(c.overrides), "plan": planner.to_json(c.plan)} for c in found]}, indent=1))
+    else:
+        console = Console()
+        console.width = max(console.width, 160)
+        console.print(search.render(found, planned))
+    return 0 if found else 1
 
 
 def _plan_serving(cfg, args: argparse.Namespace) -> int:

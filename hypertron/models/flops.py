@@ -47,6 +47,33 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * forward_flops_per_token(cfg, seq_len)
 
 
+# The layers' forward matmuls each remat policy runs again in the backward, by group
+# (:func:`layer_flops`): ``full`` recomputes a layer's forward from its input; ``dots`` saves the
+# matmuls' outputs (only the elementwise work between them runs again); ``none`` saves everything.
+GROUPS = ("qkv", "out", "mlp_in", "mlp_out", "attention")
+RECOMPUTED: dict[str, tuple[str, ...]] = {"none": (), "dots": (), "full": GROUPS}
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """One layer's forward matmul FLOPs per token by group (:data:`GROUPS`); their sum over the
+    layers, plus the unembedding, is :func:`forward_flops_per_token`."""
+    d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    mlp_in, mlp_out = 2 * 2 * d * f, 2 * f * d
+    if cfg.moe is not None:
+        experts = cfg.moe.top_k + cfg.moe.shared_experts
+        mlp_in, mlp_out = mlp_in * experts + 2 * d * cfg.moe.num_experts, mlp_out * experts
+    attention = (forward_flops_per_token(cfg, seq_len) - dense_flops_per_token(cfg)) / cfg.num_layers
+    return {"qkv": 2 * d * (n + 2 * k) * h, "out": 2 * n * h * d, "mlp_in": mlp_in, "mlp_out": mlp_out,
+            "attention": attention}
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, groups: tuple[str, ...]) -> float:
+    """Matmul FLOPs a token costs again when the backward recomputes these groups of every layer
+    (the unembedding, outside the layers, never is). Not in MFU, which counts the model's FLOPs only."""
+    per_layer = layer_flops(cfg, seq_len)
+    return cfg.num_layers * sum(per_layer[g] for g in groups)
+
+
 def device_peak_flops(override: float = 0.0, device=None, fmt: str = "bf16") -> float | None:
     """Peak FLOP/s of ``device`` (default: the first device) in ``fmt`` ("bf16", "fp8" or
     "int8"), or ``override`` when set: the hardware table's (:mod:`hypertron.hardware`).

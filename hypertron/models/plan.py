@@ -19,8 +19,15 @@ From the config, a hardware entry (:mod:`hypertron.hardware`) and a device count
   - expert ``E``: the routed copies' all-to-all there and back, forward and backward:
     ``4 L b t top_k d c (E - 1) / E``;
 
-* **predicted step time**: between compute + communication (nothing overlaps) and the larger of
-  the two (everything overlaps), and the MFU that gives.
+* **bounds**: the step between compute + communication at peak rates (nothing overlaps) and the
+  larger of the two (everything overlaps);
+* **predicted step time**, MFU and tokens/s: the matmuls at the hardware's fitted share of its peak
+  (``Hardware.efficiency``), plus what the remat policy runs again, over ``1 - bubble``; each
+  axis's bytes at its link kind's fitted share of the bandwidth (``LINK_EFFICIENCY``); the
+  collectives of fsdp, data, context and stage hidden behind the compute as far as it lasts (XLA
+  runs them asynchronously beside the layers), those of tensor and expert not (the layer waits
+  for them). The factors are fitted on published results and checked against the others
+  (:mod:`hypertron.models.published`).
 """
 
 from __future__ import annotations
@@ -30,21 +37,34 @@ from typing import Any
 
 from hypertron.config import Config, ConfigError
 from hypertron.config.validation import check_devices
-from hypertron.models.flops import train_flops_per_token
-from hypertron.hardware import Hardware, host_memory_per_device, lookup
+from hypertron.models.flops import RECOMPUTED, recompute_flops_per_token, train_flops_per_token
+from hypertron.hardware import LINK_EFFICIENCY, Hardware, host_memory_per_device, lookup
 from hypertron.models.memory import DTYPE_BYTES, StepBytes, compute_dtype, param_dtype, step_bytes
 from hypertron.units import describe_bytes
 
-GPUS = ("h100", "h100-pcie", "h100-nvl", "h200", "a100")
+GPUS = ("h100", "dgx-h100", "h100-pcie", "h100-nvl", "h200", "a100")
+# Axes whose collectives the step waits for: expert's all-to-all (the experts need its tokens),
+# data's gradient all-reduce after the last backward. The rest overlap the compute: fsdp's and
+# context's gathers run ahead of their layers, and tensor's all-reduces are overlapped with the
+# matmuls around them in the published runs the prediction is held to (MaxText's async collective
+# fusion flags, Megatron's TP communication overlap).
+EXPOSED = ("expert", "data")
 
 
 @dataclass
 class Axis:
     name: str
     size: int
-    across: bool         # whether its collectives cross nodes
+    across: bool         # whether its collectives cross nodes (TPU: slices)
     bytes: float         # sent per device per step
-    seconds: float | None
+    seconds: float | None  # at the link's full bandwidth
+    link: str = "nvlink"   # the link kind (hardware.LINK_EFFICIENCY)
+
+    @property
+    def predicted(self) -> float | None:
+        """Seconds at the link kind's fitted share of its bandwidth (None when either is unknown)."""
+        share = LINK_EFFICIENCY.get(self.link)
+        return None if self.seconds is None or not share else self.seconds / share
 
 
 @dataclass
@@ -59,6 +79,9 @@ class Plan:
     axes: list[Axis] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bubble: float = 0.0  # the pipeline's idle share of a step, (stage - 1) / (pieces x repeats + stage - 1)
+    recompute: float = 1.0  # the step's matmul FLOPs over the model's (remat's recomputation)
+    format: str = "bf16"    # the peak the matmuls run at (bf16, fp8, int8)
+    tokens: int = 0         # per step, all devices
 
     @property
     def fits(self) -> bool | None:
@@ -75,13 +98,48 @@ class Plan:
         busy = self.compute / (1 - self.bubble)  # the stages' idle iterations added
         return max(busy, self.comm), busy + self.comm
 
+    def predict(self) -> float | None:
+        """The predicted step in seconds (module docstring), or None where a factor or figure is
+        missing (``notes`` says which)."""
+        share = self.hardware.achieved(self.format)
+        if self.compute is None or not share:
+            return None
+        times = {a.name: a.predicted for a in self.axes}
+        if any(t is None for t in times.values()):
+            return None
+        busy = self.compute * self.recompute / share / (1 - self.bubble)
+        hidden = sum(t for a, t in times.items() if a not in EXPOSED)
+        return max(busy, hidden) + sum(t for a, t in times.items() if a in EXPOSED)
 
-def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int | None = None) -> Plan:
+    def predicted_mfu(self) -> float | None:
+        step = self.predict()
+        return None if step is None else self.compute / step
+
+
+def tpu_slice_devices(cfg: Config, hw: Hardware, devices: int) -> int:
+    """A TPU's chips a slice, ``devices`` over ``launch.slices`` slices (the default 1: as few as
+    hold them, each at most the generation's largest)."""
+    slices = cfg.launch.slices if cfg.launch.slices > 1 else -(-devices // hw.slice_max)
+    if devices % slices:
+        raise ConfigError(f"--devices={devices}: does not split evenly over {slices} {hw.name} slices (launch.slices)")
+    if devices // slices > hw.slice_max:
+        raise ConfigError(f"launch.slices={slices}: {devices // slices} chips a slice, more than a {hw.name} slice "
+                          f"holds ({hw.slice_max})")
+    return devices // slices
+
+
+def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int | None = None,
+         recompute: tuple[str, ...] | None = None, checked: bool = True) -> Plan:
     """The plan of ``cfg`` on ``devices`` devices of ``hardware`` (default: one node's), in nodes
-    (processes) of ``per_node`` devices (default: the hardware's)."""
+    (processes) of ``per_node`` devices (default: the hardware's; for a TPU, the slice: every
+    device in one, up to the largest slice there is). ``recompute``: the groups of the layers'
+    forward matmuls the backward runs again (default: ``model.remat``'s, :data:`~hypertron.models.flops.RECOMPUTED`).
+    ``checked=False`` skips ``train``'s checks of the devices (a published run of another framework,
+    with what hypertron does not run yet)."""
     hw = lookup(hardware)
-    per_node = per_node or hw.per_node
-    devices = per_node if devices is None else devices
+    devices = (per_node or hw.per_node) if devices is None else devices
+    if per_node is None:
+        per_node = tpu_slice_devices(cfg, hw, devices) if hw.slice_max else hw.per_node
     if devices < 1:
         raise ConfigError(f"--devices={devices}: must be at least 1")
     nodes = -(-devices // per_node)
@@ -89,28 +147,44 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
         raise ConfigError(f"--devices={devices}: does not fill {nodes} nodes of {per_node} evenly")
     accelerator, gpu = hw.name != "cpu", hw.name in GPUS
     # train's own checks of its devices, on these (a process per node): a plan that fits is a run that starts
-    mesh = check_devices(cfg, devices, nodes, devices // nodes, "gpu" if gpu else hw.name.split("-")[0])
+    mesh = check_devices(cfg, devices, nodes, devices // nodes, "gpu" if gpu else hw.name.split("-")[0]) if checked \
+        else cfg.mesh.shape(devices, nodes)
     ici, dcn = cfg.mesh.split(devices, nodes)
-    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu, hopper=hw.name.startswith(("h100", "h200")))
+    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu, hopper=hw.name.startswith(("h100", "h200", "dgx-h100")))
     device_memory = hw.memory
     if device_memory is None and hw.name == "cpu":
         device_memory = host_memory_per_device(devices)
     m, t = cfg.model, cfg.train
     fmt = {"fp8": "fp8", "int8": "int8"}.get(m.quantization, "bf16")
     peak = hw.peak(fmt)
-    flops = train_flops_per_token(m, t.seq_len) * t.global_batch * t.seq_len
-    out = Plan(hw, devices, nodes, mesh, mem, device_memory, flops / devices / peak if peak else None)
+    per_token = train_flops_per_token(m, t.seq_len)
+    again = recompute_flops_per_token(m, t.seq_len, RECOMPUTED[m.remat] if recompute is None else recompute)
+    tokens = t.global_batch * t.seq_len
+    out = Plan(hw, devices, nodes, mesh, mem, device_memory, per_token * tokens / devices / peak if peak else None,
+               recompute=(per_token + again) / per_token, tokens=tokens, format=fmt)
     if peak is None:
         out.notes.append(f"{hw.name} has no {fmt} peak in the table: no compute time or MFU")
-
-    c = DTYPE_BYTES[compute_dtype(m, accelerator)]
-    p = DTYPE_BYTES[param_dtype(m, accelerator)]
-    params_per_device = mem.state.params / p  # elements
-    act = mem.micro_batch * t.seq_len * m.embed_dim * c * t.grad_accum
-    inner = 1
+    elif not hw.achieved(fmt):
+        out.notes.append(f"{hw.name}: no fitted {fmt} efficiency (docs/memory.md, \"Held to published results\"): "
+                         "bounds only, no predicted step")
     if mesh["stage"] > 1:
         pieces = t.pipeline_microbatches or mesh["stage"]
         out.bubble = (mesh["stage"] - 1) / (pieces * t.pipeline_repeats + mesh["stage"] - 1)
+    _communication(out, cfg, dcn, per_node, accelerator)
+    return out
+
+
+def _communication(out: Plan, cfg: Config, dcn: dict[str, int], per_node: int, accelerator: bool) -> None:
+    """Each mesh axis's bytes sent per device per step and their time (the module docstring)."""
+    m, t, mesh, mem, hw, nodes = cfg.model, cfg.train, out.mesh, out.memory, out.hardware, out.nodes
+    c = DTYPE_BYTES[compute_dtype(m, accelerator)]
+    p = DTYPE_BYTES[param_dtype(m, accelerator)]
+    params_per_device = mem.state.params / p  # elements
+    # A device's residual stream per step: its rows' tokens (a part of each row with context), and
+    # the layers it runs (its stage's).
+    act = mem.micro_batch * (t.seq_len // mesh["context"]) * m.embed_dim * c * t.grad_accum
+    layers = m.num_layers / mesh["stage"]
+    inner = 1
     for a in ("stage", "tensor", "context", "expert", "fsdp", "data"):  # fastest-varying first: inside-node axes
         size = mesh[a]
         if size == 1:
@@ -120,28 +194,30 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
         across = dcn[a] > 1 or (nodes > 1 and not cfg.mesh.dcn.hybrid and inner * size > per_node)
         inner *= size
         frac = (size - 1) / size
+        # Each micro-batch gathers the weights again and scatters its gradients (the accumulator
+        # is sharded as the parameters are).
+        weights = (2 * params_per_device * size * c + params_per_device * size * p) * t.grad_accum
         if a == "fsdp":
-            sent = (2 * params_per_device * size * c + params_per_device * size * p) * frac
+            sent = weights * frac
         elif a == "context":  # each layer's keys and values gathered, their gradients scattered back;
             # the weights gathered and their gradients scattered as over fsdp (embed is split over both)
             kv = mem.micro_batch * t.seq_len * m.num_kv_heads * m.head_dim * c * t.grad_accum
-            sent = (2 * m.num_layers * 2 * kv + 2 * params_per_device * size * c + params_per_device * size * p) * frac
+            sent = (2 * layers * 2 * kv + weights) * frac
         elif a == "data":
             sent = 2 * mem.state.grads * frac
         elif a == "stage":  # a piece's activations handed on each iteration, forward and backward
             pieces = t.pipeline_microbatches or size
             sent = 2 * (pieces * t.pipeline_repeats + size - 1) / pieces * act
         elif a == "tensor":
-            sent = 4 * m.num_layers * 2 * act * frac
+            sent = 4 * layers * 2 * act * frac
         else:
             top_k = m.moe.top_k if m.moe is not None else 1
-            sent = 4 * m.num_layers * act * top_k * frac
-        bandwidth = (hw.across / hw.per_node if hw.across else None) if across else hw.inside
-        out.axes.append(Axis(a, size, across, sent, sent / bandwidth if bandwidth else None))
+            sent = 4 * layers * act * top_k * frac
+        bandwidth = hw.across if across else hw.inside
+        link = hw.links[across]
+        out.axes.append(Axis(a, size, across, sent, sent / bandwidth if bandwidth else None, link))
         if bandwidth is None:
-            out.notes.append(f"{hw.name}: no {'across-node' if across else 'inside-node'} bandwidth in the "
-                             f"table: no time for the {a} axis")
-    return out
+            out.notes.append(f"{hw.name}: no {link} bandwidth in the table: no time for the {a} axis")
 
 
 def to_json(p: Plan) -> dict[str, Any]:
@@ -155,11 +231,20 @@ def to_json(p: Plan) -> dict[str, Any]:
                    "fits": p.fits},
         "compute_seconds": p.compute,
         "bubble": p.bubble,
-        "axes": [vars(a) for a in p.axes],
+        "axes": [{**vars(a), "predicted_seconds": a.predicted} for a in p.axes],
         "step_seconds": list(rng) if rng else None,
         "mfu": [p.compute / rng[1], p.compute / rng[0]] if rng else None,
+        "predicted": predicted_json(p),
         "notes": p.notes,
     }
+
+
+def predicted_json(p: Plan) -> dict[str, float] | None:
+    step = p.predict()
+    if step is None:
+        return None
+    return {"step_seconds": step, "mfu": p.compute / step, "tokens_per_second_per_device": p.tokens / step / p.devices,
+            "recompute": p.recompute}
 
 
 def render(p: Plan):
@@ -192,18 +277,24 @@ def render(p: Plan):
         parts.append(Text(f"pipeline bubble: {100 * p.bubble:.0f}% of a step idle (stages - 1 of pieces x repeats + stages - 1)"))
     if p.axes:
         comm = Table(title="communication per step (ring collectives)", title_justify="left", show_edge=False)
-        for col in ("axis", "size", "links", "sent per device", "time"):
-            comm.add_column(col, justify="right" if col in ("size", "sent per device", "time") else "left")
+        for col in ("axis", "size", "links", "sent per device", "at peak", "predicted"):
+            comm.add_column(col, justify="left" if col in ("axis", "links") else "right")
+        where = ("across slices (DCN)", "inside a slice (ICI)") if p.hardware.slice_max else ("across nodes", "inside a node")
         for a in p.axes:
-            comm.add_row(a.name, str(a.size), "across nodes" if a.across else "inside a node", describe_bytes(a.bytes),
-                         "-" if a.seconds is None else f"{1e3 * a.seconds:.1f} ms")
+            comm.add_row(a.name, str(a.size), f"{where[not a.across]}, {a.link}", describe_bytes(a.bytes),
+                         *("-" if x is None else f"{1e3 * x:.1f} ms" for x in (a.seconds, a.predicted)))
         parts.append(comm)
     rng = p.step_range()
     if rng:
         lo, hi = rng
-        parts.append(Text(f"predicted step: {1e3 * lo:.1f} ms (communication hidden) to {1e3 * hi:.1f} ms "
-                          f"(none hidden); MFU {100 * p.compute / hi:.0f}% to {100 * p.compute / lo:.0f}%",
-                          style="bold"))
+        parts.append(Text(f"bounds at peak rates: {1e3 * lo:.1f} ms (communication hidden) to {1e3 * hi:.1f} ms "
+                          f"(none hidden); MFU {100 * p.compute / hi:.0f}% to {100 * p.compute / lo:.0f}%"))
+    step = p.predict()
+    if step is not None:
+        parts.append(Text(f"predicted step: {1e3 * step:.1f} ms, MFU {100 * p.compute / step:.1f}%, "
+                          f"{p.tokens / step / p.devices:,.0f} tokens/s per device (fitted factors: "
+                          f"{p.hardware.name} matmuls at {100 * p.hardware.achieved(p.format):.0f}% of the {p.format} peak"
+                          f"{', recompute x%.2f' % p.recompute if p.recompute > 1 else ''})", style="bold"))
     for n in p.notes:
         parts.append(Text(n, style="dim"))
     return Group(*parts)

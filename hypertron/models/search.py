@@ -1,0 +1,141 @@
+"""``hypertron plan --search``: the meshes, remat policies and micro-batch counts a run could use,
+ranked by the planner's predicted step (:func:`hypertron.models.plan.plan`).
+
+The run's model, global batch and sequence stay as given; what varies:
+
+* the **mesh**: every way of writing the devices of one fast-link domain (a node's GPUs, a TPU
+  slice's chips) as data x fsdp x context x tensor x stage (x expert for an MoE), and the domains
+  (nodes, slices) as data x fsdp x stage over the network (``mesh.dcn``); tensor, context and
+  expert stay inside a domain, where their per-layer collectives belong;
+* ``model.remat``: none, dots, full;
+* ``train.grad_accum``: 1, 2, 4, ... up to the rows a device has; with stages,
+  ``train.pipeline_microbatches``: 1, 2 and 4 pieces per stage.
+
+Each candidate is planned exactly as ``hypertron plan`` plans it: what ``train`` would refuse is
+skipped, and so is what does not fit the device's memory. The rest are ranked by predicted step
+time (the fastest first); a candidate with no prediction (a hardware or link without a fitted
+factor) is not ranked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from hypertron.config import Config, ConfigError
+from hypertron.config.schema import DcnConfig
+from hypertron.hardware import lookup
+from hypertron.models.plan import EXPOSED, Plan, plan, tpu_slice_devices
+
+REMATS = ("none", "dots", "full")
+INSIDE_ONLY = ("tensor", "context", "expert")  # never split across domains
+
+
+@dataclass
+class Candidate:
+    overrides: tuple[str, ...]  # key=value settings that make the run this candidate
+    plan: Plan
+    step: float                 # predicted seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.plan.compute / self.step
+
+
+def splits(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+    """Every way of writing ``n`` as a product of one factor per axis, in order."""
+    if not axes:
+        return [{}] if n == 1 else []
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out.extend({axes[0]: d, **rest} for rest in splits(n // d, axes[1:]))
+    return out
+
+
+def _settings(ici: dict[str, int], dcn: dict[str, int]) -> tuple[str, ...]:
+    out = [f"mesh.{a}={ici.get(a, 1)}" for a in ("data", "fsdp", "expert", "context", "tensor", "stage")]
+    out += [f"mesh.dcn.{a}={n}" for a, n in dcn.items() if n > 1]
+    return tuple(out)
+
+
+def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None, top: int = 5,
+           ) -> tuple[list[Candidate], int]:
+    """The ``top`` fastest candidates that fit, and how many were planned (module docstring)."""
+    hw = lookup(hardware)
+    domain = per_node or (tpu_slice_devices(cfg, hw, devices) if hw.slice_max else hw.per_node)
+    domain = min(domain, devices)
+    if devices % domain:
+        raise ConfigError(f"--devices={devices}: does not fill domains of {domain} devices evenly")
+    domains = devices // domain
+    axes = ("data", "fsdp", "context", "tensor", "stage") + (("expert",) if cfg.model.moe is not None else ())
+    across = tuple(a for a in axes if a not in INSIDE_ONLY)
+    found: list[Candidate] = []
+    planned = 0
+    for dcn in splits(domains, across):
+        for ici in splits(domain, axes):
+            mesh = replace(cfg.mesh, **{a: ici.get(a, 1) for a in cfg.mesh.AXES},
+                           dcn=DcnConfig(**{a: dcn.get(a, 1) for a in cfg.mesh.AXES}) if domains > 1 else DcnConfig())
+            for remat in REMATS:
+                base = replace(cfg, mesh=mesh, model=replace(cfg.model, remat=remat),
+                               train=replace(cfg.train, grad_accum=1))
+                for run, extra in _batch_splits(base, ici.get("stage", 1) * dcn.get("stage", 1)):
+                    try:
+                        p = plan(run, hardware, devices, domain)
+                    except ConfigError:
+                        continue
+                    planned += 1
+                    step = p.predict()
+                    if p.fits is False or step is None:
+                        continue
+                    found.append(Candidate(_settings(ici, dcn) + (f"model.remat={remat}",) + extra, p, step))
+    # Ties (the compute hides every collective) go to the least communication, then the least memory.
+    found.sort(key=lambda c: (round(c.step, 6), sum(a.bytes for a in c.plan.axes), c.plan.memory.total))
+    return found[:top], planned
+
+
+def _batch_splits(cfg: Config, stages: int):
+    """(config, its settings) for each micro-batch count: ``grad_accum`` a power of 2 dividing the
+    global batch; with stages, 1, 2 and 4 pieces a stage instead (the pipeline splits the batch)."""
+    batch = cfg.train.global_batch
+    if stages > 1:
+        for per in (1, 2, 4):
+            pieces = per * stages
+            if batch % pieces == 0:
+                yield (replace(cfg, train=replace(cfg.train, pipeline_microbatches=pieces)),
+                       (f"train.pipeline_microbatches={pieces}",))
+        return
+    for k in range(int(math.log2(batch)) + 1):
+        accum = 2 ** k
+        if batch % accum:
+            break
+        yield replace(cfg, train=replace(cfg.train, grad_accum=accum)), (f"train.grad_accum={accum}",)
+
+
+def render(found: list[Candidate], planned: int, baseline: Candidate | None = None):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"the fastest that fit, of {planned} planned (predicted; docs/memory.md)",
+                  title_justify="left", show_edge=False)
+    for col in ("#", "mesh", "remat", "micro-batches", "memory", "step", "MFU", "tokens/s/device",
+                "compute", "hidden comm", "exposed comm"):
+        table.add_column(col, justify="left" if col in ("mesh", "remat") else "right")
+    for i, c in enumerate(found, 1):
+        p = c.plan
+        busy = p.compute * p.recompute / p.hardware.achieved(p.format) / (1 - p.bubble)
+        hidden = sum(a.predicted for a in p.axes if a.name not in EXPOSED)
+        exposed = sum(a.predicted for a in p.axes if a.name in EXPOSED)
+        mesh = " x ".join(f"{a} {n}" for a, n in p.mesh.items() if n > 1) or "one device"
+        settings = dict(s.split("=", 1) for s in c.overrides)
+        micro = settings.get("train.pipeline_microbatches", settings.get("train.grad_accum", "1"))
+        table.add_row(str(i), mesh, settings["model.remat"], micro, f"{p.memory.total / 2**30:.1f} GiB",
+                      f"{1e3 * c.step:.0f} ms", f"{100 * c.mfu:.1f}%", f"{p.tokens / c.step / p.devices:,.0f}",
+                      f"{1e3 * busy:.0f} ms", f"{1e3 * hidden:.0f} ms", f"{1e3 * exposed:.0f} ms")
+    parts: list = [table]
+    if found:
+        parts.append(Text("the first: " + " ".join(found[0].overrides)))
+    else:
+        parts.append(Text("nothing fits with a prediction: see hypertron plan's notes for one mesh", style="bold red"))
+    return Group(*parts)
