@@ -143,8 +143,9 @@ class _TwoProcesses:
         return 4
 
 
-# train's refusals: (overrides, plan's --hardware and --devices for the same devices in processes (two
-# TPU slices of 4 chips standing for two processes of 4 devices),
+# train's refusals: (overrides, plan's --hardware and --devices for the same devices in processes (8
+# v5p chips are 2 VMs of 4; launch.slices=2 makes each its own slice, what the dcn axes span, as
+# train's granule is each of its 2 processes),
 # whether train runs them as 2 processes x 4 devices rather than one of 8)
 TRAIN_REFUSES = {
     "batch over data shards": (["model=tiny", "train.global_batch=3"], ["--hardware", "h100", "--devices", "8"], False),
@@ -159,7 +160,7 @@ TRAIN_REFUSES = {
                            ["--hardware", "tpu-v5p", "--devices", "8", "launch.slices=2"], True),
     "dlrm batch over devices": (["task=dlrm", "dlrm=dlrm-v2-tiny", "train.global_batch=100"],
                                 ["--hardware", "h100", "--devices", "8"], False),
-    "batch over processes": (["model=tiny", "mesh.fsdp=1", "mesh.tensor=8"], ["--hardware", "tpu-v5p", "--devices", "8", "launch.slices=2"],
+    "batch over processes": (["model=tiny", "mesh.fsdp=1", "mesh.tensor=8"], ["--hardware", "tpu-v5p", "--devices", "8"],
                              True),
 }
 

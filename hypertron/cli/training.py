@@ -143,6 +143,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.published:
         from hypertron.models import published
 
+        if args.serve or args.search or args.overrides:
+            raise ConfigError("--published: lists the published runs the prediction is held to; it takes no "
+                              "config, --serve or --search")
+
         compared = published.compare()
         if args.json:
             print(json.dumps([published.to_json(c) for c in compared], indent=1))
@@ -161,6 +165,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{flag(given[0])}: only with --serve (a training plan's split is mesh.tensor=N, mesh.expert=N)")
     if cfg.task == "dlrm":
+        if args.search:
+            raise ConfigError("--search: ranks a decoder's meshes; task=dlrm's tables are placed by the embedding "
+                              "planner (hypertron plan task=dlrm without --search)")
         return _plan_dlrm(cfg, args)
     if cfg.task == "diffusion":  # the planner counts a decoder's parameters: it would plan the config's unused model
         raise ConfigError("task=diffusion: hypertron plan does not plan a diffusion denoiser yet (it plans "
@@ -188,7 +195,7 @@ def _plan_search(cfg, args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise ConfigError(f"--top={args.top}: must be at least 1")
-    devices = args.devices or lookup(args.hardware).per_node
+    devices = lookup(args.hardware).per_node if args.devices is None else args.devices
     found, planned = search.search(cfg, args.hardware, devices, top=args.top)
     if args.json:
         print(json.dumps({"planned": planned, "found": [

@@ -26,7 +26,7 @@ from hypertron.errors import ConfigError
 # Choices
 
 Activation = Literal["silu", "gelu"]  # silu -> SwiGLU, gelu -> GeGLU (tanh approximation)
-Attention = Literal["auto", "cudnn", "xla", "plain"]
+Attention = Literal["auto", "cudnn", "splash", "xla", "plain"]
 Remat = Literal["none", "full", "dots"]
 # No float16: training it needs loss scaling, which hypertron does not do.
 Dtype = Literal["auto", "float32", "bfloat16"]

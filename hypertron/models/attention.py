@@ -1,8 +1,9 @@
 """Attention over one sequence of queries: the training path and the reference.
 
 :func:`self_attention` is what training runs: cuDNN flash
-attention on NVIDIA GPUs through ``jax.nn.dot_product_attention``, XLA's otherwise, or the
-explicit-mask :func:`plain_attention`. :func:`attention_mask` is the one definition of who
+attention on NVIDIA GPUs through ``jax.nn.dot_product_attention``, the splash kernel on TPUs
+(:mod:`hypertron.kernels.splash`, in ``shard_map`` over the batch and heads the rules split),
+XLA's otherwise, or the explicit-mask :func:`plain_attention`. :func:`attention_mask` is the one definition of who
 may attend to whom (causal, same document, inside the sliding window). The caches of
 :mod:`hypertron.models.kv_cache` attend with these.
 
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import causal_window_mask
+from hypertron.kernels.splash import splash_attention, splash_takes
 from hypertron.parallel.rules import active_rules, mesh_axes, spec_for
 
 
@@ -94,11 +96,26 @@ def _cudnn_here(head_dim: int, dtype, seq_len: int) -> bool:
             and cudnn_takes(head_dim, dtype, seq_len, is_hopper(device)))
 
 
+def flash_on(cfg: ModelConfig, platform: str, dtype, seq_len: int, hopper: bool = True) -> bool:
+    """Whether ``cfg``'s attention keeps no ``t x t`` scores on ``platform`` (gpu, tpu, cpu): cuDNN's
+    where it takes the shape, splash where it does (:func:`attention_impl`'s rule; the memory
+    model plans with it)."""
+    if cfg.attention in ("cudnn", "splash"):
+        return True
+    if cfg.attention != "auto":
+        return False
+    if platform == "gpu":
+        return cudnn_supported(cfg, dtype, seq_len, hopper)
+    return platform == "tpu" and splash_takes(cfg.head_dim, seq_len)
+
+
 def attention_impl(cfg: ModelConfig, dtype, seq_len: int) -> str:
     """``auto``: cuDNN flash attention on NVIDIA GPUs where cuDNN takes the shape
-    (:func:`cudnn_supported`), else XLA."""
+    (:func:`cudnn_supported`), the splash kernel on TPUs where it takes it, else XLA."""
     if cfg.attention != "auto":
         return cfg.attention
+    if jax.default_backend() == "tpu" and splash_takes(cfg.head_dim, seq_len):
+        return "splash"
     return "cudnn" if _cudnn_here(cfg.head_dim, dtype, seq_len) else "xla"
 
 
@@ -193,6 +210,8 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
     if impl == "plain":
         mask = attention_mask(positions_bt, positions_bt, cfg, segment_ids_bt, segment_ids_bt)
         return plain_attention(q_btnh, k_btkh, v_btkh, mask)
+    if impl == "splash":
+        return _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, cfg, active)
     mask = None
     if segment_ids_bt is not None:
         mask = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
@@ -203,13 +222,10 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
     )
 
 
-def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig, impl: str,
-                      mesh, rules):
-    """:func:`self_attention` of rows whose tokens the rules split over mesh axes (``seq``:
-    ``context``): in ``shard_map``, this device's queries against the row's keys and values,
-    gathered (see the module docstring). Heads stay split over ``tensor`` as the rules say; where
-    they split the query heads but not the fewer KV heads, each query head gets its KV head's
-    copy first, so that a device's query heads meet their own KV heads."""
+def _head_specs(q_btnh, k_btkh, v_btkh, mesh, rules):
+    """The specs of queries and keys/values as the rules split them, and the keys and values to
+    use: where the rules split the query heads but not the fewer KV heads, each query head gets
+    its KV head's copy, so that a device's query heads meet their own KV heads."""
     q_spec = spec_for(("batch", "seq", "act_heads", None), rules, mesh, q_btnh.shape)
     kv_spec = spec_for(("batch", "seq", "act_kv_heads", None), rules, mesh, k_btkh.shape)
     if q_spec[2] is None:
@@ -218,7 +234,37 @@ def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg:
         group = q_btnh.shape[2] // k_btkh.shape[2]
         k_btkh, v_btkh = jnp.repeat(k_btkh, group, axis=2), jnp.repeat(v_btkh, group, axis=2)
         kv_spec = q_spec
+    return q_spec, kv_spec, k_btkh, v_btkh
+
+
+def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, cfg: ModelConfig, active):
+    """:func:`splash_attention` of whole rows; under sharding rules, in ``shard_map`` over the
+    batch and heads they split (a Pallas kernel is not partitioned by XLA)."""
+    if active is None:
+        return splash_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, cfg.sliding_window)
+    mesh, rules = active
+    q_spec, kv_spec, k_btkh, v_btkh = _head_specs(q_btnh, k_btkh, v_btkh, mesh, rules)
+    args = (q_btnh, k_btkh, v_btkh) + (() if segment_ids_bt is None else (segment_ids_bt,))
+    specs = (q_spec, kv_spec, kv_spec, P(*q_spec[:2]))[:len(args)]
+
+    def local(q, k, v, seg=None):
+        return splash_attention(q, k, v, seg, cfg.sliding_window)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig, impl: str,
+                      mesh, rules):
+    """:func:`self_attention` of rows whose tokens the rules split over mesh axes (``seq``:
+    ``context``): in ``shard_map``, this device's queries against the row's keys and values,
+    gathered (see the module docstring). Heads stay split over ``tensor`` as the rules say; where
+    they split the query heads but not the fewer KV heads, each query head gets its KV head's
+    copy first, so that a device's query heads meet their own KV heads. The splash kernel masks by
+    token index, not position, so a split row's attention is XLA's (scores held, as the memory
+    model plans)."""
+    q_spec, kv_spec, k_btkh, v_btkh = _head_specs(q_btnh, k_btkh, v_btkh, mesh, rules)
     seq, row_spec = mesh_axes(q_spec[1]), P(*q_spec[:2])
+    impl = "xla" if impl == "splash" else impl
 
     def local(q, k, v, pos, seg=None):
         gather = partial(lax.all_gather, axis_name=seq, axis=1, tiled=True)

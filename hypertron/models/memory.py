@@ -29,7 +29,7 @@ import numpy as np
 
 from hypertron.config import Config, ModelConfig, dtype_on
 from hypertron.models import params as param_lib
-from hypertron.models.attention import cudnn_supported
+from hypertron.models.attention import flash_on
 from hypertron.models.decoder import declare
 from hypertron.models.kv_pages import bytes_per_token
 from hypertron.parallel.rules import DEFAULT_RULES, mesh_axes, spec_for
@@ -193,20 +193,20 @@ class StepBytes:
         return self.state.total + self.activations
 
 
-def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool, seq_len: int, hopper: bool = True) -> bool:
+def flash_attention(model: ModelConfig, compute_dtype: str, gpu: bool, seq_len: int, hopper: bool = True,
+                    tpu: bool = False) -> bool:
     """Whether the step's attention keeps no t x t scores: cuDNN's flash kernel, which ``auto``
-    picks on NVIDIA GPUs where cuDNN takes the shape (the same rule:
-    :func:`hypertron.models.attention.cudnn_supported`)."""
-    if model.attention == "cudnn":
-        return True
-    return model.attention == "auto" and gpu and cudnn_supported(model, compute_dtype, seq_len, hopper)
+    picks on NVIDIA GPUs where cuDNN takes the shape, or the splash kernel, which it picks on TPUs
+    where that takes it (the same rule: :func:`hypertron.models.attention.flash_on`)."""
+    return flash_on(model, "gpu" if gpu else "tpu" if tpu else "cpu", compute_dtype, seq_len, hopper)
 
 
 def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = False, gpu: bool = False,
-               rules: dict = DEFAULT_RULES, hopper: bool = True) -> StepBytes:
+               rules: dict = DEFAULT_RULES, hopper: bool = True, tpu: bool = False) -> StepBytes:
     """The state per device (exact) and the activations of a training step (an estimate, see the
     coefficients above; XLA counts the gradients among its temporaries too). ``hopper``: the GPU
-    is a Hopper or later (cuDNN's flash attention takes head dims up to 256 there)."""
+    is a Hopper or later (cuDNN's flash attention takes head dims up to 256 there); ``tpu``: the
+    devices are TPUs (the splash kernel)."""
     m, tr = cfg.model, cfg.train
     state = state_bytes(cfg, mesh_shape, accelerator, rules)
     compute = compute_dtype(m, accelerator)
@@ -218,7 +218,9 @@ def step_bytes(cfg: Config, mesh_shape: dict[str, int], accelerator: bool = Fals
         (m.mlp_dim, "act_mlp"), (m.vocab_size, "act_vocab"), (t, "seq")))
     if m.moe is not None:  # the routed copies go through top_k experts' MLPs (and shared ones)
         f = f * (m.moe.top_k + m.moe.shared_experts)
-    flash = flash_attention(m, compute, gpu, t, hopper)
+    flash = flash_attention(m, compute, gpu, t, hopper, tpu)
+    if flash and not gpu and s != t:  # a row split over context: its attention is XLA's, not splash
+        flash = False
     # s: this device's tokens of a row (all of them unless mesh.context splits the rows); its
     # queries score every key, and with context its layer holds the row's keys and values gathered.
     terms = {"S": b * n * s * (1 if flash else t) * 4, "A": b * s * m.embed_dim * c, "M": b * s * f * c,

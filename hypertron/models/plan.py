@@ -24,9 +24,9 @@ From the config, a hardware entry (:mod:`hypertron.hardware`) and a device count
 * **predicted step time**, MFU and tokens/s: the matmuls at the hardware's fitted share of its peak
   (``Hardware.efficiency``), plus what the remat policy runs again, over ``1 - bubble``; each
   axis's bytes at its link kind's fitted share of the bandwidth (``LINK_EFFICIENCY``); the
-  collectives of fsdp, data, context and stage hidden behind the compute as far as it lasts (XLA
-  runs them asynchronously beside the layers), those of tensor and expert not (the layer waits
-  for them). The factors are fitted on published results and checked against the others
+  collectives of fsdp, context, stage and tensor hidden behind the compute as far as it lasts,
+  those of data (after the last backward) and expert (the layer waits for its tokens) not
+  (:data:`EXPOSED`). The factors are fitted on published results and checked against the others
   (:mod:`hypertron.models.published`).
 """
 
@@ -119,6 +119,8 @@ class Plan:
 def tpu_slice_devices(cfg: Config, hw: Hardware, devices: int) -> int:
     """A TPU's chips a slice, ``devices`` over ``launch.slices`` slices (the default 1: as few as
     hold them, each at most the generation's largest)."""
+    if devices < 1:
+        raise ConfigError(f"--devices={devices}: must be at least 1")
     slices = cfg.launch.slices if cfg.launch.slices > 1 else -(-devices // hw.slice_max)
     if devices % slices:
         raise ConfigError(f"--devices={devices}: does not split evenly over {slices} {hw.name} slices (launch.slices)")
@@ -138,19 +140,22 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     with what hypertron does not run yet)."""
     hw = lookup(hardware)
     devices = (per_node or hw.per_node) if devices is None else devices
-    if per_node is None:
-        per_node = tpu_slice_devices(cfg, hw, devices) if hw.slice_max else hw.per_node
     if devices < 1:
         raise ConfigError(f"--devices={devices}: must be at least 1")
-    nodes = -(-devices // per_node)
+    if per_node is None:
+        per_node = tpu_slice_devices(cfg, hw, devices) if hw.slice_max else hw.per_node
+    nodes = -(-devices // per_node)  # the fast-link domains: nodes, or TPU slices
     if devices % nodes:
         raise ConfigError(f"--devices={devices}: does not fill {nodes} nodes of {per_node} evenly")
     accelerator, gpu = hw.name != "cpu", hw.name in GPUS
-    # train's own checks of its devices, on these (a process per node): a plan that fits is a run that starts
-    mesh = check_devices(cfg, devices, nodes, devices // nodes, "gpu" if gpu else hw.name.split("-")[0]) if checked \
-        else cfg.mesh.shape(devices, nodes)
+    # train's own checks of its devices, on these: a plan that fits is a run that starts. A process
+    # per node; on a TPU, per VM (hw.per_node chips), the slices being what the dcn axes span.
+    processes, granules = (max(1, devices // hw.per_node), nodes) if hw.slice_max else (nodes, None)
+    mesh = check_devices(cfg, devices, processes, devices // processes, "gpu" if gpu else hw.name.split("-")[0],
+                         granules) if checked else cfg.mesh.shape(devices, nodes)
     ici, dcn = cfg.mesh.split(devices, nodes)
-    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu, hopper=hw.name.startswith(("h100", "h200", "dgx-h100")))
+    mem = step_bytes(cfg, mesh, accelerator=accelerator, gpu=gpu, hopper=hw.name.startswith(("h100", "h200", "dgx-h100")),
+                     tpu=bool(hw.slice_max))
     device_memory = hw.memory
     if device_memory is None and hw.name == "cpu":
         device_memory = host_memory_per_device(devices)

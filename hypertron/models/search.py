@@ -8,18 +8,18 @@ The run's model, global batch and sequence stay as given; what varies:
   (nodes, slices) as data x fsdp x stage over the network (``mesh.dcn``); tensor, context and
   expert stay inside a domain, where their per-layer collectives belong;
 * ``model.remat``: none, dots, full;
-* ``train.grad_accum``: 1, 2, 4, ... up to the rows a device has; with stages,
-  ``train.pipeline_microbatches``: 1, 2 and 4 pieces per stage.
+* ``train.grad_accum``: every divisor of the global batch that leaves each data shard rows; with stages,
+  ``train.pipeline_microbatches``: the stages times 1, 2, 4, ... up to the rows.
 
 Each candidate is planned exactly as ``hypertron plan`` plans it: what ``train`` would refuse is
 skipped, and so is what does not fit the device's memory. The rest are ranked by predicted step
-time (the fastest first); a candidate with no prediction (a hardware or link without a fitted
-factor) is not ranked.
+time (the fastest first). Hardware without a fitted efficiency is refused in one line; a
+candidate over a link with no bandwidth in the table is not ranked (and when no candidate has a
+prediction, the search says why).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from hypertron.config import Config, ConfigError
@@ -63,6 +63,13 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
            ) -> tuple[list[Candidate], int]:
     """The ``top`` fastest candidates that fit, and how many were planned (module docstring)."""
     hw = lookup(hardware)
+    if devices < 1:
+        raise ConfigError(f"--devices={devices}: must be at least 1")
+    fmt = {"fp8": "fp8", "int8": "int8"}.get(cfg.model.quantization, "bf16")
+    if not hw.achieved(fmt):
+        raise ConfigError(f"--hardware={hardware}: no fitted {fmt} efficiency, so no predicted step to rank by "
+                          "(docs/memory.md, \"Held to published results\"); hypertron plan without --search gives "
+                          "one mesh's memory and bounds")
     domain = per_node or (tpu_slice_devices(cfg, hw, devices) if hw.slice_max else hw.per_node)
     domain = min(domain, devices)
     if devices % domain:
@@ -71,7 +78,7 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
     axes = ("data", "fsdp", "context", "tensor", "stage") + (("expert",) if cfg.model.moe is not None else ())
     across = tuple(a for a in axes if a not in INSIDE_ONLY)
     found: list[Candidate] = []
-    planned = 0
+    planned = unpredicted = 0
     for dcn in splits(domains, across):
         for ici in splits(domain, axes):
             mesh = replace(cfg.mesh, **{a: ici.get(a, 1) for a in cfg.mesh.AXES},
@@ -86,30 +93,37 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
                         continue
                     planned += 1
                     step = p.predict()
-                    if p.fits is False or step is None:
+                    if p.fits is False:
+                        continue
+                    if step is None:  # a link without a bandwidth or factor (the plan's notes say which)
+                        unpredicted += 1
                         continue
                     found.append(Candidate(_settings(ici, dcn) + (f"model.remat={remat}",) + extra, p, step))
     # Ties (the compute hides every collective) go to the least communication, then the least memory.
     found.sort(key=lambda c: (round(c.step, 6), sum(a.bytes for a in c.plan.axes), c.plan.memory.total))
+    if not found and unpredicted:
+        raise ConfigError(f"{unpredicted} of the {planned} candidates fit but none has a predicted step: "
+                          f"{hardware} has no bandwidth or fitted factor for a link they use (hypertron plan with "
+                          "one of them names it)")
     return found[:top], planned
 
 
 def _batch_splits(cfg: Config, stages: int):
-    """(config, its settings) for each micro-batch count: ``grad_accum`` a power of 2 dividing the
-    global batch; with stages, 1, 2 and 4 pieces a stage instead (the pipeline splits the batch)."""
+    """(config, its settings) for each micro-batch count: ``grad_accum`` any divisor of the global
+    batch (the checks refuse what leaves a data shard no row); with stages, pieces instead (the pipeline splits the batch): the stage count
+    times a power of 2, up to the batch (the checks refuse what a data shard's rows cannot give)."""
     batch = cfg.train.global_batch
     if stages > 1:
-        for per in (1, 2, 4):
-            pieces = per * stages
+        pieces = stages
+        while pieces <= batch:
             if batch % pieces == 0:
                 yield (replace(cfg, train=replace(cfg.train, pipeline_microbatches=pieces)),
                        (f"train.pipeline_microbatches={pieces}",))
+            pieces *= 2
         return
-    for k in range(int(math.log2(batch)) + 1):
-        accum = 2 ** k
-        if batch % accum:
-            break
-        yield replace(cfg, train=replace(cfg.train, grad_accum=accum)), (f"train.grad_accum={accum}",)
+    for accum in range(1, batch + 1):
+        if batch % accum == 0:
+            yield replace(cfg, train=replace(cfg.train, grad_accum=accum)), (f"train.grad_accum={accum}",)
 
 
 def render(found: list[Candidate], planned: int, baseline: Candidate | None = None):
@@ -137,5 +151,6 @@ def render(found: list[Candidate], planned: int, baseline: Candidate | None = No
     if found:
         parts.append(Text("the first: " + " ".join(found[0].overrides)))
     else:
-        parts.append(Text("nothing fits with a prediction: see hypertron plan's notes for one mesh", style="bold red"))
+        parts.append(Text("nothing fits: fewer rows per device (train.global_batch), a shorter train.seq_len or "
+                          "more devices", style="bold red"))
     return Group(*parts)

@@ -44,7 +44,7 @@ def check_memory(cfg: Config, shape: dict[str, int], device) -> None:
     if limit is None:
         return
     need = step_bytes(cfg, shape, accelerator=device.platform != "cpu", gpu=device.platform == "gpu",
-                      hopper=is_hopper(device))
+                      hopper=is_hopper(device), tpu=device.platform == "tpu")
     if need.total <= limit:
         return
     s = need.state
