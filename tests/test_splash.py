@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hypertron.config import load_config
-from hypertron.kernels.splash import splash_attention, splash_takes
+from hypertron.kernels.splash import block_for, splash_attention, splash_takes
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.task import task_for
 
@@ -35,6 +35,9 @@ def test_splash_equals_xla_attention_on_packed_rows_forward_and_backward(heads, 
         return splash_attention(q, k, v, seg, window)
 
     np.testing.assert_allclose(jax.jit(splash)(q, k, v), xla(q, k, v), atol=1e-5)
+    # Rows of one document (no segment ids): causal alone.
+    np.testing.assert_allclose(splash_attention(q, k, v, None, window),
+                               jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local), atol=1e-5)
     grads = [jax.jit(jax.grad(lambda *x, f=f: (f(*x) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v) for f in (splash, xla)]
     for got, want in zip(*grads):
         np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
@@ -73,6 +76,7 @@ def test_the_memory_model_plans_splash_on_tpus_only_where_it_takes_the_shape(cap
     from hypertron import cli
 
     assert splash_takes(128, 8192) and not splash_takes(64, 8192) and not splash_takes(128, 8000)
+    assert (block_for(8192), block_for(768), block_for(640), block_for(100)) == (512, 256, 128, None)
     args = ["plan", "--hardware", "tpu-v6e", "--devices", "256", "model=llama3.1-70b", "train.seq_len=8192",
             "train.global_batch=256", "--json"]
     import json
@@ -86,3 +90,7 @@ def test_the_memory_model_plans_splash_on_tpus_only_where_it_takes_the_shape(cap
     capsys.readouterr()
     assert cli.main(["plan", "--hardware", "h100", "--devices", "8", "model=tiny", "model.attention=splash"]) == 2
     assert "model.attention=splash is the TPU's kernel" in capsys.readouterr().err
+    assert cli.main(["plan", "--hardware", "tpu-v5e", "--devices", "4", "model=tiny", "model.attention=splash",
+                     "train.seq_len=100"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "train.seq_len=100 is no whole number of the kernel's blocks" in err

@@ -471,9 +471,13 @@ def check_devices(cfg: Config, num_devices: int, processes: int, local_devices: 
     only on NVIDIA GPUs, then :func:`check_mesh`. ``platform`` is JAX's name (gpu, tpu, cpu)."""
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU; this backend is {platform}")
-    if cfg.model.attention == "splash" and platform == "gpu":
-        raise ConfigError("model.attention=splash is the TPU's kernel (a CPU runs it interpreted, for tests); "
-                          "on a GPU, model.attention=cudnn or auto")
+    if cfg.model.attention == "splash":
+        if platform == "gpu":
+            raise ConfigError("model.attention=splash is the TPU's kernel (a CPU runs it interpreted, for tests); "
+                              "on a GPU, model.attention=cudnn or auto")
+        if cfg.train.seq_len % 128:
+            raise ConfigError(f"model.attention=splash: train.seq_len={cfg.train.seq_len} is no whole number of the "
+                              "kernel's blocks (a multiple of 128)")
     return check_mesh(cfg, num_devices, processes, local_devices, granules)
 
 

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.config import ModelConfig
 from hypertron.kernels.ragged_attention import causal_window_mask
-from hypertron.kernels.splash import splash_attention, splash_takes
+from hypertron.kernels.splash import block_for, splash_attention, splash_takes
 from hypertron.parallel.rules import active_rules, mesh_axes, spec_for
 
 
@@ -100,8 +100,10 @@ def flash_on(cfg: ModelConfig, platform: str, dtype, seq_len: int, hopper: bool 
     """Whether ``cfg``'s attention keeps no ``t x t`` scores on ``platform`` (gpu, tpu, cpu): cuDNN's
     where it takes the shape, splash where it does (:func:`attention_impl`'s rule; the memory
     model plans with it)."""
-    if cfg.attention in ("cudnn", "splash"):
+    if cfg.attention == "cudnn":
         return True
+    if cfg.attention == "splash":  # any head dim (interpreted, or a TPU's choice to make); whole blocks
+        return block_for(seq_len) is not None
     if cfg.attention != "auto":
         return False
     if platform == "gpu":

@@ -150,7 +150,10 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     accelerator, gpu = hw.name != "cpu", hw.name in GPUS
     # train's own checks of its devices, on these: a plan that fits is a run that starts. A process
     # per node; on a TPU, per VM (hw.per_node chips), the slices being what the dcn axes span.
-    processes, granules = (max(1, devices // hw.per_node), nodes) if hw.slice_max else (nodes, None)
+    if hw.slice_max and per_node > hw.per_node and per_node % hw.per_node:
+        raise ConfigError(f"--devices={devices}: a {hw.name} slice of {per_node} chips is no whole number of "
+                          f"{hw.per_node}-chip VMs")
+    processes, granules = (nodes * max(1, per_node // hw.per_node), nodes) if hw.slice_max else (nodes, None)
     mesh = check_devices(cfg, devices, processes, devices // processes, "gpu" if gpu else hw.name.split("-")[0],
                          granules) if checked else cfg.mesh.shape(devices, nodes)
     ici, dcn = cfg.mesh.split(devices, nodes)
