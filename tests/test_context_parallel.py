@@ -17,6 +17,7 @@ from hypertron.config import load_config
 from hypertron.parallel.mesh import make_mesh
 from hypertron.train.step import global_batch
 from hypertron.train.task import task_for
+from support.runs import train_steps
 
 # Packed documents of the standard library's sources (segment ids; documents cross the parts of a
 # row each device holds); width 96 so that no [rows, tokens, width] activation has the shape of a
@@ -35,14 +36,7 @@ def short_docs(tmp_path_factory):
 
 
 def _run(mesh: list[str], devices) -> tuple[np.ndarray, dict]:
-    cfg = load_config(None, [*BASE, "mesh.fsdp=1", *mesh])
-    task = task_for(cfg)
-    trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
-    state, batches, losses = trainer.init(jax.random.key(0)), task.batches(cfg), []
-    for _ in range(4):
-        state, metrics = task.step(trainer, state, next(batches))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
+    return train_steps([*BASE, "mesh.fsdp=1", *mesh], devices, 4)
 
 
 @pytest.fixture(scope="module")

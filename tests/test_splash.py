@@ -10,10 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypertron.config import load_config
 from hypertron.kernels.splash import block_for, splash_attention, splash_takes
-from hypertron.parallel.mesh import make_mesh
-from hypertron.train.task import task_for
+from support.runs import train_steps
 
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (2, 2, 40)])
@@ -48,14 +46,7 @@ BASE = ["model=tiny", "model.num_layers=2", "train.global_batch=8", "train.seq_l
 
 
 def _run(attention: str, mesh: list[str], devices) -> tuple[np.ndarray, dict]:
-    cfg = load_config(None, [*BASE, f"model.attention={attention}", "mesh.fsdp=1", *mesh])
-    task = task_for(cfg)
-    trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
-    state, batches, losses = trainer.init(jax.random.key(0)), task.batches(cfg), []
-    for _ in range(2):
-        state, metrics = task.step(trainer, state, next(batches))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
+    return train_steps([*BASE, f"model.attention={attention}", "mesh.fsdp=1", *mesh], devices, 2)
 
 
 def test_training_with_splash_under_fsdp_and_tensor_equals_xla_on_one_device():

@@ -26,3 +26,23 @@ def write_documents(directory: Path, documents: list[str]) -> str:
     for i, text in enumerate(documents):
         (directory / f"doc{i}.txt").write_text(text, encoding="utf-8")
     return str(directory)
+
+
+def train_steps(overrides: list[str], devices, steps: int):
+    """``steps`` steps of the task ``overrides`` configure, in process on ``devices`` (None: all),
+    from key 0: (the losses, the parameters on the host). The mesh tests compare these."""
+    import jax
+    import numpy as np
+
+    from hypertron.config import load_config
+    from hypertron.parallel.mesh import make_mesh
+    from hypertron.train.task import task_for
+
+    cfg = load_config(None, overrides)
+    task = task_for(cfg)
+    trainer = task.trainer(cfg, make_mesh(cfg.mesh, devices))
+    state, batches, losses = trainer.init(jax.random.key(0)), task.batches(cfg), []
+    for _ in range(steps):
+        state, metrics = task.step(trainer, state, next(batches))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state["params"])
