@@ -49,12 +49,14 @@ def _run(attention: str, mesh: list[str], devices) -> tuple[np.ndarray, dict]:
     return train_steps([*BASE, f"model.attention={attention}", "mesh.fsdp=1", *mesh], devices, 2)
 
 
-def test_training_with_splash_under_fsdp_and_tensor_equals_xla_on_one_device():
-    """Two steps of the tiny model (2 KV heads, 4 query heads) with the kernel in ``shard_map``
-    over fsdp 2 x tensor 4 (the KV heads copied to their query heads' shards) give XLA's one-device
-    losses and parameters."""
-    want_losses, want_params = _run("xla", [], jax.devices()[:1])
-    losses, params = _run("splash", ["mesh.fsdp=2", "mesh.tensor=4"], None)
+@pytest.mark.parametrize("heads", [4, 8])
+def test_training_with_splash_under_fsdp_and_tensor_equals_xla_on_one_device(heads):
+    """Two steps of the tiny model (2 KV heads; 4 or 8 query heads) with the kernel in ``shard_map``
+    over fsdp 2 x tensor 4 (the 2 KV heads copied to the 4 shards, each shard's query heads then
+    one KV head's) give XLA's one-device losses and parameters."""
+    width = [f"model.num_heads={heads}"]
+    want_losses, want_params = _run("xla", width, jax.devices()[:1])
+    losses, params = _run("splash", ["mesh.fsdp=2", "mesh.tensor=4", *width], None)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     # Adam at lr 1e-2 moves a weight about 1e-2 a step: 1e-5 is the kernel's float32 order of summation.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params, want_params)

@@ -226,15 +226,17 @@ def self_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: Mo
 
 def _head_specs(q_btnh, k_btkh, v_btkh, mesh, rules):
     """The specs of queries and keys/values as the rules split them, and the keys and values to
-    use: where the rules split the query heads but not the fewer KV heads, each query head gets
-    its KV head's copy, so that a device's query heads meet their own KV heads."""
+    use: where the rules split the query heads but not the fewer KV heads, the KV heads are copied
+    so that each device gets its query heads' own (one copy a device where the split is a multiple
+    of the KV heads, else one a query head)."""
     q_spec = spec_for(("batch", "seq", "act_heads", None), rules, mesh, q_btnh.shape)
     kv_spec = spec_for(("batch", "seq", "act_kv_heads", None), rules, mesh, k_btkh.shape)
     if q_spec[2] is None:
         kv_spec = P(*kv_spec[:2], None, None)
     elif kv_spec[2] is None:
-        group = q_btnh.shape[2] // k_btkh.shape[2]
-        k_btkh, v_btkh = jnp.repeat(k_btkh, group, axis=2), jnp.repeat(v_btkh, group, axis=2)
+        kv_heads, split = k_btkh.shape[2], math.prod(mesh.shape[a] for a in mesh_axes(q_spec[2]))
+        copies = split // kv_heads if split % kv_heads == 0 else q_btnh.shape[2] // kv_heads
+        k_btkh, v_btkh = jnp.repeat(k_btkh, copies, axis=2), jnp.repeat(v_btkh, copies, axis=2)
         kv_spec = q_spec
     return q_spec, kv_spec, k_btkh, v_btkh
 
