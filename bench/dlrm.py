@@ -13,8 +13,10 @@ planted-teacher batches, cycled, and first check that their losses agree over 3 
 being ready; samples/s = steps x batch / that time.
 
 - hypertron: :class:`hypertron.train.dlrm.DlrmTrainer` on one CPU device (the tables placed by the
-  planner: whole, on that device), its step as ``hypertron train`` runs it: routing on the host,
-  the lookups, the compiled dense step, the sparse updates.
+  planner: whole, on that device), its step as ``hypertron train`` runs it: the batches routed on
+  the host one ahead, on a thread (:class:`hypertron.train.dlrm.RoutedAhead`), the lookups, the
+  compiled dense step, the sparse updates. Also timed (``inline``): each step routing its own
+  batch first, as before routing moved off the step's path.
 - TorchRec: ``DLRM_DCN`` over a ``FusedEmbeddingBagCollection`` (FBGEMM's CPU kernels, row-wise
   Adagrad fused into backward) and ``torch.optim.Adagrad`` on the MLPs: TorchRec's single-process
   training setup, eager.
@@ -49,13 +51,32 @@ def _config(preset: str, batch: int, max_rows: int | None = None):
                               "dlrm.optimizer=rowwise_adagrad", *capped])
 
 
+class _Cycle:
+    """The bench's batches, endlessly, with a position as a Grain iterator has one."""
+
+    def __init__(self, batches: list[dict]):
+        self.batches, self.i = batches, 0
+
+    def __next__(self) -> dict:
+        self.i += 1
+        return self.batches[(self.i - 1) % len(self.batches)]
+
+    def get_state(self) -> dict:
+        return {"i": self.i}
+
+    def set_state(self, state: dict) -> None:
+        self.i = state["i"]
+
+
 def measure(cfg, batches: list[dict], steps: int, warmup: int = 5, keep_initial: bool = False) -> dict:
     """hypertron's training speed on one device: ``compile_s`` (the first step, with its compile),
-    ``route_ms`` (the host's share of a step), ``step_ms``, ``samples_s``, the first 3 ``losses``;
-    with ``keep_initial`` the initial state on the host and the trainer (for TorchRec's copy)."""
+    ``route_ms`` (the host's routing of a batch), ``step_ms`` and ``samples_s`` with the routing
+    one batch ahead (as ``hypertron train`` runs it), ``inline_step_ms`` with each step routing its
+    own batch, the first 3 ``losses``; with ``keep_initial`` the initial state on the host and the
+    trainer (for TorchRec's copy)."""
     import jax
 
-    from hypertron.train.dlrm import Recommender, make_dlrm_trainer
+    from hypertron.train.dlrm import Recommender, RoutedAhead, make_dlrm_trainer
 
     trainer = make_dlrm_trainer(cfg, Recommender().mesh(cfg, jax.devices()[:1]))
     state = trainer.init(jax.random.key(0))
@@ -77,10 +98,18 @@ def measure(cfg, batches: list[dict], steps: int, warmup: int = 5, keep_initial:
     for i in range(steps):
         state, m = trainer.step(state, batches[i % len(batches)])
     jax.block_until_ready(state)
+    inline = (time.perf_counter() - t0) / steps
+    ahead = RoutedAhead(_Cycle(batches), trainer)
+    next(ahead)  # the first batch's routing, before the clock as the others are
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, m = trainer.step(state, next(ahead))
+    jax.block_until_ready(state)
     seconds = (time.perf_counter() - t0) / steps
+    ahead.close()
     batch = cfg.train.global_batch
     return {**out, "route_ms": route * 1e3, "step_ms": seconds * 1e3, "samples_s": batch / seconds,
-            "losses": losses, "loss": float(m["loss"])}
+            "inline_step_ms": inline * 1e3, "losses": losses, "loss": float(m["loss"])}
 
 
 def run_torchrec(cfg, batches: list[dict], steps: int, trainer, initial) -> tuple[float, list[float]]:
@@ -184,8 +213,8 @@ def main() -> None:
 
         versions = {**torchrec_versions(args.threads), "device": str(jax.devices()[0])}
     print(json.dumps(versions))
-    print(f"{'batch':>6} | {'hypertron samples/s':>20} {'(route ms, step ms)':>20} {'TorchRec samples/s':>20} "
-          f"{'ratio':>6} | losses of 3 steps (h / t)")
+    print(f"{'batch':>6} | {'hypertron samples/s':>20} {'(route, step, inline step ms)':>30} "
+          f"{'TorchRec samples/s':>20} {'ratio':>6} | losses of 3 steps (h / t)")
     results = []
     for batch in args.batch:
         cfg = _config(args.dlrm, batch, args.max_rows)
@@ -194,6 +223,7 @@ def main() -> None:
         h = measure(cfg, batches, args.steps, keep_initial=not args.hypertron_only)
         row = {"batch": batch, "table_rows": list(cfg.dlrm.table_rows), "hypertron_samples_per_s": h["samples_s"],
                "hypertron_route_ms": h["route_ms"], "hypertron_step_ms": h["step_ms"],
+               "hypertron_inline_step_ms": h["inline_step_ms"],
                "hypertron_compile_s": h["compile_s"], "hypertron_losses": h["losses"]}
         t_rate, t_check = None, []
         if not args.hypertron_only:
@@ -204,6 +234,7 @@ def main() -> None:
         results.append(row)
         ratio = f"{h['samples_s'] / t_rate:>6.2f}" if t_rate else f"{'':>6}"
         print(f"{batch:>6} | {h['samples_s']:>20,.0f} {h['route_ms']:>9.1f} {h['step_ms']:>10.1f} "
+              f"{h['inline_step_ms']:>10.1f} "
               f"{t_rate or float('nan'):>20,.0f} {ratio} | {' '.join(f'{x:.4f}' for x in h['losses'])} / "
               f"{' '.join(f'{x:.4f}' for x in t_check)}", flush=True)
     if args.output:

@@ -17,8 +17,8 @@ from hypertron.errors import DataError
 from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
-from hypertron.train.dlrm import Recommender, evaluate_logits, make_dlrm_trainer
-from hypertron.train.loop import train
+from hypertron.train.dlrm import ROUTED, Recommender, RoutedAhead, evaluate_logits, make_dlrm_trainer
+from hypertron.train.loop import batch_digest, train
 from support.cli import run_cli  # tests/support
 
 ROOT = Path(__file__).parent.parent
@@ -191,6 +191,29 @@ def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
 
 
 @pytest.mark.slow
+def test_batches_routed_ahead_are_the_streams_batches_routed_and_keep_the_loops_position():
+    """The loop's batches, routed one ahead on a thread: each is the stream's next batch (its
+    digest leaves the routing out) with the routing the step would do itself; the position saved
+    after 3 batches is the stream's after 3 (the thread has read the fourth), and an iterator set
+    to it goes on with the fourth. (That the loop resumes from it bit for bit: the test below.)"""
+    cfg = _cfg()
+    trainer, task = _trainer(cfg), Recommender()
+    ahead, ref = RoutedAhead(task.batches(cfg), trainer), task.batches(cfg)
+    for _ in range(3):
+        local, want = next(ahead), next(ref)
+        assert batch_digest(local) == batch_digest(want)
+        for got, expect in zip(local[ROUTED], trainer.route(want), strict=True):
+            for a, b in zip(got.arrays(), expect.arrays(), strict=True):
+                np.testing.assert_array_equal(a, b)
+    saved = ahead.get_state()
+    assert json.loads(saved) == ref.get_state()
+    again = RoutedAhead(task.batches(cfg), trainer)
+    again.set_state(saved)
+    assert batch_digest(next(again)) == batch_digest(next(ref)) == batch_digest(next(ahead))
+    ahead.close()
+    again.close()
+
+
 def test_the_recipe_stopped_at_checkpoint_6_resumes_bit_identically(tmp_path):
     """The recipe (8 tables, row-wise Adagrad, its data stream, held-out AUC) resumed from checkpoint 6
     gives the uninterrupted run's 12 losses and final AUC, bit for bit. In process: that a process

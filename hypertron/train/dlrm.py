@@ -3,7 +3,10 @@
 A step has three parts, as jax-tpu-embedding's and TorchRec's do:
 
 1. **lookups**: each feature's ids are routed on the host (:func:`hypertron.embed.route`) and
-   each table pools them where it lives (:func:`hypertron.embed.lookup`);
+   each table pools them where it lives (:func:`hypertron.embed.lookup`). The loop's batches are
+   routed one batch ahead on a thread (:class:`RoutedAhead`), beside the device's step, so a step
+   waits for its routing only where the routing is slower than the step before (the loop counts
+   that wait as ``data_wait``);
 2. **the dense step**, one compiled function over the batch split by samples over the mesh's one
    axis (``data``): the forward pass (:mod:`hypertron.recsys.dlrm`), the mean log-loss, its
    gradient with respect to the MLPs and to each pooled embedding, and the MLPs' optimiser
@@ -23,7 +26,10 @@ process: a DLRM run is one process (of any number of local devices) for now.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import json
+import os
 from typing import Any, Iterator
 
 import jax
@@ -133,15 +139,19 @@ class DlrmTrainer:
         return [dataclasses.replace(t, data=state["params"]["tables"][t.spec.name],
                                     state=state["opt_state"]["tables"].get(t.spec.name)) for t in self.tables]
 
-    def route(self, local: dict) -> list:
-        """Each feature's ids of this batch laid out for its table (on the host)."""
+    def route(self, local: dict, pool: concurrent.futures.Executor | None = None) -> list:
+        """Each feature's ids of this batch laid out for its table (on the host); with ``pool``,
+        the features on its threads (numpy's sorts let go of the GIL)."""
         sparse = np.asarray(local["sparse"])
-        b, out, start = len(sparse), [], 0
-        for t, hot, cap in zip(self.tables, self.cfg.dlrm.ids_per_sample, self.capacities):
-            x = Jagged(sparse[:, start:start + hot].reshape(-1), np.full(b, hot, np.int32))
-            out.append(route(t.spec, x, "sum", t.shards, capacity=cap, feature=f"f{len(out)}"))
-            start += hot
-        return out
+        b = len(sparse)
+        starts = np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
+
+        def one(f: int):
+            x = Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
+            return route(self.tables[f].spec, x, "sum", self.tables[f].shards, capacity=self.capacities[f],
+                         feature=f"f{f}")
+
+        return list(pool.map(one, range(len(self.tables))) if pool is not None else map(one, range(len(self.tables))))
 
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
@@ -150,7 +160,7 @@ class DlrmTrainer:
         return [jax.device_put(p, self.batch_sharding) for p in pooled]
 
     def step(self, state: dict, local: dict) -> tuple[dict, dict]:
-        routed = self.route(local)
+        routed = local[ROUTED] if ROUTED in local else self.route(local)
         if self.fused_step is not None:
             return self._fused(state, local, routed)
         tables = self.live_tables(state)
@@ -186,6 +196,61 @@ class DlrmTrainer:
         pooled = self._pooled(self.live_tables(state), self.route(local), zero=zero_tables)
         x = jax.device_put(local["dense"], self.batch_sharding)
         return self.predict_fn(state["params"]["dense"], x, pooled)
+
+
+ROUTED = "_routed"  # a batch's routing, done ahead (a leading "_": derived from the rows, not rows)
+
+
+class RoutedAhead:
+    """``batches`` (a Grain iterator) with each batch's routing (:meth:`DlrmTrainer.route`) under
+    :data:`ROUTED`, the next batch read and routed on a thread while the caller runs this one, its
+    features on as many threads as there are cores (up to one a feature).
+
+    Its state is the inner iterator's after the last batch it returned (taken before the thread
+    reads the next), as JSON bytes, so a checkpoint saves where the loop is, not where the thread
+    is, and Grain's checkpoint handler takes it as it takes a data loader's."""
+
+    def __init__(self, batches, trainer: DlrmTrainer):
+        self.batches, self.trainer = batches, trainer
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dlrm-read")
+        self.features = concurrent.futures.ThreadPoolExecutor(min(len(trainer.tables), os.cpu_count() or 1),
+                                                              thread_name_prefix="dlrm-route")
+        self.ahead: concurrent.futures.Future | None = None
+        self.state = batches.get_state()
+
+    def _read(self) -> dict:
+        local = next(self.batches)
+        return {**local, ROUTED: self.trainer.route(local, self.features)}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        local = (self.ahead or self.pool.submit(self._read)).result()  # an error in reading raises here
+        self.state = self.batches.get_state()  # the thread is idle: after this batch, before the next
+        self.ahead = self.pool.submit(self._read)
+        return local
+
+    def _settle(self) -> None:
+        if self.ahead is not None:
+            try:
+                self.ahead.result()
+            except Exception:  # a read that failed ahead of a batch nobody asked for
+                pass
+            self.ahead = None
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self._settle()
+        self.state = json.loads(state)
+        self.batches.set_state(self.state)
+
+    def close(self) -> None:
+        self._settle()
+        self.pool.shutdown()
+        self.features.shutdown()
 
 
 def make_dlrm_trainer(cfg: Config, mesh: Mesh) -> DlrmTrainer:
@@ -282,6 +347,10 @@ class Recommender:
 
     def restored(self, cfg: Config, trainer: DlrmTrainer, state: dict, console) -> None:
         pass
+
+    def ahead(self, trainer: DlrmTrainer, batches) -> RoutedAhead:
+        """The loop's training batches, routed one ahead (:class:`RoutedAhead`)."""
+        return RoutedAhead(batches, trainer)
 
     def step(self, trainer: DlrmTrainer, state: dict, local: dict) -> tuple[dict, dict]:
         return trainer.step(state, local)

@@ -113,12 +113,19 @@ def train(cfg: Config, console: Console | None = None, trackers: Iterable[Tracke
             eval_data = task.batches(cfg, split="eval") if cfg.train.eval_every else None
             trainer = task.trainer(cfg, mesh)
             state, start = _initial_state(cfg, task, trainer, ckpt, start, data, tracking, console)
+            # A task may prepare its batches ahead of the steps (DLRM routes them on a thread); the
+            # data position it reports stays the loop's. Optional: not in the Task protocol.
+            ahead = getattr(task, "ahead", None)
+            if ahead is not None:
+                data = ahead(trainer, data)
             loop = _Loop(cfg, task, trainer, ckpt, tracking, stop, console, eval_data, delay)
             last = start
             try:
                 result = loop.run(state, start, data)
             finally:
                 last = loop.result.last_step
+                if ahead is not None:
+                    data.close()
             status = result.status
     except KeyboardInterrupt:
         status = "interrupted"
@@ -353,9 +360,11 @@ class _Loop:
 def batch_digest(local: dict) -> str:
     """This process's rows of a step, as 8 hex digits: CRC-32 over its arrays' bytes in key order
     (the ``step`` event's ``batch_digest``: which rows a step saw, compared across runs and process
-    counts without keeping them)."""
+    counts without keeping them). Keys with a leading ``_`` hold what a task derived from the rows
+    ahead of the step (DLRM's routing), not rows, and are left out."""
     crc = 0
-    for leaf in jax.tree.leaves(local):  # dicts flatten in key order
+    rows = {k: v for k, v in local.items() if not k.startswith("_")}
+    for leaf in jax.tree.leaves(rows):  # dicts flatten in key order
         a = np.asarray(leaf)
         crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B") if a.dtype != object
                          else repr(a.tolist()).encode(), crc)
