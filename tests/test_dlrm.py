@@ -190,7 +190,6 @@ def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
 
 
 
-@pytest.mark.slow
 def test_batches_routed_ahead_are_the_streams_batches_routed_and_keep_the_loops_position():
     """The loop's batches, routed one ahead on a thread: each is the stream's next batch (its
     digest leaves the routing out) with the routing the step would do itself; the position saved
@@ -214,6 +213,7 @@ def test_batches_routed_ahead_are_the_streams_batches_routed_and_keep_the_loops_
     again.close()
 
 
+@pytest.mark.slow
 def test_the_recipe_stopped_at_checkpoint_6_resumes_bit_identically(tmp_path):
     """The recipe (8 tables, row-wise Adagrad, its data stream, held-out AUC) resumed from checkpoint 6
     gives the uninterrupted run's 12 losses and final AUC, bit for bit. In process: that a process

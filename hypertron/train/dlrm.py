@@ -208,7 +208,9 @@ class RoutedAhead:
 
     Its state is the inner iterator's after the last batch it returned (taken before the thread
     reads the next), as JSON bytes, so a checkpoint saves where the loop is, not where the thread
-    is, and Grain's checkpoint handler takes it as it takes a data loader's."""
+    is (Grain's checkpoint handler saves it as it saves a data loader's). A checkpoint is restored
+    into the inner iterator, before it is wrapped (the loop does so): Grain's handler cannot
+    restore into this one. After a read fails, each later ``next`` raises that error again."""
 
     def __init__(self, batches, trainer: DlrmTrainer):
         self.batches, self.trainer = batches, trainer
