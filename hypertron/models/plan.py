@@ -98,9 +98,10 @@ class Plan:
         busy = self.compute / (1 - self.bubble)  # the stages' idle iterations added
         return max(busy, self.comm), busy + self.comm
 
-    def predict(self) -> float | None:
-        """The predicted step in seconds (module docstring), or None where a factor or figure is
-        missing (``notes`` says which)."""
+    def terms(self) -> tuple[float, float, float] | None:
+        """The prediction's seconds: (compute at the fitted efficiency with the recomputation and
+        the bubble, the hidden axes' communication, the exposed axes'); None where a factor or
+        figure is missing (``notes`` says which)."""
         share = self.hardware.achieved(self.format)
         if self.compute is None or not share:
             return None
@@ -108,12 +109,26 @@ class Plan:
         if any(t is None for t in times.values()):
             return None
         busy = self.compute * self.recompute / share / (1 - self.bubble)
-        hidden = sum(t for a, t in times.items() if a not in EXPOSED)
-        return max(busy, hidden) + sum(t for a, t in times.items() if a in EXPOSED)
+        return (busy, sum(t for a, t in times.items() if a not in EXPOSED),
+                sum(t for a, t in times.items() if a in EXPOSED))
+
+    def predict(self) -> float | None:
+        """The predicted step in seconds (module docstring): the compute or the hidden
+        communication, whichever is longer, plus the exposed; None as :meth:`terms`."""
+        terms = self.terms()
+        if terms is None:
+            return None
+        busy, hidden, exposed = terms
+        return max(busy, hidden) + exposed
 
     def predicted_mfu(self) -> float | None:
         step = self.predict()
         return None if step is None else self.compute / step
+
+
+def peak_format(model) -> str:
+    """The peak a model's training matmuls run at: fp8's or int8's when quantised, else bf16's."""
+    return {"fp8": "fp8", "int8": "int8"}.get(model.quantization, "bf16")
 
 
 def tpu_slice_devices(cfg: Config, hw: Hardware, devices: int) -> int:
@@ -163,7 +178,7 @@ def plan(cfg: Config, hardware: str, devices: int | None = None, per_node: int |
     if device_memory is None and hw.name == "cpu":
         device_memory = host_memory_per_device(devices)
     m, t = cfg.model, cfg.train
-    fmt = {"fp8": "fp8", "int8": "int8"}.get(m.quantization, "bf16")
+    fmt = peak_format(m)
     peak = hw.peak(fmt)
     per_token = train_flops_per_token(m, t.seq_len)
     again = recompute_flops_per_token(m, t.seq_len, RECOMPUTED[m.remat] if recompute is None else recompute)

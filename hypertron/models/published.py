@@ -4,15 +4,16 @@ plan``'s step prediction is fitted on and held to (``hypertron plan --published`
 
 Each row is one run as its authors describe it: the model, the chips, the global batch and
 sequence, the mesh as hypertron's axes (MaxText's ``ici_*`` / ``dcn_*``; Megatron's TP, PP, VP, CP
-and data parallelism as tensor, stage, ``pipeline_repeats``, context and data), the matmuls its
+and its distributed optimizer's data parallelism as tensor, stage, ``pipeline_repeats``, context
+and fsdp), the matmuls its
 remat policy runs again, and the published throughput in tokens/s per device. Where a source
 gives TFLOP/s per device only, tokens/s is that over the source's own FLOPs per token
 (:func:`maxtext_2023_flops`). A row marked ``fitted`` sets a factor in
 :mod:`hypertron.hardware` (:func:`fit` finds them again); every other row is a prediction.
 
-The planner's own memory model is not applied: these runs used what hypertron does not have on
-their hardware (MaxText's splash and cuDNN flash attention, host offloading, Megatron's
-distributed optimizer), so each row is planned for its step time only.
+The planner's own memory model is not applied: these runs used what hypertron does not have or
+has not run on their hardware (host offloading, Megatron's distributed optimizer, MaxText's tuned
+splash and cuDNN flash attention), so each row is planned for its step time only.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from hypertron.config import Config, ConfigError
 from hypertron.config.schema import DcnConfig
 from hypertron.hardware import lookup
-from hypertron.models.plan import EXPOSED, Plan, plan, tpu_slice_devices
+from hypertron.models.plan import Plan, peak_format, plan, tpu_slice_devices
 
 REMATS = ("none", "dots", "full")
 INSIDE_ONLY = ("tensor", "context", "expert")  # never split across domains
@@ -65,7 +65,7 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
     hw = lookup(hardware)
     if devices < 1:
         raise ConfigError(f"--devices={devices}: must be at least 1")
-    fmt = {"fp8": "fp8", "int8": "int8"}.get(cfg.model.quantization, "bf16")
+    fmt = peak_format(cfg.model)
     if not hw.achieved(fmt):
         raise ConfigError(f"--hardware={hardware}: no fitted {fmt} efficiency, so no predicted step to rank by "
                           "(docs/memory.md, \"Held to published results\"); hypertron plan without --search gives "
@@ -79,6 +79,7 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
     across = tuple(a for a in axes if a not in INSIDE_ONLY)
     found: list[Candidate] = []
     planned = unpredicted = 0
+    accums = divisors(cfg.train.global_batch)
     for dcn in splits(domains, across):
         for ici in splits(domain, axes):
             mesh = replace(cfg.mesh, **{a: ici.get(a, 1) for a in cfg.mesh.AXES},
@@ -86,7 +87,7 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
             for remat in REMATS:
                 base = replace(cfg, mesh=mesh, model=replace(cfg.model, remat=remat),
                                train=replace(cfg.train, grad_accum=1))
-                for run, extra in _batch_splits(base, ici.get("stage", 1) * dcn.get("stage", 1)):
+                for run, extra in _batch_splits(base, ici.get("stage", 1) * dcn.get("stage", 1), accums):
                     try:
                         p = plan(run, hardware, devices, domain)
                     except ConfigError:
@@ -108,10 +109,17 @@ def search(cfg: Config, hardware: str, devices: int, per_node: int | None = None
     return found[:top], planned
 
 
-def _batch_splits(cfg: Config, stages: int):
-    """(config, its settings) for each micro-batch count: ``grad_accum`` any divisor of the global
-    batch (the checks refuse what leaves a data shard no row); with stages, pieces instead (the pipeline splits the batch): the stage count
-    times a power of 2, up to the batch (the checks refuse what a data shard's rows cannot give)."""
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _batch_splits(cfg: Config, stages: int, accums: list[int]):
+    """(config, its settings) for each micro-batch count: ``grad_accum`` each of ``accums`` (the
+    global batch's divisors; the checks refuse what leaves a data shard no row); with stages,
+    pieces instead (the pipeline splits the batch): the stage count times a power of 2, up to the
+    batch (the checks refuse what a data shard's rows cannot give)."""
     batch = cfg.train.global_batch
     if stages > 1:
         pieces = stages
@@ -121,9 +129,8 @@ def _batch_splits(cfg: Config, stages: int):
                        (f"train.pipeline_microbatches={pieces}",))
             pieces *= 2
         return
-    for accum in range(1, batch + 1):
-        if batch % accum == 0:
-            yield replace(cfg, train=replace(cfg.train, grad_accum=accum)), (f"train.grad_accum={accum}",)
+    for accum in accums:
+        yield replace(cfg, train=replace(cfg.train, grad_accum=accum)), (f"train.grad_accum={accum}",)
 
 
 def render(found: list[Candidate], planned: int, baseline: Candidate | None = None):
@@ -138,9 +145,7 @@ def render(found: list[Candidate], planned: int, baseline: Candidate | None = No
         table.add_column(col, justify="left" if col in ("mesh", "remat") else "right")
     for i, c in enumerate(found, 1):
         p = c.plan
-        busy = p.compute * p.recompute / p.hardware.achieved(p.format) / (1 - p.bubble)
-        hidden = sum(a.predicted for a in p.axes if a.name not in EXPOSED)
-        exposed = sum(a.predicted for a in p.axes if a.name in EXPOSED)
+        busy, hidden, exposed = p.terms()
         mesh = " x ".join(f"{a} {n}" for a, n in p.mesh.items() if n > 1) or "one device"
         settings = dict(s.split("=", 1) for s in c.overrides)
         micro = settings.get("train.pipeline_microbatches", settings.get("train.grad_accum", "1"))
