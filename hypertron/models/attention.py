@@ -262,8 +262,8 @@ def context_attention(q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg:
     """:func:`self_attention` of rows whose tokens the rules split over mesh axes (``seq``:
     ``context``): in ``shard_map``, this device's queries against the row's keys and values,
     gathered (see the module docstring). Heads stay split over ``tensor`` as the rules say; where
-    they split the query heads but not the fewer KV heads, each query head gets its KV head's
-    copy first, so that a device's query heads meet their own KV heads. The splash kernel masks by
+    they split the query heads but not the fewer KV heads, the KV heads are copied first
+    (:func:`_head_specs`), so that a device's query heads meet their own KV heads. The splash kernel masks by
     token index, not position, so a split row's attention is XLA's (scores held, as the memory
     model plans)."""
     q_spec, kv_spec, k_btkh, v_btkh = _head_specs(q_btnh, k_btkh, v_btkh, mesh, rules)
