@@ -45,6 +45,8 @@ NOT_CARRIED = {
     "kubernetes": "hypertron workload / cluster talk to a cluster; the campaign runs on one machine",
     "kubernetes-validate": "validates what hypertron workload renders; not used on the GPU machine",
     "kubeflow-trainer-api": "the JobSet models hypertron workload validates with; not used on the GPU machine",
+    "llguidance": "structured output's grammars (serve/structured.py, imported when a request asks for one); the "
+                  "campaign sends no guided request",
 }
 TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
     a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",

@@ -36,11 +36,11 @@ class Server(ThreadedServer):
     """An orchestrator + app over ``engine``, served by uvicorn in a thread."""
 
     def __init__(self, engine: FakeEngine, *, max_queue: int = 512, enable_prefix_caching: bool = True,
-                 **app_kwargs):
+                 tokenizer=TOK, **app_kwargs):
         self.engine = engine
-        self.orch = Orchestrator(engine, TOK, SchedulerConfig(max_queue=max_queue,
-                                                              enable_prefix_caching=enable_prefix_caching))
-        super().__init__(create_app(self.orch, TOK, MODEL, **app_kwargs), lifespan="on", log_level="warning",
+        self.orch = Orchestrator(engine, tokenizer, SchedulerConfig(max_queue=max_queue,
+                                                                    enable_prefix_caching=enable_prefix_caching))
+        super().__init__(create_app(self.orch, tokenizer, MODEL, **app_kwargs), lifespan="on", log_level="warning",
                          graceful_s=2)
 
     def __exit__(self, *exc) -> None:
@@ -124,9 +124,9 @@ def test_incremental_detokenizer_keeps_spaces_that_depend_on_the_left_neighbour(
 
 def test_a_streamed_events_template_writes_what_its_model_would():
     """The server streams a request's text-only events from a template made once
-    (``server._Template``): the same JSON, byte for byte, as dumping each event's model."""
+    (``sse.Template``): the same JSON, byte for byte, as dumping each event's model."""
     from hypertron.serve.api import ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice, Delta
-    from hypertron.serve.server import _TEXT_MARK, _Template, _dump_event
+    from hypertron.serve.sse import TEXT_MARK, Template, dump_event
 
     def completion(text):
         return Completion(id="cmpl-1", created=5, model="m", choices=[CompletionChoice(text=text, finish_reason=None)])
@@ -134,12 +134,12 @@ def test_a_streamed_events_template_writes_what_its_model_would():
     def chat(text):
         return ChatCompletionChunk(id="chatcmpl-1", created=5, model="m", choices=[ChatChunkChoice(delta=Delta(content=text))])
 
-    texts = ["plain", 'a "quote", a \\ backslash', "new\nline\ttab", "h\u00e9llo \u2713 \U0001f389", "\x00\x1f", _TEXT_MARK]
+    texts = ["plain", 'a "quote", a \\ backslash', "new\nline\ttab", "h\u00e9llo \u2713 \U0001f389", "\x00\x1f", TEXT_MARK]
     for exclude in (None, {"usage"}):
         for make in (completion, chat):
-            template = _Template(make(_TEXT_MARK), exclude)
+            template = Template(make(TEXT_MARK), exclude)
             for text in texts:
-                assert template(text) == _dump_event(make(text), exclude)
+                assert template(text) == dump_event(make(text), exclude)
 
 
 def test_openai_client_completes_chats_and_streams(server):

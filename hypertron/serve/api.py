@@ -118,6 +118,34 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the answer keeps to (compact JSON; ``strict``
+    or not, it is kept to)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """A chat answer's format (OpenAI's): free text, any JSON object, or JSON keeping to a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """Extension (vLLM's): the output keeps to exactly one of a JSON schema, a regular
+    expression, a Lark grammar, a list of choices, or any JSON object."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     """The fields both endpoints share."""
 
@@ -136,6 +164,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = Field(None, description="extension: go on past the end-of-sequence token")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
         "extension (vLLM's): the request shares cached prompt pages only with requests of the same salt"))
+    structured_outputs: StructuredOutputs | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, json_schema_extra=_only(1))
@@ -237,6 +266,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The serving engine: one jitted step runs a scheduler's plan over the paged KV cache.
 
-A step (:func:`step`) takes the tokens of many sequences in one flat row: first one decode token
+A step (:func:`hypertron.serve.device_step.step`) takes the tokens of many sequences in one flat row: first one decode token
 per running sequence, then the prefill chunks (a whole short prompt, several of them, or a
 chunk of a long one), and runs the model once over all of them, so the weights are read once
 per step whatever its mix; every row attends in one call of the ragged paged attention
@@ -18,7 +18,7 @@ positions written), the page table ``table [max_slots + 1, pages_per_seq]`` (nul
 pages), ``last_tokens`` (what it sampled last: a decode row's input) and ``history
 [max_slots + 1, max_seq_len]`` (its tokens, ``history[s, :seq_lens[s] + 1]`` once its last row
 sampled). The host sends only what changed: before a step, the table entries that differ from
-what the device holds (:func:`write_deltas`: a slot's new pages; a slot's whole row when another
+what the device holds (:func:`~hypertron.serve.device_step.write_deltas`: a slot's new pages; a slot's whole row when another
 sequence took it) and the tokens of a prefix found cached at admission (``Row.prefix``); the
 step itself writes its prefill tokens and its samples into ``history`` and its lengths into
 ``seq_lens``, and gathers each row's table on the device. So a step uploads per row a handful of
@@ -60,7 +60,6 @@ this module only runs plans.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -74,20 +73,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from hypertron.config import EngineConfig, ModelConfig
 from hypertron.config.serving import MAX_PADDED_COST
-from hypertron.models import PagedCache, forward, resolve_dtype, unstack_layers
+from hypertron.models import resolve_dtype, unstack_layers
 from hypertron.models.flops import dense_flops_per_token
-from hypertron.padding import bucket, next_pow2
-from hypertron.parallel.rules import DEFAULT_RULES, use_rules
 from hypertron.models.kv_pages import NULL_PAGE
-from hypertron.quant.lora import adapter_tokens
+from hypertron.padding import bucket, next_pow2
+from hypertron.serve.device_step import init_state, mask_words, step, write_deltas
 from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
-from hypertron.serve.sampling import logprobs, sample_rows
 from hypertron.serve.shapes import Shape, prefill_bucket, step_flops
-from hypertron.serve.step_batch import StepBatch, unpack
+from hypertron.serve.step_batch import StepBatch
 from hypertron.serve.types import StepCost, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -116,90 +112,6 @@ MIN_TOKEN_WRITES = 64
 # step shape (the most recent this many): a second engine on the same model (a bench's sweep, a
 # test's reference engine) does not compile its steps again.
 SHARED_EXECUTABLES = 512
-
-# ---------------------------------------------------------------------------
-# The device step
-
-
-@functools.partial(jax.jit, donate_argnums=(1, 2),
-                   static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens",
-                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora", "mesh"))
-def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
-         prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
-         lora: bool = False, mesh: Mesh | None = None):
-    """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
-
-    ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
-    :class:`~hypertron.serve.step_batch.StepBatch`'s array, holding the prefill tokens
-    ``pre_tokens`` / ``pre_pos`` / ``pre_row`` / ``pre_valid [P]``; per row (decode rows, then
-    prefill rows) ``slot`` (``max_slots``: padding), ``lengths`` (tokens after this step; 0:
-    padding; a decode row's input is ``last_tokens[slot]`` at ``lengths - 1``; the sample's key is
-    at ``lengths``), ``out_idx`` (the flat index whose logits sample the row), ``out_slot`` (where
-    the sample goes; ``max_slots``: nowhere), ``temperature``, ``top_k``, ``top_p``, ``seed``;
-    with ``prompt_logprobs``, ``targets [P]``. Each row reads its slot's page-table row. Returns
-    ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and, when asked, ``logprobs``,
-    ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
-    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the engine's (shard_map'ed layers).
-    """
-    b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
-    n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
-    slot, lengths = b["slot"], b["lengths"]
-    tokens = jnp.concatenate([state["last_tokens"][slot[:nd]], b["pre_tokens"]])
-    positions = jnp.concatenate([jnp.maximum(lengths[:nd] - 1, 0), b["pre_pos"]])
-    token_rows = jnp.concatenate([jnp.arange(nd, dtype=jnp.int32), nd + b["pre_row"]])
-    token_valid = jnp.concatenate([lengths[:nd] > 0, b["pre_valid"]])
-    segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
-    # Each row's tokens start where the previous row's end: a decode row has one (padding rows too,
-    # over no keys), a prefill row its valid tokens.
-    counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
-        b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
-    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
-    paged = PagedCache(cache, state["table"][slot], lengths, query_start, token_rows, token_valid,
-                       decode_only=n_pre == 0, queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row)
-    at = b["out_idx"]
-    if prompt_logprobs:
-        at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
-    split = contextlib.nullcontext() if mesh is None else use_rules(mesh, DEFAULT_RULES, pin=False)
-    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
-        fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
-                      logits_at=at[None])
-    logits, paged = fwd.logits, fwd.cache
-    row_logits = logits[0, :n_rows]
-    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
-                      skip_greedy=skip_greedy)
-    out = {"tokens": nxt}
-    if want_logprobs:
-        out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
-    if prompt_logprobs:
-        out["prompt"] = logprobs(logits[0, n_rows:], jnp.maximum(b["targets"], 0), top_n)
-    pre_slot = jnp.where(b["pre_valid"], slot[nd + b["pre_row"]], nowhere)
-    history = state["history"].at[pre_slot, b["pre_pos"]].set(b["pre_tokens"], mode="drop")
-    state = {"seq_lens": state["seq_lens"].at[slot].set(lengths), "table": state["table"],
-             "last_tokens": state["last_tokens"].at[b["out_slot"]].set(nxt),
-             "history": history.at[b["out_slot"], lengths].set(nxt, mode="drop")}
-    return paged.pages, state, out
-
-
-def init_state(max_slots: int, pages_per_seq: int, max_seq_len: int) -> dict:
-    """The slots' sequences on the device, empty (see the module docstring); entry ``max_slots``
-    takes the writes that go nowhere."""
-    n = max_slots + 1
-    return {"seq_lens": jnp.zeros(n, jnp.int32), "table": jnp.full((n, pages_per_seq), NULL_PAGE, jnp.int32),
-            "last_tokens": jnp.zeros(n, jnp.int32), "history": jnp.zeros((n, max_seq_len), jnp.int32)}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def write_deltas(state: dict, pages, tokens) -> dict:
-    """``state`` with ``pages [K, 3]`` (slot, column, page id) written into the page table and
-    ``tokens [T, 3]`` (slot, position, token) into the history; padding entries write slot
-    ``max_slots``'s column 0 with the null page (and its position 0)."""
-    table = state["table"].at[pages[:, 0], pages[:, 1]].set(pages[:, 2], mode="drop")
-    history = state["history"].at[tokens[:, 0], tokens[:, 1]].set(tokens[:, 2], mode="drop")
-    return {**state, "table": table, "history": history}
-
-
-# ---------------------------------------------------------------------------
-# Host side
 
 
 @dataclasses.dataclass
@@ -306,7 +218,7 @@ class PagedEngine:
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
                      logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs,
-                     lora=any(r.adapter >= 0 for r in plan.rows))
+                     lora=any(r.adapter >= 0 for r in plan.rows), guided=any(r.mask is not None for r in plan.rows))
 
     def context(self, plan: StepPlan) -> int:
         """The keys :meth:`cost` counts each query of ``plan`` against: its longest row's."""
@@ -453,7 +365,8 @@ class PagedEngine:
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs, mesh=self.mesh,
-                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora).compile()
+                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora,
+                            guided=shape.guided).compile()
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
@@ -528,7 +441,7 @@ class PagedEngine:
     def _empty_batch(self, shape: Shape) -> StepBatch:
         """The inputs of a step of ``shape`` (see :func:`step`), all padding."""
         return StepBatch(shape.num_decode + shape.prefill_rows, shape.prefill_tokens, shape.prompt_logprobs,
-                         nowhere=self.max_slots)
+                         nowhere=self.max_slots, mask_words=mask_words(self.cfg) if shape.guided else 0)
 
     def _batch(self, plan: StepPlan, shape: Shape) -> tuple[StepBatch, list[int]]:
         """The inputs of ``plan`` padded to ``shape`` (which holds it), and where each prefill
@@ -557,6 +470,8 @@ class PagedEngine:
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
         b["seed"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
         b["adapter"][i] = row.adapter + 1
+        if row.mask is not None:
+            b["mask"][i] = row.mask
 
     def _deltas(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...]]]:
         """What ``plan`` changes in the device's state before it runs: ``pages [K, 3]`` (slot,

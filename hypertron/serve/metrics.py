@@ -58,6 +58,9 @@ class ServeMetrics:
         self.step_phase = Histogram(p + "step_phase_seconds", "a serving loop turn's time by phase (they add "
                                     "up to hypertron_step_seconds)", ["phase"], registry=r, buckets=STEP_BUCKETS)
         self.step_phases = {p: self.step_phase.labels(p) for p in STEP_PHASES}  # each turn observes all
+        self.structured_mask = Histogram(p + "structured_mask_seconds", "per step with guided rows: the host's "
+                                         "time writing their grammars' masks (in schedule)", registry=r,
+                                         buckets=STEP_BUCKETS)
         self.detokenize = Counter(p + "detokenize_seconds", "event-loop time turning tokens into text chunks "
                                   "(detokenisation and stop strings)", registry=r)
 

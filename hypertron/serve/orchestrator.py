@@ -116,13 +116,15 @@ class Orchestrator:
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, stop: Sequence[str] = (),
                want_prompt_logprobs: bool = False, cache_salt: str | None = None,
-               adapter: str | None = None) -> Generation:
+               adapter: str | None = None, guide=None) -> Generation:
         """Queue a request; call from the event loop that will consume it.
 
         ``prompt`` is 1 .. ``max_seq_len - 1`` token ids; ``sampling.seed`` None draws one;
         ``cache_salt``: it shares cached pages only with requests of the same salt. ``adapter``: the
         LoRA adapter loaded under that name in the engine's :attr:`lora` slots (None: the base model;
         a :class:`~hypertron.serve.lora_slots.LoraError` 404 for one not loaded), held until the request ends.
+        ``guide``: its grammar's state (:class:`~hypertron.serve.structured.Guide`, this request's
+        own), which each of its samples keeps to.
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
@@ -138,7 +140,8 @@ class Orchestrator:
                                 param="model")
             lora = self.engine.lora.acquire(adapter)
         seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs, cache_salt,
-                      adapter=-1 if lora is None else lora.slot, adapter_key=None if lora is None else lora.key)
+                      adapter=-1 if lora is None else lora.slot, adapter_key=None if lora is None else lora.key,
+                      guide=guide)
         req = _Submission(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if not self.running or self._waiting >= self.max_queue:
@@ -219,7 +222,10 @@ class Orchestrator:
                     sched.abort(req.seq)
                     self._forget(req.seq.id)
                 clock.lap("intake")
+                masked = sched.mask_seconds
                 plan = sched.schedule() if sched.has_work else None
+                if sched.mask_seconds > masked:
+                    self.metrics.structured_mask.observe(sched.mask_seconds - masked)
                 clock.lap("schedule")
                 current = self._dispatch(plan) if plan is not None else None
                 clock.split("launch", "assemble", _times(current[1]).get("assemble", 0.0) if current else 0.0)

@@ -28,6 +28,13 @@ page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
    a step of a few hundred tokens costs about what one token does). The group is that optimum
    over the prompts that could start now, measured by the server (:func:`group_size`).
 
+Structured output: a request with a grammar (``Request.guide``, :mod:`hypertron.serve.structured`)
+gets a row only once its last sampled token is known (a guide's next allowed tokens depend on it):
+with the engine one step ahead it sits out every other step, and the others do not wait for it.
+Each of its sampling rows carries the guide's mask (``Row.mask``, timed in :attr:`Scheduler.
+mask_seconds`); each of its tokens is consumed by the guide, and a guide that can take nothing
+more ends it (``stop``).
+
 Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
 PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
 (its prompt, and what it generated before a pre-emption) that ends before its last token, so that
@@ -54,7 +61,9 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable
+from typing import Any
 
 from hypertron.config import SchedulerConfig
 from hypertron.config.serving import check_budget
@@ -76,6 +85,7 @@ class Request:
     cache_salt: str | None = None  # only requests of the same salt share cached pages
     adapter: int = -1  # its LoRA slot (hypertron.serve.lora_slots); -1: the base model
     adapter_key: str | None = None  # its adapter's load, a key of its pages (only the same adapter shares them)
+    guide: Any = None  # its grammar's state (hypertron.serve.structured.Guide); None: free text
     generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens found cached at its first admission
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' keys, computed so far
@@ -153,6 +163,7 @@ class Scheduler:
         self._order = itertools.count(1)
         self._out: list[Output] = []
         self.preemptions = 0
+        self.mask_seconds = 0.0  # spent on guided rows' masks (hypertron.serve.structured)
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -213,6 +224,8 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.status != RUNNING or seq.computed < len(seq.fill) or not self._goes_on(seq):
                 continue
+            if seq.guide is not None and seq.tokens_in_flight:  # its mask needs the token on its way
+                continue
             while seq.status == RUNNING and not self._page_for(seq, seq.computed):
                 if len(self.running) == 1:  # alone and still no page: the cache is full for it
                     if not seq.rows_in_flight:  # (once the tokens of steps in flight are in)
@@ -224,7 +237,7 @@ class Scheduler:
             if seq.status != RUNNING or seq.computed // self.page_size >= len(seq.pages):
                 continue
             decodes.append(Row(seq.id, seq.slot, seq.computed, (), tuple(seq.pages), seq.sampling,
-                               adapter=seq.adapter))
+                               adapter=seq.adapter, mask=self._mask(seq)))
             seq.computed += 1
             budget -= 1
         for seq in list(self.running.values()):  # prompts partly in the cache: their next chunk
@@ -392,9 +405,20 @@ class Scheduler:
         targets = None
         if seq.prompt_logprobs is not None:
             targets = tuple(seq.fill[p + 1] if p + 1 < len(seq.fill) else -1 for p in range(start, start + n))
+        sample = seq.computed == len(seq.fill)
         return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
-                   sample=seq.computed == len(seq.fill), prompt_targets=targets,
-                   prefix=tuple(seq.fill[:start]) if first else (), adapter=seq.adapter)
+                   sample=sample, prompt_targets=targets, prefix=tuple(seq.fill[:start]) if first else (),
+                   adapter=seq.adapter, mask=self._mask(seq) if sample else None)
+
+    def _mask(self, seq: Request):
+        """A guided sequence's allowed next tokens (its token in flight, if any, is known: see
+        :meth:`schedule`), timed into :attr:`mask_seconds`; None for one without a grammar."""
+        if seq.guide is None:
+            return None
+        start = time.perf_counter()
+        mask = seq.guide.mask()
+        self.mask_seconds += time.perf_counter() - start
+        return mask
 
     def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:
@@ -412,12 +436,17 @@ class Scheduler:
         if seq.prompt_logprobs is not None and not seq.generated:
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
             self._out.append(Output(seq, prompt_logprobs=prompt_lps))
+        if seq.guide is not None and not seq.guide.consume(token):  # the mask allowed it: a bug if met
+            self._finish(seq, ERROR, f"the grammar refused token {token} ({seq.guide.error}; request {seq.id})")
+            return
         if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
             self._finish(seq, STOP)
             return
         seq.generated.append(token)
         self._out.append(Output(seq, token, logprobs if s.logprobs is not None else None))
-        if len(seq.generated) >= s.max_tokens or len(seq.prompt) + len(seq.generated) >= self.max_seq_len:
+        if seq.guide is not None and seq.guide.done:
+            self._finish(seq, STOP)
+        elif len(seq.generated) >= s.max_tokens or len(seq.prompt) + len(seq.generated) >= self.max_seq_len:
             self._finish(seq, LENGTH)
 
     def _release(self, seq: Request) -> None:

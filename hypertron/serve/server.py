@@ -13,6 +13,9 @@ counted in ``usage.completion_tokens``, which counts the tokens returned; legacy
 ``logprobs.top_logprobs`` also hold the chosen token (as OpenAI's do); chat prompts are
 rendered with the tokenizer's ``chat_template`` (from ``tokenizer_config.json``) or else
 :data:`DEFAULT_CHAT_TEMPLATE`, which puts ``<|role|>`` lines before each message and BOS first.
+Structured output (:mod:`hypertron.serve.structured`): chat's ``response_format`` (``json_object``,
+``json_schema``) and the extension ``structured_outputs`` (vLLM's: ``json``, ``regex``, ``grammar``,
+``choice``, ``json_object``) on both endpoints.
 Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's); ``usage`` has
 ``prompt_tokens_details.cached_tokens`` (the prompt tokens the prefix cache held).
 """
@@ -71,6 +74,8 @@ from hypertron.serve.api import (
 from hypertron.serve.detokenize import detokenizer
 from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
+from hypertron.serve.sse import TEXT_MARK, Template, dump_event, sse_exclude
+from hypertron.serve.structured import Grammars, Guide, StructuredError, grammar_for
 from hypertron.serve.types import LoraError, SamplingError, SamplingParams, TokenLogprobs, check_token_ids
 from hypertron.tokenizer import compile_chat_template, render_chat
 log = logging.getLogger(__name__)
@@ -213,6 +218,7 @@ class _Api:
         self.max_prompt, self.max_tokens_limit, self.max_body = max_prompt, max_tokens_limit, max_body
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
+        self.grammars = Grammars(tokenizer, orch.vocab_size)  # structured output
 
     async def models(self):
         cards = [ModelCard(id=self.model_name, created=self.created, max_model_len=self.orch.max_seq_len)]
@@ -228,7 +234,8 @@ class _Api:
         prompt = self._completion_prompt(req.prompt)
         echo, n_logprobs = bool(req.echo), req.logprobs
         sampling = self._sampling(req, req.max_tokens, 16, n_logprobs, "logprobs")
-        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=echo and n_logprobs is not None)
+        guide = await self._guide(req)
+        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=echo and n_logprobs is not None, guide=guide)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_text, echo_offsets = _pieces(self.tok, prompt) if echo else ("", [])
 
@@ -244,8 +251,8 @@ class _Api:
             return Completion(id=rid, created=created, model=served, choices=[choice], usage=usage)
 
         if req.stream:
-            text_only = None if n_logprobs is not None else _Template(
-                completion(_TEXT_MARK, [], [], [], None, False), _sse_exclude(req.include_usage))
+            text_only = None if n_logprobs is not None else Template(
+                completion(TEXT_MARK, [], [], [], None, False), sse_exclude(req.include_usage))
 
             async def events():
                 first = True
@@ -303,7 +310,8 @@ class _Api:
                            is not None else (req.max_tokens, "max_tokens"))
         sampling = self._sampling(req, max_tokens, None, (top_n or 0) if want_logprobs else None, "top_logprobs",
                                   max_key=key)
-        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=False)
+        guide = await self._guide(req, req.response_format)
+        gen = self._submit(prompt, sampling, req, want_prompt_logprobs=False, guide=guide)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(ids, lps) -> ChoiceLogprobs | None:
@@ -314,8 +322,8 @@ class _Api:
             def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=served, choices=[choice])
 
-            text_only = None if want_logprobs else _Template(
-                chunk(ChatChunkChoice(delta=Delta(content=_TEXT_MARK))), _sse_exclude(req.include_usage))
+            text_only = None if want_logprobs else Template(
+                chunk(ChatChunkChoice(delta=Delta(content=TEXT_MARK))), sse_exclude(req.include_usage))
 
             async def events():
                 yield chunk(ChatChunkChoice(delta=Delta(role="assistant", content="")))
@@ -361,11 +369,23 @@ class _Api:
             raise ApiError(400, e.named(f"'{param}'"), param=param) from None
         return sampling
 
-    def _submit(self, prompt, sampling, req, want_prompt_logprobs: bool) -> Generation:
+    async def _guide(self, req, response_format=None) -> Guide | None:
+        """The request's grammar's state (:mod:`hypertron.serve.structured`), compiled off the
+        event loop; None for free text. A grammar that cannot be used is a 400 naming its field."""
+        def plain(model):
+            return None if model is None else model.model_dump(by_alias=True, exclude_none=True)
+
+        try:
+            grammar = grammar_for(plain(response_format), plain(req.structured_outputs))
+            return None if grammar is None else await asyncio.to_thread(self.grammars.guide, grammar)
+        except StructuredError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+
+    def _submit(self, prompt, sampling, req, want_prompt_logprobs: bool, guide: Guide | None = None) -> Generation:
         try:
             return self.orch.submit(prompt, sampling, stop=req.stop or [], want_prompt_logprobs=want_prompt_logprobs,
                                     cache_salt=req.cache_salt, adapter=None if req.model in (None, self.model_name)
-                                    else req.model)
+                                    else req.model, guide=guide)
         except LoraError as e:  # unloaded since the request was read
             raise api_error(e) from None
         except QueueFull as e:
@@ -378,14 +398,14 @@ class _Api:
 
     def _sse(self, gen: Generation, events, head: BaseModel, include_usage: bool, n_prompt: int) -> StreamingResponse:
         """Server-sent events of ``events`` (response models, or their JSON made by a
-        :class:`_Template`); with ``include_usage``, each has ``usage: null`` and a last one
+        :class:`Template`); with ``include_usage``, each has ``usage: null`` and a last one
         (``head``, no choices) has the usage."""
-        exclude = _sse_exclude(include_usage)
+        exclude = sse_exclude(include_usage)
 
         async def stream():
             try:
                 async for event in events:
-                    yield f"data: {event if isinstance(event, str) else _dump_event(event, exclude)}\n\n"
+                    yield f"data: {event if isinstance(event, str) else dump_event(event, exclude)}\n\n"
                 if include_usage:
                     head.usage = Usage.of(n_prompt, gen.completion_tokens, gen.cached_tokens)
                     yield f"data: {head.model_dump_json()}\n\n"
@@ -422,37 +442,6 @@ class _Api:
             return TopLogprob(token=self.token_text(i), logprob=v, bytes=list(self.tok.token_bytes(i)))
         return TokenLogprob(**entry(token_id, lp.logprob).model_dump(),
                             top_logprobs=[entry(i, v) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:n]])
-
-
-def _sse_exclude(include_usage: bool) -> set[str] | None:
-    """What a streamed event leaves out: ``usage`` unless the request asked for it."""
-    return None if include_usage else {"usage"}
-
-
-_TEXT_MARK = "hypertron-text-mark"  # stands for an event's text in a _Template; JSON escapes nothing in it
-
-
-class _Template:
-    """A request's commonest streamed event (new text alone: no log-probabilities, no finish
-    reason, not the first) as the JSON before and after its text, made once from the response
-    model; each such event is then ``json.dumps`` of its text between the two, the same text
-    :func:`_dump_event` makes, without a model built and dumped for every token."""
-
-    def __init__(self, event: BaseModel, exclude):
-        self.prefix, mark, self.suffix = _dump_event(event, exclude).partition(json.dumps(_TEXT_MARK))
-        assert mark, "the template's event holds no text mark"
-
-    def __call__(self, text: str) -> str:
-        return self.prefix + json.dumps(text) + self.suffix
-
-
-def _dump_event(event: BaseModel, exclude) -> str:
-    """One streamed event as JSON; a chat delta without its unset fields (``{}`` for no text)."""
-    data = event.model_dump(exclude=exclude)
-    for choice in data.get("choices", ()):
-        if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return json.dumps(data)
 
 
 def _raise_if_failed(chunk) -> None:

@@ -38,7 +38,7 @@ def prefill_bucket(tokens: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The static sizes of one compiled step (:func:`hypertron.serve.engine.step`): decode rows,
+    """The static sizes of one compiled step (:func:`hypertron.serve.device_step.step`): decode rows,
     prefill rows, prefill tokens, and its variants."""
 
     num_decode: int
@@ -48,6 +48,7 @@ class Shape:
     logprobs: bool = False
     prompt_logprobs: bool = False
     lora: bool = False  # some row has a LoRA adapter
+    guided: bool = False  # some row's sample is masked by a grammar (hypertron.serve.structured)
 
     @property
     def queries_per_row(self) -> int | None:
@@ -60,7 +61,7 @@ class Shape:
         ``other``'s, and no variant it lacks."""
         return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
                 and self.prefill_tokens >= other.prefill_tokens
-                and self.logprobs >= other.logprobs and self.lora >= other.lora
+                and self.logprobs >= other.logprobs and self.lora >= other.lora and self.guided >= other.guided
                 and self.prompt_logprobs >= other.prompt_logprobs)
 
 

@@ -121,7 +121,8 @@ class Row:
     ``i`` holds positions ``i * page_size ..``), enough for every position written.
     ``sample``: the step samples the token after the row's last input (every decode row, and
     the last chunk of a prompt), with ``sampling`` and the key of its position, and keeps it
-    on the device as the slot's next input. ``prompt_targets``: when prompt log-probabilities
+    on the device as the slot's next input, among the ids ``mask`` allows if it is set (a
+    guided row: :mod:`hypertron.serve.structured`). ``prompt_targets``: when prompt log-probabilities
     are wanted, the token after each input (-1 where it is not a prompt token). ``prefix``: the
     sequence's tokens just before ``start`` that no row of it fed (on the first chunk after an
     admission that found them cached): the engine only writes them into the slot's token history.
@@ -137,6 +138,8 @@ class Row:
     prompt_targets: tuple[int, ...] | None = None
     prefix: tuple[int, ...] = ()
     adapter: int = -1  # the LoRA slot of its tokens (hypertron.serve.lora_slots); -1: none
+    # A guided row's allowed next tokens (hypertron.serve.structured: int32 words, a bit an id); None: any.
+    mask: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
