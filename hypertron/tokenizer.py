@@ -234,7 +234,9 @@ class HFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """Byte-level BPE pieces (GPT-2, Llama 3) map back to their bytes through the byte <-> unicode
-        table; byte-fallback pieces (``<0xE2>``) are their byte; other pieces are decoded alone."""
+        table; byte-fallback pieces (``<0xE2>``) are their byte; other pieces are what they add decoded
+        after a letter (``a``): a Metaspace piece ``▁world`` (Llama 2, Mistral) adds `` world``, which
+        decoded alone would lose its space, and a WordPiece ``##s`` adds ``s``."""
         piece = self._tokenizer.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
         if piece is None or token_id in self._specials:
             return b""
@@ -243,6 +245,11 @@ class HFTokenizer:
         byte = _BYTE_PIECE.fullmatch(piece)
         if byte:
             return bytes([int(byte.group(1), 16)])
+        anchor = self._tokenizer.token_to_id("a")
+        if anchor is not None:
+            head, both = self.decode([anchor]), self.decode([anchor, token_id])
+            if head and both.startswith(head):
+                return both[len(head):].encode("utf-8")
         return self.decode([token_id]).encode("utf-8")
 
 

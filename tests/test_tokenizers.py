@@ -77,6 +77,28 @@ def bpe_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def metaspace_path(tmp_path_factory):
+    """A tokenizer.json as Llama 2's and Mistral's are: BPE over Metaspace pieces (``▁word``) with
+    byte fallback (no ``▁`` put before the text: the joined pieces are the text exactly)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    # Llama 2's decoder: its Strip takes the first space off a decoded text, so "▁world" alone decodes to "world".
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                                              show_progress=False))
+    spec = json.loads(tokenizer.to_str())  # the byte pieces in the model's vocabulary, as Llama 2's are
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    path = tmp_path_factory.mktemp("metaspace") / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def sp_path(tmp_path_factory):
     return train_sentencepiece(tmp_path_factory.mktemp("sp") / "sp")
 
@@ -217,11 +239,13 @@ def test_streamed_text_after_any_prompt_is_the_decoded_continuation(kind, bpe_pa
     assert stream.add(tokenizer.eos_id) == "" and stream.flush() == ""
 
 
-@pytest.mark.parametrize("kind", ["byte", "bpe", "sp"])
-def test_token_bytes_are_exactly_the_bytes_each_id_adds(kind, bpe_path, sp_path):
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sp", "metaspace"])
+def test_token_bytes_are_exactly_the_bytes_each_id_adds(kind, bpe_path, sp_path, metaspace_path):
     """Joined, the bytes of a text's ids are the text's UTF-8, even where one id holds only part of
-    a character (byte tokens, byte-level BPE pieces, SentencePiece byte fallback); special ids add none."""
-    tokenizer = get_tokenizer({"byte": "byte", "bpe": bpe_path, "sp": sp_path}[kind])
+    a character (byte tokens, byte-level BPE pieces, SentencePiece byte fallback) or where a
+    Metaspace piece's space goes when it is decoded alone; special ids add none. (Structured
+    output's grammars see the tokenizer through these bytes: hypertron.serve.structured.)"""
+    tokenizer = get_tokenizer({"byte": "byte", "bpe": bpe_path, "sp": sp_path, "metaspace": metaspace_path}[kind])
     partial = 0
     for text in TEXTS:
         ids = tokenizer.encode(text)
