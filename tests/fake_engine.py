@@ -126,7 +126,17 @@ class FakeEngine:
                 lp = token_logprobs(seq[-1], token, k)
                 result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = lp.logprob, lp.top_ids, lp.top_logprobs
         self.steps += 1
+        result.plan = plan  # for sample_guided
         return result
+
+    def sample_guided(self, result: StepResult, masks: list) -> None:
+        """A guided row's token: the first id its mask allows at or after the one this engine drew
+        (else the first it allows), so that a grammar holds here as on the real engine."""
+        for i, (row, mask) in enumerate(zip(result.plan.rows, masks)):
+            if row.guided and mask is not None:
+                allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+                later = allowed[allowed >= result.tokens[i]]
+                result.tokens[i] = self.last[row.slot] = int(later[0] if len(later) else allowed[0])
 
     def _check_pages(self, plan: StepPlan) -> None:
         """Every page in the pool; a page a row writes in no other row of the step."""

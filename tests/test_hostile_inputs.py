@@ -156,10 +156,10 @@ def test_a_row_that_fails_the_real_engines_dispatch_leaves_the_device_as_it_was(
     engine = PagedEngine(params, cfg, EngineConfig(max_slots=2, page_size=8, compile="lazy"))
     row = engine._row
 
-    def poisoned_row(b, i, r, out_idx):
+    def poisoned_row(b, i, r, *rest):
         if r.sampling.seed == POISON:
             raise OverflowError("Python integer 3000000000 out of bounds for int32")
-        row(b, i, r, out_idx)
+        row(b, i, r, *rest)
 
     monkeypatch.setattr(engine, "_row", poisoned_row)
     for _ in range(2):  # dispatched ahead, the loop's way: nothing is collected in between

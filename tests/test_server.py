@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -169,6 +170,20 @@ def test_openai_client_completes_chats_and_streams(server):
     for prompt in ([5, 6, 7], [[5, 6, 7]]):
         r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, seed=1)
         assert r.choices[0].text == expected([5, 6, 7], 5, seed=1)[0]
+
+
+def test_a_guided_request_on_the_fake_engine_keeps_its_grammar_one_step_ahead(server):
+    """The fake engine takes grammars as the real one does (tests/test_structured_output.py is
+    the real engine's): a choice and a regex hold, streamed and not, beside unguided requests."""
+    def post(body):
+        return httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "pick", "max_tokens": 20,
+                                                                "ignore_eos": True, **body}).json()
+
+    for seed in range(3):
+        assert post({"seed": seed, "structured_outputs": {"choice": ["yes", "no"]}})["choices"][0]["text"] in (
+            "yes", "no")
+        text = post({"seed": seed, "structured_outputs": {"regex": "[0-9]{3}-x"}})["choices"][0]["text"]
+        assert re.fullmatch("[0-9]{3}-x", text), text
 
 
 def test_seeds_greedy_stops_and_lengths(server):

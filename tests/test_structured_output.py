@@ -1,8 +1,8 @@
 """Structured output (``response_format``, ``structured_outputs``) through the real engine.
 
 A tiny random model, with the byte tokenizer and with a byte-level BPE trained here: what the model
-would say is noise, so every output that holds its grammar held because the mask made it. Each kind over 10 seeds: JSON schemas
-validate with ``jsonschema``, regular expressions ``re.fullmatch``, a Lark arithmetic grammar's
+would say is noise, so every output that holds its grammar held because the mask made it. Each
+kind over 10 seeds: JSON schemas validate with ``jsonschema``, regular expressions ``re.fullmatch``, a Lark arithmetic grammar's
 outputs parse with Python's ``ast``, a choice is a choice. The official ``openai`` client's
 ``chat.completions.parse`` with a pydantic model returns the instance. Requests that cannot be
 guided are one 400 naming the field, before anything is queued.
@@ -165,6 +165,24 @@ def test_unguided_rows_beside_guided_ones_get_their_own_tokens_and_logprobs_stay
     assert server.metrics()["hypertron_structured_mask_seconds_count"] > 0
 
 
+@BYTE_ONLY
+def test_completions_take_response_format_and_a_grammar_ends_its_request_despite_ignore_eos(server):
+    """``response_format`` on completions (vLLM takes it there too); with ``ignore_eos`` a guided
+    request still ends where its grammar does, its end-of-sequence token not returned; ``json:
+    true`` is any JSON value and ``json_object: false`` no grammar at all."""
+    body = {"prompt": "go", "max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+    for seed in range(3):
+        r = _post(server, "/v1/completions", {**body, "seed": seed, "structured_outputs": {"regex": REGEX}}).json()
+        text = r["choices"][0]["text"]
+        assert re.fullmatch(REGEX, text) and r["choices"][0]["finish_reason"] == "stop", r
+        assert r["usage"]["completion_tokens"] == len(TOK.encode(text))  # no end-of-sequence token among them
+        fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": SCHEMAS["enum"]}}
+        r = _post(server, "/v1/completions", {**body, "seed": seed, "response_format": fmt}).json()
+        jsonschema.validate(json.loads(r["choices"][0]["text"]), SCHEMAS["enum"])
+    for outputs in ({"json": True}, {"json_object": False}):
+        assert _post(server, "/v1/completions", {**body, "structured_outputs": outputs}).status_code == 200
+
+
 def test_the_official_client_parses_a_pydantic_model(server):
     class Answer(pydantic.BaseModel):
         mood: Literal["calm", "busy"]
@@ -187,9 +205,13 @@ def test_the_official_client_parses_a_pydantic_model(server):
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "regex"),
     ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "foo"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "empty"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "takes one of"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
      "both"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "Extra inputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "response_format",
+     "allows no value"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "structured_outputs"),
 ])
 def test_a_grammar_that_cannot_be_used_is_one_400_naming_its_field(server, body, param, says):
     r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body})
@@ -197,3 +219,40 @@ def test_a_grammar_that_cannot_be_used_is_one_400_naming_its_field(server, body,
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"] and "\n" not in error["message"], error
     assert server.wait_idle()["hypertron_queue_depth"] == 0
+
+
+def test_guided_rows_sample_in_every_step_one_step_ahead_and_keep_their_grammar_through_preemption():
+    """The engine alone, one step ahead and not: a guided sequence has a row in every step while it
+    runs (its sample waits for its mask, not its row for the token before), its outputs hold the
+    grammar, and a page pool too small for all of them pre-empts some, whose guides carry on; the
+    tokens are the same either way."""
+    from serving import scheduler_for  # tests/
+
+    from hypertron.serve.scheduler import Request, run_until_done
+    from hypertron.serve.structured import Grammars, grammar_for
+    from hypertron.serve.types import SamplingParams
+
+    grammars, grammar = Grammars(TOK, CFG.vocab_size), grammar_for(None, {"regex": REGEX})
+    params = init_params(CFG, jax.random.key(0))
+    got = {}
+    for ahead in (False, True):
+        engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, num_pages=10, compile="lazy"),
+                             eos_ids=TOK.eos_ids)
+        sched = scheduler_for(engine, enable_prefix_caching=False)
+        seqs = [Request(i, TOK.encode(f"prompt {i}:"), SamplingParams(temperature=1.0, seed=i, max_tokens=12),
+                        guide=grammars.guide(grammar) if i % 3 else None) for i in range(6)]
+        for seq in seqs:
+            sched.add(seq)
+        run_until_done(engine, sched, lambda out: None, ahead=ahead)
+        got[ahead] = [(s.generated, s.finish_reason) for s in seqs]
+        assert sched.preemptions > 0
+        for s in seqs:
+            if s.guide is not None:
+                assert s.finish_reason == "stop" and re.fullmatch(REGEX, TOK.decode(s.generated)), s.generated
+        decoding = [set(r.decodes) for r in sched.records]
+        for s in seqs:  # from its first decode to its last, in every step (pre-empted: until then)
+            steps = [k for k, d in enumerate(decoding) if s.id in d]
+            first_gap = next((b for a, b in zip(steps, steps[1:]) if b != a + 1), None)
+            assert first_gap is None or any(s.id in {p for p in sched.records[k].preempted}
+                                            for k in range(steps[0], first_gap)), (s.id, steps)
+    assert got[True] == got[False]

@@ -118,28 +118,32 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class _Closed(BaseModel):  # a grammar's fields: a key this server does not know would change the output
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(_Closed):
     """``response_format.json_schema``: the schema the answer keeps to (compact JSON; ``strict``
     or not, it is kept to)."""
 
     name: str
     description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
+    schema_: dict | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
-    """A chat answer's format (OpenAI's): free text, any JSON object, or JSON keeping to a schema."""
+class ResponseFormat(_Closed):
+    """An answer's format (OpenAI's): free text, any JSON object, or JSON keeping to a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
-    """Extension (vLLM's): the output keeps to exactly one of a JSON schema, a regular
-    expression, a Lark grammar, a list of choices, or any JSON object."""
+class StructuredOutputs(_Closed):
+    """Extension (vLLM's): the output keeps to one of a JSON schema, a regular expression, a Lark
+    grammar, a list of choices, or any JSON object (none of them: free text)."""
 
-    json_: dict | str | None = Field(None, alias="json")
+    json_: dict | bool | str | None = Field(None, alias="json")
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
@@ -164,7 +168,12 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = Field(None, description="extension: go on past the end-of-sequence token")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT, description=(
         "extension (vLLM's): the request shares cached prompt pages only with requests of the same salt"))
+    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = Field(None, json_schema_extra={"type": "null"})  # vLLM's old names, refused below
+    guided_regex: Any = Field(None, json_schema_extra={"type": "null"})
+    guided_choice: Any = Field(None, json_schema_extra={"type": "null"})
+    guided_grammar: Any = Field(None, json_schema_extra={"type": "null"})
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, json_schema_extra=_only(1))
@@ -178,6 +187,14 @@ class _Sampling(_Strict):
     def _one(cls, v: int | None, info) -> int | None:
         if v is not None and v != 1:
             raise ValueError(f"only {info.field_name}=1 is supported")
+        return v
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _old_guided(cls, v: Any, info) -> None:
+        if v is not None:
+            raise ValueError(f"vLLM's old name: use 'structured_outputs' with "
+                             f"'{info.field_name.removeprefix('guided_')}'")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -266,7 +283,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: ResponseFormat | None = None
 
 
 # ---------------------------------------------------------------------------

@@ -44,14 +44,15 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     padding; a decode row's input is ``last_tokens[slot]`` at ``lengths - 1``; the sample's key is
     at ``lengths``), ``out_idx`` (the flat index whose logits sample the row), ``out_slot`` (where
     the sample goes; ``max_slots``: nowhere), ``temperature``, ``top_k``, ``top_p``, ``seed``;
-    with ``prompt_logprobs``, ``targets [P]``; with ``guided``, ``mask [rows, words]`` (each row's
-    allowed samples: :func:`allowed`). Each row reads its slot's page-table row. Returns
+    with ``prompt_logprobs``, ``targets [P]``. Each row reads its slot's page-table row. Returns
     ``(cache, state, out)``, ``out`` holding ``tokens [rows]`` and, when asked, ``logprobs``,
     ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
-    target). ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the engine's (shard_map'ed layers).
+    target); with ``guided``, ``logits [rows, vocab]`` too, left on the device for
+    :func:`sample_masked` (a guided row's ``out_slot`` is nowhere: its sample is that function's).
+    ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the
+    engine's (shard_map'ed layers).
     """
-    words = mask_words(cfg) if guided else 0
-    b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs, words), num_decode
+    b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
     n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
     slot, lengths = b["slot"], b["lengths"]
     tokens = jnp.concatenate([state["last_tokens"][slot[:nd]], b["pre_tokens"]])
@@ -75,11 +76,11 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
                       logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows]
-    # A guided row samples among what its grammar allows; its log-probabilities stay the model's.
-    masked = jnp.where(allowed(b["mask"], row_logits.shape[-1]), row_logits, -jnp.inf) if guided else row_logits
-    nxt = sample_rows(masked, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
+    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
                       skip_greedy=skip_greedy)
     out = {"tokens": nxt}
+    if guided:  # guided rows sample in sample_masked, from these (their out_slot is nowhere here)
+        out["logits"] = row_logits
     if want_logprobs:
         out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
     if prompt_logprobs:
@@ -102,6 +103,28 @@ def allowed(mask, vocab: int) -> jax.Array:
     ``[rows, vocab]``."""
     bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     return bits.reshape(mask.shape[0], -1)[:, :vocab] > 0
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("words", "top_n", "want_logprobs", "skip_greedy"))
+def sample_masked(state, logits, packed, *, words: int, top_n: int, want_logprobs: bool, skip_greedy: bool = True):
+    """The samples of a step's guided rows, once their grammars' masks are known: ``logits [rows,
+    vocab]`` (:func:`step`'s, guided variant), ``packed`` a :class:`~hypertron.serve.step_batch.
+    StepBatch` of no tokens with ``mask [rows, words]``, its rows' ``out_slot`` (``max_slots``: not
+    guided), ``lengths``, ``temperature``, ``top_k``, ``top_p``, ``seed`` as :func:`step` reads
+    them. Each guided row samples among what its mask allows (:func:`allowed`), with the key of its
+    position, as :func:`step` would; its token goes into ``last_tokens`` and ``history`` as there.
+    Log-probabilities are the model's. Returns ``(state, out)``, ``out`` as :func:`step`'s."""
+    rows = logits.shape[0]
+    b = unpack(packed, rows, 0, False, words)
+    masked = jnp.where(allowed(b["mask"], logits.shape[-1]), logits, -jnp.inf)
+    nxt = sample_rows(masked, b["temperature"], b["top_k"], b["top_p"], b["seed"], b["lengths"],
+                      skip_greedy=skip_greedy)
+    out = {"tokens": nxt}
+    if want_logprobs:
+        out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(logits, nxt, top_n)
+    state = {**state, "last_tokens": state["last_tokens"].at[b["out_slot"]].set(nxt),
+             "history": state["history"].at[b["out_slot"], b["lengths"]].set(nxt, mode="drop")}
+    return state, out
 
 
 def init_state(max_slots: int, pages_per_seq: int, max_seq_len: int) -> dict:

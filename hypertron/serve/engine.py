@@ -51,7 +51,9 @@ Engines of one process share their compiled steps: one whose model, settings and
 another's uses that one's executable (:data:`SHARED_EXECUTABLES`).
 
 Sampling is repeatable: the key of the token at position ``p`` is ``fold_in(key(seed), p)``,
-whatever else is in the step.
+whatever else is in the step. A guided row (structured output) is sampled apart, once its grammar's
+mask is known (:meth:`PagedEngine.sample_guided`): the step keeps the logits of a plan with guided
+rows on the device for it.
 
 The pages, slots and requests themselves are the scheduler's (:mod:`hypertron.serve.scheduler`);
 this module only runs plans.
@@ -80,7 +82,7 @@ from hypertron.models import resolve_dtype, unstack_layers
 from hypertron.models.flops import dense_flops_per_token
 from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.padding import bucket, next_pow2
-from hypertron.serve.device_step import init_state, mask_words, step, write_deltas
+from hypertron.serve.device_step import init_state, mask_words, sample_masked, step, write_deltas
 from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
 from hypertron.serve.shapes import Shape, prefill_bucket, step_flops
 from hypertron.serve.step_batch import StepBatch
@@ -126,6 +128,8 @@ class _Pending:
     prefill_offsets: list[int]
     out: dict
     times: dict[str, float] = dataclasses.field(default_factory=dict)
+    logits: object = None  # a guided step's logits until sample_guided takes them
+    guided: dict | None = None  # sample_guided's outputs
 
 
 def _spec(x):
@@ -218,7 +222,7 @@ class PagedEngine:
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
                      logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs,
-                     lora=any(r.adapter >= 0 for r in plan.rows), guided=any(r.mask is not None for r in plan.rows))
+                     lora=any(r.adapter >= 0 for r in plan.rows), guided=any(r.guided for r in plan.rows))
 
     def context(self, plan: StepPlan) -> int:
         """The keys :meth:`cost` counts each query of ``plan`` against: its longest row's."""
@@ -414,13 +418,45 @@ class PagedEngine:
         for slot, table in tables.items():  # what the device now holds
             self._tables[slot] = table
         self.cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch.array)
+        logits = out.pop("logits", None)  # guided rows': sampled by sample_guided, on the device
+        if not any(r.guided for r in plan.rows):  # a plan without any run padded to a guided shape
+            logits = None
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
-        return _Pending(plan, shape, offsets, out, {"assemble": assembled})
+        return _Pending(plan, shape, offsets, out, {"assemble": assembled}, logits)
+
+    def sample_guided(self, pending: _Pending, masks: list) -> None:
+        """Sample ``pending``'s guided rows with ``masks`` (one per plan row; see
+        :meth:`hypertron.serve.types.Engine.sample_guided`): a second compiled function
+        (:func:`~hypertron.serve.device_step.sample_masked`) over the step's logits, queued after
+        it and before any later step, which reads these rows' tokens on the device."""
+        plan, nd, words = pending.plan, pending.shape.num_decode, mask_words(self.cfg)
+        batch = StepBatch(pending.logits.shape[0], 0, False, nowhere=self.max_slots, mask_words=words)
+        b = batch.fields
+        for i, (row, mask) in enumerate(zip(plan.rows, masks)):
+            if row.guided:
+                j = i if i < len(plan.decodes) else nd + i - len(plan.decodes)
+                self._row(b, j, row, 0)
+                if mask is not None:
+                    b["mask"][j] = mask
+        self.state, out = sample_masked(self.state, pending.logits, batch.array, words=words,
+                                        top_n=self.max_top_logprobs, want_logprobs=plan.logprobs,
+                                        skip_greedy=jax.default_backend() != "gpu")
+        for x in jax.tree.leaves(out):
+            x.copy_to_host_async()
+        pending.logits, pending.guided = None, out
 
     def collect(self, pending: _Pending) -> StepResult:
+        if pending.logits is not None:
+            raise RuntimeError(f"step {pending.plan.step} has guided rows not sampled yet (sample_guided)")
         start = time.perf_counter()
         out = jax.device_get(pending.out)
+        if pending.guided is not None:  # the guided rows' samples (and log-probabilities) are sample_guided's
+            guided, rows = jax.device_get(pending.guided), np.zeros(len(out["tokens"]), bool)
+            rows[[i if i < len(pending.plan.decodes) else pending.shape.num_decode + i - len(pending.plan.decodes)
+                  for i, r in enumerate(pending.plan.rows) if r.guided]] = True
+            out = {**out, **{k: np.where(rows.reshape(-1, *[1] * (np.ndim(v) - 1)), v, out[k])
+                             for k, v in guided.items()}}
         pending.times["wait"] = time.perf_counter() - start
         plan, nd = pending.plan, pending.shape.num_decode
         rows = list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
@@ -441,7 +477,7 @@ class PagedEngine:
     def _empty_batch(self, shape: Shape) -> StepBatch:
         """The inputs of a step of ``shape`` (see :func:`step`), all padding."""
         return StepBatch(shape.num_decode + shape.prefill_rows, shape.prefill_tokens, shape.prompt_logprobs,
-                         nowhere=self.max_slots, mask_words=mask_words(self.cfg) if shape.guided else 0)
+                         nowhere=self.max_slots)
 
     def _batch(self, plan: StepPlan, shape: Shape) -> tuple[StepBatch, list[int]]:
         """The inputs of ``plan`` padded to ``shape`` (which holds it), and where each prefill
@@ -449,7 +485,7 @@ class PagedEngine:
         packed, nd = self._empty_batch(shape), shape.num_decode
         b, offsets = packed.fields, []
         for i, row in enumerate(plan.decodes):
-            self._row(b, i, row, i)
+            self._row(b, i, row, i, not row.guided)
         off = 0
         for j, row in enumerate(plan.prefills):
             n, sl = len(row.tokens), slice(off, off + len(row.tokens))
@@ -457,21 +493,19 @@ class PagedEngine:
             b["pre_pos"][sl] = np.arange(row.start, row.end)
             if row.prompt_targets is not None:
                 b["targets"][sl] = row.prompt_targets
-            self._row(b, nd + j, row, nd + off + n - 1)
+            self._row(b, nd + j, row, nd + off + n - 1, not row.guided)
             offsets.append(off)
             off += n
         return packed, offsets
 
-    def _row(self, b: dict, i: int, row, out_idx: int) -> None:
+    def _row(self, b: dict, i: int, row, out_idx: int, sampled_here: bool = True) -> None:
         b["slot"][i], b["lengths"][i], b["out_idx"][i] = row.slot, row.end, out_idx
-        if row.sample:
+        if row.sample and sampled_here:
             b["out_slot"][i] = row.slot
         s = row.sampling
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
         b["seed"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
         b["adapter"][i] = row.adapter + 1
-        if row.mask is not None:
-            b["mask"][i] = row.mask
 
     def _deltas(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...]]]:
         """What ``plan`` changes in the device's state before it runs: ``pages [K, 3]`` (slot,

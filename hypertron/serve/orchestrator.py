@@ -11,7 +11,9 @@ plain loop:
    the device runs step n + 1 while the host reads step n's tokens, detokenises and streams
    (``ahead=False``: collect each step right after dispatching it; ``ahead_max_tokens``: only
    steps of at most that many tokens are left running, for a CPU, where a large step takes the
-   cores the host needs);
+   cores the host needs); then, if step n + 1 has guided rows (structured output), hand the
+   engine their grammars' masks, which needed step n's tokens, and it samples them
+   (:func:`~hypertron.serve.scheduler.sample_guided`) while its forward pass runs;
 4. deliver the scheduler's outputs to each request's ``asyncio.Queue``
    (``loop.call_soon_threadsafe``, one call per event loop per step).
 
@@ -46,6 +48,7 @@ from hypertron.serve.scheduler import (
     Output,
     Request,
     Scheduler,
+    sample_guided,
 )
 from hypertron.serve.types import Engine, LoraError, SamplingParams, check_token_ids
 
@@ -109,6 +112,7 @@ class Orchestrator:
         self._requests: dict[int, _Submission] = {}  # owned by the loop thread
         self._outbox: list[tuple[_Submission, Output]] = []
         self._counted = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._guided_seen = False  # a step with guided rows has run (see _guide)
         self._compiles: dict[str, int] = {}
         self._compiles_lock = threading.Lock()  # count_compiles runs on the loop thread and in GET /metrics
 
@@ -222,10 +226,7 @@ class Orchestrator:
                     sched.abort(req.seq)
                     self._forget(req.seq.id)
                 clock.lap("intake")
-                masked = sched.mask_seconds
                 plan = sched.schedule() if sched.has_work else None
-                if sched.mask_seconds > masked:
-                    self.metrics.structured_mask.observe(sched.mask_seconds - masked)
                 clock.lap("schedule")
                 current = self._dispatch(plan) if plan is not None else None
                 clock.split("launch", "assemble", _times(current[1]).get("assemble", 0.0) if current else 0.0)
@@ -235,7 +236,7 @@ class Orchestrator:
                 if current is None and plan is not None:  # its dispatch raised; step n is in first
                     self._isolate(plan)
                     clock.lap("launch")
-                elif current is not None:
+                elif current is not None and self._guide(current):
                     if self._ahead(plan):
                         pending = current
                     else:
@@ -273,6 +274,31 @@ class Orchestrator:
             log.exception("step %d failed to dispatch (requests %s); running its rows apart", plan.step,
                           [r.request for r in plan.rows])
             return None
+
+    def _guide(self, current) -> bool:
+        """Sample the guided rows of a step just dispatched, once the step before is collected
+        (:func:`~hypertron.serve.scheduler.sample_guided`); False if that failed (its requests fail:
+        the step ran on the device)."""
+        plan, handle = current
+        spent = self.scheduler.mask_seconds
+        try:
+            sample_guided(self.engine, self.scheduler, plan, handle)
+        except Exception:
+            log.exception("step %d: sampling its guided rows failed (requests %s)", plan.step,
+                          [r.request for r in plan.rows])
+            self.scheduler.fail(plan, STEP_FAILED)
+            return False
+        if self.scheduler.mask_seconds > spent:
+            self.metrics.structured_mask.observe(self.scheduler.mask_seconds - spent)
+            if not self._guided_seen and getattr(self.engine, "background_compile", False):
+                # The first guided step waited for its variant's compile, as a first step asking for
+                # log-probabilities does; the largest shape's guided variant now compiles in the
+                # background, so that later guided steps run padded to it rather than wait.
+                c = self.config
+                largest = self.engine.largest_shape(c.max_prefill_rows, c.max_num_batched_tokens)
+                self.engine.precompile(dataclasses.replace(largest, guided=True))
+            self._guided_seen = True
+        return True
 
     def _collect(self, pending, clock: _Clock | None = None) -> None:
         """Hand a dispatched step's result to the scheduler. A step that fails here failed on the
@@ -312,7 +338,8 @@ class Orchestrator:
                 else:
                     parts += [rows[len(rows) // 2:], rows[:len(rows) // 2]]
                 continue
-            self._collect((sub, handle))
+            if self._guide((sub, handle)):
+                self._collect((sub, handle))
 
     def _route(self, outputs: list[Output]) -> None:
         m = self.metrics

@@ -29,11 +29,13 @@ page pool, on the host, with no JAX. Each :meth:`Scheduler.schedule` builds one
    over the prompts that could start now, measured by the server (:func:`group_size`).
 
 Structured output: a request with a grammar (``Request.guide``, :mod:`hypertron.serve.structured`)
-gets a row only once its last sampled token is known (a guide's next allowed tokens depend on it):
-with the engine one step ahead it sits out every other step, and the others do not wait for it.
-Each of its sampling rows carries the guide's mask (``Row.mask``, timed in :attr:`Scheduler.
-mask_seconds`); each of its tokens is consumed by the guide, and a guide that can take nothing
-more ends it (``stop``).
+is scheduled as any other; its sampling rows are ``guided``. A guide's next allowed tokens depend
+on the token sampled last, which with the engine one step ahead is still on its way when the next
+step is planned and dispatched: so the step runs its forward pass for every row and samples the
+unguided ones, and once the step before is collected (its tokens consumed by the guides),
+:func:`sample_guided` hands the engine the guided rows' masks (:meth:`Scheduler.masks`) and it
+samples them (:meth:`Engine.sample_guided`), before the next step is dispatched. A guide that can
+take nothing more ends its request (``stop``).
 
 Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
 PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
@@ -59,7 +61,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -69,6 +73,8 @@ from hypertron.config import SchedulerConfig
 from hypertron.config.serving import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
 from hypertron.serve.types import Engine, Row, SamplingError, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -224,8 +230,6 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.status != RUNNING or seq.computed < len(seq.fill) or not self._goes_on(seq):
                 continue
-            if seq.guide is not None and seq.tokens_in_flight:  # its mask needs the token on its way
-                continue
             while seq.status == RUNNING and not self._page_for(seq, seq.computed):
                 if len(self.running) == 1:  # alone and still no page: the cache is full for it
                     if not seq.rows_in_flight:  # (once the tokens of steps in flight are in)
@@ -237,7 +241,7 @@ class Scheduler:
             if seq.status != RUNNING or seq.computed // self.page_size >= len(seq.pages):
                 continue
             decodes.append(Row(seq.id, seq.slot, seq.computed, (), tuple(seq.pages), seq.sampling,
-                               adapter=seq.adapter, mask=self._mask(seq)))
+                               adapter=seq.adapter, guided=seq.guide is not None))
             seq.computed += 1
             budget -= 1
         for seq in list(self.running.values()):  # prompts partly in the cache: their next chunk
@@ -408,17 +412,35 @@ class Scheduler:
         sample = seq.computed == len(seq.fill)
         return Row(seq.id, seq.slot, start, tuple(seq.fill[start:start + n]), tuple(seq.pages), seq.sampling,
                    sample=sample, prompt_targets=targets, prefix=tuple(seq.fill[:start]) if first else (),
-                   adapter=seq.adapter, mask=self._mask(seq) if sample else None)
+                   adapter=seq.adapter, guided=sample and seq.guide is not None)
 
-    def _mask(self, seq: Request):
-        """A guided sequence's allowed next tokens (its token in flight, if any, is known: see
-        :meth:`schedule`), timed into :attr:`mask_seconds`; None for one without a grammar."""
-        if seq.guide is None:
-            return None
+    def masks(self, plan: StepPlan) -> list:
+        """Each row's allowed samples for :meth:`Engine.sample_guided`: a guided row's grammar's
+        mask, None for the others (and for a sequence that ended meanwhile). Call once every step
+        before ``plan``'s is collected (so each guide has its sequence's tokens but the one this
+        step samples); timed into :attr:`mask_seconds`."""
         start = time.perf_counter()
-        mask = seq.guide.mask()
+        out = []
+        for row in plan.rows:
+            seq = self._live.get(row.request) if row.guided else None
+            got = []
+            if seq is not None and seq.guide is not None:
+                failed = self._guide_error(seq, functools.partial(lambda g: got.append(g.mask()), seq.guide))
+                if failed:
+                    self._finish(seq, ERROR, f"the grammar failed: {failed} (request {seq.id})")
+            out.append(got[0] if got else None)
         self.mask_seconds += time.perf_counter() - start
-        return mask
+        return out
+
+    @staticmethod
+    def _guide_error(seq: Request, call) -> str:
+        """What ``call`` (of ``seq``'s guide) returned, or its exception as text: a grammar library's
+        failure ends that one request, never the serving loop (logged with its traceback)."""
+        try:
+            return call() or ""
+        except Exception as e:
+            log.exception("request %d: its grammar failed", seq.id)
+            return f"{type(e).__name__}: {e}"
 
     def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:
@@ -436,9 +458,20 @@ class Scheduler:
         if seq.prompt_logprobs is not None and not seq.generated:
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
             self._out.append(Output(seq, prompt_logprobs=prompt_lps))
-        if seq.guide is not None and not seq.guide.consume(token):  # the mask allowed it: a bug if met
-            self._finish(seq, ERROR, f"the grammar refused token {token} ({seq.guide.error}; request {seq.id})")
-            return
+        if seq.guide is not None:
+            guide = seq.guide
+
+            def consume() -> str:
+                ok = guide.consume(token)
+                return guide.error or ("" if ok else "it is not allowed")
+
+            refused = self._guide_error(seq, consume)
+            if refused:  # the mask allowed it, so the grammar's own error (a limit met), or a bug
+                self._finish(seq, ERROR, f"the grammar failed at token {token}: {refused} (request {seq.id})")
+                return
+            if token in self.eos_ids:  # where the grammar accepts, ignore_eos or not: the request ends here
+                self._finish(seq, STOP)
+                return
         if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
             self._finish(seq, STOP)
             return
@@ -491,6 +524,13 @@ def group_size(n: int, length: float, fixed: float) -> int:
     return min(range(1, n + 1), key=lambda g: (total(g), -g))
 
 
+def sample_guided(engine: Engine, scheduler: Scheduler, plan: StepPlan, handle) -> None:
+    """Sample ``plan``'s guided rows, if it has any (see the module docstring): once the step
+    before it is collected, before it is and before the next is dispatched."""
+    if any(r.guided for r in plan.rows):
+        engine.sample_guided(handle, scheduler.masks(plan))
+
+
 def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Output], None],
                    *, ahead: bool = False) -> int:
     """Step ``engine`` through ``scheduler``'s plans until no sequence is left; each output goes
@@ -502,11 +542,13 @@ def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Ou
         if plan is None and pending is None:
             raise RuntimeError(f"the scheduler has sequences but nothing to run: {scheduler.stats()}")
         current = (plan, engine.dispatch(plan)) if plan is not None else None
-        if current is not None and not ahead:
-            scheduler.update(plan, engine.collect(current[1]))
-            current = None
         if pending is not None:
             scheduler.update(pending[0], engine.collect(pending[1]))
+        if current is not None:
+            sample_guided(engine, scheduler, *current)
+            if not ahead:
+                scheduler.update(plan, engine.collect(current[1]))
+                current = None
         pending = current
         for out in scheduler.take_outputs():
             on_output(out)

@@ -13,9 +13,9 @@ counted in ``usage.completion_tokens``, which counts the tokens returned; legacy
 ``logprobs.top_logprobs`` also hold the chosen token (as OpenAI's do); chat prompts are
 rendered with the tokenizer's ``chat_template`` (from ``tokenizer_config.json``) or else
 :data:`DEFAULT_CHAT_TEMPLATE`, which puts ``<|role|>`` lines before each message and BOS first.
-Structured output (:mod:`hypertron.serve.structured`): chat's ``response_format`` (``json_object``,
-``json_schema``) and the extension ``structured_outputs`` (vLLM's: ``json``, ``regex``, ``grammar``,
-``choice``, ``json_object``) on both endpoints.
+Structured output (:mod:`hypertron.serve.structured`): ``response_format`` (``json_object``,
+``json_schema``; OpenAI's on chat, vLLM's on completions too) and the extension
+``structured_outputs`` (vLLM's: ``json``, ``regex``, ``grammar``, ``choice``, ``json_object``).
 Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's); ``usage`` has
 ``prompt_tokens_details.cached_tokens`` (the prompt tokens the prefix cache held).
 """
@@ -310,7 +310,7 @@ class _Api:
                            is not None else (req.max_tokens, "max_tokens"))
         sampling = self._sampling(req, max_tokens, None, (top_n or 0) if want_logprobs else None, "top_logprobs",
                                   max_key=key)
-        guide = await self._guide(req, req.response_format)
+        guide = await self._guide(req)
         gen = self._submit(prompt, sampling, req, want_prompt_logprobs=False, guide=guide)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -369,14 +369,14 @@ class _Api:
             raise ApiError(400, e.named(f"'{param}'"), param=param) from None
         return sampling
 
-    async def _guide(self, req, response_format=None) -> Guide | None:
+    async def _guide(self, req) -> Guide | None:
         """The request's grammar's state (:mod:`hypertron.serve.structured`), compiled off the
         event loop; None for free text. A grammar that cannot be used is a 400 naming its field."""
         def plain(model):
             return None if model is None else model.model_dump(by_alias=True, exclude_none=True)
 
         try:
-            grammar = grammar_for(plain(response_format), plain(req.structured_outputs))
+            grammar = grammar_for(plain(req.response_format), plain(req.structured_outputs))
             return None if grammar is None else await asyncio.to_thread(self.grammars.guide, grammar)
         except StructuredError as e:
             raise ApiError(400, str(e), param=e.field) from None

@@ -15,8 +15,10 @@ before the request is queued.
 
 Each guided sequence has a :class:`Guide`: before a step samples it, :meth:`Guide.fill` writes
 its allowed next tokens as a bitmask (int32 words, bit ``i % 32`` of word ``i // 32`` for id
-``i``; ids past the tokenizer's are never allowed), which the step applies to the logits before
-temperature, top-k and top-p (log-probabilities stay the model's, as vLLM's are); the sampled
+``i``; ids past the tokenizer's are never allowed), which the engine applies to the step's logits
+before temperature, top-k and top-p (:func:`hypertron.serve.device_step.sample_masked`: apart from
+the forward pass, so that the mask can wait for the token before; see
+:mod:`hypertron.serve.scheduler`); log-probabilities stay the model's, as vLLM's are. The sampled
 token is then :meth:`Guide.consume` d. The end-of-sequence token is allowed only where the grammar
 accepts, and a grammar that can take nothing more (:attr:`Guide.done`) ends the request
 (``stop``). Host only, no JAX: the scheduler calls a guide through its methods alone.
@@ -62,10 +64,13 @@ def grammar_for(response_format: dict | None, structured_outputs: dict | None) -
     if response_format is not None and structured_outputs is not None:
         raise StructuredError("structured_outputs", "'response_format' and 'structured_outputs' cannot both be given")
     if structured_outputs is not None:
-        given = [k for k in STRUCTURED_KINDS if structured_outputs.get(k) not in (None, False)]
-        if len(given) != 1:
-            raise StructuredError("structured_outputs", "'structured_outputs' needs exactly one of "
-                                  f"{', '.join(STRUCTURED_KINDS)}; got {', '.join(given) or 'none'}")
+        given = [k for k in STRUCTURED_KINDS if structured_outputs.get(k) is not None
+                 and not (k == "json_object" and structured_outputs[k] is False)]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise StructuredError("structured_outputs", "'structured_outputs' takes one of "
+                                  f"{', '.join(STRUCTURED_KINDS)}; got {', '.join(given)}")
         kind, value = given[0], structured_outputs[given[0]]
         field = "structured_outputs"
         if kind == "regex":
@@ -91,6 +96,10 @@ def grammar_for(response_format: dict | None, structured_outputs: dict | None) -
 def _json(field: str, schema: Any) -> Grammar:
     from llguidance import LLMatcher
 
+    if schema is True:  # the schema every JSON value holds
+        schema = {}
+    if schema is False:
+        raise StructuredError(field, f"'{field}': the schema false allows no value")
     if not isinstance(schema, dict | str):
         raise StructuredError(field, f"'{field}': a JSON schema is an object, not {type(schema).__name__}")
     try:
@@ -181,8 +190,9 @@ class Guide:
 
     @property
     def done(self) -> bool:
-        """Whether the grammar can take nothing more (the request ends)."""
-        return bool(self.matcher.is_stopped())
+        """Whether the grammar can take nothing more (the request ends); not after an error
+        (:attr:`error`), which llguidance also counts as stopped."""
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     @property
     def error(self) -> str:

@@ -121,8 +121,9 @@ class Row:
     ``i`` holds positions ``i * page_size ..``), enough for every position written.
     ``sample``: the step samples the token after the row's last input (every decode row, and
     the last chunk of a prompt), with ``sampling`` and the key of its position, and keeps it
-    on the device as the slot's next input, among the ids ``mask`` allows if it is set (a
-    guided row: :mod:`hypertron.serve.structured`). ``prompt_targets``: when prompt log-probabilities
+    on the device as the slot's next input. A ``guided`` row samples among the ids its grammar
+    allows: the engine runs its forward pass, and samples it once :meth:`Engine.sample_guided` hands
+    it the mask (:mod:`hypertron.serve.structured`). ``prompt_targets``: when prompt log-probabilities
     are wanted, the token after each input (-1 where it is not a prompt token). ``prefix``: the
     sequence's tokens just before ``start`` that no row of it fed (on the first chunk after an
     admission that found them cached): the engine only writes them into the slot's token history.
@@ -138,8 +139,7 @@ class Row:
     prompt_targets: tuple[int, ...] | None = None
     prefix: tuple[int, ...] = ()
     adapter: int = -1  # the LoRA slot of its tokens (hypertron.serve.lora_slots); -1: none
-    # A guided row's allowed next tokens (hypertron.serve.structured: int32 words, a bit an id); None: any.
-    mask: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    guided: bool = False  # it samples among what its grammar allows (hypertron.serve.structured)
 
     @property
     def num_tokens(self) -> int:
@@ -221,6 +221,12 @@ class Engine(Protocol):
 
     def collect(self, handle: object) -> StepResult:
         """Wait for a dispatched step and return what it produced."""
+
+    def sample_guided(self, handle: object, masks: list) -> None:
+        """Sample a dispatched step's guided rows (:attr:`Row.guided`) with ``masks`` (one per row of
+        its plan: the row's allowed ids as :mod:`hypertron.serve.structured`'s bitmask, None for a
+        row that is not guided), before it is collected and before the next step is dispatched.
+        Only for a plan with guided rows (an engine that serves no grammar need not have it)."""
 
 
 @dataclasses.dataclass(frozen=True)
