@@ -84,6 +84,7 @@ class FakeEngine:
         self.last = [0] * max_slots  # each slot's last sampled token ("on the device")
         self.steps = self.prefills = self.calls = 0
         self._thread: int | None = None
+        self._unsampled: set[int] = set()  # steps whose guided rows wait for sample_guided
 
     def _check(self) -> None:
         self.calls += 1
@@ -94,6 +95,7 @@ class FakeEngine:
 
     def dispatch(self, plan: StepPlan):
         self._check()
+        assert not self._unsampled, f"step {plan.step} dispatched before the guided rows of the one before sampled"
         k = self.max_top_logprobs
         n = len(plan.rows)
         result = StepResult(np.zeros(n, np.int32))
@@ -122,21 +124,32 @@ class FakeEngine:
                 continue
             self.last[row.slot] = token = next_token(seq, row.sampling)
             result.tokens[i] = token
+            result.inputs = {**getattr(result, "inputs", {}), i: seq[-1]}  # for sample_guided's log-probabilities
             if plan.logprobs:
                 lp = token_logprobs(seq[-1], token, k)
                 result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = lp.logprob, lp.top_ids, lp.top_logprobs
         self.steps += 1
         result.plan = plan  # for sample_guided
+        if any(r.guided for r in plan.rows):
+            self._unsampled.add(id(result))
         return result
 
     def sample_guided(self, result: StepResult, masks: list) -> None:
         """A guided row's token: the first id its mask allows at or after the one this engine drew
         (else the first it allows), so that a grammar holds here as on the real engine."""
+        self._check()
+        assert id(result) in self._unsampled, f"step {result.plan.step}: no guided rows to sample, or sampled twice"
+        self._unsampled.discard(id(result))
         for i, (row, mask) in enumerate(zip(result.plan.rows, masks)):
             if row.guided and mask is not None:
                 allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+                assert len(allowed), f"step {result.plan.step}: a guided row's mask allows nothing"
                 later = allowed[allowed >= result.tokens[i]]
-                result.tokens[i] = self.last[row.slot] = int(later[0] if len(later) else allowed[0])
+                result.tokens[i] = self.last[row.slot] = token = int(later[0] if len(later) else allowed[0])
+                if result.logprobs is not None:
+                    lp = token_logprobs(result.inputs[i], token, self.max_top_logprobs)
+                    result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = (lp.logprob, lp.top_ids,
+                                                                                     lp.top_logprobs)
 
     def _check_pages(self, plan: StepPlan) -> None:
         """Every page in the pool; a page a row writes in no other row of the step."""
@@ -170,6 +183,7 @@ class FakeEngine:
 
     def collect(self, result: StepResult) -> StepResult:
         self._check()
+        assert id(result) not in self._unsampled, f"step {result.plan.step} collected before its guided rows sampled"
         if self.step_delay:
             time.sleep(self.step_delay)
         return result

@@ -130,6 +130,19 @@ class _Pending:
     times: dict[str, float] = dataclasses.field(default_factory=dict)
     logits: object = None  # a guided step's logits until sample_guided takes them
     guided: dict | None = None  # sample_guided's outputs
+    sampler: object = None  # the guided shape's compiled sample_masked
+
+
+@dataclasses.dataclass(frozen=True)
+class _Guided:
+    """A guided shape's compiled step, and its sampler (:func:`~hypertron.serve.device_step.
+    sample_masked` for its rows) compiled with it."""
+
+    step: object
+    sample: object
+
+    def __call__(self, *args):
+        return self.step(*args)
 
 
 def _spec(x):
@@ -365,12 +378,20 @@ class PagedEngine:
         if fn is None:
             start = time.perf_counter()
             params, cache, state = self._specs
+            skip_greedy = jax.default_backend() != "gpu"
             fn = step.lower(params, cache, state, self._empty_batch(shape).array, cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs, mesh=self.mesh,
-                            skip_greedy=jax.default_backend() != "gpu", lora=shape.lora,
-                            guided=shape.guided).compile()
+                            skip_greedy=skip_greedy, lora=shape.lora, guided=shape.guided).compile()
+            if shape.guided:  # its sampler, compiled with it (never on the serving thread when this is not)
+                logits = fn.out_info[2]["logits"]
+                logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fn.output_shardings[2]["logits"])
+                words = mask_words(self.cfg)
+                batch = StepBatch(logits.shape[0], 0, False, nowhere=self.max_slots, mask_words=words).array
+                fn = _Guided(fn, sample_masked.lower(state, logits, batch, words=words, top_n=self.max_top_logprobs,
+                                                     want_logprobs=shape.logprobs,
+                                                     skip_greedy=skip_greedy).compile())
             with self._lock:
                 self.compile_seconds += time.perf_counter() - start
             with _shared_lock:
@@ -423,7 +444,8 @@ class PagedEngine:
             logits = None
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
-        return _Pending(plan, shape, offsets, out, {"assemble": assembled}, logits)
+        return _Pending(plan, shape, offsets, out, {"assemble": assembled}, logits,
+                        sampler=fn.sample if logits is not None else None)
 
     def sample_guided(self, pending: _Pending, masks: list) -> None:
         """Sample ``pending``'s guided rows with ``masks`` (one per plan row; see
@@ -439,9 +461,7 @@ class PagedEngine:
                 self._row(b, j, row, 0)
                 if mask is not None:
                     b["mask"][j] = mask
-        self.state, out = sample_masked(self.state, pending.logits, batch.array, words=words,
-                                        top_n=self.max_top_logprobs, want_logprobs=plan.logprobs,
-                                        skip_greedy=jax.default_backend() != "gpu")
+        self.state, out = pending.sampler(self.state, pending.logits, batch.array)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         pending.logits, pending.guided = None, out
@@ -471,7 +491,8 @@ class PagedEngine:
                           pick(out.get("top_logprobs")), prompt)
 
     def run(self, plan: StepPlan) -> StepResult:
-        """:meth:`dispatch` then :meth:`collect`: one step, synchronously."""
+        """:meth:`dispatch` then :meth:`collect`: one step, synchronously (not for a plan with guided
+        rows: theirs is :meth:`dispatch`, :meth:`sample_guided`, :meth:`collect`)."""
         return self.collect(self.dispatch(plan))
 
     def _empty_batch(self, shape: Shape) -> StepBatch:

@@ -109,6 +109,8 @@ def _json(field: str, schema: Any) -> Grammar:
 
 
 def _one_line(message: str) -> str:
+    """llguidance's message on one line, without the backtrace of a limit met inside it (a panic)."""
+    message = message.split("<backtrace>")[0]
     return " ".join(line.strip() for line in message.splitlines() if line.strip())[:MAX_ERROR_CHARS]
 
 
