@@ -268,8 +268,16 @@ class PagedEngine:
             return list(self._compiled)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the background compiler (after the compile in hand)."""
+        """Stop the background compiler: the shapes queued are dropped, the compile in hand is
+        waited for at most ``timeout`` seconds (it finishes on its daemon thread)."""
         if self._compiler is not None:
+            while True:
+                try:
+                    dropped = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                with self._lock:
+                    self._queued.discard(dropped)
             self._todo.put(None)
             self._compiler.join(timeout)
             self._compiler = None

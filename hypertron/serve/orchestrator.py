@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # What a request whose step failed is told (500): the server's log has the traceback, keyed on the
 # request's id (Scheduler.fail appends it); an exception's text may hold internals, so it stays there.
 STEP_FAILED = "the request failed in an engine step; the server log has the details"
+CLOSE_WAIT_S = 1.0  # stop: how long to wait for the engine's background compiler
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Chunk", "Generation", "Orchestrator", "QueueFull"]
 
@@ -197,7 +198,9 @@ class Orchestrator:
             self._thread.join(timeout)
         close = getattr(self.engine, "close", None)  # the engine's background compiler, if any
         if close is not None:
-            close()
+            # Told to stop, not waited for past a moment: a compile in hand (a server's largest shape,
+            # seconds on a loaded CPU) finishes on its daemon thread, and stopping does not wait for it.
+            close(CLOSE_WAIT_S)
 
     # -- the loop thread ----------------------------------------------------------------
 

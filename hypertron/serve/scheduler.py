@@ -420,15 +420,26 @@ class Scheduler:
         before ``plan``'s is collected (so each guide has its sequence's tokens but the one this
         step samples); timed into :attr:`mask_seconds`."""
         start = time.perf_counter()
-        out = []
-        for row in plan.rows:
-            seq = self._live.get(row.request) if row.guided else None
+        seqs = [self._live.get(row.request) if row.guided else None for row in plan.rows]
+        seqs = [s if s is not None and s.guide is not None else None for s in seqs]
+        guided = [s for s in seqs if s is not None]
+        out = [None] * len(seqs)
+        try:  # all at once (the guides' own batch: llguidance's executor, over its threads)
+            batch = dict(zip(map(id, guided), guided[0].guide.masks_of([s.guide for s in guided]))) if guided else {}
+        except Exception:  # then one at a time, so that only the guide that fails ends its request
+            log.warning("step %d: the guided rows' masks failed at once; computing them one by one", plan.step)
+            batch = {}
+        for i, seq in enumerate(seqs):
+            if seq is None:
+                continue
+            if id(seq) in batch:
+                out[i] = batch[id(seq)]
+                continue
             got = []
-            if seq is not None and seq.guide is not None:
-                failed = self._guide_error(seq, functools.partial(lambda g: got.append(g.mask()), seq.guide))
-                if failed:
-                    self._finish(seq, ERROR, f"the grammar failed: {failed} (request {seq.id})")
-            out.append(got[0] if got else None)
+            failed = self._guide_error(seq, functools.partial(lambda g: got.append(g.mask()), seq.guide))
+            if failed:
+                self._finish(seq, ERROR, f"the grammar failed: {failed} (request {seq.id})")
+            out[i] = got[0] if got else None
         self.mask_seconds += time.perf_counter() - start
         return out
 

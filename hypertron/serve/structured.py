@@ -168,6 +168,21 @@ class Grammars:
         return Guide(matcher.deep_copy(), self.words, -(-self._lltokenizer().vocab_size // 32))
 
 
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor():
+    """llguidance's thread pool for masks, made at the first guided step (its default threads)."""
+    global _EXECUTOR
+    import llguidance
+
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
 class Guide:
     """One guided sequence's grammar state (see the module docstring)."""
 
@@ -185,6 +200,18 @@ class Guide:
         row = np.zeros(self.words, np.int32)
         self.fill(row)
         return row
+
+    @staticmethod
+    def masks_of(guides: list[Guide]) -> np.ndarray:
+        """Each guide's :meth:`mask` (``[len(guides), words]``; guides of one :class:`Grammars`), in
+        one call of llguidance's executor over its threads (a step's guided rows at once)."""
+        own = guides[0]._own
+        out = np.zeros((len(guides), guides[0].words), np.int32)
+        theirs = np.zeros((len(guides), own), np.int32)
+        _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(guides)], theirs.ctypes.data,
+                                            own * 4, len(guides))
+        out[:, :own] = theirs
+        return out
 
     def consume(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar does not allow it (the guide is then broken)."""
