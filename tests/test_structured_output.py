@@ -19,6 +19,7 @@ from typing import Literal
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -260,3 +261,20 @@ def test_guided_rows_sample_in_every_step_one_step_ahead_and_keep_their_grammar_
             assert first_gap is None or any(s.id in {p for p in sched.records[k].preempted}
                                             for k in range(steps[0], first_gap)), (s.id, steps)
     assert got[True] == got[False]
+
+
+def test_a_steps_masks_through_llguidances_thread_pool_are_each_guides_own(monkeypatch):
+    """The pool (used on many-core hosts: ``EXECUTOR_MIN_CPUS``) writes each guide's mask where one
+    by one does, the model's ids past the tokenizer's never allowed."""
+    from hypertron.serve import structured
+
+    grammars = structured.Grammars(TOK, 300)
+    guides = [grammars.guide(structured.grammar_for(None, {"regex": r})) for r in (REGEX, "[x-z]+", REGEX)]
+    for t in TOK.encode("ab"):  # then "-" is allowed too
+        guides[2].consume(t)
+    alone = np.stack([g.mask() for g in guides])
+    monkeypatch.setattr(structured, "EXECUTOR_MIN_CPUS", 0)
+    monkeypatch.setattr(structured, "EXECUTOR_MIN_ROWS", 1)
+    pooled = structured.Guide.masks_of(guides)
+    assert np.array_equal(pooled, alone) and pooled.shape == (3, 10)
+    assert not pooled[:, TOK.vocab_size // 32 + 1:].any() and len({m.tobytes() for m in pooled}) == 3
