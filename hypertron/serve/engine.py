@@ -132,6 +132,13 @@ class _Pending:
     guided: dict | None = None  # sample_guided's outputs
     sampler: object = None  # the guided shape's compiled sample_masked
 
+    @property
+    def rows(self) -> list[int]:
+        """Where each of the plan's rows sits in the step: decode rows first, prefill rows after
+        the shape's ``num_decode``."""
+        nd, plan = self.shape.num_decode, self.plan
+        return list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
+
 
 @dataclasses.dataclass(frozen=True)
 class _Guided:
@@ -460,12 +467,11 @@ class PagedEngine:
         :meth:`hypertron.serve.types.Engine.sample_guided`): a second compiled function
         (:func:`~hypertron.serve.device_step.sample_masked`) over the step's logits, queued after
         it and before any later step, which reads these rows' tokens on the device."""
-        plan, nd, words = pending.plan, pending.shape.num_decode, mask_words(self.cfg)
+        plan, words = pending.plan, mask_words(self.cfg)
         batch = StepBatch(pending.logits.shape[0], 0, False, nowhere=self.max_slots, mask_words=words)
         b = batch.fields
-        for i, (row, mask) in enumerate(zip(plan.rows, masks)):
+        for j, row, mask in zip(pending.rows, plan.rows, masks):
             if row.guided:
-                j = i if i < len(plan.decodes) else nd + i - len(plan.decodes)
                 self._row(b, j, row, 0)
                 if mask is not None:
                     b["mask"][j] = mask
@@ -479,15 +485,13 @@ class PagedEngine:
             raise RuntimeError(f"step {pending.plan.step} has guided rows not sampled yet (sample_guided)")
         start = time.perf_counter()
         out = jax.device_get(pending.out)
+        plan, rows = pending.plan, pending.rows
         if pending.guided is not None:  # the guided rows' samples (and log-probabilities) are sample_guided's
-            guided, rows = jax.device_get(pending.guided), np.zeros(len(out["tokens"]), bool)
-            rows[[i if i < len(pending.plan.decodes) else pending.shape.num_decode + i - len(pending.plan.decodes)
-                  for i, r in enumerate(pending.plan.rows) if r.guided]] = True
-            out = {**out, **{k: np.where(rows.reshape(-1, *[1] * (np.ndim(v) - 1)), v, out[k])
+            guided, taken = jax.device_get(pending.guided), np.zeros(len(out["tokens"]), bool)
+            taken[[j for j, r in zip(rows, plan.rows) if r.guided]] = True
+            out = {**out, **{k: np.where(taken.reshape(-1, *[1] * (np.ndim(v) - 1)), v, out[k])
                              for k, v in guided.items()}}
         pending.times["wait"] = time.perf_counter() - start
-        plan, nd = pending.plan, pending.shape.num_decode
-        rows = list(range(len(plan.decodes))) + [nd + j for j in range(len(plan.prefills))]
         pick = lambda x: None if x is None or not plan.logprobs else x[rows]  # noqa: E731
         prompt = None
         if "prompt" in out and plan.prompt_logprobs:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -435,23 +434,21 @@ class Scheduler:
             if id(seq) in batch:
                 out[i] = batch[id(seq)]
                 continue
-            got = []
-            failed = self._guide_error(seq, functools.partial(lambda g: got.append(g.mask()), seq.guide))
+            out[i], failed = self._guarded(seq, seq.guide.mask)
             if failed:
                 self._finish(seq, ERROR, f"the grammar failed: {failed} (request {seq.id})")
-            out[i] = got[0] if got else None
         self.mask_seconds += time.perf_counter() - start
         return out
 
     @staticmethod
-    def _guide_error(seq: Request, call) -> str:
-        """What ``call`` (of ``seq``'s guide) returned, or its exception as text: a grammar library's
-        failure ends that one request, never the serving loop (logged with its traceback)."""
+    def _guarded(seq: Request, call) -> tuple[Any, str]:
+        """``(what call returned, "")``, or ``(None, its exception as text)``: a call of ``seq``'s
+        guide that raises ends that one request, never the serving loop (logged with its traceback)."""
         try:
-            return call() or ""
+            return call(), ""
         except Exception as e:
             log.exception("request %d: its grammar failed", seq.id)
-            return f"{type(e).__name__}: {e}"
+            return None, f"{type(e).__name__}: {e}"
 
     def _add_prompt_logprobs(self, seq: Request, row: Row, prompt) -> None:
         if seq.prompt_logprobs is None or prompt is None:
@@ -470,13 +467,8 @@ class Scheduler:
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None
             self._out.append(Output(seq, prompt_logprobs=prompt_lps))
         if seq.guide is not None:
-            guide = seq.guide
-
-            def consume() -> str:
-                ok = guide.consume(token)
-                return guide.error or ("" if ok else "it is not allowed")
-
-            refused = self._guide_error(seq, consume)
+            ok, refused = self._guarded(seq, lambda: seq.guide.consume(token))
+            refused = refused or seq.guide.error or ("" if ok else "it is not allowed")
             if refused:  # the mask allowed it, so the grammar's own error (a limit met), or a bug
                 self._finish(seq, ERROR, f"the grammar failed at token {token}: {refused} (request {seq.id})")
                 return
