@@ -315,6 +315,28 @@ def test_a_group_over_multiply_max_queries_takes_dots_and_is_dense_attention():
     _assert_close(got, _dense_ragged(q, k, v, MIX), 1e-5)
 
 
+def test_rows_of_a_few_queries_attend_in_the_decode_batch_as_dense_attention(monkeypatch):
+    """Speculative decoding's verify rows: rows of up to 5 queries (one, a few, none, five near the
+    start of a row, and padding) with ``decode_only`` and ``decode_queries=5``: the reference reads
+    each row's pages once for all its queries and equals dense attention, with and without a
+    window; so does a mix of prompts and chunks whose rows' last 3 queries go in the batch; where
+    Pallas is auto (patched, interpret mode), the one-query decode kernel is not taken and the
+    ragged kernel gives the same."""
+    mix = [(37, 5), (0, 0), (80, 1), (5, 5), (19, 3)]
+    for window in (None, WINDOW):
+        args, (q, k, v) = _paged_case(7, 2, "float32", mix, window)
+        got = ragged_paged_attention(**args, window=window, decode_only=True, decode_queries=5)
+        _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)
+        assert not np.asarray(got)[-PAD_TOKENS:].any()
+    # A step that prefills beside them: the last 3 queries of every row in the batch, the rest in blocks.
+    args, (q, k, v) = _paged_case(8, 2, "float32", MIX, WINDOW)
+    _assert_close(ragged_paged_attention(**args, window=WINDOW, block_q=8, decode_queries=3),
+                  _dense_ragged(q, k, v, MIX, WINDOW), 1e-5)
+    monkeypatch.setitem(ra.AUTO_BACKEND, jax.default_backend(), "pallas")
+    args, _ = _paged_case(7, 2, "float32", mix, WINDOW)
+    _assert_close(ragged_paged_attention(**args, window=WINDOW, decode_only=True, decode_queries=5), got, 1e-5)
+
+
 def test_a_decode_only_step_takes_the_decode_kernel_where_it_is_auto(monkeypatch):
     """Where the decode kernel's table picks Pallas (a GPU; here the CPU, patched, in interpret
     mode), a decode-only call with ``backend="auto"`` runs it: the reference's numbers, a row with

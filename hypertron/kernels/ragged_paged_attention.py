@@ -144,7 +144,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            sm_scale: float | None = None, window: int | jax.Array | None = None,
                            backend: str = "auto", block_q: int | None = None,
                            pages_per_block: int | None = None, interpret: bool | None = None,
-                           decode_only: bool = False, queries_per_row: int | None = None) -> jax.Array:
+                           decode_only: bool = False, queries_per_row: int | None = None,
+                           decode_queries: int = 1) -> jax.Array:
     """Causal attention of the last queries of many rows over each row's pages of the KV cache.
 
     Row ``r``'s queries are ``q[query_start[r]:query_start[r + 1]]``, the last
@@ -173,6 +174,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         ``backend="auto"`` where the decode kernel's own table picks Pallas (a GPU), the rows go
         to :func:`ragged_decode_attention`'s kernel (measured on an H100), not this one's
         reference.
+      decode_queries: the reference attends each row's last ``decode_queries`` queries (static;
+        speculative decoding's verify rows: a decode token and its proposal's) in the rows' one
+        batch, each row's pages read once for all of them, and the rest in blocks; with
+        ``decode_only`` no row has more. Above 1, the decode kernel is not used.
 
     Returns:
       ``[tokens, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
@@ -187,7 +192,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     fits = pallas_unfit(q.shape[-1], k_pages.shape[2], pages_per_block) is None
-    if decode_only and backend == "auto" and fits and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
+    if decode_only and decode_queries == 1 and backend == "auto" and fits \
+            and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
         return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
                             v_scales=v_scales, sm_scale=sm_scale, window=window,
                             pages_per_block=pages_per_block, interpret=interpret)
@@ -202,7 +208,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         block_q = reference_block_q(queries_per_row) if backend == "reference" else \
             max(1, PALLAS_BLOCK_ROWS // group)
     return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
-                      window, cfg, block_q, decode_only)
+                      window, cfg, block_q, decode_only, decode_queries)
 
 
 def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
@@ -219,10 +225,11 @@ def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) ->
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, *,
                                      k_scales=None, v_scales=None, sm_scale=None, window=None,
                                      block_q: int = DEFAULT_BLOCK_Q,
-                                     decode_only: bool = False) -> jax.Array:
+                                     decode_only: bool = False, decode_queries: int = 1) -> jax.Array:
     """:func:`ragged_paged_attention` in plain JAX (arguments as there, ``block_q`` static).
 
-    Every row's last query (a decode row's only one) attends in one batch over the rows; the
+    Every row's last ``decode_queries`` queries (a decode row's only one, or with a verify row's
+    proposal all of its) attend in one batch over the rows; the
     others in blocks of up to ``block_q`` queries of one row (:func:`query_tiles`), a loop over
     just the blocks there are (a dynamic trip count). Each reads its row's pages,
     :data:`REFERENCE_CHUNK_TOKENS` at a time, from the first its first query's window reaches to
@@ -251,12 +258,17 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     def rows_m(x_qkgd):  # [q, k, g, d] -> [k, q * g, d]: row m is query m // g
         return x_qkgd.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
 
-    # Every row's last query (index n for an empty row: zeros, dropped).
-    last_r = jnp.where(n_r > 0, query_start[1:] - 1, n)
-    pos_rm = jnp.repeat(jnp.where(n_r > 0, kv_lens - 1, -1)[:, None], group, axis=1)
-    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[last_r][:, None]), pos_rm, ppc=ppc), table,
-                             shared=True)
-    out_last = out_last.reshape(-1, num_kv_heads, group, head_dim)
+    # Every row's last decode_queries queries (index n for those of the row before it, and of none:
+    # zeros, dropped).
+    last_q = decode_queries
+    idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
+    own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
+    idx_rq = jnp.where(own_rq, idx_rq, n)
+    pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
+    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm, ppc=ppc), table, shared=True)
+    rows = kv_lens.shape[0]
+    out_last = out_last.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+    out_last, last_r = out_last.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
         return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
@@ -265,8 +277,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     # queries, each from there over its row's own pages.
     chunks = functools.partial(chunks, ppc=ppc_block)
     carry, start = _shared_prefix_first(q_pad[:n], kv_lens, table, query_start, chunks, block_q=block_q,
-                                        page_size=page_size, ppc=ppc_block)
-    rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=True)
+                                        page_size=page_size, ppc=ppc_block, batched=last_q)
+    rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=last_q)
     out = jnp.zeros((n + block_q, num_kv_heads, group, head_dim), jnp.float32)
 
     def block(t, out):
@@ -288,8 +300,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
 
 
-def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q: int, page_size: int, ppc: int):
-    """Every query but its row's last (rows of several queries: prompts) over the whole chunks of
+def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q: int, page_size: int, ppc: int,
+                         batched: int = 1):
+    """Every query but its row's last ``batched`` (rows of more queries: prompts) over the whole chunks of
     a prefix all those rows share (:func:`shared_prefix`; with prefix caching, a system prompt),
     read once for the step in blocks of :data:`EVERY_BLOCK_Q` of the step's tokens, whatever
     rows they are in (cascade attention: rows of few queries each would read the prefix once a
@@ -304,9 +317,9 @@ def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q
     row_n = jnp.minimum(jnp.searchsorted(query_start[1:], token, side="right", method="compare_all"),
                         n_r.shape[0] - 1)
     ahead_n = query_start[row_n + 1] - token  # 1: the row's last query; under 1: padding
-    pos_n = jnp.where(ahead_n > 1, kv_lens[row_n] - ahead_n, -1)
+    pos_n = jnp.where(ahead_n > batched, kv_lens[row_n] - ahead_n, -1)
     q_every = jnp.pad(q_nkgd, ((0, size - n), (0, 0), (0, 0), (0, 0)))
-    shared, first_row = shared_prefix(table, n_r > 1, kv_lens - n_r, page_size)
+    shared, first_row = shared_prefix(table, n_r > batched, kv_lens - n_r, page_size)
     per_product = max(1, EVERY_SHARED_TOKENS // (ppc * page_size))  # chunks
     # Blocks from the first token with a query here to the last (the decode rows' tokens before
     # them, and padding after, are left out).
@@ -457,14 +470,15 @@ def shared_prefix(table_rp, live_r, first_pos_r, page_size: int):
     return jnp.where(jnp.any(live_r), shared, 0), first
 
 
-def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last: bool = False):
+def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last: int = 0):
     """Blocks of up to ``block_q`` queries of one row each: ``(row, first, count) [T]`` and how
     many there are (the rest have count 0), with ``T = ceil(num_tokens / block_q) + rows`` (a
-    bound: each row's last block may be short). ``skip_last``: leave each row's last query out."""
+    bound: each row's last block may be short). ``skip_last``: leave each row's last this many
+    queries out."""
     rows = query_start.shape[0] - 1
     n_r = query_start[1:] - query_start[:-1]
     if skip_last:
-        n_r = jnp.maximum(n_r - 1, 0)
+        n_r = jnp.maximum(n_r - skip_last, 0)
     blocks_r = -(-n_r // block_q)
     ends_r = jnp.cumsum(blocks_r)
     t = jnp.arange(-(-num_tokens // block_q) + rows, dtype=jnp.int32)
@@ -474,14 +488,14 @@ def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last
     return row_t, query_start[row_t] + j_t * block_q, count_t, ends_r[-1]
 
 
-@functools.partial(jax.jit, static_argnums=(9, 10, 11))
+@functools.partial(jax.jit, static_argnums=(9, 10, 11, 12))
 def _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales, window,
-               cfg: CallConfig, block_q: int, decode_only: bool):
+               cfg: CallConfig, block_q: int, decode_only: bool, decode_queries: int):
     if cfg.backend == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
             v_scales=v_scales, sm_scale=cfg.sm_scale, window=window, block_q=block_q,
-            decode_only=decode_only)
+            decode_only=decode_only, decode_queries=decode_queries)
     return _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales,
                          v_scales, window, cfg, block_q)
 
