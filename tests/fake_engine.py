@@ -9,6 +9,9 @@ the real engine writes into the slot's token history), and rows past ``max_seq_l
 records the tokens written into it, and a row's prefix is read back from its pages, so a page
 shared by prefix caching is what its tokens come from.
 
+A verify row (speculative decoding) keeps its drafted tokens while each is the token this engine
+would give there, then gives the next one.
+
 Its tokens encode the request: the next token is a lowercase letter chosen by a CRC of
 (seed, every token before it), so a sequence's continuation depends on its whole prompt and
 nothing else, and :func:`reference` gives what any request must receive, pre-empted or not.
@@ -98,10 +101,12 @@ class FakeEngine:
         assert not self._unsampled, f"step {plan.step} dispatched before the guided rows of the one before sampled"
         k = self.max_top_logprobs
         n = len(plan.rows)
-        result = StepResult(np.zeros(n, np.int32))
+        width = max(r.draft for r in plan.rows) + 1  # verify rows: each row's new tokens
+        result = StepResult(np.zeros((n, width)[:1 + (width > 1)], np.int32),
+                            emitted=np.ones(n, np.int32) if width > 1 else None)
         if plan.logprobs:
-            result.logprobs, result.top_ids = np.zeros(n, np.float32), np.zeros((n, k), np.int32)
-            result.top_logprobs = np.zeros((n, k), np.float32)
+            result.logprobs, result.top_ids = np.zeros(result.tokens.shape, np.float32), np.zeros((*result.tokens.shape, k), np.int32)
+            result.top_logprobs = np.zeros((*result.tokens.shape, k), np.float32)
         if plan.prompt_logprobs:
             result.prompt = [None] * len(plan.prefills)
         self._check_pages(plan)
@@ -111,7 +116,7 @@ class FakeEngine:
             assert -(-row.end // self.page_size) <= len(row.pages), f"slot {row.slot}: no page for {row.end - 1}"
             seq = self._prefix(row)
             assert row.sampling.seed is not None
-            seq.extend(row.tokens or [self.last[row.slot]])
+            seq.extend(row.tokens or [self.last[row.slot], *row.proposal])
             for pos in range(row.start, row.end):
                 self.pages.setdefault(row.pages[pos // self.page_size], [None] * self.page_size)[
                     pos % self.page_size] = seq[pos]
@@ -122,12 +127,22 @@ class FakeEngine:
                                                         np.array([lp.top_logprobs for lp in lps]))
             if not row.sample:
                 continue
-            self.last[row.slot] = token = next_token(seq, row.sampling)
-            result.tokens[i] = token
-            result.inputs = {**getattr(result, "inputs", {}), i: seq[-1]}  # for sample_guided's log-probabilities
-            if plan.logprobs:
-                lp = token_logprobs(seq[-1], token, k)
-                result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = lp.logprob, lp.top_ids, lp.top_logprobs
+            drafts = seq[len(seq) - row.draft:]
+            del seq[len(seq) - row.draft:]  # a verify row: its drafts are kept while they are what it samples
+            for j in range(row.draft + 1):
+                self.last[row.slot] = token = next_token(seq, row.sampling)
+                at = (i, j) if result.emitted is not None else i
+                result.tokens[at] = token
+                result.inputs = {**getattr(result, "inputs", {}), i: seq[-1]}  # for sample_guided's log-probabilities
+                if plan.logprobs:
+                    lp = token_logprobs(seq[-1], token, k)
+                    result.logprobs[at], result.top_ids[at], result.top_logprobs[at] = (lp.logprob, lp.top_ids,
+                                                                                        lp.top_logprobs)
+                if j == row.draft or drafts[j] != token:
+                    break
+                seq.append(token)
+            if result.emitted is not None:
+                result.emitted[i] = j + 1
         self.steps += 1
         result.plan = plan  # for sample_guided
         if any(r.guided for r in plan.rows):
@@ -144,12 +159,13 @@ class FakeEngine:
             if row.guided and mask is not None:
                 allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
                 assert len(allowed), f"step {result.plan.step}: a guided row's mask allows nothing"
-                later = allowed[allowed >= result.tokens[i]]
-                result.tokens[i] = self.last[row.slot] = token = int(later[0] if len(later) else allowed[0])
+                at = (i, 0) if result.emitted is not None else i  # beside verify rows: its first token
+                later = allowed[allowed >= result.tokens[at]]
+                result.tokens[at] = self.last[row.slot] = token = int(later[0] if len(later) else allowed[0])
                 if result.logprobs is not None:
                     lp = token_logprobs(result.inputs[i], token, self.max_top_logprobs)
-                    result.logprobs[i], result.top_ids[i], result.top_logprobs[i] = (lp.logprob, lp.top_ids,
-                                                                                     lp.top_logprobs)
+                    result.logprobs[at], result.top_ids[at], result.top_logprobs[at] = (lp.logprob, lp.top_ids,
+                                                                                        lp.top_logprobs)
 
     def _check_pages(self, plan: StepPlan) -> None:
         """Every page in the pool; a page a row writes in no other row of the step."""

@@ -256,7 +256,7 @@ def test_a_long_chunk_padded_to_blocks_for_short_rows_gets_one_compile_for_any_d
     blocks it is queued after COMPILE_AFTER_PADDED padded runs, widened to every decode row the
     slots allow (at 2,048 keys they add 2 %), so one compile holds that chunk beside any of them."""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=16, page_size=4, compile="background"))
-    big, chunk = engine.largest_shape(max_prefill_rows=8, max_num_batched_tokens=512), Shape(4, 1, 512)
+    big, chunk = engine.largest_shape(SchedulerConfig(max_prefill_rows=8, max_num_batched_tokens=512)), Shape(4, 1, 512)
     assert big == Shape(16, 8, 512) and big.holds(chunk) and big.queries_per_row == 64
     assert engine.cost(big, 2048, 512) > engine_module.CLOSE_ENOUGH_COST * engine.cost(chunk, 2048)
     engine._compiled[big] = "big"
@@ -273,7 +273,7 @@ def test_a_step_waits_for_a_compile_only_when_no_compiled_shape_holds_it(params)
     compile's seconds); with no holder the step compiles its own now. The largest shape a
     server's settings allow holds every plan under them. (Executables stubbed: nothing compiles.)"""
     engine = PagedEngine(params, CFG, EngineConfig(max_slots=4, page_size=4, compile="background"))
-    big, one = engine.largest_shape(max_prefill_rows=2, max_num_batched_tokens=24), Shape(1, 0, 0)
+    big, one = engine.largest_shape(SchedulerConfig(max_prefill_rows=2, max_num_batched_tokens=24)), Shape(1, 0, 0)
     assert big == Shape(4, 2, 24)
     assert engine.cost(big) > engine_module.MAX_PADDED_COST * engine.cost(one)
     engine._compiled[big] = "big"

@@ -136,7 +136,7 @@ def test_a_steps_inputs_travel_in_one_int32_array_and_come_back_as_written():
     f["seed"][:] = [0, 2**32 - 1, 12345]
     f["slot"][0] = 2
     out = jax.jit(lambda a: unpack(a, 3, 5, True))(sb.array)
-    assert sb.array.dtype == np.int32 and sb.array.size == 5 * 5 + 3 * 9
+    assert sb.array.dtype == np.int32 and sb.array.size == 5 * 5 + 3 * 10
     assert np.asarray(out["pre_valid"]).tolist() == [True] * 3 + [False] * 2
     assert np.asarray(out["temperature"]).tolist() == np.float32([0.0, 0.7, 1.5]).tolist()
     assert np.asarray(out["top_p"]).tolist() == np.float32([1.0, 0.25, 1.0]).tolist()

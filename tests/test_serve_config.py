@@ -70,6 +70,12 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
     ("checkpoint: runs/x\nport: [1]\n", [], "serve.yaml: port: expected an integer"),
     ("max_slots: 4\n", [], "serve.yaml: checkpoint: required"),
     ("checkpoint: runs/x\n", ["--max-slots", "0"], "--max-slots=0: must be positive"),
+    ("checkpoint: runs/x\nspeculative: draft\n", [], "serve.yaml: speculative=draft: must be one of off, ngram"),
+    ("checkpoint: runs/x\n", ["--num-speculative-tokens", "17"], "--num-speculative-tokens=17: must be 1 to 16"),
+    ("checkpoint: runs/x\nnum_speculative_tokens: 0\n", [], "serve.yaml: num_speculative_tokens=0: must be 1 to 16"),
+    ("checkpoint: runs/x\n", ["--prompt-lookup-min", "0"], "--prompt-lookup-min=0: must be at least 1"),
+    ("checkpoint: runs/x\n", ["--prompt-lookup-min", "4", "--prompt-lookup-max", "3"],
+     "--prompt-lookup-max=3: must be at least --prompt-lookup-min=4"),
     ("- a list\n", [], "must hold a mapping"),
 ])
 def test_config_file_mistakes_are_one_line_naming_the_key(tmp_path, capsys, text, argv, message):
@@ -198,7 +204,8 @@ def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
 OFF_DEFAULT = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "max_top_logprobs": 7,
                "compile": "lazy", "max_num_batched_tokens": 100, "max_prefill_rows": 3, "prefill_groups": "max",
                "max_queue": 9, "dispatch_ahead": "off", "enable_prefix_caching": False, "enable_lora": True,
-               "max_loras": 2, "max_lora_rank": 4}
+               "max_loras": 2, "max_lora_rank": 4, "speculative": "ngram", "num_speculative_tokens": 2,
+               "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_whole(run_dir):
@@ -220,6 +227,7 @@ def test_every_serving_setting_reaches_the_engine_scheduler_and_orchestrator_who
             engine.background_compile, engine.lora.max_loras, engine.lora.max_rank) == (3, 8, 39, "int8", 7, False, 2, 4)
     assert (sched.max_slots, sched.num_pages, sched.max_num_batched_tokens, sched.max_prefill_rows, sched.pool.enabled,
             sched.step_overhead_tokens, orch.max_queue, orch.ahead) == (3, 39, 100, 3, False, None, 9, False)
+    assert (sched.drafter.k, sched.drafter.n_min, sched.drafter.n_max) == (2, 1, 3)
     tensor = _config(["--checkpoint", run_dir, "--tensor", "2", "--compile", "lazy"])
     assert tensor.engine.tensor == 2 and dict(build(tensor)[1].engine.mesh.shape)["tensor"] == 2
     assert _config(["--checkpoint", run_dir, "--expert", "4"]).engine.expert == 4  # a dense run refuses it at build
@@ -353,7 +361,7 @@ def test_a_server_keeps_the_shapes_it_compiled_and_compiles_them_first_at_its_ne
         raise AssertionError("compiles still queued after 60 s")
 
     first = settled(start(serve))
-    largest = first.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens)
+    largest = first.largest_shape(serve.scheduler)
     small = Shape(num_decode=1, prefill_rows=1, prefill_tokens=16)
     first.precompile(small)
     settled(first)

@@ -37,9 +37,9 @@ class Server(ThreadedServer):
     """An orchestrator + app over ``engine``, served by uvicorn in a thread."""
 
     def __init__(self, engine: FakeEngine, *, max_queue: int = 512, enable_prefix_caching: bool = True,
-                 tokenizer=TOK, **app_kwargs):
+                 tokenizer=TOK, scheduler: dict | None = None, **app_kwargs):
         self.engine = engine
-        self.orch = Orchestrator(engine, tokenizer, SchedulerConfig(max_queue=max_queue,
+        self.orch = Orchestrator(engine, tokenizer, SchedulerConfig(max_queue=max_queue, **(scheduler or {}),
                                                                     enable_prefix_caching=enable_prefix_caching))
         super().__init__(create_app(self.orch, tokenizer, MODEL, **app_kwargs), lifespan="on", log_level="warning",
                          graceful_s=2)
@@ -408,7 +408,10 @@ def test_client_that_disconnects_frees_its_slot(server):
 
 
 def test_orchestrator_ends_a_lone_sequence_past_the_pool_and_drops_cancelled_ones():
-    engine = FakeEngine(max_slots=1, max_seq_len=64, page_size=4, num_pages=4)  # 16 tokens of KV in all
+    # 16 tokens of KV in all. Each step takes 10 ms: the loop thread, given the GIL between the
+    # two submissions and the cancel, could otherwise finish the first request and prefill the
+    # second before the cancel is made (seen on a loaded machine).
+    engine = FakeEngine(max_slots=1, max_seq_len=64, page_size=4, num_pages=4, step_delay=0.01)
     orch = Orchestrator(engine, TOK, SchedulerConfig(max_queue=4)).start()
     prompt = TOK.encode("ten tokens")
 
@@ -496,6 +499,12 @@ def test_256_concurrent_streams_each_get_exactly_their_tokens(server):
     server.wait_idle()
 
 
+async def _stream_all(url: str, bodies: list[dict]) -> list:
+    """Every body streamed at once: ``_stream``'s ``(status, text, reason, usage)`` for each."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return await asyncio.gather(*(_stream(http, b) for b in bodies))
+
+
 def test_preemption_under_a_small_page_pool_keeps_the_streamed_text():
     # One sequence fits, four do not. Each step takes 20 ms, so the six streams overlap however slowly
     # the loaded machine sends them (without it, a busy CI could serve them one after another).
@@ -503,18 +512,34 @@ def test_preemption_under_a_small_page_pool_keeps_the_streamed_text():
     with Server(engine) as s:
         bodies = [{"model": MODEL, "prompt": f"p{i}", "max_tokens": 40, "seed": i, "temperature": 0.8}
                   for i in range(6)]
-
-        async def run():
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
-                return await asyncio.gather(*(_stream(http, b) for b in bodies))
-
-        results = asyncio.run(run())
+        results = asyncio.run(_stream_all(s.url, bodies))
         for body, (status, text, reason, usage) in zip(bodies, results):
             want, want_reason, ids = expected(body["prompt"], 40, body["seed"], max_seq_len=64, temperature=0.8)
             assert (status, text, reason, usage["completion_tokens"]) == (200, want, want_reason, len(ids))
         m = s.wait_idle()
         assert m["hypertron_preemptions_total"] > 0 and engine.prefills > len(bodies)
         assert m["hypertron_kv_pages_free"] == 16
+
+
+def test_speculation_keeps_each_streams_text_through_preemption_and_counts_in_metrics():
+    """n-gram speculation on the fake engine (a verify row keeps the drafts it would have given),
+    prompts that repeat themselves, a pool that pre-empts, each step collected before the next
+    (the fake's letters seldom repeat, so a proposal made one step behind seldom holds): each
+    stream gets the reference text, and /metrics counts the proposals, what was kept, and what was
+    kept at each place."""
+    engine = FakeEngine(max_slots=4, max_seq_len=64, page_size=4, num_pages=16, step_delay=0.01)
+    with Server(engine, scheduler={"speculative": "ngram", "dispatch_ahead": "off"}) as s:
+        bodies = [{"model": MODEL, "prompt": "abcab" * 3 + f"{i}", "max_tokens": 30, "seed": i} for i in range(6)]
+        for body, (status, text, reason, usage) in zip(bodies, asyncio.run(_stream_all(s.url, bodies))):
+            want, want_reason, ids = expected(body["prompt"], 30, body["seed"], max_seq_len=64)
+            assert (status, text, reason, usage["completion_tokens"]) == (200, want, want_reason, len(ids))
+        m, d = s.wait_idle(), s.orch.scheduler.drafter
+        spec = "hypertron_spec_decode_num_"
+        assert (m[spec + "drafts_total"], m[spec + "draft_tokens_total"], m[spec + "accepted_tokens_total"]) == (
+            d.drafts, d.draft_tokens, d.accepted)
+        assert d.drafts > 0 and sum(m[f"{spec}accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)) \
+            == d.accepted
+        assert m["hypertron_preemptions_total"] > 0 and m["hypertron_kv_pages_free"] == 16
 
 
 def test_full_queue_answers_429_with_retry_after():

@@ -1,16 +1,20 @@
-"""Speculative decoding's device functions (``hypertron.serve.speculative``) against references:
-the n-gram proposer against a loop in numpy on random histories; the acceptance rule against the
+"""Speculative decoding's parts against references: the n-gram proposer
+(``hypertron.serve.speculative``) against a loop on random histories; the acceptance rule against the
 distribution it must give (a chi-square test of the emitted tokens against ``p``) and the
 acceptance rate it must have (``sum(min(p, q))``; ``p(x)`` for an n-gram's one draft)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypertron.serve.speculative import accept, ngram_propose
+from hypertron.config import SchedulerConfig
+from hypertron.serve.sampling import accept
+from hypertron.serve.speculative import propose
 
 # The 0.999 quantile of the chi-square distribution with 5 degrees of freedom (6 tokens): a test
 # at p-value 0.001, as scipy.stats.chi2.ppf(0.999, 5) gives it.
@@ -23,7 +27,7 @@ def _reference_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[
         if len(tokens) < n + 1:
             continue
         suffix = tokens[-n:]
-        for j in range(len(tokens) - n - 1, -1, -1):
+        for j in range(len(tokens) - n):
             if tokens[j:j + n] == suffix:
                 return tokens[j + n:j + n + k]
     return []
@@ -32,15 +36,17 @@ def _reference_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[
 @pytest.mark.parametrize("k, n_min, n_max", [(4, 2, 5), (1, 1, 3)])
 def test_ngram_proposals_equal_a_loop_on_random_histories(k, n_min, n_max):
     rng = np.random.default_rng(k)
-    rows, width = 256, 32
-    history = rng.integers(0, 3, (rows, width)).astype(np.int32)  # 3 ids: matches are common
-    lengths = rng.integers(0, width + 1, rows).astype(np.int32)
-    draft, count = jax.device_get(ngram_propose(jnp.asarray(history), jnp.asarray(lengths), k=k, n_min=n_min,
-                                                n_max=n_max))
-    for r in range(rows):
-        want = _reference_ngram(history[r, :lengths[r]].tolist(), k, n_min, n_max)
-        assert (int(count[r]), draft[r, :count[r]].tolist()) == (len(want), want), (r, history[r, :lengths[r]])
-    assert 0 < (count > 0).mean() < 1
+    found = 0
+    for r in range(512):
+        tokens = rng.integers(0, 3, rng.integers(0, 33)).tolist()  # 3 ids: matches are common
+        want = _reference_ngram(tokens, k, n_min, n_max)
+        assert propose(tokens, k, n_min, n_max) == want, tokens
+        found += bool(want)
+    assert 0 < found < 512
+    # By hand (the first as vLLM's proposer documents it): [2, 3] matches, three tokens follow it;
+    # in a run of one token the longest match wins, and the earliest place of it.
+    assert propose([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]
+    assert propose([5] * 6, 4, 2, 5) == [5] and propose([5] * 6, 4, 2, 2) == [5] * 4
 
 
 def _chi2(tokens: np.ndarray, p: np.ndarray) -> float:
@@ -56,8 +62,9 @@ Q = np.array([0.10, 0.20, 0.30, 0.05, 0.25, 0.10])
 def _run(p, q, draft, count):
     rows, k = draft.shape
     fn = jax.jit(accept)
-    tokens, emitted = fn(jnp.asarray(np.broadcast_to(p, (rows, k + 1, len(p))), jnp.float32),
-                         jnp.asarray(np.broadcast_to(q, (rows, k, len(p))) if q.ndim == 1 else q, jnp.float32),
+    if q is not None:
+        q = jnp.asarray(np.broadcast_to(q, (rows, k, len(p))) if q.ndim == 1 else q, jnp.float32)
+    tokens, emitted = fn(jnp.asarray(np.broadcast_to(p, (rows, k + 1, len(p))), jnp.float32), q,
                          jnp.asarray(draft, jnp.int32), jnp.asarray(count, jnp.int32),
                          jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32))
     return np.asarray(tokens), np.asarray(emitted)
@@ -80,12 +87,128 @@ def test_emitted_tokens_are_distributed_as_the_model_and_drafts_kept_at_sum_min_
 
 def test_an_ngram_draft_is_kept_at_p_of_it_and_a_greedy_row_keeps_drafts_equal_to_its_argmax():
     draft = np.full((DRAWS, 1), 2)
-    tokens, emitted = _run(P, np.eye(len(P))[2], draft, np.ones(DRAWS, np.int32))
+    tokens, emitted = _run(P, None, draft, np.ones(DRAWS, np.int32))  # None: a point mass on each draft
+    point_mass = _run(P, np.eye(len(P))[2], draft, np.ones(DRAWS, np.int32))
+    assert np.array_equal(tokens, point_mass[0]) and np.array_equal(emitted, point_mass[1])
     kept = (emitted == 2).mean()
     assert abs(kept - P[2]) < 5 * np.sqrt(kept * (1 - kept) / DRAWS)
     assert _chi2(tokens[:, 0], P) < CHI2_5_999
     greedy = np.eye(len(P))[0]
     drafts = np.array([[0, 0, 3], [0, 4, 0], [5, 0, 0], [0, 0, 0]])
-    tokens, emitted = _run(greedy, np.eye(len(P))[drafts], drafts, np.array([3, 3, 3, 2]))
+    tokens, emitted = _run(greedy, None, drafts, np.array([3, 3, 3, 2]))
     assert emitted.tolist() == [3, 2, 1, 3] and (tokens[np.arange(4), emitted - 1] == 0).all()
     assert not tokens[3, :3].any()  # two drafts kept, then the bonus: the argmax again
+
+
+# -- through the scheduler and the engine ---------------------------------------------------------
+
+def _spec_runs(preset: str, eos: int | None = None):
+    """Five greedy requests (three prompts repeating themselves) through a tiny float32 ``preset``,
+    3 slots and a pool of 14 pages of 4 (pre-emption), a budget of 24 tokens: with speculation off
+    (one step ahead), n-gram k = 4 (one step ahead) and k = 1 (not). Returns each run's
+    ``(tokens, log-probabilities, finish reasons, scheduler, sampled rows, steps mixing proposals and
+    prefill)`` and the engine."""
+    from serving import padded_engine  # tests/
+
+    from hypertron.config import PRESETS, EngineConfig
+    from hypertron.models import init_params
+    from hypertron.serve.scheduler import Request, Scheduler, run_until_done
+    from hypertron.serve.shapes import Shape
+    from hypertron.serve.types import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS[preset], num_layers=2, max_seq_len=64, dtype="float32")
+    shapes = [Shape(3, 0, 0, logprobs=True), Shape(3, 0, 0, logprobs=True, verify=4),
+              Shape(3, 2, 32, logprobs=True, verify=4)]
+    engine = padded_engine(init_params(cfg, jax.random.key(1)), cfg,
+                           EngineConfig(max_slots=3, page_size=4, num_pages=15, max_top_logprobs=3), shapes)
+    if eos is not None:
+        engine.eos_ids = frozenset({eos})
+    rng = np.random.default_rng(0)
+    base = rng.integers(3, cfg.vocab_size, 7).tolist()
+    prompts = [base * 3, rng.integers(3, cfg.vocab_size, 9).tolist(), base[:4] * 4 + [9],
+               rng.integers(3, cfg.vocab_size, 13).tolist(), base[2:] * 2]
+    greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=24, logprobs=3, ignore_eos=eos is None)
+    runs = {}
+    for spec, k, ahead in (("off", 4, True), ("ngram", 4, True), ("ngram", 1, False)):
+        sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=24, max_prefill_rows=2, speculative=spec,
+                                                  num_speculative_tokens=k))
+        seqs = [Request(i, p, greedy) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            sched.add(seq)
+        lps, sampled, update = {i: [] for i in range(len(seqs))}, [0, 0], sched.update
+
+        def counted(plan, result, update=update, sampled=sampled, sched=sched):
+            sampled[0] += sum(r.sample and r.request in sched._live for r in plan.rows)
+            sampled[1] += bool(plan.prefills and any(r.proposal for r in plan.decodes))  # a mixed step
+            update(plan, result)
+
+        sched.update = counted
+        run_until_done(engine, sched, lambda o: o.token is not None and lps[o.seq.id].append(o.logprobs), ahead=ahead)
+        assert sched.stats()["pages_free"] == 14 and sched.stats()["slots_in_use"] == 0
+        runs[spec, k] = ([s.generated for s in seqs], lps, [s.finish_reason for s in seqs], sched, *sampled)
+    assert engine.compiled_shapes == shapes and engine.compiles["sync"] == 0
+    return runs, engine
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma", "tiny-moe"])
+def test_greedy_tokens_and_logprobs_equal_with_speculation_off(preset):
+    """Llama, Mistral (a window of 16 over 40-token sequences), Gemma and a dropless MoE: n-gram
+    speculation (k = 4 one step ahead, k = 1 not) gives the greedy tokens and top-3
+    log-probabilities (1e-5) of no speculation, through pre-emption and in steps that prefill too
+    (but the MoE's), drafts kept at each place; every token emitted is a sampling row's or a kept draft's."""
+    runs, _ = _spec_runs(preset)
+    tokens, lps, *_ = runs["off", 4]
+    for (spec, k), (got, got_lps, _, sched, sampled, _) in runs.items():
+        assert got == tokens, (spec, k)
+        for i in lps:
+            for lp, ref in zip(got_lps[i], lps[i], strict=True):
+                assert lp.top_ids == ref.top_ids
+                np.testing.assert_allclose([lp.logprob, *lp.top_logprobs], [ref.logprob, *ref.top_logprobs], atol=1e-5)
+        d = sched.drafter
+        if d is not None:
+            assert d.accepted > 0 and d.accepted_per_pos[0] > 0 and d.draft_tokens >= d.accepted
+            assert sum(map(len, got)) == sampled + d.accepted
+    assert any(run[3].preemptions for run in runs.values())
+    # A step prefills beside a proposal (the MoE's greedy tokens repeat too late for one here)
+    assert any(run[5] for run in runs.values()) or preset == "tiny-moe"
+
+
+def test_eos_inside_kept_drafts_ends_the_request_there():
+    """A model whose next token depends on its last one alone (attention's output zeroed: a map
+    f), a prompt holding x f(x) .. f^4(x) y and ending in x, and EOS f^4(x), one step ahead: the
+    prompt's sample f(x) and a decode row's f^2(x) (dispatched before f(x) was known), then a
+    verify row of f^3(x) f^4(x) y x, which keeps the first two and emits f^5(x) after them. The
+    request stops at EOS, the second token of that row, with the tokens it gets without
+    speculation, and every page and slot comes back."""
+    from serving import padded_engine  # tests/
+
+    from hypertron.config import PRESETS, EngineConfig
+    from hypertron.models import forward, init_params
+    from hypertron.serve.scheduler import STOP, Request, Scheduler, run_until_done
+    from hypertron.serve.shapes import Shape
+    from hypertron.serve.types import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64, dtype="float32")
+    params = init_params(cfg, jax.random.key(1))
+    params["layers"]["wo"] = jnp.zeros_like(params["layers"]["wo"])
+    f = np.asarray(jnp.argmax(forward(params, jnp.arange(cfg.vocab_size)[:, None], cfg).logits[:, 0], -1))
+    chains = [[x] for x in range(3, cfg.vocab_size)]
+    for chain in chains:
+        while len(chain) < 6:
+            chain.append(int(f[chain[-1]]))
+    x, *fx = next(c for c in chains if len(set(c)) == 6)
+    y = next(t for t in range(3, cfg.vocab_size) if t not in (x, *fx))
+    engine = padded_engine(params, cfg, EngineConfig(max_slots=2, page_size=4, num_pages=9),
+                           [Shape(2, 0, 0), Shape(2, 0, 0, verify=4), Shape(2, 2, 32, verify=4)])
+    engine.eos_ids = frozenset({fx[3]})
+    got = {}
+    for spec in ("off", "ngram"):
+        sched = Scheduler(engine, SchedulerConfig(speculative=spec))
+        seq = Request(0, [x, *fx[:4], y, x], SamplingParams(temperature=0.0, seed=0, max_tokens=12))
+        sched.add(seq)
+        run_until_done(engine, sched, lambda o: None, ahead=True)
+        assert seq.finish_reason == STOP and sched.stats()["pages_free"] == 8 and sched.stats()["slots_in_use"] == 0
+        got[spec] = seq.generated
+    assert got["off"] == got["ngram"] == fx[:3]
+    d = sched.drafter
+    assert (d.drafts, d.draft_tokens, d.accepted) == (1, 4, 2)

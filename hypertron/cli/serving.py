@@ -72,6 +72,14 @@ _SERVE_FLAGS: dict[str, dict] = {
     "enable_prefix_caching": dict(help="keep the KV pages of full pages of prompts (and of generated tokens) "
                                        "cached, and share them between requests with the same prefix (and "
                                        "cache_salt)"),
+    "speculative": dict(help="ngram: a sequence whose last tokens occurred before in it (prompt or output) "
+                             "proposes the tokens that followed them, and each step keeps those the model "
+                             "agrees with (the same tokens as off for greedy requests; sampled ones keep the "
+                             "model's distribution); off: one token a step"),
+    "num_speculative_tokens": dict(metavar="K", help="tokens a sequence proposes per step, at most"),
+    "prompt_lookup_min": dict(metavar="N", help="ngram: the fewest last tokens looked up"),
+    "prompt_lookup_max": dict(metavar="N", help="ngram: the most last tokens looked up (the longest match "
+                                                "proposes)"),
     "sizes": dict(metavar="WxH,...", help="a diffusers folder: the image sizes served (each compiled at start; "
                                           "default: the model's own)"),
     "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most (default "

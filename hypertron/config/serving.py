@@ -35,6 +35,10 @@ DispatchAhead = Literal["auto", "on", "off"]
 # that minimises their mean time to first token (one at a time where prefill is compute-bound, as on a
 # CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
 PrefillGroups = Literal["auto", "max"]
+# off: one token per sequence per step; ngram: a sequence whose last tokens occurred before in it proposes
+# what followed them there, and the step keeps what the model agrees with (hypertron.serve.speculative)
+Speculative = Literal["off", "ngram"]
+MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens, at most
 
 # A step of the serving engine whose shape is not compiled yet runs padded to a compiled shape that holds it;
 # if that costs over this many times its own (hypertron.serve.engine.PagedEngine.cost), its own is compiled in
@@ -90,6 +94,10 @@ class SchedulerConfig:
     dispatch_ahead: DispatchAhead = "auto"  # see DispatchAhead
     # share the KV pages of prompts' common prefixes between requests: the scheduler's pages, host only
     enable_prefix_caching: bool = True
+    speculative: Speculative = "off"  # see Speculative
+    num_speculative_tokens: int = 4  # k: drafted tokens a step verifies per sequence, at most
+    prompt_lookup_min: int = 2  # ngram: the shortest run of last tokens looked up
+    prompt_lookup_max: int = 5  # ngram: the longest (the longest that matches proposes)
 
     def __post_init__(self):
         check_scheduler_settings(self)
@@ -133,6 +141,14 @@ def check_scheduler_settings(s: SchedulerConfig | ServeConfig, name: Callable[[s
     for key in ("max_num_batched_tokens", "max_prefill_rows", "max_queue"):
         if getattr(s, key) <= 0:
             raise ConfigError(f"{name(key)}={getattr(s, key)}: must be positive")
+    k = s.num_speculative_tokens
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"{name('num_speculative_tokens')}={k}: must be 1 to {MAX_SPECULATIVE_TOKENS}")
+    if s.prompt_lookup_min < 1:
+        raise ConfigError(f"{name('prompt_lookup_min')}={s.prompt_lookup_min}: must be at least 1")
+    if s.prompt_lookup_max < s.prompt_lookup_min:
+        raise ConfigError(f"{name('prompt_lookup_max')}={s.prompt_lookup_max}: must be at least "
+                          f"{name('prompt_lookup_min')}={s.prompt_lookup_min}")
 
 
 def check_budget(max_num_batched_tokens: int, max_slots: int, name: Callable[[str], str] = lambda key: key) -> None:
@@ -179,6 +195,10 @@ class ServeConfig:
     model_name: str | None = None  # the id in /v1/models; None: the run directory's name
     openapi: bool = True  # serve the API's description at GET /openapi.json (behind api_key when set)
     enable_prefix_caching: bool = _S.enable_prefix_caching
+    speculative: Speculative = _S.speculative
+    num_speculative_tokens: int = _S.num_speculative_tokens
+    prompt_lookup_min: int = _S.prompt_lookup_min
+    prompt_lookup_max: int = _S.prompt_lookup_max
     enable_lora: bool = _E.enable_lora  # serve LoRA adapters: --lora-modules, /v1/load_lora_adapter
     max_loras: int = _E.max_loras
     max_lora_rank: int = _E.max_lora_rank

@@ -72,13 +72,15 @@ class PagedCache:
     decode_only: bool = dataclasses.field(default=False, metadata={"static": True})  # one token a row
     # About how many queries a row of several has (the step's prefill tokens over its prefill rows)
     queries_per_row: int | None = dataclasses.field(default=None, metadata={"static": True})
+    # Each row's last queries that attend in the rows' one batch (a verify row's: speculative decoding)
+    decode_queries: int = dataclasses.field(default=1, metadata={"static": True})
 
     def attend(self, layer, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, cfg: ModelConfig):
         table = layer_page_table(self.page_table, layer, pages_per_layer(self.pages, cfg.num_layers))
         pages = write_tokens(self.pages, k_btkh[0][:, None], v_btkh[0][:, None], positions_bt[0][:, None],
                              table[self.token_rows], self.token_valid[:, None])
         attend = functools.partial(ragged_paged_attention, window=cfg.sliding_window, decode_only=self.decode_only,
-                                   queries_per_row=self.queries_per_row)
+                                   queries_per_row=self.queries_per_row, decode_queries=self.decode_queries)
         attn = _by_head(attend, q_btnh[0], pages, self.lengths, table, self.query_start, cfg)
         return attn[None], dataclasses.replace(self, pages=pages)
 

@@ -23,7 +23,7 @@ from hypertron.models import PagedCache, forward
 from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.parallel.rules import DEFAULT_RULES, use_rules
 from hypertron.quant.lora import adapter_tokens
-from hypertron.serve.sampling import logprobs, sample_rows
+from hypertron.serve.sampling import accept, logprobs, sample_rows, target_probs
 from hypertron.serve.shapes import Shape
 from hypertron.serve.step_batch import unpack
 
@@ -31,10 +31,11 @@ from hypertron.serve.step_batch import unpack
 
 @functools.partial(jax.jit, donate_argnums=(1, 2),
                    static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens",
-                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora", "guided", "mesh"))
+                                    "want_logprobs", "prompt_logprobs", "skip_greedy", "lora", "guided", "verify",
+                                    "mesh"))
 def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
          prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
-         lora: bool = False, guided: bool = False, mesh: Mesh | None = None):
+         lora: bool = False, guided: bool = False, verify: int = 0, mesh: Mesh | None = None):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
     ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
@@ -49,48 +50,120 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     ``top_ids``, ``top_logprobs`` and ``prompt`` (the same three for every prefill token's
     target); with ``guided``, ``logits [rows, vocab]`` too, left on the device for
     :func:`sample_masked` (a guided row's ``out_slot`` is nowhere: its sample is that function's).
+    ``verify`` (speculative decoding): a decode row feeds its last token and then ``draft`` tokens
+    of ``proposal [rows, verify]`` (:attr:`~hypertron.serve.types.Row.proposal`; ``lengths`` counts
+    them), in the last of its ``verify + 1`` places, ``out_idx`` its first query's flat index
+    (all of a decode row's queries attend together, its pages read once); the step samples after each and keeps
+    what :func:`~hypertron.serve.sampling.accept` keeps: ``tokens [rows, verify + 1]`` and
+    ``emitted [rows]`` (1 for a row without a proposal, whose sample is as in a step without
+    ``verify``), the log-probabilities ``[rows, verify + 1 (, N)]``; the slot then holds
+    ``lengths - draft + emitted - 1`` positions.
     ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the
     engine's (shard_map'ed layers).
     """
-    b, nd = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs), num_decode
-    n_pre, n_rows, nowhere = b["pre_tokens"].shape[0], b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
-    slot, lengths = b["slot"], b["lengths"]
-    tokens = jnp.concatenate([state["last_tokens"][slot[:nd]], b["pre_tokens"]])
-    positions = jnp.concatenate([jnp.maximum(lengths[:nd] - 1, 0), b["pre_pos"]])
-    token_rows = jnp.concatenate([jnp.arange(nd, dtype=jnp.int32), nd + b["pre_row"]])
-    token_valid = jnp.concatenate([lengths[:nd] > 0, b["pre_valid"]])
-    segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
-    # Each row's tokens start where the previous row's end: a decode row has one (padding rows too,
+    b = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs, proposal=verify)
+    n_pre, n_rows = b["pre_tokens"].shape[0], b["lengths"].shape[0]
+    slot, lengths, nd, per = b["slot"], b["lengths"], num_decode, verify + 1
+    dec_tokens, dec_pos, dec_valid = _decode_queries(state, b, nd, verify)
+    tokens = jnp.concatenate([dec_tokens.reshape(-1), b["pre_tokens"]])
+    positions = jnp.concatenate([jnp.maximum(dec_pos, 0).reshape(-1), b["pre_pos"]])
+    # Each row's tokens start where the previous row's end: a decode row has `per` (padding rows too,
     # over no keys), a prefill row its valid tokens.
-    counts = jnp.concatenate([jnp.ones(nd, jnp.int32), jax.ops.segment_sum(
+    nq = nd * per
+    token_rows = jnp.concatenate([jnp.repeat(jnp.arange(nd, dtype=jnp.int32), per), nd + b["pre_row"]])
+    token_valid = jnp.concatenate([dec_valid.reshape(-1), b["pre_valid"]])
+    segments = jnp.where(token_valid, token_rows + 1, 0)  # padding is segment 0 (the MoE skips it)
+    counts = jnp.concatenate([jnp.full(nd, per, jnp.int32), jax.ops.segment_sum(
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
     paged = PagedCache(cache, state["table"][slot], lengths, query_start, token_rows, token_valid,
-                       decode_only=n_pre == 0, queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row)
-    at = b["out_idx"]
+                       decode_only=n_pre == 0, queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row,
+                       decode_queries=per)
+    at = b["out_idx"]  # a decode row's first query (its last token), a prefill row's last token
+    if verify:  # each row's verify + 1 queries (past its proposal, and a prefill row's: its last, again)
+        at = (at[:, None] + jnp.minimum(jnp.arange(per), b["draft"][:, None])).reshape(-1)
     if prompt_logprobs:
-        at = jnp.concatenate([at, nd + jnp.arange(n_pre, dtype=jnp.int32)])
+        at = jnp.concatenate([at, nq + jnp.arange(n_pre, dtype=jnp.int32)])
     split = contextlib.nullcontext() if mesh is None else use_rules(mesh, DEFAULT_RULES, pin=False)
     with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
         fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
                       logits_at=at[None])
     logits, paged = fwd.logits, fwd.cache
-    row_logits = logits[0, :n_rows]
-    nxt = sample_rows(row_logits, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
-                      skip_greedy=skip_greedy)
+    row_logits = logits[0, :n_rows * (verify + 1)]
+    first = row_logits if not verify else row_logits.reshape(n_rows, verify + 1, -1)[:, 0]
+    nxt = sample_rows(first, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths, skip_greedy=skip_greedy)
     out = {"tokens": nxt}
+    if verify:
+        out["tokens"], out["emitted"] = _verified(row_logits, nxt, b, verify, skip_greedy)
     if guided:  # guided rows sample in sample_masked, from these (their out_slot is nowhere here)
-        out["logits"] = row_logits
+        out["logits"] = first
     if want_logprobs:
-        out["logprobs"], out["top_ids"], out["top_logprobs"] = logprobs(row_logits, nxt, top_n)
+        lps = logprobs(row_logits, out["tokens"].reshape(-1), top_n)
+        out["logprobs"], out["top_ids"], out["top_logprobs"] = (x.reshape(out["tokens"].shape + x.shape[1:])
+                                                                for x in lps)
     if prompt_logprobs:
-        out["prompt"] = logprobs(logits[0, n_rows:], jnp.maximum(b["targets"], 0), top_n)
-    pre_slot = jnp.where(b["pre_valid"], slot[nd + b["pre_row"]], nowhere)
-    history = state["history"].at[pre_slot, b["pre_pos"]].set(b["pre_tokens"], mode="drop")
-    state = {"seq_lens": state["seq_lens"].at[slot].set(lengths), "table": state["table"],
-             "last_tokens": state["last_tokens"].at[b["out_slot"]].set(nxt),
-             "history": history.at[b["out_slot"], lengths].set(nxt, mode="drop")}
+        out["prompt"] = logprobs(logits[0, n_rows * (verify + 1):], jnp.maximum(b["targets"], 0), top_n)
+    state = _written(state, b, out, nd)
     return paged.pages, state, out
+
+
+def _written(state: dict, b: dict, out: dict, nd: int) -> dict:
+    """``state`` after a step: its prefill tokens and each row's new tokens (the first
+    ``out["emitted"]``, or its one) in the history, its last in ``last_tokens``, and where each
+    slot now stands in ``seq_lens``."""
+    n_rows, nowhere = b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
+    pre_slot = jnp.where(b["pre_valid"], b["slot"][nd + b["pre_row"]], nowhere)
+    history = state["history"].at[pre_slot, b["pre_pos"]].set(b["pre_tokens"], mode="drop")
+    new = out["tokens"].reshape(n_rows, -1)
+    emitted = out.get("emitted", jnp.ones(n_rows, jnp.int32))
+    start = b["lengths"] - b["draft"]  # where the first goes
+    at = jnp.where(jnp.arange(new.shape[1]) < emitted[:, None], start[:, None] + jnp.arange(new.shape[1]),
+                   history.shape[1])  # past the end: dropped
+    return {"seq_lens": state["seq_lens"].at[b["slot"]].set(start + emitted - 1), "table": state["table"],
+            "last_tokens": state["last_tokens"].at[b["out_slot"]].set(new[jnp.arange(n_rows), emitted - 1]),
+            "history": history.at[b["out_slot"][:, None], at].set(new, mode="drop")}
+
+
+def _decode_queries(state: dict, b: dict, nd: int, verify: int):
+    """``(tokens, positions, valid) [nd, verify + 1]`` of the step's decode rows: each row's last
+    token (on the device) at ``lengths - 1 - draft``, then its proposal's, in the last of its
+    ``verify + 1`` places (padding before them: a row's tokens stay contiguous, and its last query
+    is its last place)."""
+    lengths, draft, per = b["lengths"][:nd], b["draft"][:nd], verify + 1
+    index = jnp.arange(per) - (per - 1 - draft)[:, None]  # in the row: 0 its last token; < 0 padding
+    valid = (lengths[:, None] > 0) & (index >= 0)
+    positions = (lengths - 1 - draft)[:, None] + index
+    tokens = jnp.broadcast_to(state["last_tokens"][b["slot"][:nd]][:, None], index.shape)
+    if verify:
+        proposed = jnp.take_along_axis(b["proposal"][:nd], jnp.clip(index - 1, 0, verify - 1), axis=1)
+        tokens = jnp.where(index > 0, proposed, tokens)
+    return tokens, positions, valid
+
+
+def _verified(row_logits, nxt, b: dict, verify: int, skip_greedy: bool):
+    """``(tokens [rows, verify + 1], emitted [rows])`` of a step with proposals: a row with one
+    keeps what :func:`~hypertron.serve.sampling.accept` keeps of it; one without emits ``nxt``.
+    ``skip_greedy``: a step none of whose rows samples takes each place's argmax and keeps the
+    proposed tokens while they equal it (what ``accept`` gives a greedy row), on the device's
+    conditional (not on a GPU, as :func:`~hypertron.serve.sampling.sample_rows`)."""
+    n_rows, draft, per = nxt.shape[0], b["draft"], verify + 1
+    grid = row_logits.reshape(n_rows, per, -1)
+
+    def sampled(_):
+        p = target_probs(row_logits, *(jnp.repeat(b[k], per) for k in ("temperature", "top_k", "top_p")))
+        return accept(p.reshape(n_rows, per, -1), None, b["proposal"], draft, b["seed"], b["lengths"] - draft)
+
+    def greedy(_):
+        best = jnp.argmax(grid, axis=-1).astype(jnp.int32)
+        same = (b["proposal"] == best[:, :verify]) & (jnp.arange(verify) < draft[:, None])
+        return best, jnp.argmin(jnp.concatenate([same, jnp.zeros((n_rows, 1), bool)], axis=1), axis=1) + 1
+
+    if skip_greedy:
+        kept, emitted = jax.lax.cond(jnp.any(b["temperature"] > 0), sampled, greedy, None)
+    else:
+        kept, emitted = sampled(None)
+    plain = jnp.zeros_like(kept).at[:, 0].set(nxt)
+    return jnp.where((draft > 0)[:, None], kept, plain), jnp.where(draft > 0, emitted, 1)
 
 
 def mask_words(cfg: ModelConfig) -> int:

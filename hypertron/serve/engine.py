@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypertron.config import EngineConfig, ModelConfig
+from hypertron.config import EngineConfig, ModelConfig, SchedulerConfig
 from hypertron.config.serving import MAX_PADDED_COST
 from hypertron.models import resolve_dtype, unstack_layers
 from hypertron.models.flops import dense_flops_per_token
@@ -110,6 +110,10 @@ MAX_OVERHEAD_TOKENS = 1e6
 # power of two, so that few sizes compile.
 MIN_PAGE_WRITES = 16
 MIN_TOKEN_WRITES = 64
+# A step with proposals (speculative decoding) feeds each decode row `verify + 1` queries and samples after
+# each, verify a power of two at least this: one variant for every proposal of up to 4 tokens (a row's
+# padding queries cost less than another compiled shape).
+MIN_VERIFY = 4
 # Compiled steps are shared by every engine of a process with the same model shapes, settings and
 # step shape (the most recent this many): a second engine on the same model (a bench's sweep, a
 # test's reference engine) does not compile its steps again.
@@ -238,11 +242,13 @@ class PagedEngine:
     def shape(self, plan: StepPlan) -> Shape:
         """The bucketed shape of ``plan`` (what it runs as once that is compiled)."""
         dec, pre = plan.decodes, plan.prefills
+        drafts = max((r.draft for r in dec), default=0)
         return Shape(num_decode=min(bucket(len(dec)), self.max_slots) if dec else 0,
                      prefill_rows=next_pow2(len(pre)) if pre else 0,
                      prefill_tokens=prefill_bucket(sum(len(r.tokens) for r in pre)) if pre else 0,
                      logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs,
-                     lora=any(r.adapter >= 0 for r in plan.rows), guided=any(r.guided for r in plan.rows))
+                     lora=any(r.adapter >= 0 for r in plan.rows), guided=any(r.guided for r in plan.rows),
+                     verify=max(next_pow2(drafts), MIN_VERIFY) if drafts else 0)
 
     def context(self, plan: StepPlan) -> int:
         """The keys :meth:`cost` counts each query of ``plan`` against: its longest row's."""
@@ -367,14 +373,15 @@ class PagedEngine:
                if cost(s) <= CLOSE_ENOUGH_COST * cost(exact)]
         return max(fit, key=lambda s: s.num_decode, default=exact)
 
-    def largest_shape(self, max_prefill_rows: int, max_num_batched_tokens: int) -> Shape:
-        """The shape that holds every plan of this engine under a scheduler's ``max_prefill_rows``
-        and ``max_num_batched_tokens`` (without the log-probability variants): compiled at a
-        server's start (:meth:`precompile`), no later plan waits for a compile but one of a
-        variant not met yet."""
-        return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(max_prefill_rows),
-                     prefill_tokens=prefill_bucket(max_num_batched_tokens),
-                     lora=self.lora is not None)
+    def largest_shape(self, config: SchedulerConfig) -> Shape:
+        """The shape that holds every plan of this engine under a scheduler of ``config`` (its
+        ``max_prefill_rows`` and ``max_num_batched_tokens``; with speculation, each decode row's
+        proposal), without the log-probability variants: compiled at a server's start
+        (:meth:`precompile`), no later plan waits for a compile but one of a variant not met yet."""
+        verify = max(next_pow2(config.num_speculative_tokens), MIN_VERIFY) if config.speculative != "off" else 0
+        return Shape(num_decode=self.max_slots, prefill_rows=next_pow2(config.max_prefill_rows),
+                     prefill_tokens=prefill_bucket(config.max_num_batched_tokens),
+                     lora=self.lora is not None, verify=verify)
 
     def precompile(self, shape: Shape) -> None:
         """Compile ``shape``: on the background thread with ``compile="background"``, else now."""
@@ -398,7 +405,8 @@ class PagedEngine:
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs, mesh=self.mesh,
-                            skip_greedy=skip_greedy, lora=shape.lora, guided=shape.guided).compile()
+                            skip_greedy=skip_greedy, lora=shape.lora, guided=shape.guided,
+                            verify=shape.verify).compile()
             if shape.guided:  # its sampler, compiled with it (never on the serving thread when this is not)
                 logits = fn.out_info[2]["logits"]
                 logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fn.output_shardings[2]["logits"])
@@ -487,10 +495,11 @@ class PagedEngine:
         out = jax.device_get(pending.out)
         plan, rows = pending.plan, pending.rows
         if pending.guided is not None:  # the guided rows' samples (and log-probabilities) are sample_guided's
-            guided, taken = jax.device_get(pending.guided), np.zeros(len(out["tokens"]), bool)
-            taken[[j for j, r in zip(rows, plan.rows) if r.guided]] = True
-            out = {**out, **{k: np.where(taken.reshape(-1, *[1] * (np.ndim(v) - 1)), v, out[k])
-                             for k, v in guided.items()}}
+            taken = [j for j, r in zip(rows, plan.rows) if r.guided]
+            at = (taken, 0) if "emitted" in out else taken  # with verify rows, a guided row's token is its first
+            for k, v in jax.device_get(pending.guided).items():
+                out[k] = np.array(out[k])
+                out[k][at] = v[taken]
         pending.times["wait"] = time.perf_counter() - start
         pick = lambda x: None if x is None or not plan.logprobs else x[rows]  # noqa: E731
         prompt = None
@@ -500,7 +509,7 @@ class PagedEngine:
                       (chosen[o:o + len(row.tokens)], ids[o:o + len(row.tokens)], lps[o:o + len(row.tokens)])
                       for row, o in zip(plan.prefills, pending.prefill_offsets)]
         return StepResult(out["tokens"][rows], pick(out.get("logprobs")), pick(out.get("top_ids")),
-                          pick(out.get("top_logprobs")), prompt)
+                          pick(out.get("top_logprobs")), prompt, out["emitted"][rows] if "emitted" in out else None)
 
     def run(self, plan: StepPlan) -> StepResult:
         """:meth:`dispatch` then :meth:`collect`: one step, synchronously (not for a plan with guided
@@ -510,15 +519,17 @@ class PagedEngine:
     def _empty_batch(self, shape: Shape) -> StepBatch:
         """The inputs of a step of ``shape`` (see :func:`step`), all padding."""
         return StepBatch(shape.num_decode + shape.prefill_rows, shape.prefill_tokens, shape.prompt_logprobs,
-                         nowhere=self.max_slots)
+                         nowhere=self.max_slots, proposal=shape.verify)
 
     def _batch(self, plan: StepPlan, shape: Shape) -> tuple[StepBatch, list[int]]:
         """The inputs of ``plan`` padded to ``shape`` (which holds it), and where each prefill
         row's tokens start."""
-        packed, nd = self._empty_batch(shape), shape.num_decode
+        packed, nd, per = self._empty_batch(shape), shape.num_decode, shape.verify + 1
         b, offsets = packed.fields, []
-        for i, row in enumerate(plan.decodes):
-            self._row(b, i, row, i, not row.guided)
+        for i, row in enumerate(plan.decodes):  # a decode row's queries: the last of its `per` places
+            self._row(b, i, row, i * per + per - 1 - row.draft, not row.guided)
+            if row.proposal:
+                b["proposal"][i, :row.draft] = row.proposal
         off = 0
         for j, row in enumerate(plan.prefills):
             n, sl = len(row.tokens), slice(off, off + len(row.tokens))
@@ -526,7 +537,7 @@ class PagedEngine:
             b["pre_pos"][sl] = np.arange(row.start, row.end)
             if row.prompt_targets is not None:
                 b["targets"][sl] = row.prompt_targets
-            self._row(b, nd + j, row, nd + off + n - 1, not row.guided)
+            self._row(b, nd + j, row, nd * per + off + n - 1, not row.guided)
             offsets.append(off)
             off += n
         return packed, offsets
@@ -538,7 +549,7 @@ class PagedEngine:
         s = row.sampling
         b["temperature"][i], b["top_k"][i], b["top_p"][i] = s.temperature, s.top_k, s.top_p
         b["seed"][i] = np.uint32((s.seed or 0) & 0xFFFFFFFF)
-        b["adapter"][i] = row.adapter + 1
+        b["adapter"][i], b["draft"][i] = row.adapter + 1, row.draft
 
     def _deltas(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...]]]:
         """What ``plan`` changes in the device's state before it runs: ``pages [K, 3]`` (slot,

@@ -61,6 +61,14 @@ class ServeMetrics:
         self.structured_mask = Histogram(p + "structured_mask_seconds", "per step with guided rows: the host's "
                                          "time writing their grammars' masks (in schedule)", registry=r,
                                          buckets=STEP_BUCKETS)
+        # Speculative decoding (vLLM's names; docs/serving.md defines the acceptance rate and tokens per step)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "verify rows run (a sequence's proposed "
+                                   "tokens checked in a step)", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "tokens proposed in them",
+                                         registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "proposed tokens kept", registry=r)
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "proposed tokens kept, "
+                                             "by their place in the proposal (0: first)", ["position"], registry=r)
         self.detokenize = Counter(p + "detokenize_seconds", "event-loop time turning tokens into text chunks "
                                   "(detokenisation and stop strings)", registry=r)
 

@@ -112,7 +112,7 @@ class Orchestrator:
         self._ids = itertools.count()
         self._requests: dict[int, _Submission] = {}  # owned by the loop thread
         self._outbox: list[tuple[_Submission, Output]] = []
-        self._counted = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._counted: dict[str, int] = {}  # the scheduler's counts already in the metrics, by name
         self._guided_seen = False  # a step with guided rows has run (see _guide)
         self._compiles: dict[str, int] = {}
         self._compiles_lock = threading.Lock()  # count_compiles runs on the loop thread and in GET /metrics
@@ -267,7 +267,8 @@ class Orchestrator:
 
     def _ahead(self, plan) -> bool:
         """Whether to leave ``plan``'s step running while the next is dispatched."""
-        return self.ahead and (self.ahead_max_tokens is None or plan.num_tokens <= self.ahead_max_tokens)
+        return self.ahead and not plan.proposes and (self.ahead_max_tokens is None
+                                                     or plan.num_tokens <= self.ahead_max_tokens)
 
     def _dispatch(self, plan):
         """``(plan, handle)``, or None when the dispatch raised (logged; :meth:`_isolate` then)."""
@@ -297,9 +298,7 @@ class Orchestrator:
                 # The first guided step waited for its variant's compile, as a first step asking for
                 # log-probabilities does; the largest shape's guided variant now compiles in the
                 # background, so that later guided steps run padded to it rather than wait.
-                c = self.config
-                largest = self.engine.largest_shape(c.max_prefill_rows, c.max_num_batched_tokens)
-                self.engine.precompile(dataclasses.replace(largest, guided=True))
+                self.engine.precompile(dataclasses.replace(self.engine.largest_shape(self.config), guided=True))
             self._guided_seen = True
         return True
 
@@ -386,10 +385,16 @@ class Orchestrator:
         m.pages_total.set(stats["pages_total"])
         m.pages_cached.set(stats["pages_cached"])
         m.queue_depth.set(self._waiting)
-        counts = {"preemptions": self.scheduler.preemptions, "prefix_queries": stats["prefix_queries"],
-                  "prefix_hits": stats["prefix_hits"]}
-        for name, n in counts.items():  # the scheduler's counts, since it started
-            getattr(m, name).inc(n - self._counted[name])
+        counts = {"preemptions": (m.preemptions, self.scheduler.preemptions),
+                  "prefix_queries": (m.prefix_queries, stats["prefix_queries"]),
+                  "prefix_hits": (m.prefix_hits, stats["prefix_hits"])}
+        if (d := self.scheduler.drafter) is not None:
+            counts.update(spec_drafts=(m.spec_drafts, d.drafts), spec_draft_tokens=(m.spec_draft_tokens, d.draft_tokens),
+                          spec_accepted=(m.spec_accepted, d.accepted))
+            counts.update({f"spec_pos_{i}": (m.spec_accepted_per_pos.labels(str(i)), n)
+                           for i, n in enumerate(d.accepted_per_pos)})
+        for name, (counter, n) in counts.items():  # the scheduler's counts, since it started
+            counter.inc(n - self._counted.get(name, 0))
             self._counted[name] = n
         self.count_compiles()
 

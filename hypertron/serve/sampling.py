@@ -4,6 +4,16 @@ Each row has its own temperature, top-k, top-p and seed; the key of the token at
 is ``fold_in(key(seed), p)``, so a seeded request gives the same tokens whatever else is in the
 batch. Log-probabilities are of the model's distribution (before temperature, top-k and top-p),
 as OpenAI's and vLLM's are.
+
+Speculative decoding keeps a draft's tokens by :func:`accept` (Leviathan et al. 2023; Chen et al.
+2023): draft token ``x_i`` (drawn from ``q_i``) is kept with probability ``min(1, p_i(x) /
+q_i(x))``, ``p_i`` the model's distribution at that place after temperature, top-k and top-p
+(:func:`target_probs`); at the first rejection the token is drawn from ``max(p_i - q_i, 0)``
+normalised, and after every draft is kept a bonus token from ``p`` at the place after. So each
+emitted token is distributed as ``p`` at its place; with ``q`` a point mass (an n-gram's draft) a
+draft token is kept with probability ``p(x)``, and a greedy row (``p`` the one-hot of its argmax)
+keeps drafts while they equal it. Random numbers come from the row's seed and the position, as
+:func:`sample_rows`' do.
 """
 
 from __future__ import annotations
@@ -60,3 +70,43 @@ def logprobs(logits_bv, tokens_b, n: int):
     chosen = jnp.take_along_axis(logp, tokens_b[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, n)
     return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def target_probs(logits_bv, temperature_b, top_k_b, top_p_b) -> jax.Array:
+    """What each row samples from, as probabilities ``[rows, vocab]``: the one-hot of the argmax
+    where ``temperature == 0``, else the softmax of the logits after temperature, top-k and top-p
+    (:func:`sample_rows`' distribution)."""
+    logits = logits_bv.astype(jnp.float32)
+    scaled = logits / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
+    probs = jax.nn.softmax(filter_logits(scaled, top_k_b, top_p_b), axis=-1)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature_b > 0)[:, None], probs, greedy)
+
+
+def accept(p, q, draft, count, seeds, positions):
+    """The tokens a speculative row emits: ``p [rows, k + 1, vocab]`` the model's probabilities
+    (:func:`target_probs`) at each draft's place and the one after, ``q [rows, k, vocab]`` the
+    draft's, or None for a point mass on each draft token (an n-gram's), ``draft [rows, k]``,
+    ``count [rows]`` drafted tokens (the rest is padding), ``seeds [rows]`` (uint32) and
+    ``positions [rows]`` (the first emitted token's place). Returns ``(tokens [rows, k + 1],
+    emitted [rows])``: the first ``emitted`` (1 to ``count + 1``) are the row's new tokens."""
+    if q is None:
+        return jax.vmap(lambda *a: _accept_row(*a[:1], None, *a[1:]))(p, draft, count, seeds, positions)
+    return jax.vmap(_accept_row)(p, q, draft, count, seeds, positions)
+
+
+def _accept_row(p, q, draft, count, seed, position):
+    k, vocab = draft.shape[0], p.shape[-1]
+    key = jax.random.key(seed)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, position + i))(jnp.arange(k + 1))
+    u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 0)))(keys[:k])
+    p_x = jnp.take_along_axis(p[:k], draft[:, None], axis=1)[:, 0]
+    q_x = jnp.ones(k) if q is None else jnp.take_along_axis(q, draft[:, None], axis=1)[:, 0]
+    kept = (u * q_x < p_x) & (jnp.arange(k) < count)  # u < p / q, without dividing by a zero q
+    at = jnp.argmin(jnp.concatenate([kept, jnp.zeros(1, bool)]))  # the leading drafts kept
+    last_q = jax.nn.one_hot(draft[jnp.minimum(at, k - 1)], vocab) if q is None else q[jnp.minimum(at, k - 1)]
+    residual = jnp.maximum(p[at] - jnp.where(at < count, last_q, 0.0), 0.0)
+    residual = jnp.where(residual.sum() > 0, residual, p[at])  # p == q there: any draw from p
+    last = jax.random.categorical(jax.random.fold_in(keys[at], 1), jnp.log(residual))
+    tokens = jnp.where(jnp.arange(k + 1) < at, jnp.concatenate([draft, jnp.zeros(1, draft.dtype)]), 0)
+    return tokens.at[at].set(last.astype(tokens.dtype)), at + 1

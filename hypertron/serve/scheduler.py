@@ -37,6 +37,16 @@ unguided ones, and once the step before is collected (its tokens consumed by the
 samples them (:meth:`Engine.sample_guided`), before the next step is dispatched. A guide that can
 take nothing more ends its request (``stop``).
 
+Speculative decoding (``speculative: ngram``, :mod:`hypertron.serve.speculative`): a sequence
+whose step has nothing in flight (its last token known) and whose tokens propose a draft gets a
+decode row that feeds the draft after its last token (:attr:`Row.proposal`), within
+what is left of the budget after prefill (drafts are what a full budget drops first),
+``max_tokens``, ``max_seq_len`` and the free pages (no pre-emption for a draft). It counts each
+token against the budget and takes their pages; :meth:`Scheduler.update` emits what the step kept,
+cut at a stop, and moves the sequence back past the drafts it did not keep. While a verify row is
+in flight (where its sequence stands is not known), or a row is and the tokens known so far
+propose a draft, the sequence sits the step out, so it speculates without dispatching ahead.
+
 Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
 PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
 (its prompt, and what it generated before a pre-emption) that ends before its last token, so that
@@ -71,73 +81,12 @@ from typing import Any
 from hypertron.config import SchedulerConfig
 from hypertron.config.serving import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
-from hypertron.serve.types import Engine, Row, SamplingError, SamplingParams, StepPlan, StepResult, TokenLogprobs
+from hypertron.serve.sequences import (ABORT, ERROR, FINISHED, LENGTH, RUNNING, STOP, WAITING, Output, Request,
+                                       StepRecord)
+from hypertron.serve.speculative import Drafter
+from hypertron.serve.types import Engine, Row, SamplingError, StepPlan, StepResult, TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"  # finish reasons
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """A request as the scheduler sees it."""
-
-    id: int
-    prompt: list[int]
-    sampling: SamplingParams
-    want_prompt_logprobs: bool = False
-    cache_salt: str | None = None  # only requests of the same salt share cached pages
-    adapter: int = -1  # its LoRA slot (hypertron.serve.lora_slots); -1: the base model
-    adapter_key: str | None = None  # its adapter's load, a key of its pages (only the same adapter shares them)
-    guide: Any = None  # its grammar's state (hypertron.serve.structured.Guide); None: free text
-    generated: list[int] = dataclasses.field(default_factory=list)
-    cached_tokens: int | None = None  # prompt tokens found cached at its first admission
-    keys: list[bytes] = dataclasses.field(default_factory=list)  # its full pages' keys, computed so far
-    status: str = WAITING
-    finish_reason: str | None = None
-    # Set at each admission:
-    slot: int | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)
-    fill: list[int] = dataclasses.field(default_factory=list)  # what is prefilled: prompt + generated then
-    computed: int = 0  # positions written or scheduled to be
-    keyed: int = 0  # its first pages that are keyed (or were looked at for a key)
-    admitted: int = 0  # admission order, for choosing whom to pre-empt
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    # Steps dispatched and not collected yet: rows, and those of them that sample a token.
-    rows_in_flight: int = 0
-    tokens_in_flight: int = 0
-
-    @property
-    def outputs(self) -> int:
-        """Tokens generated, counting those of steps in flight."""
-        return len(self.generated) + self.tokens_in_flight
-
-
-@dataclasses.dataclass(frozen=True)
-class Output:
-    """What one sequence got from a step: a token (with its log-probabilities when asked for,
-    and the prompt's before the first token when asked for) and/or its end."""
-
-    seq: Request
-    token: int | None = None
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One scheduled step: the decoded sequences' ids, the prefill chunks ``(id, start,
-    tokens)``, the sequences pre-empted for it and its tokens."""
-
-    step: int
-    decodes: tuple[int, ...]
-    prefills: tuple[tuple[int, int, int], ...]
-    preempted: tuple[int, ...]
-    num_tokens: int
-
 
 class Scheduler:
     """Requests, slots and pages; one :class:`~hypertron.serve.types.StepPlan` per step (see the
@@ -169,6 +118,8 @@ class Scheduler:
         self._out: list[Output] = []
         self.preemptions = 0
         self.mask_seconds = 0.0  # spent on guided rows' masks (hypertron.serve.structured)
+        self.drafter = None if config.speculative == "off" else Drafter(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -227,7 +178,7 @@ class Scheduler:
         prefills: list[Row] = []
         preempted: list[int] = []
         for seq in list(self.running.values()):
-            if seq.status != RUNNING or seq.computed < len(seq.fill) or not self._goes_on(seq):
+            if seq.status != RUNNING or seq.computed < len(seq.fill) or not self._goes_on(seq) or self._sits_out(seq):
                 continue
             while seq.status == RUNNING and not self._page_for(seq, seq.computed):
                 if len(self.running) == 1:  # alone and still no page: the cache is full for it
@@ -261,6 +212,8 @@ class Scheduler:
                     break
                 prefills.append(self._chunk(self.waiting.popleft(), budget, first=True))
                 budget -= prefills[-1].num_tokens
+        if self.drafter is not None:
+            decodes = self._propose(decodes, budget)
         if not decodes and not prefills:
             return None
         rows = decodes + prefills
@@ -287,12 +240,14 @@ class Scheduler:
             if not row.sample:
                 continue
             seq.tokens_in_flight -= 1
-            n = seq.sampling.logprobs
-            lp = None
-            if n is not None and result.logprobs is not None:
-                lp = TokenLogprobs(float(result.logprobs[i]), tuple(int(t) for t in result.top_ids[i][:n]),
-                                   tuple(float(v) for v in result.top_logprobs[i][:n]))
-            self._emit(seq, int(result.tokens[i]), lp)
+            emitted = result.count(i)
+            if row.draft:
+                self._verified(seq, row, emitted)
+            for j in range(emitted):
+                n = seq.sampling.logprobs
+                self._emit(seq, result.token(i, j), None if n is None else result.logprobs_of(i, j, n))
+                if seq.status == FINISHED:  # what it emitted after its stop is dropped
+                    break
             if seq.status == RUNNING:
                 self._key_pages(seq)
 
@@ -307,6 +262,47 @@ class Scheduler:
                 self._finish(seq, ERROR, f"{error} (request {seq.id})")
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _sits_out(self, seq: Request) -> bool:
+        """Whether a speculating ``seq`` skips this step: a verify row of it is in flight (where it
+        will stand is not known yet), or a row is and its tokens known so far would propose a draft
+        (the next step, with that row's token in, can verify one). A sequence that sits out a step
+        is dispatched after its last one is collected, as without dispatching ahead."""
+        if self.drafter is None or seq.guide is not None or not seq.rows_in_flight:
+            return False
+        return seq.verifying or bool(self.drafter.propose(seq.prompt + seq.generated, self.drafter.k))
+
+    def _propose(self, decodes: list[Row], budget: int) -> list[Row]:
+        """``decodes``, those whose sequence has nothing in flight (its last token known) and whose
+        tokens propose a draft with it as their :attr:`Row.proposal`, within what is left of the
+        step's budget (proposals get it last), ``max_tokens``, ``max_seq_len`` and the free pages
+        (never a pre-emption for a proposal)."""
+        out = []
+        for row in decodes:
+            seq = self._live[row.request]
+            known = seq.prompt + seq.generated
+            limit = min(budget, seq.sampling.max_tokens - len(seq.generated) - 1, self.max_seq_len - len(known) - 1)
+            draft = [] if seq.rows_in_flight or seq.guide is not None else self.drafter.propose(known, limit)
+            for i in range(len(draft)):
+                if not self._page_for(seq, row.start + 1 + i):
+                    draft = draft[:i]
+                    break
+            if draft:
+                assert row.start == len(known) - 1, (row, len(known))
+                budget -= len(draft)
+                seq.computed += len(draft)
+                seq.verifying = True
+                row = dataclasses.replace(row, pages=tuple(seq.pages), proposal=tuple(draft))
+            out.append(row)
+        return out
+
+    def _verified(self, seq: Request, row: Row, emitted: int) -> None:
+        """A row of ``seq`` with a proposal emitted ``emitted`` tokens: its sequence stands after them (the
+        drafts it did not keep are written past that, and written over later) and is counted."""
+        seq.verifying = False
+        if seq.status == RUNNING:
+            seq.computed -= row.draft - (emitted - 1)
+        self.drafter.verified(row.draft, emitted)
 
     def _group(self, decodes: int, prefills: list[Row]) -> int:
         """The prompts this step's prefill should hold (those in it already and new ones), to
@@ -538,7 +534,8 @@ def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Ou
                    *, ahead: bool = False) -> int:
     """Step ``engine`` through ``scheduler``'s plans until no sequence is left; each output goes
     to ``on_output`` (which may :meth:`Scheduler.abort` its sequence). ``ahead``: dispatch step
-    n + 1 before collecting step n, as the server does. Returns the steps run."""
+    n + 1 before collecting step n, as the server does (but after a step with proposals,
+    :attr:`StepPlan.proposes`). Returns the steps run."""
     pending, steps = None, 0
     while scheduler.has_work or pending:
         plan = scheduler.schedule() if scheduler.has_work else None
@@ -549,7 +546,7 @@ def run_until_done(engine: Engine, scheduler: Scheduler, on_output: Callable[[Ou
             scheduler.update(pending[0], engine.collect(pending[1]))
         if current is not None:
             sample_guided(engine, scheduler, *current)
-            if not ahead:
+            if not ahead or plan.proposes:
                 scheduler.update(plan, engine.collect(current[1]))
                 current = None
         pending = current

@@ -563,7 +563,7 @@ def orchestrate(engine, tokenizer, serve: ServeConfig, memory=None) -> Orchestra
                   f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
                   "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
     if serve.compile == "background":  # then no step waits for a compile but one of a variant not met yet
-        engine.precompile(engine.largest_shape(serve.max_prefill_rows, serve.max_num_batched_tokens))
+        engine.precompile(engine.largest_shape(serve.scheduler))
         for shape in memory.shapes if memory is not None else ():  # the last run's, before a load meets them
             engine.precompile(shape)
     return Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)

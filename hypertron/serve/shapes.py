@@ -49,6 +49,7 @@ class Shape:
     prompt_logprobs: bool = False
     lora: bool = False  # some row has a LoRA adapter
     guided: bool = False  # some row's sample is masked by a grammar (hypertron.serve.structured)
+    verify: int = 0  # proposed tokens a decode row may feed (speculative decoding; each a query); 0: none
 
     @property
     def queries_per_row(self) -> int | None:
@@ -62,6 +63,7 @@ class Shape:
         return (self.num_decode >= other.num_decode and self.prefill_rows >= other.prefill_rows
                 and self.prefill_tokens >= other.prefill_tokens
                 and self.logprobs >= other.logprobs and self.lora >= other.lora and self.guided >= other.guided
+                and self.verify >= other.verify
                 and self.prompt_logprobs >= other.prompt_logprobs)
 
 
@@ -76,8 +78,9 @@ def step_flops(cfg: ModelConfig, shape: Shape, keys: int = 0, queries_per_row: f
     ``overhead_flops``, a step's fixed cost in FLOPs' worth."""
     own = shape.queries_per_row
     slow = pair_cost(queries_per_row or own, own) if own else 1.0
-    pairs = (shape.num_decode + shape.prefill_rows + shape.prefill_tokens * slow) * keys
-    return overhead_flops + (shape.num_decode + shape.prefill_tokens) * dense_flops_per_token(cfg) \
+    decode = shape.num_decode * (shape.verify + 1)  # a decode row's queries: its token and its proposal's
+    pairs = (decode + shape.prefill_rows + shape.prefill_tokens * slow) * keys
+    return overhead_flops + (decode + shape.prefill_tokens) * dense_flops_per_token(cfg) \
         + attention_flops(cfg, pairs)
 
 
@@ -139,5 +142,6 @@ class ShapeMemory:
 
 
 def _well_typed(shape: Shape) -> bool:
-    values = dataclasses.astuple(shape)
-    return all(type(v) is int and v >= 0 for v in values[:3]) and all(type(v) is bool for v in values[3:])
+    sizes = ("num_decode", "prefill_rows", "prefill_tokens", "verify")
+    values = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    return all(type(v) is int and v >= 0 if k in sizes else type(v) is bool for k, v in values.items())

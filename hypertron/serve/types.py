@@ -127,6 +127,11 @@ class Row:
     are wanted, the token after each input (-1 where it is not a prompt token). ``prefix``: the
     sequence's tokens just before ``start`` that no row of it fed (on the first chunk after an
     admission that found them cached): the engine only writes them into the slot's token history.
+    A decode row with a ``proposal`` (a *verify* row: speculative decoding,
+    :mod:`hypertron.serve.speculative`) feeds those tokens after its last one, at ``start + 1 ..``: the step samples after each of its
+    tokens and keeps the proposed ones the model agrees with (:func:`hypertron.serve.sampling.
+    accept`), so it emits 1 to ``draft + 1`` tokens (:attr:`StepResult.emitted`), and its slot's
+    sequence then holds ``start`` + what it emitted.
     """
 
     request: int
@@ -140,10 +145,16 @@ class Row:
     prefix: tuple[int, ...] = ()
     adapter: int = -1  # the LoRA slot of its tokens (hypertron.serve.lora_slots); -1: none
     guided: bool = False  # it samples among what its grammar allows (hypertron.serve.structured)
+    proposal: tuple[int, ...] = ()  # a decode row's proposed next tokens, which the step checks
+
+    @property
+    def draft(self) -> int:
+        """The tokens proposed."""
+        return len(self.proposal)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) or 1
+        return len(self.tokens) or 1 + len(self.proposal)
 
     @property
     def end(self) -> int:
@@ -185,6 +196,12 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
+    @property
+    def proposes(self) -> bool:
+        """Some row feeds a proposal (speculative decoding): the loop collects such a step before
+        planning the next, whose rows depend on how much of it was kept."""
+        return any(r.proposal for r in self.decodes)
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -192,13 +209,33 @@ class StepResult:
     row did not sample). ``tokens [rows]``; with ``plan.logprobs``, ``logprobs [rows]`` (of the
     sampled token) and ``top_ids`` / ``top_logprobs [rows, N]``; with ``plan.prompt_logprobs``,
     ``prompt[i]`` for prefill row ``i``: ``(chosen [n], top_ids [n, N], top_logprobs [n, N])``
-    of its ``prompt_targets`` (None for rows without them)."""
+    of its ``prompt_targets`` (None for rows without them). With ``emitted [rows]`` (a plan with
+    proposals, :attr:`Row.proposal`), each row's first ``emitted[i]`` tokens are its new ones:
+    ``tokens [rows, k + 1]``, ``logprobs [rows, k + 1]`` and ``top_ids`` / ``top_logprobs [rows,
+    k + 1, N]`` (:meth:`token` and :meth:`logprobs_of` read either layout)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     prompt: list | None = None
+    emitted: np.ndarray | None = None
+
+    def count(self, i: int) -> int:
+        """The tokens row ``i`` emitted (1 but for a verify row)."""
+        return 1 if self.emitted is None else int(self.emitted[i])
+
+    def token(self, i: int, j: int = 0) -> int:
+        """Row ``i``'s ``j``-th new token."""
+        return int(self.tokens[i] if self.emitted is None else self.tokens[i, j])
+
+    def logprobs_of(self, i: int, j: int, n: int) -> TokenLogprobs | None:
+        """Row ``i``'s ``j``-th token's log-probability and top ``n``; None when the step computed none."""
+        if self.logprobs is None:
+            return None
+        at = i if self.emitted is None else (i, j)
+        return TokenLogprobs(float(self.logprobs[at]), tuple(int(t) for t in self.top_ids[at][:n]),
+                             tuple(float(v) for v in self.top_logprobs[at][:n]))
 
 
 class Engine(Protocol):
