@@ -1,0 +1,198 @@
+"""Speculative decoding on a workload that repeats itself: ``python bench/serve_spec.py``.
+
+A code-edit corpus written from the standard library's top-level ``*.py`` files: each example is a
+snippet (``--snippet`` bytes from a line's start), a marker line, and the snippet again with one
+identifier upper-cased. ``tiny`` (the byte tokenizer) is trained on it (``--steps``, batch 32 x 128
+bytes, a few minutes here; ``--keep DIR`` keeps the run, and a second call with the same ``--keep``
+trains nothing). The snippets of files held out of training are the prompts (snippet and marker);
+each asks for as many tokens as its snippet, greedy.
+
+One ``hypertron serve`` per method (``off``, and ``ngram`` with ``--k``), both up at once and warmed
+up (their shapes compiled), then the same requests at each ``--concurrency``, ``--repeats`` runs
+each way, the order alternating; prints the medians (the speedup's: the median of the pairs')::
+
+    copy accuracy A (held-out snippets, greedy, speculation off)
+    speculative ngram cC: out_tok_s on A off B speedup S acceptance R tokens_per_step T
+
+``acceptance``: proposed tokens kept over those proposed; ``tokens_per_step``: tokens a verify
+row emits, 1 + kept over verify rows (both from the server's ``hypertron_spec_decode_*``
+counters; docs/serving.md). Issue 45's bar: speedup at least 1.5 at concurrency 1. Distinct
+prompts (issue 45's other bar): ``bench/serve_http.py`` with and without ``--hypertron-args
+"--speculative ngram"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_http_prefix import metric, scrape, settle  # bench/serve_http_prefix.py, this directory
+from serve_http_servers import (Server, breakdown_line, compile_counts, counts_since, script, step_breakdown,
+                                step_times)  # bench/serve_http_servers.py, this directory
+from serve_model import stdlib_files  # bench/serve_model.py, this directory
+
+from hypertron.launch.local import free_ports
+
+MARKER = "\n#>\n"
+IDENTIFIER = re.compile(r"\b[a-z_][a-z0-9_]{2,}\b")
+SPEC = "hypertron_spec_decode_"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=400, help="training steps")
+    p.add_argument("--snippet", type=int, default=48, help="bytes per snippet")
+    p.add_argument("--held-out", type=int, default=20, help="standard-library files kept out of training")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--num-requests", type=int, default=16, help="per concurrency and run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per concurrency and method (medians)")
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--keep", default=None, help="work in this directory and keep it (a trained run is reused)")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    return p.parse_args(argv)
+
+
+def examples(files: list[str], size: int, rng: random.Random) -> list[tuple[str, str]]:
+    """``(snippet, edited)`` pairs: snippets of ``size`` ASCII bytes from line starts, each with an
+    identifier, and the snippet with that identifier upper-cased."""
+    out = []
+    for path in files:
+        text = open(path, encoding="utf-8", errors="replace").read()
+        starts = [m.start() for m in re.finditer(r"^\S", text, re.M)]
+        for at in starts[::3]:
+            snippet = text[at:at + size]
+            if len(snippet) < size or not snippet.isascii() or MARKER.strip() in snippet:
+                continue
+            names = IDENTIFIER.findall(snippet)
+            if names:
+                name = rng.choice(names)
+                out.append((snippet, re.sub(rf"\b{name}\b", name.upper(), snippet)))
+    return out
+
+
+def train(work: str, pairs: list[tuple[str, str]], steps: int) -> str:
+    """The run directory of ``tiny`` trained on ``pairs`` (trained once per ``work``)."""
+    run_dir = os.path.join(work, "run")
+    if os.path.isdir(run_dir):
+        return run_dir
+    corpus = os.path.join(work, "corpus.txt")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.write("".join(f"{s}{MARKER}{e}\n\n" for s, e in pairs))
+    config = os.path.join(work, "train.yaml")
+    with open(config, "w", encoding="utf-8") as f:
+        f.write(f"run_dir: {run_dir}\nmodel: tiny\ndata:\n  source: text\n  paths: [{corpus}]\n"
+                f"train:\n  steps: {steps}\n  global_batch: 32\n  seq_len: 128\n  lr: 3.0e-3\n  warmup_steps: 20\n"
+                f"  log_every: 50\ncheckpoint:\n  every: {steps}\n")
+    start = time.perf_counter()
+    subprocess.run([script("hypertron"), "train", config], check=True, stdout=subprocess.DEVNULL)
+    print(f"trained {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    return run_dir
+
+
+async def serve_all(base_url: str, prompts: list[tuple[str, int]], concurrency: int) -> tuple[list[str], int, float]:
+    """Each prompt's text (greedy, its own max_tokens), the completion tokens, and the wall time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(http, prompt, n):
+        async with gate:
+            body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            resp = await http.post(f"{base_url}/v1/completions", json=body)
+            resp.raise_for_status()
+            answer = resp.json()
+            return answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        start = time.perf_counter()
+        got = await asyncio.gather(*(one(http, p, n) for p, n in prompts))
+        return [t for t, _ in got], sum(n for _, n in got), time.perf_counter() - start
+
+
+def measure(base_url: str, prompts: list[tuple[str, int]], concurrency: int):
+    """One run: ``(texts, output tokens/s, speculative counts, the loop's breakdown, compiles)``."""
+    settle(base_url)
+    counts, loop, compiles = spec_counts(base_url), step_times(base_url), compile_counts(base_url)
+    texts, tokens, seconds = asyncio.run(serve_all(base_url, prompts, concurrency))
+    return (texts, tokens / seconds, [a - b for a, b in zip(spec_counts(base_url), counts)],
+            breakdown_line(step_breakdown(loop, step_times(base_url))),
+            counts_since(compiles, compile_counts(base_url)))
+
+
+def spec_counts(base_url: str) -> tuple[float, float, float]:
+    """The speculative counters (verify rows, tokens proposed, kept); zeros with speculation off."""
+    text = scrape(base_url)
+    if SPEC not in text:
+        return (0.0, 0.0, 0.0)
+    return tuple(metric(text, SPEC + name + "_total") for name in ("num_drafts", "num_draft_tokens",
+                                                                   "num_accepted_tokens"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.keep or tempfile.mkdtemp(prefix="serve_spec_")
+    os.makedirs(work, exist_ok=True)
+    files, rng = stdlib_files(), random.Random(0)
+    held = set(rng.sample(range(len(files)), args.held_out))
+    run_dir = train(work, examples([f for i, f in enumerate(files) if i not in held], args.snippet, rng), args.steps)
+    tests = examples([f for i, f in enumerate(files) if i in held], args.snippet, rng)
+    rng.shuffle(tests)
+    need = args.num_requests * (1 + len(args.concurrency))
+    tests = (tests * -(-need // len(tests)))[:need]
+    prompts = [(s + MARKER, len(e)) for s, e in tests]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    methods = ("off", "ngram")
+    first = free_ports(len(methods))
+    ports = {m: first + i for i, m in enumerate(methods)}
+    runs = {}  # (method, c): [(texts, tokens/s, spec counts, loop breakdown, compiles)] per repeat
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for method in methods:
+            argv_serve = [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(ports[method]),
+                          "--max-slots", str(max(args.concurrency)), "--model-name", "bench", "--speculative", method,
+                          "--num-speculative-tokens", str(args.k), "--no-enable-prefix-caching"]
+            server = stack.enter_context(Server("hypertron", argv_serve, ports[method],
+                                                os.path.join(work, f"server-{method}.log"), env))
+            stack.enter_context(server.tail_on_error())
+            server.wait_ready(args.ready_timeout)
+            asyncio.run(serve_all(server.base_url, prompts[:args.num_requests], max(args.concurrency)))  # warm-up
+            servers[method] = server.base_url
+        # The same requests each way, the order alternating, so that this machine's drift falls on both.
+        for r in range(args.repeats):
+            for i, c in enumerate(args.concurrency):
+                batch = prompts[(i + 1) * args.num_requests:(i + 2) * args.num_requests]
+                for method in methods if r % 2 == 0 else methods[::-1]:
+                    runs.setdefault((method, c), []).append(measure(servers[method], batch, c))
+    texts = [runs["off", c][0][0] for c in args.concurrency]
+    wanted = [[e for _, e in tests[(i + 1) * args.num_requests:(i + 2) * args.num_requests]]
+              for i in range(len(args.concurrency))]
+    same = sum(a == b for ts, es in zip(texts, wanted) for t, e in zip(ts, es) for a, b in zip(t, e))
+    print(f"copy accuracy {same / sum(len(e) for es in wanted for e in es):.3f} (held-out snippets, greedy, "
+          "speculation off)")
+    for c in args.concurrency:
+        on, off = ([run[1] for run in runs[m, c]] for m in methods[::-1])
+        assert all(run[0] == runs["off", c][0][0] for m in methods for run in runs[m, c]), "greedy text differs"
+        drafts, proposed, kept = np.sum([run[2] for run in runs["ngram", c]], axis=0)
+        for m in methods:
+            print(f"{m} c{c}, last run: compiles {runs[m, c][-1][4]}; {runs[m, c][-1][3]}")
+        print(f"speculative ngram c{c}: out_tok_s on {np.median(on):.1f} off {np.median(off):.1f} speedup "
+              f"{np.median(np.divide(on, off)):.2f} acceptance {kept / max(proposed, 1):.3f} tokens_per_step "
+              f"{1 + kept / max(drafts, 1):.2f}", flush=True)
+    if args.keep is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
