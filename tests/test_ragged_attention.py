@@ -337,6 +337,37 @@ def test_rows_of_a_few_queries_attend_in_the_decode_batch_as_dense_attention(mon
     _assert_close(ragged_paged_attention(**args, window=WINDOW, decode_only=True, decode_queries=5), got, 1e-5)
 
 
+def test_a_verify_row_whose_first_places_are_padding_reads_only_its_own_pages():
+    """The engine's layout of a verify step: each row's 5 places, its queries last. A row of 3
+    tokens (its first two places at negative positions) beside one over a whole chunk of the
+    reference (REFERENCE_CHUNK_TOKENS: the rows' shared read then has a chunk to read) gets dense
+    attention over its own pages, and so does the long one (it once read the long row's pages:
+    a row was taken for live by its first place only)."""
+    from hypertron.kernels.ragged_paged_attention import REFERENCE_CHUNK_TOKENS
+
+    rng = np.random.default_rng(0)
+    page, heads, dim, places = 16, 2, 8, 5
+    lens = [REFERENCE_CHUNK_TOKENS + 44, 3]
+    own = -(-lens[0] // page)
+    k, v = (rng.standard_normal((1, own + 1, page, dim)).astype(np.float32) for _ in "kv")
+    table = np.full((2, own + 1), own, np.int32)
+    table[0, :own] = np.arange(own)
+    q = rng.standard_normal((2 * places, heads, dim)).astype(np.float32)
+    got = np.asarray(ragged_paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lens),
+                                            jnp.asarray(table), jnp.asarray([0, places, 2 * places], jnp.int32),
+                                            backend="reference", decode_only=True, decode_queries=places))
+    for r, n in enumerate(lens):
+        keys, values = (x[0, table[r]].reshape(-1, dim)[:n] for x in (k, v))
+        for i in range(places):
+            pos = n - places + i
+            if pos < 0:
+                continue
+            scores = keys[:pos + 1] @ q[r * places + i].T * dim ** -0.5
+            weights = np.exp(scores - scores.max(0))
+            want = (weights / weights.sum(0)).T @ values[:pos + 1]
+            np.testing.assert_allclose(got[r * places + i], want, atol=1e-5)
+
+
 def test_a_decode_only_step_takes_the_decode_kernel_where_it_is_auto(monkeypatch):
     """Where the decode kernel's table picks Pallas (a GPU; here the CPU, patched, in interpret
     mode), a decode-only call with ``backend="auto"`` runs it: the reference's numbers, a row with

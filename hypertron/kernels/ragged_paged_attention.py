@@ -350,9 +350,10 @@ def _attend_pages(chunks: _Chunks, table_rp, *, shared: bool = False):
     one gather and one product of all the rows' queries a chunk (cascade attention), then each
     row's own chunks after them. Rows that share nothing cost one comparison of the tables."""
     carry, lo = chunks.init(), chunks.lo
-    if shared:
-        first_pos = chunks.pos[:, 0]
-        tokens, first = shared_prefix(table_rp, first_pos >= 0, first_pos, chunks.page_size)
+    if shared:  # a row is live by any real query (a verify row's first places may be padding), from its first
+        live = jnp.any(chunks.pos >= 0, axis=1)
+        first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
+        tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
         carry, start = chunks.shared(carry, table_rp[first], tokens)
         lo = jnp.maximum(lo, start)
     return chunks.result(chunks.own(carry, table_rp, lo))
