@@ -1,5 +1,6 @@
 """Speculative decoding's parts against references: the n-gram proposer
-(``hypertron.serve.speculative``) against a loop on random histories; the acceptance rule against the
+(``hypertron.serve.speculative``) against a loop on random histories; the engine's rule for its
+proposals against sample_rows' draws; the acceptance rule against the
 distribution it must give (a chi-square test of the emitted tokens against ``p``) and the
 acceptance rate it must have (``sum(min(p, q))``; ``p(x)`` for an n-gram's one draft)."""
 
@@ -62,8 +63,7 @@ Q = np.array([0.10, 0.20, 0.30, 0.05, 0.25, 0.10])
 def _run(p, q, draft, count):
     rows, k = draft.shape
     fn = jax.jit(accept)
-    if q is not None:
-        q = jnp.asarray(np.broadcast_to(q, (rows, k, len(p))) if q.ndim == 1 else q, jnp.float32)
+    q = jnp.asarray(np.broadcast_to(q, (rows, k, len(p))) if q.ndim == 1 else q, jnp.float32)
     tokens, emitted = fn(jnp.asarray(np.broadcast_to(p, (rows, k + 1, len(p))), jnp.float32), q,
                          jnp.asarray(draft, jnp.int32), jnp.asarray(count, jnp.int32),
                          jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32))
@@ -85,26 +85,38 @@ def test_emitted_tokens_are_distributed_as_the_model_and_drafts_kept_at_sum_min_
     assert np.array_equal(tokens[emitted >= 2, 0], draft[emitted >= 2, 0])  # a kept draft is emitted as drafted
 
 
-def test_an_ngram_draft_is_kept_at_p_of_it_and_a_greedy_row_keeps_drafts_equal_to_its_argmax():
-    draft = np.full((DRAWS, 1), 2)
-    tokens, emitted = _run(P, None, draft, np.ones(DRAWS, np.int32))  # None: a point mass on each draft
-    point_mass = _run(P, np.eye(len(P))[2], draft, np.ones(DRAWS, np.int32))
-    assert np.array_equal(tokens, point_mass[0]) and np.array_equal(emitted, point_mass[1])
+def test_an_ngram_proposal_is_kept_at_p_of_it_draws_as_without_one_and_greedy_keeps_the_argmax():
+    """verify_proposal (the engine's rule for an n-gram's proposal, a point mass): 20,000 seeded
+    rows of one proposed token: it is kept at p(x), the first token passes a chi-square test
+    against p, and every token is the draw sample_rows makes at its position with that seed (a
+    seeded request's tokens are those it gets without speculation). Greedy rows keep proposals
+    while they equal the argmax."""
+    from hypertron.serve.sampling import sample_rows, verify_proposal
+
+    logits = np.broadcast_to(np.log(P), (DRAWS, 2, len(P))).astype(np.float32)
+    ones, seeds, at = np.ones(DRAWS, np.float32), jnp.arange(DRAWS, dtype=jnp.uint32), jnp.full(DRAWS, 7)
+    fn = jax.jit(verify_proposal)
+    tokens, emitted = (np.asarray(x) for x in fn(jnp.asarray(logits), ones, jnp.zeros(DRAWS, jnp.int32), ones, seeds,
+                                                 at, jnp.full((DRAWS, 1), 2), jnp.ones(DRAWS, jnp.int32)))
     kept = (emitted == 2).mean()
     assert abs(kept - P[2]) < 5 * np.sqrt(kept * (1 - kept) / DRAWS)
     assert _chi2(tokens[:, 0], P) < CHI2_5_999
-    greedy = np.eye(len(P))[0]
-    drafts = np.array([[0, 0, 3], [0, 4, 0], [5, 0, 0], [0, 0, 0]])
-    tokens, emitted = _run(greedy, None, drafts, np.array([3, 3, 3, 2]))
-    assert emitted.tolist() == [3, 2, 1, 3] and (tokens[np.arange(4), emitted - 1] == 0).all()
-    assert not tokens[3, :3].any()  # two drafts kept, then the bonus: the argmax again
+    for place in (0, 1):
+        alone = sample_rows(jnp.asarray(logits[:, place]), ones, jnp.zeros(DRAWS, jnp.int32), ones, seeds, at + place)
+        assert np.array_equal(tokens[:, place], np.asarray(alone))
+    greedy = np.broadcast_to(np.log(np.eye(len(P))[0] + 1e-3), (4, 4, len(P))).astype(np.float32)
+    proposal = np.array([[0, 0, 3], [0, 4, 0], [5, 0, 0], [0, 0, 0]])
+    zeros = jnp.zeros(4)
+    tokens, emitted = fn(jnp.asarray(greedy), zeros, jnp.zeros(4, jnp.int32), zeros + 1, jnp.arange(4, dtype=jnp.uint32),
+                         jnp.zeros(4, jnp.int32), jnp.asarray(proposal), jnp.asarray([3, 3, 3, 2]))
+    assert np.asarray(emitted).tolist() == [3, 2, 1, 3] and not np.asarray(tokens).any()  # the argmax, 0, each time
 
 
 # -- through the scheduler and the engine ---------------------------------------------------------
 
 def _spec_runs(preset: str, eos: int | None = None):
-    """Five greedy requests (three prompts repeating themselves) through a tiny float32 ``preset``,
-    3 slots and a pool of 14 pages of 4 (pre-emption), a budget of 24 tokens: with speculation off
+    """Five requests, greedy but the last (seeded, temperature 0.9), three of them repeating
+    themselves, through a tiny float32 ``preset``, 3 slots and a pool of 14 pages of 4 (pre-emption), a budget of 24 tokens: with speculation off
     (one step ahead), n-gram k = 4 (one step ahead) and k = 1 (not). Returns each run's
     ``(tokens, log-probabilities, finish reasons, scheduler, sampled rows, steps mixing proposals and
     prefill)`` and the engine."""
@@ -117,6 +129,8 @@ def _spec_runs(preset: str, eos: int | None = None):
     from hypertron.serve.types import SamplingParams
 
     cfg = dataclasses.replace(PRESETS[preset], num_layers=2, max_seq_len=64, dtype="float32")
+    if cfg.sliding_window:  # Mistral's, narrower than the sequences
+        cfg = dataclasses.replace(cfg, sliding_window=16)
     shapes = [Shape(3, 0, 0, logprobs=True), Shape(3, 0, 0, logprobs=True, verify=4),
               Shape(3, 2, 32, logprobs=True, verify=4)]
     engine = padded_engine(init_params(cfg, jax.random.key(1)), cfg,
@@ -128,11 +142,12 @@ def _spec_runs(preset: str, eos: int | None = None):
     prompts = [base * 3, rng.integers(3, cfg.vocab_size, 9).tolist(), base[:4] * 4 + [9],
                rng.integers(3, cfg.vocab_size, 13).tolist(), base[2:] * 2]
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=24, logprobs=3, ignore_eos=eos is None)
+    seeded = dataclasses.replace(greedy, temperature=0.9, seed=5)  # the last request's: its draws as without
     runs = {}
     for spec, k, ahead in (("off", 4, True), ("ngram", 4, True), ("ngram", 1, False)):
         sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=24, max_prefill_rows=2, speculative=spec,
                                                   num_speculative_tokens=k))
-        seqs = [Request(i, p, greedy) for i, p in enumerate(prompts)]
+        seqs = [Request(i, p, seeded if i == len(prompts) - 1 else greedy) for i, p in enumerate(prompts)]
         for seq in seqs:
             sched.add(seq)
         lps, sampled, update = {i: [] for i in range(len(seqs))}, [0, 0], sched.update
@@ -152,10 +167,11 @@ def _spec_runs(preset: str, eos: int | None = None):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mistral", "tiny-gemma", "tiny-moe"])
 def test_greedy_tokens_and_logprobs_equal_with_speculation_off(preset):
-    """Llama, Mistral (a window of 16 over 40-token sequences), Gemma and a dropless MoE: n-gram
-    speculation (k = 4 one step ahead, k = 1 not) gives the greedy tokens and top-3
-    log-probabilities (1e-5) of no speculation, through pre-emption and in steps that prefill too
-    (but the MoE's), drafts kept at each place; every token emitted is a sampling row's or a kept draft's."""
+    """Llama, Mistral (a window of 16 over sequences of up to 45 tokens), Gemma and a dropless MoE:
+    n-gram speculation (k = 4 one step ahead, k = 1 not) gives the greedy tokens, a seeded sampled
+    request's tokens, and their top-3 log-probabilities (1e-5) of no speculation, through
+    pre-emption and in steps that prefill too (Llama's and Gemma's), drafts kept at each place;
+    every token emitted is a sampling row's or a kept draft's."""
     runs, _ = _spec_runs(preset)
     tokens, lps, *_ = runs["off", 4]
     for (spec, k), (got, got_lps, _, sched, sampled, _) in runs.items():
@@ -169,8 +185,8 @@ def test_greedy_tokens_and_logprobs_equal_with_speculation_off(preset):
             assert d.accepted > 0 and d.accepted_per_pos[0] > 0 and d.draft_tokens >= d.accepted
             assert sum(map(len, got)) == sampled + d.accepted
     assert any(run[3].preemptions for run in runs.values())
-    # A step prefills beside a proposal (the MoE's greedy tokens repeat too late for one here)
-    assert any(run[5] for run in runs.values()) or preset == "tiny-moe"
+    # A step prefills beside a proposal (Mistral's and the MoE's tokens repeat too late for one here)
+    assert any(run[5] for run in runs.values()) or preset in ("tiny-mistral", "tiny-moe")
 
 
 def test_eos_inside_kept_drafts_ends_the_request_there():

@@ -23,7 +23,7 @@ from hypertron.models import PagedCache, forward
 from hypertron.models.kv_pages import NULL_PAGE
 from hypertron.parallel.rules import DEFAULT_RULES, use_rules
 from hypertron.quant.lora import adapter_tokens
-from hypertron.serve.sampling import accept, logprobs, sample_rows, target_probs
+from hypertron.serve.sampling import logprobs, sample_rows, verify_proposal
 from hypertron.serve.shapes import Shape
 from hypertron.serve.step_batch import unpack
 
@@ -54,7 +54,7 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     of ``proposal [rows, verify]`` (:attr:`~hypertron.serve.types.Row.proposal`; ``lengths`` counts
     them), in the last of its ``verify + 1`` places, ``out_idx`` its first query's flat index
     (all of a decode row's queries attend together, its pages read once); the step samples after each and keeps
-    what :func:`~hypertron.serve.sampling.accept` keeps: ``tokens [rows, verify + 1]`` and
+    what :func:`~hypertron.serve.sampling.verify_proposal` keeps: ``tokens [rows, verify + 1]`` and
     ``emitted [rows]`` (1 for a row without a proposal, whose sample is as in a step without
     ``verify``), the log-probabilities ``[rows, verify + 1 (, N)]``; the slot then holds
     ``lengths - draft + emitted - 1`` positions.
@@ -91,10 +91,11 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     logits, paged = fwd.logits, fwd.cache
     row_logits = logits[0, :n_rows * (verify + 1)]
     first = row_logits if not verify else row_logits.reshape(n_rows, verify + 1, -1)[:, 0]
-    nxt = sample_rows(first, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths, skip_greedy=skip_greedy)
-    out = {"tokens": nxt}
-    if verify:
-        out["tokens"], out["emitted"] = _verified(row_logits, nxt, b, verify, skip_greedy)
+    if verify:  # each row's first draw is what it samples without a proposal
+        out = dict(zip(("tokens", "emitted"), _verified(row_logits, b, verify, skip_greedy)))
+    else:
+        out = {"tokens": sample_rows(first, b["temperature"], b["top_k"], b["top_p"], b["seed"], lengths,
+                                     skip_greedy=skip_greedy)}
     if guided:  # guided rows sample in sample_masked, from these (their out_slot is nowhere here)
         out["logits"] = first
     if want_logprobs:
@@ -140,30 +141,15 @@ def _decode_queries(state: dict, b: dict, nd: int, verify: int):
     return tokens, positions, valid
 
 
-def _verified(row_logits, nxt, b: dict, verify: int, skip_greedy: bool):
-    """``(tokens [rows, verify + 1], emitted [rows])`` of a step with proposals: a row with one
-    keeps what :func:`~hypertron.serve.sampling.accept` keeps of it; one without emits ``nxt``.
-    ``skip_greedy``: a step none of whose rows samples takes each place's argmax and keeps the
-    proposed tokens while they equal it (what ``accept`` gives a greedy row), on the device's
-    conditional (not on a GPU, as :func:`~hypertron.serve.sampling.sample_rows`)."""
-    n_rows, draft, per = nxt.shape[0], b["draft"], verify + 1
-    grid = row_logits.reshape(n_rows, per, -1)
-
-    def sampled(_):
-        p = target_probs(row_logits, *(jnp.repeat(b[k], per) for k in ("temperature", "top_k", "top_p")))
-        return accept(p.reshape(n_rows, per, -1), None, b["proposal"], draft, b["seed"], b["lengths"] - draft)
-
-    def greedy(_):
-        best = jnp.argmax(grid, axis=-1).astype(jnp.int32)
-        same = (b["proposal"] == best[:, :verify]) & (jnp.arange(verify) < draft[:, None])
-        return best, jnp.argmin(jnp.concatenate([same, jnp.zeros((n_rows, 1), bool)], axis=1), axis=1) + 1
-
-    if skip_greedy:
-        kept, emitted = jax.lax.cond(jnp.any(b["temperature"] > 0), sampled, greedy, None)
-    else:
-        kept, emitted = sampled(None)
-    plain = jnp.zeros_like(kept).at[:, 0].set(nxt)
-    return jnp.where((draft > 0)[:, None], kept, plain), jnp.where(draft > 0, emitted, 1)
+def _verified(row_logits, b: dict, verify: int, skip_greedy: bool):
+    """``(tokens [rows, verify + 1], emitted [rows])`` of a step with proposals
+    (:func:`~hypertron.serve.sampling.verify_proposal`; a row without one emits its first draw,
+    the token it would sample in a step without them)."""
+    n_rows, draft = b["lengths"].shape[0], b["draft"]
+    tokens, emitted = verify_proposal(row_logits.reshape(n_rows, verify + 1, -1), b["temperature"], b["top_k"],
+                                      b["top_p"], b["seed"], b["lengths"] - draft, b["proposal"], draft,
+                                      skip_greedy=skip_greedy)
+    return tokens, jnp.where(draft > 0, emitted, 1)
 
 
 def mask_words(cfg: ModelConfig) -> int:

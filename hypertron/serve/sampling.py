@@ -5,15 +5,17 @@ is ``fold_in(key(seed), p)``, so a seeded request gives the same tokens whatever
 batch. Log-probabilities are of the model's distribution (before temperature, top-k and top-p),
 as OpenAI's and vLLM's are.
 
-Speculative decoding keeps a draft's tokens by :func:`accept` (Leviathan et al. 2023; Chen et al.
-2023): draft token ``x_i`` (drawn from ``q_i``) is kept with probability ``min(1, p_i(x) /
-q_i(x))``, ``p_i`` the model's distribution at that place after temperature, top-k and top-p
-(:func:`target_probs`); at the first rejection the token is drawn from ``max(p_i - q_i, 0)``
-normalised, and after every draft is kept a bonus token from ``p`` at the place after. So each
-emitted token is distributed as ``p`` at its place; with ``q`` a point mass (an n-gram's draft) a
-draft token is kept with probability ``p(x)``, and a greedy row (``p`` the one-hot of its argmax)
-keeps drafts while they equal it. Random numbers come from the row's seed and the position, as
-:func:`sample_rows`' do.
+Speculative decoding keeps an n-gram's proposed tokens by :func:`verify_proposal`: each place
+draws its token as :func:`sample_rows` would there (the same key: the tokens of a seeded request
+are those it gets without speculation), and the proposal is kept while it equals the draws. For a
+proposal that is a point mass (an n-gram's) that is the rejection rule: x is kept with probability
+p(x), and at the first it is not the token is a draw from p without x. A draft model's proposal
+(a distribution q) needs the general rule, :func:`accept` (Leviathan et al. 2023; Chen et al.
+2023): draft token ``x_i`` is kept with probability ``min(1, p_i(x) / q_i(x))`` (``p`` after
+temperature, top-k and top-p: :func:`target_probs`), at the first rejection the token is drawn
+from ``max(p_i - q_i, 0)`` normalised, and after every draft is kept a bonus token from ``p``; so
+each emitted token is distributed as ``p`` at its place. It is not in the engine yet (no draft
+model is built).
 """
 
 from __future__ import annotations
@@ -83,6 +85,23 @@ def target_probs(logits_bv, temperature_b, top_k_b, top_p_b) -> jax.Array:
     return jnp.where((temperature_b > 0)[:, None], probs, greedy)
 
 
+def verify_proposal(logits, temperature_b, top_k_b, top_p_b, seeds_b, positions_b, proposal, count, *,
+                    skip_greedy: bool = True):
+    """The tokens a row with a proposal emits: ``logits [rows, k + 1, vocab]`` at its last token and
+    each proposed one, ``proposal [rows, k]`` (its first ``count [rows]`` real), each row's sampling
+    settings and ``positions [rows]`` (where its first new token goes). Each place draws as
+    :func:`sample_rows` does at its position; the proposal is kept while it equals the draws.
+    Returns ``(tokens [rows, k + 1], emitted [rows])``: the first ``emitted`` (1 to ``count + 1``)
+    of the draws are the row's new tokens."""
+    rows, places, vocab = logits.shape
+    per_place = lambda x: jnp.repeat(x, places)  # noqa: E731
+    drawn = sample_rows(logits.reshape(-1, vocab), per_place(temperature_b), per_place(top_k_b), per_place(top_p_b),
+                        per_place(seeds_b), (positions_b[:, None] + jnp.arange(places)).reshape(-1),
+                        skip_greedy=skip_greedy).reshape(rows, places)
+    same = (proposal == drawn[:, :-1]) & (jnp.arange(places - 1) < count[:, None])
+    return drawn, jnp.argmin(jnp.concatenate([same, jnp.zeros((rows, 1), bool)], axis=1), axis=1) + 1
+
+
 def accept(p, q, draft, count, seeds, positions):
     """The tokens a speculative row emits: ``p [rows, k + 1, vocab]`` the model's probabilities
     (:func:`target_probs`) at each draft's place and the one after, ``q [rows, k, vocab]`` the
@@ -90,22 +109,19 @@ def accept(p, q, draft, count, seeds, positions):
     ``count [rows]`` drafted tokens (the rest is padding), ``seeds [rows]`` (uint32) and
     ``positions [rows]`` (the first emitted token's place). Returns ``(tokens [rows, k + 1],
     emitted [rows])``: the first ``emitted`` (1 to ``count + 1``) are the row's new tokens."""
-    if q is None:
-        return jax.vmap(lambda *a: _accept_row(*a[:1], None, *a[1:]))(p, draft, count, seeds, positions)
     return jax.vmap(_accept_row)(p, q, draft, count, seeds, positions)
 
 
 def _accept_row(p, q, draft, count, seed, position):
-    k, vocab = draft.shape[0], p.shape[-1]
+    k = draft.shape[0]
     key = jax.random.key(seed)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, position + i))(jnp.arange(k + 1))
     u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 0)))(keys[:k])
     p_x = jnp.take_along_axis(p[:k], draft[:, None], axis=1)[:, 0]
-    q_x = jnp.ones(k) if q is None else jnp.take_along_axis(q, draft[:, None], axis=1)[:, 0]
+    q_x = jnp.take_along_axis(q, draft[:, None], axis=1)[:, 0]
     kept = (u * q_x < p_x) & (jnp.arange(k) < count)  # u < p / q, without dividing by a zero q
     at = jnp.argmin(jnp.concatenate([kept, jnp.zeros(1, bool)]))  # the leading drafts kept
-    last_q = jax.nn.one_hot(draft[jnp.minimum(at, k - 1)], vocab) if q is None else q[jnp.minimum(at, k - 1)]
-    residual = jnp.maximum(p[at] - jnp.where(at < count, last_q, 0.0), 0.0)
+    residual = jnp.maximum(p[at] - jnp.where(at < count, q[jnp.minimum(at, k - 1)], 0.0), 0.0)
     residual = jnp.where(residual.sum() > 0, residual, p[at])  # p == q there: any draw from p
     last = jax.random.categorical(jax.random.fold_in(keys[at], 1), jnp.log(residual))
     tokens = jnp.where(jnp.arange(k + 1) < at, jnp.concatenate([draft, jnp.zeros(1, draft.dtype)]), 0)

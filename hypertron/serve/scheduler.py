@@ -270,7 +270,8 @@ class Scheduler:
         is dispatched after its last one is collected, as without dispatching ahead."""
         if self.drafter is None or seq.guide is not None or not seq.rows_in_flight:
             return False
-        return seq.verifying or bool(self.drafter.propose(seq.prompt + seq.generated, self.drafter.k))
+        known = seq.prompt + seq.generated  # the row in flight adds one
+        return seq.verifying or bool(self.drafter.propose(known, self._room(seq, len(known) + 1)))
 
     def _propose(self, decodes: list[Row], budget: int) -> list[Row]:
         """``decodes``, those whose sequence has nothing in flight (its last token known) and whose
@@ -281,7 +282,7 @@ class Scheduler:
         for row in decodes:
             seq = self._live[row.request]
             known = seq.prompt + seq.generated
-            limit = min(budget, seq.sampling.max_tokens - len(seq.generated) - 1, self.max_seq_len - len(known) - 1)
+            limit = min(budget, self._room(seq, len(known)))
             draft = [] if seq.rows_in_flight or seq.guide is not None else self.drafter.propose(known, limit)
             for i in range(len(draft)):
                 if not self._page_for(seq, row.start + 1 + i):
@@ -295,6 +296,11 @@ class Scheduler:
                 row = dataclasses.replace(row, pages=tuple(seq.pages), proposal=tuple(draft))
             out.append(row)
         return out
+
+    def _room(self, seq: Request, length: int) -> int:
+        """The most tokens ``seq``, once ``length`` long, may propose: its next row emits one more,
+        within ``max_tokens`` and ``max_seq_len``."""
+        return min(seq.sampling.max_tokens - (length - len(seq.prompt)), self.max_seq_len - length) - 1
 
     def _verified(self, seq: Request, row: Row, emitted: int) -> None:
         """A row of ``seq`` with a proposal emitted ``emitted`` tokens: its sequence stands after them (the

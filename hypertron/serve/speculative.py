@@ -8,7 +8,7 @@ the latest match is followed by one token, the earliest by all of them; issue 45
 scheduler (:mod:`hypertron.serve.scheduler`) asks it for each speculating sequence it plans a
 row for; the step feeds the draft after the row's last token (each a query of the decode part's
 attention, over the keys up to it) and keeps what the model agrees with
-(:func:`hypertron.serve.sampling.accept`).
+(:func:`hypertron.serve.sampling.verify_proposal`).
 
 On the host rather than in the step (as issue 45 first had it, over the slots' token history on
 the device): a step's shapes are static, so a row whose draft is found on the device would be

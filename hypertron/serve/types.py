@@ -128,9 +128,9 @@ class Row:
     sequence's tokens just before ``start`` that no row of it fed (on the first chunk after an
     admission that found them cached): the engine only writes them into the slot's token history.
     A decode row with a ``proposal`` (a *verify* row: speculative decoding,
-    :mod:`hypertron.serve.speculative`) feeds those tokens after its last one, at ``start + 1 ..``: the step samples after each of its
-    tokens and keeps the proposed ones the model agrees with (:func:`hypertron.serve.sampling.
-    accept`), so it emits 1 to ``draft + 1`` tokens (:attr:`StepResult.emitted`), and its slot's
+    :mod:`hypertron.serve.speculative`) feeds those tokens after its last one, at ``start + 1 ..``:
+    the step samples after each of its tokens and keeps the proposed ones while they equal its
+    samples (:func:`hypertron.serve.sampling.verify_proposal`), so it emits 1 to ``draft + 1`` tokens (:attr:`StepResult.emitted`), and its slot's
     sequence then holds ``start`` + what it emitted.
     """
 
