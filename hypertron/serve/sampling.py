@@ -12,8 +12,8 @@ proposal that is a point mass (an n-gram's) that is the rejection rule: x is kep
 p(x), and at the first it is not the token is a draw from p without x. A draft model's proposal
 (a distribution q) needs the general rule, :func:`accept` (Leviathan et al. 2023; Chen et al.
 2023): draft token ``x_i`` is kept with probability ``min(1, p_i(x) / q_i(x))`` (``p`` after
-temperature, top-k and top-p: :func:`target_probs`), at the first rejection the token is drawn
-from ``max(p_i - q_i, 0)`` normalised, and after every draft is kept a bonus token from ``p``; so
+temperature, top-k and top-p), at the first rejection the token is drawn from ``max(p_i - q_i,
+0)`` normalised, and after every draft is kept a bonus token from ``p``; so
 each emitted token is distributed as ``p`` at its place. It is not in the engine yet (no draft
 model is built).
 """
@@ -74,17 +74,6 @@ def logprobs(logits_bv, tokens_b, n: int):
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def target_probs(logits_bv, temperature_b, top_k_b, top_p_b) -> jax.Array:
-    """What each row samples from, as probabilities ``[rows, vocab]``: the one-hot of the argmax
-    where ``temperature == 0``, else the softmax of the logits after temperature, top-k and top-p
-    (:func:`sample_rows`' distribution)."""
-    logits = logits_bv.astype(jnp.float32)
-    scaled = logits / jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
-    probs = jax.nn.softmax(filter_logits(scaled, top_k_b, top_p_b), axis=-1)
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where((temperature_b > 0)[:, None], probs, greedy)
-
-
 def verify_proposal(logits, temperature_b, top_k_b, top_p_b, seeds_b, positions_b, proposal, count, *,
                     skip_greedy: bool = True):
     """The tokens a row with a proposal emits: ``logits [rows, k + 1, vocab]`` at its last token and
@@ -103,10 +92,9 @@ def verify_proposal(logits, temperature_b, top_k_b, top_p_b, seeds_b, positions_
 
 
 def accept(p, q, draft, count, seeds, positions):
-    """The tokens a speculative row emits: ``p [rows, k + 1, vocab]`` the model's probabilities
-    (:func:`target_probs`) at each draft's place and the one after, ``q [rows, k, vocab]`` the
-    draft's, or None for a point mass on each draft token (an n-gram's), ``draft [rows, k]``,
-    ``count [rows]`` drafted tokens (the rest is padding), ``seeds [rows]`` (uint32) and
+    """The tokens a row with a draft model's proposal emits: ``p [rows, k + 1, vocab]`` the
+    model's probabilities (after temperature, top-k and top-p) at each draft's place and the one
+    after, ``q [rows, k, vocab]`` the draft's, ``draft [rows, k]``, ``count [rows]`` drafted tokens (the rest is padding), ``seeds [rows]`` (uint32) and
     ``positions [rows]`` (the first emitted token's place). Returns ``(tokens [rows, k + 1],
     emitted [rows])``: the first ``emitted`` (1 to ``count + 1``) are the row's new tokens."""
     return jax.vmap(_accept_row)(p, q, draft, count, seeds, positions)
