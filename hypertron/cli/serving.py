@@ -74,8 +74,8 @@ _SERVE_FLAGS: dict[str, dict] = {
                                        "cache_salt)"),
     "speculative": dict(help="ngram: a sequence whose last tokens occurred before in it (prompt or output) "
                              "proposes the tokens that followed them, and each step keeps those the model "
-                             "agrees with (the same tokens as off for greedy requests; sampled ones keep the "
-                             "model's distribution); off: one token a step"),
+                             "agrees with (the tokens it gives without: each step draws as it would and keeps "
+                             "the proposed tokens while they equal its draws); off: one token a step"),
     "num_speculative_tokens": dict(metavar="K", help="tokens a sequence proposes per step, at most"),
     "prompt_lookup_min": dict(metavar="N", help="ngram: the fewest last tokens looked up"),
     "prompt_lookup_max": dict(metavar="N", help="ngram: the most last tokens looked up (the longest match "
