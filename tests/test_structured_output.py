@@ -278,3 +278,16 @@ def test_a_steps_masks_through_llguidances_thread_pool_are_each_guides_own(monke
     pooled = structured.Guide.masks_of(guides)
     assert np.array_equal(pooled, alone) and pooled.shape == (3, 10)
     assert not pooled[:, TOK.vocab_size // 32 + 1:].any() and len({m.tobytes() for m in pooled}) == 3
+
+
+def test_free_text_needs_no_llguidance(monkeypatch):
+    """A server whose machine lacks llguidance (the GPU machines' wheels leave it out) serves free
+    text: only a grammar imports it (every completion once failed there, reading its fields)."""
+    import sys
+
+    from hypertron.serve.structured import grammar_for
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance: ImportError
+    assert grammar_for(None, None) is grammar_for({"type": "text"}, None) is grammar_for(None, {"json": None}) is None
+    with pytest.raises(ImportError):
+        grammar_for(None, {"regex": "a+"})

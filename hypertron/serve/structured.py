@@ -66,9 +66,8 @@ class Grammar:
 def grammar_for(response_format: dict | None, structured_outputs: dict | None) -> Grammar | None:
     """The grammar of a request's ``response_format`` (as OpenAI spells it) or ``structured_outputs``
     (vLLM's extension), None for free text; :class:`StructuredError` for a request that asks for
-    both, none of the kinds, or an ill-formed one."""
-    from llguidance import LLMatcher
-
+    both, none of the kinds, or an ill-formed one. llguidance is imported only for a grammar: a
+    server without it serves free text."""
     if response_format is not None and structured_outputs is not None:
         raise StructuredError("structured_outputs", "'response_format' and 'structured_outputs' cannot both be given")
     if structured_outputs is not None:
@@ -79,6 +78,8 @@ def grammar_for(response_format: dict | None, structured_outputs: dict | None) -
         if len(given) > 1:
             raise StructuredError("structured_outputs", "'structured_outputs' takes one of "
                                   f"{', '.join(STRUCTURED_KINDS)}; got {', '.join(given)}")
+        from llguidance import LLMatcher
+
         kind, value = given[0], structured_outputs[given[0]]
         field = "structured_outputs"
         if kind == "regex":
