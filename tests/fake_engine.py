@@ -102,7 +102,7 @@ class FakeEngine:
         k = self.max_top_logprobs
         n = len(plan.rows)
         width = max(r.draft for r in plan.rows) + 1  # verify rows: each row's new tokens
-        result = StepResult(np.zeros((n, width)[:1 + (width > 1)], np.int32),
+        result = StepResult(np.zeros((n, width) if width > 1 else (n,), np.int32),
                             emitted=np.ones(n, np.int32) if width > 1 else None)
         if plan.logprobs:
             result.logprobs, result.top_ids = np.zeros(result.tokens.shape, np.float32), np.zeros((*result.tokens.shape, k), np.int32)

@@ -43,9 +43,11 @@ decode row that feeds the draft after its last token (:attr:`Row.proposal`), wit
 what is left of the budget after prefill (drafts are what a full budget drops first),
 ``max_tokens``, ``max_seq_len`` and the free pages (no pre-emption for a draft). It counts each
 token against the budget and takes their pages; :meth:`Scheduler.update` emits what the step kept,
-cut at a stop, and moves the sequence back past the drafts it did not keep. While a verify row is
-in flight (where its sequence stands is not known), or a row is and the tokens known so far
-propose a draft, the sequence sits the step out, so it speculates without dispatching ahead.
+cut at a stop, and moves the sequence back past the drafts it did not keep. The serving loop
+collects a step with proposals before it plans the next (:attr:`StepPlan.proposes`: where its
+rows stand is not known until then), and a sequence whose row is in flight sits the step out when
+the tokens known so far propose a draft; so a sequence speculates without dispatching ahead, and
+one that proposes nothing dispatches ahead as before.
 
 Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
 PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
