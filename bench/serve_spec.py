@@ -7,12 +7,14 @@ bytes, a few minutes here; ``--keep DIR`` keeps the run, and a second call with 
 trains nothing). The snippets of files held out of training are the prompts (snippet and marker);
 each asks for as many tokens as its snippet, greedy.
 
-One ``hypertron serve`` per method (``off``, and ``ngram`` with ``--k``), both up at once and warmed
-up (their shapes compiled), then the same requests at each ``--concurrency``, ``--repeats`` runs
-each way, the order alternating; prints the medians (the speedup's: the median of the pairs')::
+One ``hypertron serve`` per method (``off``, and each of ``--methods`` with ``--k``: ``ngram``, and
+``draft`` with a ``tiny`` of ``--draft-layers`` layers trained the same way as its draft model), all
+up at once and warmed up (their shapes compiled), then the same requests at each ``--concurrency``,
+``--repeats`` runs each way, each method first in turn; prints the medians (the speedup's: the median
+of the runs' ratios)::
 
     copy accuracy A (held-out snippets, greedy, speculation off)
-    speculative ngram cC: out_tok_s on A off B speedup S acceptance R tokens_per_step T
+    speculative METHOD cC: out_tok_s on A off B speedup S acceptance R tokens_per_step T
 
 ``acceptance``: proposed tokens kept over those proposed; ``tokens_per_step``: tokens a verify
 row emits, 1 + kept over verify rows (both from the server's ``hypertron_spec_decode_*``
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=16, help="per concurrency and run")
     p.add_argument("--repeats", type=int, default=3, help="runs per concurrency and method (medians)")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--methods", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"],
+                   help="against off (draft: a one-layer tiny trained the same way, --draft-layers)")
+    p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--keep", default=None, help="work in this directory and keep it (a trained run is reused)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     return p.parse_args(argv)
@@ -83,22 +88,25 @@ def examples(files: list[str], size: int, rng: random.Random) -> list[tuple[str,
     return out
 
 
-def train(work: str, pairs: list[tuple[str, str]], steps: int) -> str:
-    """The run directory of ``tiny`` trained on ``pairs`` (trained once per ``work``)."""
-    run_dir = os.path.join(work, "run")
+def train(work: str, pairs: list[tuple[str, str]], steps: int, layers: int | None = None) -> str:
+    """The run directory of ``tiny`` (``layers``: with that many layers, the draft model) trained on
+    ``pairs`` (trained once per ``work``)."""
+    name = "run" if layers is None else f"draft{layers}"
+    run_dir = os.path.join(work, name)
     if os.path.isdir(run_dir):
         return run_dir
     corpus = os.path.join(work, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:
         f.write("".join(f"{s}{MARKER}{e}\n\n" for s, e in pairs))
-    config = os.path.join(work, "train.yaml")
+    config = os.path.join(work, f"train-{name}.yaml")
+    model = "tiny" if layers is None else f"{{preset: tiny, num_layers: {layers}}}"
     with open(config, "w", encoding="utf-8") as f:
-        f.write(f"run_dir: {run_dir}\nmodel: tiny\ndata:\n  source: text\n  paths: [{corpus}]\n"
+        f.write(f"run_dir: {run_dir}\nmodel: {model}\ndata:\n  source: text\n  paths: [{corpus}]\n"
                 f"train:\n  steps: {steps}\n  global_batch: 32\n  seq_len: 128\n  lr: 3.0e-3\n  warmup_steps: 20\n"
                 f"  log_every: 50\ncheckpoint:\n  every: {steps}\n")
     start = time.perf_counter()
     subprocess.run([script("hypertron"), "train", config], check=True, stdout=subprocess.DEVNULL)
-    print(f"trained {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"trained {name}: {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
     return run_dir
 
 
@@ -145,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(work, exist_ok=True)
     files, rng = stdlib_files(), random.Random(0)
     held = set(rng.sample(range(len(files)), args.held_out))
-    run_dir = train(work, examples([f for i, f in enumerate(files) if i not in held], args.snippet, rng), args.steps)
+    pairs = examples([f for i, f in enumerate(files) if i not in held], args.snippet, rng)
+    run_dir = train(work, pairs, args.steps)
+    draft_dir = train(work, pairs, args.steps, args.draft_layers) if "draft" in args.methods else None
     tests = examples([f for i, f in enumerate(files) if i in held], args.snippet, rng)
     rng.shuffle(tests)
     need = args.num_requests * (1 + len(args.concurrency))
     tests = (tests * -(-need // len(tests)))[:need]
     prompts = [(s + MARKER, len(e)) for s, e in tests]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    methods = ("off", "ngram")
+    methods = ("off", *args.methods)
     first = free_ports(len(methods))
     ports = {m: first + i for i, m in enumerate(methods)}
     runs = {}  # (method, c): [(texts, tokens/s, spec counts, loop breakdown, compiles)] per repeat
@@ -161,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         for method in methods:
             argv_serve = [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(ports[method]),
                           "--max-slots", str(max(args.concurrency)), "--model-name", "bench", "--speculative", method,
-                          "--num-speculative-tokens", str(args.k), "--no-enable-prefix-caching"]
+                          "--num-speculative-tokens", str(args.k), "--no-enable-prefix-caching",
+                          *(["--draft-model", draft_dir] if method == "draft" else [])]
             server = stack.enter_context(Server("hypertron", argv_serve, ports[method],
                                                 os.path.join(work, f"server-{method}.log"), env))
             stack.enter_context(server.tail_on_error())
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for i, c in enumerate(args.concurrency):
                 batch = prompts[(i + 1) * args.num_requests:(i + 2) * args.num_requests]
-                for method in methods if r % 2 == 0 else methods[::-1]:
+                for method in methods[r % len(methods):] + methods[:r % len(methods)]:  # each first in turn
                     runs.setdefault((method, c), []).append(measure(servers[method], batch, c))
     texts = [runs["off", c][0][0] for c in args.concurrency]
     wanted = [[e for _, e in tests[(i + 1) * args.num_requests:(i + 2) * args.num_requests]]
@@ -181,14 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy accuracy {same / sum(len(e) for es in wanted for e in es):.3f} (held-out snippets, greedy, "
           "speculation off)")
     for c in args.concurrency:
-        on, off = ([run[1] for run in runs[m, c]] for m in methods[::-1])
         assert all(run[0] == runs["off", c][0][0] for m in methods for run in runs[m, c]), "greedy text differs"
-        drafts, proposed, kept = np.sum([run[2] for run in runs["ngram", c]], axis=0)
+        off = [run[1] for run in runs["off", c]]
         for m in methods:
             print(f"{m} c{c}, last run: compiles {runs[m, c][-1][4]}; {runs[m, c][-1][3]}")
-        print(f"speculative ngram c{c}: out_tok_s on {np.median(on):.1f} off {np.median(off):.1f} speedup "
-              f"{np.median(np.divide(on, off)):.2f} acceptance {kept / max(proposed, 1):.3f} tokens_per_step "
-              f"{1 + kept / max(drafts, 1):.2f}", flush=True)
+        for m in args.methods:
+            on = [run[1] for run in runs[m, c]]
+            drafts, proposed, kept = np.sum([run[2] for run in runs[m, c]], axis=0)
+            print(f"speculative {m} c{c}: out_tok_s on {np.median(on):.1f} off {np.median(off):.1f} speedup "
+                  f"{np.median(np.divide(on, off)):.2f} acceptance {kept / max(proposed, 1):.3f} tokens_per_step "
+                  f"{1 + kept / max(drafts, 1):.2f}", flush=True)
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

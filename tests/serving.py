@@ -26,17 +26,18 @@ def run(engine, prompts, samplings, *, ahead=False, **scheduler_kw):
     return seqs, outs, sched
 
 
-def padded_engine(params, cfg, config, shapes):
+def padded_engine(params, cfg, config, shapes, draft=None):
     """A paged engine with background compiles, ``shapes`` compiled and its compiler held off: every
     plan runs padded to the cheapest of them that holds it, however much more that costs. For a
     test whose dozen plans would each compile a shape of its own: padding rows and tokens are
     masked out, so the tokens are the same (``test_engine.py``'s padded test holds them to an
-    engine that runs each plan at its own shape)."""
+    engine that runs each plan at its own shape). ``draft``: the engine's draft model
+    (:class:`~hypertron.serve.engine.DraftModel`)."""
     import dataclasses
 
     from hypertron.serve import engine as engine_module
 
-    engine = engine_module.PagedEngine(params, cfg, dataclasses.replace(config, compile="background"))
+    engine = engine_module.PagedEngine(params, cfg, dataclasses.replace(config, compile="background"), draft=draft)
     engine._enqueue = lambda shape: None  # no plan's own shape is compiled
     for shape in shapes:
         engine._compile(shape)

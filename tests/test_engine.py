@@ -459,7 +459,7 @@ def test_a_bf16_run_is_served_with_bf16_weights_cast_once_at_load(tmp_path):
     from hypertron.config import Config, TrainConfig
     from hypertron.models import declare
     from hypertron.models.params import leaves_with_paths
-    from hypertron.serve.engine import load_engine
+    from hypertron.serve.loading import load_engine
 
     model = dataclasses.replace(PRESETS["tiny-moe"], num_layers=2, max_seq_len=64, dtype="bfloat16")
     cfg = Config(run_dir=str(tmp_path / "run"), model=model, train=TrainConfig(seq_len=32))

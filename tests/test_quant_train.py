@@ -16,7 +16,7 @@ from hypertron.config import ConfigError, EngineConfig, load_config
 from hypertron.parallel.mesh import make_mesh
 from hypertron.quant import fp8, int8
 from hypertron.quant.einsum import einsum_for
-from hypertron.serve.engine import load_engine
+from hypertron.serve.loading import load_engine
 from hypertron.train.loop import train
 from hypertron.train.step import global_batch, make_trainer
 from support.tiny import TWO_LAYERS  # tests/support

@@ -70,7 +70,9 @@ def test_a_config_file_equals_the_same_flags_and_flags_override_it(tmp_path):
     ("checkpoint: runs/x\nport: [1]\n", [], "serve.yaml: port: expected an integer"),
     ("max_slots: 4\n", [], "serve.yaml: checkpoint: required"),
     ("checkpoint: runs/x\n", ["--max-slots", "0"], "--max-slots=0: must be positive"),
-    ("checkpoint: runs/x\nspeculative: draft\n", [], "serve.yaml: speculative=draft: must be one of off, ngram"),
+    ("checkpoint: runs/x\nspeculative: eagle\n", [], "serve.yaml: speculative=eagle: must be one of off, ngram, draft"),
+    ("checkpoint: runs/x\nspeculative: draft\n", [], "serve.yaml: speculative=draft: needs a draft model directory: draft_model, or --draft-model DIR"),
+    ("checkpoint: runs/x\n", ["--draft-model", "runs/y"], "--draft-model: only with speculative=draft"),
     ("checkpoint: runs/x\n", ["--num-speculative-tokens", "17"], "--num-speculative-tokens=17: must be 1 to 16"),
     ("checkpoint: runs/x\nnum_speculative_tokens: 0\n", [], "serve.yaml: num_speculative_tokens=0: must be 1 to 16"),
     ("checkpoint: runs/x\n", ["--prompt-lookup-min", "0"], "--prompt-lookup-min=0: must be at least 1"),
@@ -342,7 +344,7 @@ def test_a_server_keeps_the_shapes_it_compiled_and_compiles_them_first_at_its_ne
     its own."""
     import time
 
-    from hypertron.serve.engine import load_engine
+    from hypertron.serve.loading import load_engine
     from hypertron.serve.server import orchestrate
     from hypertron.serve.shapes import Shape, ShapeMemory
 
@@ -377,7 +379,7 @@ def test_a_kv_pool_the_device_cannot_hold_is_one_line_before_the_weights_load(ru
     loading, naming the pages that would leave room; the pages it names do start."""
     import re
 
-    import hypertron.serve.engine as engine_module
+    import hypertron.serve.loading as engine_module
 
     monkeypatch.setattr(engine_module, "load_engine", lambda *a, **k: pytest.fail("loaded before the check"))
     assert cli.main(["serve", "--checkpoint", run_dir, "--num-pages", "100000000"]) == 2
@@ -444,3 +446,18 @@ def test_on_an_accelerator_the_kv_pool_takes_what_the_fraction_leaves(run_dir, c
     assert cli.main(["serve", "--checkpoint", run_dir, "--kv-cache-memory-fraction", "1.5"]) == 2
     assert capsys.readouterr().err == ("error: --kv-cache-memory-fraction=1.5: must be above 0 and at most 1 "
                                        "(a share of each device's memory)\n")
+
+
+def test_a_draft_model_is_loaded_beside_the_served_one(run_dir):
+    """``--speculative draft --draft-model DIR`` (here the run itself): the engine holds the draft's
+    weights and a pool of as many pages, and proposes ``--num-speculative-tokens`` with them."""
+    from hypertron.serve.server import build
+    from hypertron.serve.speculative import ModelDrafter
+
+    serve = _config(["--checkpoint", run_dir, "--speculative", "draft", "--draft-model", run_dir,
+                     "--num-speculative-tokens", "3", "--prefill-groups", "max", "--compile", "lazy"])
+    assert serve.draft_model == run_dir
+    _, orch = build(serve)
+    engine = orch.engine
+    assert engine.draft_cfg == engine.cfg and engine.draft_k == 3 and isinstance(orch.scheduler.drafter, ModelDrafter)
+    assert engine.draft_cache["k_pages"].shape == engine.cache["k_pages"].shape

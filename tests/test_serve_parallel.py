@@ -192,7 +192,7 @@ def test_a_run_loads_into_its_shards(tmp_path, monkeypatch):
     from hypertron.checkpoint import save_params
     from hypertron.config import Config, TrainConfig
     from hypertron.serve import model as serve_model
-    from hypertron.serve.engine import load_engine
+    from hypertron.serve.loading import load_engine
 
     cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
     run_dir = tmp_path / "run"

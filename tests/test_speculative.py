@@ -7,6 +7,7 @@ acceptance rate it must have (``sum(min(p, q))``; ``p(x)`` for an n-gram's one d
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -114,16 +115,18 @@ def test_an_ngram_proposal_is_kept_at_p_of_it_draws_as_without_one_and_greedy_ke
 
 # -- through the scheduler and the engine ---------------------------------------------------------
 
-def _spec_runs(preset: str, eos: int | None = None):
+def _spec_runs(preset: str, eos: int | None = None, draft: str | None = None):
     """Five requests, greedy but the last (seeded, temperature 0.9), three of them repeating
     themselves, through a tiny float32 ``preset``, 3 slots and a pool of 14 pages of 4 (pre-emption), a budget of 24 tokens: with speculation off
-    (one step ahead), n-gram k = 4 (one step ahead) and k = 1 (not). Returns each run's
-    ``(tokens, log-probabilities, finish reasons, scheduler, sampled rows, steps mixing proposals and
-    prefill)`` and the engine."""
+    (one step ahead), n-gram k = 4 (one step ahead) and k = 1 (not); with ``draft`` (``"self"``: the
+    model itself, ``"small"``: a random model of one layer), a draft model's k = 4 instead of
+    n-gram's. Returns each run's ``(tokens, log-probabilities, finish reasons, scheduler, sampled
+    rows, steps mixing proposals and prefill)`` and the engine."""
     from serving import padded_engine  # tests/
 
     from hypertron.config import PRESETS, EngineConfig
     from hypertron.models import init_params
+    from hypertron.serve.engine import DraftModel
     from hypertron.serve.scheduler import Request, Scheduler, run_until_done
     from hypertron.serve.shapes import Shape
     from hypertron.serve.types import SamplingParams
@@ -133,10 +136,18 @@ def _spec_runs(preset: str, eos: int | None = None):
         cfg = dataclasses.replace(cfg, sliding_window=16)
     shapes = [Shape(3, 0, 0, logprobs=True), Shape(3, 0, 0, logprobs=True, verify=4),
               Shape(3, 2, 32, logprobs=True, verify=4)]
-    engine = padded_engine(init_params(cfg, jax.random.key(1)), cfg,
-                           EngineConfig(max_slots=3, page_size=4, num_pages=15, max_top_logprobs=3), shapes)
-    if eos is not None:
-        engine.eos_ids = frozenset({eos})
+    params = init_params(cfg, jax.random.key(1))
+    config = EngineConfig(max_slots=3, page_size=4, num_pages=15, max_top_logprobs=3)
+    engine = padded_engine(params, cfg, config, shapes)
+    engines = {"off": engine, "ngram": engine}
+    if draft is not None:
+        small = dataclasses.replace(cfg, num_layers=1)
+        model = DraftModel(params, cfg, 4) if draft == "self" else DraftModel(init_params(small, jax.random.key(2)),
+                                                                              small, 4)
+        engines["draft"] = padded_engine(params, cfg, config, shapes, draft=model)
+    for e in engines.values():
+        if eos is not None:
+            e.eos_ids = frozenset({eos})
     rng = np.random.default_rng(0)
     base = rng.integers(3, cfg.vocab_size, 7).tolist()
     prompts = [base * 3, rng.integers(3, cfg.vocab_size, 9).tolist(), base[:4] * 4 + [9],
@@ -144,9 +155,11 @@ def _spec_runs(preset: str, eos: int | None = None):
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=24, logprobs=3, ignore_eos=eos is None)
     seeded = dataclasses.replace(greedy, temperature=0.9, seed=5)  # the last request's: its draws as without
     runs = {}
-    for spec, k, ahead in (("off", 4, True), ("ngram", 4, True), ("ngram", 1, False)):
-        sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=24, max_prefill_rows=2, speculative=spec,
-                                                  num_speculative_tokens=k))
+    methods = (("off", 4, True), ("draft", 4, True)) if draft else (("off", 4, True), ("ngram", 4, True),
+                                                                   ("ngram", 1, False))
+    for spec, k, ahead in methods:
+        sched = Scheduler(engines[spec], SchedulerConfig(max_num_batched_tokens=24, max_prefill_rows=2,
+                                                         speculative=spec, num_speculative_tokens=k))
         seqs = [Request(i, p, seeded if i == len(prompts) - 1 else greedy) for i, p in enumerate(prompts)]
         for seq in seqs:
             sched.add(seq)
@@ -158,10 +171,12 @@ def _spec_runs(preset: str, eos: int | None = None):
             update(plan, result)
 
         sched.update = counted
-        run_until_done(engine, sched, lambda o: o.token is not None and lps[o.seq.id].append(o.logprobs), ahead=ahead)
+        run_until_done(engines[spec], sched, lambda o: o.token is not None and lps[o.seq.id].append(o.logprobs),
+                       ahead=ahead)
         assert sched.stats()["pages_free"] == 14 and sched.stats()["slots_in_use"] == 0
         runs[spec, k] = ([s.generated for s in seqs], lps, [s.finish_reason for s in seqs], sched, *sampled)
-    assert engine.compiled_shapes == shapes and engine.compiles["sync"] == 0
+    for e in engines.values():
+        assert e.compiled_shapes == shapes and e.compiles["sync"] == 0
     return runs, engine
 
 
@@ -187,6 +202,88 @@ def test_greedy_tokens_and_logprobs_equal_with_speculation_off(preset):
     assert any(run[3].preemptions for run in runs.values())
     # A step prefills beside a proposal (Mistral's and the MoE's tokens repeat too late for one here)
     assert any(run[5] for run in runs.values()) or preset in ("tiny-mistral", "tiny-moe")
+
+
+@pytest.mark.parametrize("preset, draft", [("tiny-gemma", "self"), ("tiny-moe", "small")])
+def test_a_draft_models_proposals_keep_the_tokens_and_logprobs_of_no_speculation(preset, draft):
+    """``speculative: draft`` (k = 4, one step ahead), with the model itself as the draft (Gemma) and
+    with a random one-layer draft (a dropless MoE, whose drafts are near all refused): the greedy
+    tokens, a seeded sampled request's and their top-3 log-probabilities (1e-5) of no speculation,
+    through pre-emption (a pool of about three sequences' pages); every page and slot back; every
+    token a sampling row's or a kept draft's."""
+    runs, _ = _spec_runs(preset, draft=draft)
+    tokens, lps, *_ = runs["off", 4]
+    got, got_lps, _, sched, sampled, _ = runs["draft", 4]
+    assert got == tokens
+    for i in lps:
+        for lp, ref in zip(got_lps[i], lps[i], strict=True):
+            assert lp.top_ids == ref.top_ids
+            np.testing.assert_allclose([lp.logprob, *lp.top_logprobs], [ref.logprob, *ref.top_logprobs], atol=1e-5)
+    d = sched.drafter
+    assert d.drafts > 0 and d.draft_tokens >= d.accepted and sum(map(len, got)) == sampled + d.accepted
+    assert sched.preemptions
+    if draft == "self":
+        assert d.accepted > d.draft_tokens / 3
+
+
+def test_a_draft_that_is_the_model_has_every_greedy_draft_kept():
+    """The model as its own draft, greedy, pages to spare: every proposal is kept, whole (the draft's
+    pool holds what the model's does: the step's tokens, then its own proposal's, in pages taken
+    ahead), and proposals stop at ``max_tokens``."""
+    from serving import padded_engine  # tests/
+
+    from hypertron.config import PRESETS, EngineConfig
+    from hypertron.models import init_params
+    from hypertron.serve.engine import DraftModel
+    from hypertron.serve.scheduler import Request, Scheduler, run_until_done
+    from hypertron.serve.shapes import Shape
+    from hypertron.serve.types import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=2, max_seq_len=64, dtype="float32")
+    params = init_params(cfg, jax.random.key(1))
+    engine = padded_engine(params, cfg, EngineConfig(max_slots=3, page_size=4, num_pages=60),
+                           [Shape(3, 0, 0, verify=4), Shape(3, 2, 32, verify=4)], draft=DraftModel(params, cfg, 4))
+    rng = np.random.default_rng(0)
+    sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=24, max_prefill_rows=2, speculative="draft"))
+    seqs = [Request(i, rng.integers(3, cfg.vocab_size, 9).tolist(),
+                    SamplingParams(temperature=0.0, seed=0, max_tokens=24, ignore_eos=True)) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_until_done(engine, sched, lambda o: None)
+    d = sched.drafter
+    assert d.accepted == d.draft_tokens > 40 and d.accepted_per_pos[3] > 0
+    assert all(len(s.generated) == 24 for s in seqs) and sched.stats()["pages_free"] == 59
+
+
+def test_a_draft_model_needs_the_served_models_tokenizer():
+    """A draft whose vocabulary, end-of-sequence ids or any id's bytes differ is refused, naming what
+    differs; an engine without a draft cannot schedule ``speculative: draft``."""
+    from hypertron.config import PRESETS
+    from hypertron.errors import UserError
+    from hypertron.serve.model import check_draft
+    from hypertron.tokenizer import get_tokenizer
+
+    cfg, tok = PRESETS["tiny"], get_tokenizer("byte")
+    check_draft(cfg, tok, cfg, tok)
+    with pytest.raises(UserError, match="draft_model: its vocab_size is 512, the served model's 259"):
+        check_draft(dataclasses.replace(cfg, vocab_size=512), tok, cfg, tok)
+
+    class Other:  # the byte tokenizer but for one id
+        def __init__(self, eos_ids=tok.eos_ids):
+            self.vocab_size, self.eos_ids = tok.vocab_size, eos_ids
+
+        def token_bytes(self, i):
+            return b"?" if i == 65 else tok.token_bytes(i)
+
+    with pytest.raises(UserError, match=re.escape("writes id 65 as b'?', the served model's as b'>'")):
+        check_draft(cfg, Other(), cfg, tok)
+    with pytest.raises(UserError, match="end-of-sequence ids"):
+        check_draft(cfg, Other(frozenset({7})), cfg, tok)
+    from fake_engine import FakeEngine  # tests/
+
+    from hypertron.serve.scheduler import Scheduler
+    with pytest.raises(ValueError, match="speculative='draft' needs an engine with a draft model"):
+        Scheduler(FakeEngine(), SchedulerConfig(speculative="draft"))
 
 
 def test_eos_inside_kept_drafts_ends_the_request_there():

@@ -75,11 +75,15 @@ _SERVE_FLAGS: dict[str, dict] = {
     "speculative": dict(help="ngram: a sequence whose last tokens occurred before in it (prompt or output) "
                              "proposes the tokens that followed them, and each step keeps those the model "
                              "agrees with (the tokens it gives without: each step draws as it would and keeps "
-                             "the proposed tokens while they equal its draws); off: one token a step"),
+                             "the proposed tokens while they equal its draws); draft: --draft-model proposes "
+                             "them; off: one token a step"),
     "num_speculative_tokens": dict(metavar="K", help="tokens a sequence proposes per step, at most"),
     "prompt_lookup_min": dict(metavar="N", help="ngram: the fewest last tokens looked up"),
     "prompt_lookup_max": dict(metavar="N", help="ngram: the most last tokens looked up (the longest match "
                                                 "proposes)"),
+    "draft_model": dict(metavar="DIR", help="speculative draft: a smaller model with the same tokenizer (a run, "
+                                            "bundle or Hugging Face directory) that proposes each sequence's next "
+                                            "tokens greedily in the step before they are verified"),
     "sizes": dict(metavar="WxH,...", help="a diffusers folder: the image sizes served (each compiled at start; "
                                           "default: the model's own)"),
     "max_batch": dict(metavar="N", help="a diffusers folder: images per request (n), at most (default "

@@ -36,8 +36,9 @@ DispatchAhead = Literal["auto", "on", "off"]
 # CPU); max: as many as --max-num-batched-tokens and --max-prefill-rows allow (docs/serving.md)
 PrefillGroups = Literal["auto", "max"]
 # off: one token per sequence per step; ngram: a sequence whose last tokens occurred before in it proposes
-# what followed them there, and the step keeps what the model agrees with (hypertron.serve.speculative)
-Speculative = Literal["off", "ngram"]
+# what followed them there, and the step keeps what the model agrees with (hypertron.serve.speculative);
+# draft: a smaller model with the same tokenizer (draft_model) proposes, in the step that emitted the last token
+Speculative = Literal["off", "ngram", "draft"]
 MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens, at most
 
 # A step of the serving engine whose shape is not compiled yet runs padded to a compiled shape that holds it;
@@ -199,6 +200,7 @@ class ServeConfig:
     num_speculative_tokens: int = _S.num_speculative_tokens
     prompt_lookup_min: int = _S.prompt_lookup_min
     prompt_lookup_max: int = _S.prompt_lookup_max
+    draft_model: str | None = None  # speculative: draft: the draft model's directory (as checkpoint)
     enable_lora: bool = _E.enable_lora  # serve LoRA adapters: --lora-modules, /v1/load_lora_adapter
     max_loras: int = _E.max_loras
     max_lora_rank: int = _E.max_lora_rank

@@ -492,6 +492,9 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
     check_scheduler_settings(cfg, name)
     check_budget(cfg.max_num_batched_tokens, cfg.max_slots, name)
     check_lora_modules(cfg, name)
+    if (cfg.speculative == "draft") != (cfg.draft_model is not None):
+        raise ConfigError(f"{name('speculative')}=draft: needs a draft model directory: draft_model, or --draft-model DIR"
+                          if cfg.draft_model is None else f"{name('draft_model')}: only with speculative=draft")
     for key in ("max_prompt_tokens", "max_tokens_limit", "max_batch", "max_steps"):
         value = getattr(cfg, key)
         if value is not None and value <= 0:

@@ -29,13 +29,14 @@ from hypertron.serve.step_batch import unpack
 
 
 
-@functools.partial(jax.jit, donate_argnums=(1, 2),
+@functools.partial(jax.jit, donate_argnums=(1, 2, 5),
                    static_argnames=("cfg", "top_n", "num_decode", "prefill_rows", "prefill_tokens",
                                     "want_logprobs", "prompt_logprobs", "skip_greedy", "lora", "guided", "verify",
-                                    "mesh"))
-def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_decode: int, prefill_rows: int,
-         prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool, skip_greedy: bool = True,
-         lora: bool = False, guided: bool = False, verify: int = 0, mesh: Mesh | None = None):
+                                    "mesh", "draft_cfg", "draft_k"))
+def step(params, cache, state, packed, draft_params=None, draft_cache=None, *, cfg: ModelConfig, top_n: int,
+         num_decode: int, prefill_rows: int, prefill_tokens: int, want_logprobs: bool, prompt_logprobs: bool,
+         skip_greedy: bool = True, lora: bool = False, guided: bool = False, verify: int = 0,
+         mesh: Mesh | None = None, draft_cfg: ModelConfig | None = None, draft_k: int = 0):
     """One engine step over the flat batch :meth:`PagedEngine.dispatch` builds.
 
     ``state``: the slots' sequences (:func:`init_state`). ``packed``: a
@@ -59,7 +60,8 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     ``verify``), the log-probabilities ``[rows, verify + 1 (, N)]``; the slot then holds
     ``lengths - draft + emitted - 1`` positions.
     ``skip_greedy``: :func:`sample_rows`'s (False on a GPU); ``lora``: a LoRA row; ``mesh``: the
-    engine's (shard_map'ed layers).
+    engine's. ``draft_cfg``: a draft model's ``draft_params`` propose ``out["proposal"] [rows,
+    draft_k]`` (:func:`_draft_proposals`), and the step returns ``((cache, draft_cache), state, out)``.
     """
     b = unpack(packed, num_decode + prefill_rows, prefill_tokens, prompt_logprobs, proposal=verify)
     n_pre, n_rows = b["pre_tokens"].shape[0], b["lengths"].shape[0]
@@ -76,9 +78,9 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
     counts = jnp.concatenate([jnp.full(nd, per, jnp.int32), jax.ops.segment_sum(
         b["pre_valid"].astype(jnp.int32), b["pre_row"], num_segments=n_rows - nd)])
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
-    paged = PagedCache(cache, state["table"][slot], lengths, query_start, token_rows, token_valid,
-                       decode_only=n_pre == 0, queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row,
-                       decode_queries=per)
+    paged = functools.partial(PagedCache, page_table=state["table"][slot], lengths=lengths, query_start=query_start,
+                              token_rows=token_rows, token_valid=token_valid, decode_only=n_pre == 0,
+                              queries_per_row=Shape(nd, prefill_rows, n_pre).queries_per_row, decode_queries=per)
     at = b["out_idx"]  # a decode row's first query (its last token), a prefill row's last token
     if verify:  # each row's verify + 1 queries (past its proposal, and a prefill row's: its last, again)
         at = (at[:, None] + jnp.minimum(jnp.arange(per), b["draft"][:, None])).reshape(-1)
@@ -86,9 +88,9 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
         at = jnp.concatenate([at, nq + jnp.arange(n_pre, dtype=jnp.int32)])
     split = contextlib.nullcontext() if mesh is None else use_rules(mesh, DEFAULT_RULES, pin=False)
     with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
-        fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None], cache=paged,
-                      logits_at=at[None])
-    logits, paged = fwd.logits, fwd.cache
+        fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None],
+                      cache=paged(cache), logits_at=at[None])
+    logits, pages = fwd.logits, fwd.cache.pages
     row_logits = logits[0, :n_rows * (verify + 1)]
     first = row_logits if not verify else row_logits.reshape(n_rows, verify + 1, -1)[:, 0]
     if verify:  # each row's first draw is what it samples without a proposal
@@ -104,8 +106,48 @@ def step(params, cache, state, packed, *, cfg: ModelConfig, top_n: int, num_deco
                                                                 for x in lps)
     if prompt_logprobs:
         out["prompt"] = logprobs(logits[0, n_rows * (verify + 1):], jnp.maximum(b["targets"], 0), top_n)
+    if draft_cfg is not None:
+        with split:
+            draft_cache, out["proposal"] = _draft_proposals(draft_params, paged(draft_cache), draft_cfg, draft_k, state,
+                                                            b, out, (tokens[None], positions[None], segments[None]))
+        pages = (pages, draft_cache)
     state = _written(state, b, out, nd)
-    return paged.pages, state, out
+    return pages, state, out
+
+
+def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state: dict, b: dict, out: dict, inputs):
+    """``(pages, proposal [rows, k])`` of a draft model: ``inputs``, the step's ``(tokens, positions,
+    segment_ids)``, through it into ``cache`` (its own pool, read through the step's page table, so
+    that it holds what the served model's does), then its ``k`` greedy tokens after each row's last
+    new token (the last of its ``out["emitted"]``; rows that sampled nothing here propose
+    nothing), one decode step of the draft at a time, each writing its input's keys and values
+    into the draft's pages at its position (pages not given to the sequence yet read as the null
+    page: a draft past them is worse, never wrong). Greedy drafts are a point mass, which is what
+    :func:`~hypertron.serve.sampling.verify_proposal` keeps them against (as vLLM v1 drafts)."""
+    tokens, positions, segments = inputs
+    pages = forward(params, tokens, cfg, positions=positions, segment_ids=segments, cache=cache,
+                    logits_at=jnp.zeros((1, 1), jnp.int32)).cache.pages
+    n_rows, nowhere = b["lengths"].shape[0], state["last_tokens"].shape[0] - 1
+    new = out["tokens"].reshape(n_rows, -1)
+    emitted = out.get("emitted", jnp.ones(n_rows, jnp.int32))
+    table = state["table"][b["slot"]]
+    capacity = table.shape[1] * pages["k_pages"].shape[2]
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    sampled = b["out_slot"] != nowhere
+
+    def one(carry, _):
+        pages, token, pos = carry
+        valid = sampled & (pos < capacity)
+        cache = PagedCache(pages, table, jnp.where(valid, pos + 1, 0), jnp.arange(n_rows + 1, dtype=jnp.int32), rows,
+                           valid, decode_only=True)
+        fwd = forward(params, token[None], cfg, positions=jnp.minimum(pos, capacity - 1)[None],
+                      segment_ids=jnp.where(valid, rows + 1, 0)[None], cache=cache, logits_at=rows[None])
+        nxt = jnp.argmax(fwd.logits[0], axis=-1).astype(jnp.int32)
+        return (fwd.cache.pages, nxt, pos + 1), nxt
+
+    start = new[rows, emitted - 1], b["lengths"] - b["draft"] + emitted - 1  # the last new token, its position
+    (pages, _, _), proposal = jax.lax.scan(one, (pages, *start), None, length=k)
+    return pages, proposal.T
 
 
 def _written(state: dict, b: dict, out: dict, nd: int) -> dict:

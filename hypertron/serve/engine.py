@@ -31,7 +31,7 @@ threaded through.
 Shapes are padded so that compiles stay few: decode rows and prefill tokens by :func:`bucket`
 (powers of two up to 8, then under 25 % padding; prefill tokens at least 16); prefill rows to a
 power of two. A step reads each row's whole page-table row (the attention stops at each row's
-length), so lengths add no shapes (until 2026-11-27 they did: a table to a power of two of pages).
+length), so lengths add no shapes.
 
 A :class:`Shape` is one compiled step. Compiling one takes about a second on a CPU and a load meets
 dozens, so a server does not wait for them (``compile="background"``): a plan whose own shape
@@ -39,8 +39,8 @@ is not compiled yet runs padded to the cheapest compiled shape that holds it (th
 padding rows and tokens are masked out); its own shape compiles on a background thread at once if
 that costs over ``MAX_PADDED_COST`` (4) times as much (:meth:`PagedEngine.cost`, which counts the
 attention's slower blocks of a shape compiled for shorter rows), else once it has run padded 8
-times at over 1.25 times its cost (a near fit, or a shape met rarely, stays padded); with no
-compiled shape that holds it, the step waits for its own. What compiles is its own shape with, if
+times at over 1.25 times its cost; with no compiled shape that holds it, the step waits for its
+own. What compiles is its own shape with, if
 it has prefill rows, as many decode rows as cost under 1.25 times as much
 (:meth:`PagedEngine.widened`), so one compile holds a prompt's chunk beside as many decode rows. A server compiles
 :meth:`PagedEngine.largest_shape` in the background at its start, so that only a plan of a
@@ -70,7 +70,6 @@ import math
 import queue
 import threading
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +85,7 @@ from hypertron.serve.device_step import init_state, mask_words, sample_masked, s
 from hypertron.serve.placement import engine_mesh, new_pages, place_weights, place_whole
 from hypertron.serve.shapes import Shape, prefill_bucket, step_flops
 from hypertron.serve.step_batch import StepBatch
-from hypertron.serve.types import StepCost, StepPlan, StepResult
+from hypertron.serve.types import DraftModel, StepCost, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ class PagedEngine:
     """
 
     def __init__(self, params, cfg: ModelConfig, config: EngineConfig, *, eos_ids: frozenset[int] = frozenset(),
-                 scan_layers: bool = False, lora=None):
+                 scan_layers: bool = False, lora=None, draft: DraftModel | None = None):
         self.mesh = engine_mesh(cfg, config)  # None: one device (hypertron.serve.placement)
         params = place_weights(self.mesh, cfg, params)
         self.params = params if scan_layers else unstack_layers(params)
@@ -210,13 +209,18 @@ class PagedEngine:
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_dtype(cfg.dtype) if kv == "auto" else jnp.dtype(kv)
         self.cache = new_pages(self.mesh, cfg, total, page_size, self.kv_dtype)
+        # A draft model (speculative decoding): its weights and its own pool of as many pages, the same ids
+        self.draft_cfg, self.draft_k = (None, 0) if draft is None else (draft.cfg, draft.k)
+        self.draft_params = None if draft is None else unstack_layers(place_weights(self.mesh, draft.cfg, draft.params))
+        self.draft_cache = None if draft is None else new_pages(self.mesh, draft.cfg, total, page_size, self.kv_dtype)
         self.state = place_whole(self.mesh, init_state(max_slots, self.pages_per_seq, cfg.max_seq_len))
         self._tables: list[tuple[int, ...]] = [()] * max_slots  # the pages state["table"] holds per slot
         # What a step is compiled for: the arguments' shapes (the cache is donated to each step, so
         # a background compile must not look at the live arrays).
-        self._specs = jax.tree.map(_spec, (self.step_params(), self.cache, self.state))
-        leaves, treedef = jax.tree.flatten(self._specs)
-        self._key = (tuple(leaves), treedef, cfg, max_top_logprobs)  # what a compiled step depends on, but its shape
+        self._specs = jax.tree.map(_spec, (self.step_params(), self.cache, self.state, self.draft_params,
+                                           self.draft_cache))
+        leaves, treedef = jax.tree.flatten(self._specs)  # and below: what a compiled step depends on, but its shape
+        self._key = (tuple(leaves), treedef, cfg, max_top_logprobs, self.draft_cfg, self.draft_k)
         self.background_compile = config.compile == "background"
         self.compiles = {"sync": 0, "background": 0, "padded": 0}
         self.compile_seconds = 0.0
@@ -296,12 +300,10 @@ class PagedEngine:
             self._compiler = None
 
     def measure_step_cost(self, tokens: int, repeats: int = 30) -> StepCost:
-        """What a step costs here, measured: a step of one decode row and a prefill of
-        ``tokens`` tokens in one row (both compiled now if they are not), run in turn ``repeats`` times on
-        padding alone (its writes go to the null page, as a padded step's do), the fastest run
-        of each kept: one step's time here varies by 2x and more from run to run, and the fastest
-        of 5 gave fixed costs of 1.6 to 12.6 ms over server starts on this project's CPU. Call it
-        before serving: the steps take the cache. From then on :meth:`cost` counts the fixed part
+        """What a step costs here, measured: a step of one decode row and a prefill of ``tokens``
+        tokens in one row (compiled now if not), in turn ``repeats`` times on padding alone (its writes
+        go to the null page), the fastest of each kept (one step's time here varies by 2x and more
+        from run to run). Call it before serving: the steps take the cache. From then on :meth:`cost` counts the fixed part
         (at most :data:`MAX_OVERHEAD_TOKENS` tokens' worth). On a CPU a prefill timed within 5 % of
         the decode says the machine was busy, not that tokens are free (counted so, every step would run padded to the largest compiled shape for good):
         ``per_token`` is then NaN and no fixed part is counted."""
@@ -320,8 +322,7 @@ class PagedEngine:
         for r in range(repeats + 1):  # the first round warms up
             for i, (fn, batch) in enumerate(runs):
                 t = time.perf_counter()
-                self.cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch)
-                jax.device_get(out)
+                jax.device_get(self._call(fn, batch))
                 if r:
                     times[i] = min(times[i], time.perf_counter() - t)
         per_token = max(times[1] - times[0], 0.0) / (tokens - 1)
@@ -399,14 +400,14 @@ class PagedEngine:
                 _shared.move_to_end(key)
         if fn is None:
             start = time.perf_counter()
-            params, cache, state = self._specs
+            params, cache, state, draft_params, draft_cache = self._specs
             skip_greedy = jax.default_backend() != "gpu"
-            fn = step.lower(params, cache, state, self._empty_batch(shape).array, cfg=self.cfg,
+            fn = step.lower(params, cache, state, self._empty_batch(shape).array, draft_params, draft_cache, cfg=self.cfg,
                             top_n=self.max_top_logprobs, num_decode=shape.num_decode,
                             prefill_rows=shape.prefill_rows, prefill_tokens=shape.prefill_tokens,
                             want_logprobs=shape.logprobs, prompt_logprobs=shape.prompt_logprobs, mesh=self.mesh,
                             skip_greedy=skip_greedy, lora=shape.lora, guided=shape.guided,
-                            verify=shape.verify).compile()
+                            verify=shape.verify, draft_cfg=self.draft_cfg, draft_k=self.draft_k).compile()
             if shape.guided:  # its sampler, compiled with it (never on the serving thread when this is not)
                 logits = fn.out_info[2]["logits"]
                 logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fn.output_shardings[2]["logits"])
@@ -461,7 +462,7 @@ class PagedEngine:
             self.state = write_deltas(self.state, pages, tokens)
         for slot, table in tables.items():  # what the device now holds
             self._tables[slot] = table
-        self.cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch.array)
+        out = self._call(fn, batch.array)
         logits = out.pop("logits", None)  # guided rows': sampled by sample_guided, on the device
         if not any(r.guided for r in plan.rows):  # a plan without any run padded to a guided shape
             logits = None
@@ -469,6 +470,13 @@ class PagedEngine:
             x.copy_to_host_async()
         return _Pending(plan, shape, offsets, out, {"assemble": assembled}, logits,
                         sampler=fn.sample if logits is not None else None)
+
+    def _call(self, fn, batch: np.ndarray) -> dict:
+        """The compiled step ``fn``'s outputs on ``batch``, the pools and the state threaded through."""
+        cache, self.state, out = fn(self.step_params(), self.cache, self.state, batch, self.draft_params,
+                                    self.draft_cache)
+        self.cache, self.draft_cache = (cache, None) if self.draft_cfg is None else cache
+        return out
 
     def sample_guided(self, pending: _Pending, masks: list) -> None:
         """Sample ``pending``'s guided rows with ``masks`` (one per plan row; see
@@ -509,7 +517,8 @@ class PagedEngine:
                       (chosen[o:o + len(row.tokens)], ids[o:o + len(row.tokens)], lps[o:o + len(row.tokens)])
                       for row, o in zip(plan.prefills, pending.prefill_offsets)]
         return StepResult(out["tokens"][rows], pick(out.get("logprobs")), pick(out.get("top_ids")),
-                          pick(out.get("top_logprobs")), prompt, out["emitted"][rows] if "emitted" in out else None)
+                          pick(out.get("top_logprobs")), prompt, out["emitted"][rows] if "emitted" in out else None,
+                          out["proposal"][rows] if "proposal" in out else None)
 
     def run(self, plan: StepPlan) -> StepResult:
         """:meth:`dispatch` then :meth:`collect`: one step, synchronously (not for a plan with guided
@@ -578,16 +587,3 @@ class PagedEngine:
         if writes:
             out[:len(writes)] = writes
         return out
-
-
-def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str = "none", lora_modules=()):
-    """``(engine, tokenizer, model_name)`` for a run directory (trained or converted from HF), each
-    weight read into its shards; ``eos_ids`` the tokenizer's; with ``config.enable_lora`` its LoRA
-    slots, holding ``lora_modules`` (``(name, path)`` pairs)."""
-    from hypertron.serve.lora_slots import slots_for
-    from hypertron.serve.model import load_for_inference, model_config_of, served_name
-
-    model = model_config_of(checkpoint)
-    model, params, tok = load_for_inference(checkpoint, quantize, model and engine_mesh(model, config))
-    lora = slots_for(model, config, lora_modules)
-    return PagedEngine(params, model, config, eos_ids=tok.eos_ids, lora=lora), tok, served_name(checkpoint)

@@ -88,3 +88,21 @@ def model_config_of(path: str | Path) -> ModelConfig | None:
     except (UserError, OSError, ValueError):
         return None
     return inference_config(model)
+
+
+def check_draft(draft: ModelConfig, draft_tokenizer: Tokenizer, model: ModelConfig, tokenizer: Tokenizer,
+                where: str = "draft_model") -> None:
+    """A draft model (speculative decoding) proposes ids the served model reads as the same text: its
+    vocabulary the same size, and its tokenizer the same ids, bytes and end-of-sequence ids; else a
+    :class:`UserError` naming ``where`` and the first difference."""
+    if draft.vocab_size != model.vocab_size:
+        raise UserError(f"{where}: its vocab_size is {draft.vocab_size}, the served model's {model.vocab_size} "
+                        "(a draft model needs the same tokenizer and vocabulary)")
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size or draft_tokenizer.eos_ids != tokenizer.eos_ids:
+        raise UserError(f"{where}: its tokenizer has {draft_tokenizer.vocab_size} ids and end-of-sequence ids "
+                        f"{sorted(draft_tokenizer.eos_ids)}, the served model's {tokenizer.vocab_size} and "
+                        f"{sorted(tokenizer.eos_ids)} (a draft model needs the same tokenizer)")
+    for i in range(tokenizer.vocab_size):
+        if draft_tokenizer.token_bytes(i) != tokenizer.token_bytes(i):
+            raise UserError(f"{where}: its tokenizer writes id {i} as {draft_tokenizer.token_bytes(i)!r}, the "
+                            f"served model's as {tokenizer.token_bytes(i)!r} (a draft model needs the same tokenizer)")

@@ -47,7 +47,10 @@ cut at a stop, and moves the sequence back past the drafts it did not keep. The 
 collects a step with proposals before it plans the next (:attr:`StepPlan.proposes`: where its
 rows stand is not known until then), and a sequence whose row is in flight sits the step out when
 the tokens known so far propose a draft; so a sequence speculates without dispatching ahead, and
-one that proposes nothing dispatches ahead as before.
+one that proposes nothing dispatches ahead as before. With ``speculative: draft`` the proposal is
+the draft model's, made on the device in the step that produced the sequence's last token
+(:attr:`StepResult.proposals`, kept as ``Request.proposed``): a running sequence then proposes
+in every step it may, and never dispatches ahead.
 
 Prefix caching (``enable_prefix_caching``): the pages are a :class:`~hypertron.serve.prefix_cache.
 PagePool`. A sequence admitted shares the longest run of cached full pages of what it prefills
@@ -85,7 +88,7 @@ from hypertron.config.serving import check_budget
 from hypertron.serve.prefix_cache import PagePool, page_key
 from hypertron.serve.sequences import (ABORT, ERROR, FINISHED, LENGTH, RUNNING, STOP, WAITING, Output, Request,
                                        StepRecord)
-from hypertron.serve.speculative import Drafter
+from hypertron.serve.speculative import Drafter, ModelDrafter
 from hypertron.serve.types import Engine, Row, SamplingError, StepPlan, StepResult, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -120,8 +123,11 @@ class Scheduler:
         self._out: list[Output] = []
         self.preemptions = 0
         self.mask_seconds = 0.0  # spent on guided rows' masks (hypertron.serve.structured)
-        self.drafter = None if config.speculative == "off" else Drafter(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        k = config.num_speculative_tokens
+        if config.speculative == "draft" and not getattr(engine, "draft_k", 0):
+            raise ValueError("speculative='draft' needs an engine with a draft model (PagedEngine's draft)")
+        self.drafter = {"off": None, "draft": ModelDrafter(k)}.get(
+            config.speculative, Drafter(k, config.prompt_lookup_min, config.prompt_lookup_max))
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -216,6 +222,8 @@ class Scheduler:
                 budget -= prefills[-1].num_tokens
         if self.drafter is not None:
             decodes = self._propose(decodes, budget)
+        if isinstance(self.drafter, ModelDrafter):
+            decodes, prefills = self._lookahead(decodes), self._lookahead(prefills)
         if not decodes and not prefills:
             return None
         rows = decodes + prefills
@@ -250,6 +258,8 @@ class Scheduler:
                 self._emit(seq, result.token(i, j), None if n is None else result.logprobs_of(i, j, n))
                 if seq.status == FINISHED:  # what it emitted after its stop is dropped
                     break
+            if result.proposals is not None:  # the draft model's, after its last token
+                seq.proposed = (len(seq.prompt) + len(seq.generated), result.proposals[i].tolist())
             if seq.status == RUNNING:
                 self._key_pages(seq)
 
@@ -273,7 +283,7 @@ class Scheduler:
         if self.drafter is None or seq.guide is not None or not seq.rows_in_flight:
             return False
         known = seq.prompt + seq.generated  # the row in flight adds one
-        return seq.verifying or bool(self.drafter.propose(known, self._room(seq, len(known) + 1)))
+        return seq.verifying or self.drafter.will_propose(known, self._room(seq, len(known) + 1), seq)
 
     def _propose(self, decodes: list[Row], budget: int) -> list[Row]:
         """``decodes``, those whose sequence has nothing in flight (its last token known) and whose
@@ -285,7 +295,7 @@ class Scheduler:
             seq = self._live[row.request]
             known = seq.prompt + seq.generated
             limit = min(budget, self._room(seq, len(known)))
-            draft = [] if seq.rows_in_flight or seq.guide is not None else self.drafter.propose(known, limit)
+            draft = [] if seq.rows_in_flight or seq.guide is not None else self.drafter.propose(known, limit, seq)
             for i in range(len(draft)):
                 if not self._page_for(seq, row.start + 1 + i):
                     draft = draft[:i]
@@ -296,6 +306,23 @@ class Scheduler:
                 seq.computed += len(draft)
                 seq.verifying = True
                 row = dataclasses.replace(row, pages=tuple(seq.pages), proposal=tuple(draft))
+            out.append(row)
+        return out
+
+    def _lookahead(self, rows: list[Row]) -> list[Row]:
+        """``rows``, each sampling row with the pages the draft model writes its proposal's keys into
+        (its next ``k`` positions past the row's, within ``max_seq_len``), while more pages are free
+        than sequences run (a draft's pages never pre-empt; without them its keys go to the null
+        page, and the draft past them is worse, not wrong)."""
+        out = []
+        for row in rows:
+            seq = self._live[row.request]
+            if row.sample:
+                for position in range(row.end, min(row.end + self.drafter.k, self.max_seq_len)):
+                    if position // self.page_size >= len(seq.pages) and (
+                            self.pool.num_free <= len(self.running) or not self._page_for(seq, position)):
+                        break
+                row = dataclasses.replace(row, pages=tuple(seq.pages))
             out.append(row)
         return out
 

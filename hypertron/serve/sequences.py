@@ -42,6 +42,7 @@ class Request:
     rows_in_flight: int = 0
     tokens_in_flight: int = 0
     verifying: bool = False  # a verify row of it is in flight (how many tokens it emits is not known yet)
+    proposed: tuple[int, list[int]] | None = None  # a draft model's proposal, and the length it follows
 
     @property
     def outputs(self) -> int:

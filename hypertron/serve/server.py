@@ -520,7 +520,7 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
     import jax
 
-    from hypertron.serve.engine import load_engine
+    from hypertron.serve.loading import load_engine
     from hypertron.serve.model import model_config_of
     from hypertron.serve.placement import fit_memory
     from hypertron.serve.shapes import ShapeMemory  # imports JAX (its cost model): not at the module's import
@@ -529,8 +529,9 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     if model is not None and serve.memory_check:  # before anything loads
         config = fit_memory(model, config, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0],
                             serve.kv_cache_memory_fraction)
+    draft = (serve.draft_model, serve.num_speculative_tokens) if serve.speculative == "draft" else None
     engine, tokenizer, model_name = load_engine(serve.checkpoint, config, quantize=serve.quantize,
-                                                lora_modules=serve.lora_adapters())
+                                                lora_modules=serve.lora_adapters(), draft=draft)
     orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,

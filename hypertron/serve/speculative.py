@@ -1,5 +1,6 @@
-"""Speculative decoding's proposer: n-gram lookup over a sequence's own tokens (vLLM's ``ngram``
-method, "prompt lookup decoding"), on the host, no JAX.
+"""Speculative decoding's proposers: n-gram lookup over a sequence's own tokens (vLLM's ``ngram``
+method, "prompt lookup decoding"), on the host, no JAX; and a draft model's tokens, proposed in the
+step on the device (:class:`ModelDrafter`; :func:`hypertron.serve.device_step.step`'s ``draft_cfg``).
 
 For the last ``n`` tokens, ``n`` from ``n_max`` down to ``n_min`` (the longest match wins), the
 earliest place where they occurred before proposes up to ``k`` of the tokens that followed it, as
@@ -61,9 +62,15 @@ class Drafter:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_per_pos = [0] * k
 
-    def propose(self, tokens, limit: int) -> list[int]:
-        """:func:`propose` of at most ``limit`` (and ``k``) tokens; none for ``limit`` 0."""
+    def propose(self, tokens, limit: int, seq=None) -> list[int]:
+        """:func:`propose` of at most ``limit`` (and ``k``) tokens; none for ``limit`` 0. ``seq``,
+        the sequence ``tokens`` are of, is the draft model's (:class:`ModelDrafter`)."""
         return propose(tokens, min(self.k, limit), self.n_min, self.n_max) if limit > 0 else []
+
+    def will_propose(self, tokens, limit: int, seq=None) -> bool:
+        """Whether a sequence whose row is in flight, ``tokens`` known so far, would propose once it is
+        collected (it then sits the next step out, to verify a draft in the one after)."""
+        return bool(self.propose(tokens, limit, seq))
 
     def verified(self, drafted: int, emitted: int) -> None:
         """Count a verify row of ``drafted`` proposed tokens that emitted ``emitted``."""
@@ -72,3 +79,22 @@ class Drafter:
         self.accepted += emitted - 1
         for i in range(emitted - 1):
             self.accepted_per_pos[i] += 1
+
+
+class ModelDrafter(Drafter):
+    """The proposer of ``speculative: draft``: what the draft model proposed on the device, in the
+    step that produced the sequence's last token (:attr:`StepResult.proposals
+    <hypertron.serve.types.StepResult.proposals>`, kept by the scheduler as
+    ``Request.proposed``), while it still follows the sequence's tokens. The counters are
+    :class:`Drafter`'s."""
+
+    def __init__(self, k: int):
+        super().__init__(k, 1, 1)
+
+    def propose(self, tokens, limit: int, seq=None) -> list[int]:
+        if seq is None or limit <= 0 or seq.proposed is None or seq.proposed[0] != len(tokens):
+            return []
+        return list(seq.proposed[1][:min(self.k, limit)])
+
+    def will_propose(self, tokens, limit: int, seq=None) -> bool:
+        return limit > 0  # its row in flight brings a proposal

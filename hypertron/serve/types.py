@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
 from hypertron.errors import UserError
+
+if TYPE_CHECKING:
+    from hypertron.config import ModelConfig
 
 INT32_MAX = 2**31 - 1  # what the engine's int32 arrays hold (max_tokens, top_k, token ids, positions)
 SEED_LIMIT = 2**32  # a seed keys the sampler as a uint32: 0 <= seed < SEED_LIMIT
@@ -220,6 +223,7 @@ class StepResult:
     top_logprobs: np.ndarray | None = None
     prompt: list | None = None
     emitted: np.ndarray | None = None
+    proposals: np.ndarray | None = None  # [rows, k]: a draft model's tokens after each row's last (speculative: draft)
 
     def count(self, i: int) -> int:
         """The tokens row ``i`` emitted (1 but for a verify row)."""
@@ -236,6 +240,15 @@ class StepResult:
         at = i if self.emitted is None else (i, j)
         return TokenLogprobs(float(self.logprobs[at]), tuple(int(t) for t in self.top_ids[at][:n]),
                              tuple(float(v) for v in self.top_logprobs[at][:n]))
+
+
+class DraftModel(NamedTuple):
+    """A draft model for speculative decoding (``speculative: draft``): its weights and config (the
+    target's tokenizer and vocabulary), and ``k``, the tokens it proposes after each sampled row."""
+
+    params: object
+    cfg: ModelConfig
+    k: int
 
 
 class Engine(Protocol):
