@@ -18,7 +18,9 @@ of the runs' ratios)::
 
 ``acceptance``: proposed tokens kept over those proposed; ``tokens_per_step``: tokens a verify
 row emits, 1 + kept over verify rows (both from the server's ``hypertron_spec_decode_*``
-counters; docs/serving.md). Issue 45's bar: speedup at least 1.5 at concurrency 1. Distinct
+counters; docs/serving.md). Issue 45's bar: speedup at least 1.5 at concurrency 1. ``--peer vllm
+--vllm-python PATH`` then serves the same runs with vLLM's own speculation, the same lines prefixed
+``vllm`` (``bench/serve_spec_vllm.py``). Distinct
 prompts (issue 45's other bar): ``bench/serve_http.py`` with and without ``--hypertron-args
 "--speculative ngram"``.
 """
@@ -46,6 +48,8 @@ from serve_http_servers import (Server, breakdown_line, compile_counts, counts_s
                                 step_times)  # bench/serve_http_servers.py, this directory
 from serve_model import stdlib_files  # bench/serve_model.py, this directory
 
+import serve_spec_vllm  # bench/serve_spec_vllm.py, this directory
+
 from hypertron.launch.local import free_ports
 
 MARKER = "\n#>\n"
@@ -67,7 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--keep", default=None, help="work in this directory and keep it (a trained run is reused)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    return p.parse_args(argv)
+    p.add_argument("--peer", choices=["none", "vllm"], default="none",
+                   help="vllm: vLLM's speculation on the same models, after hypertron's (bench/serve_spec_vllm.py)")
+    p.add_argument("--vllm-python", default=None, help="--peer vllm: the python of a venv holding vLLM")
+    args = p.parse_args(argv)
+    if (args.peer == "vllm") != (args.vllm_python is not None):
+        p.error("--peer vllm and --vllm-python PATH go together")
+    return args
 
 
 def examples(files: list[str], size: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -128,6 +138,47 @@ async def serve_all(base_url: str, prompts: list[tuple[str, int]], concurrency: 
         return [t for t, _ in got], sum(n for _, n in got), time.perf_counter() - start
 
 
+def measure_peer(base_url: str, prompts: list[tuple[str, int]], concurrency: int):
+    """One run of a peer: as :func:`measure`, without hypertron's breakdown and compiles."""
+    counts = serve_spec_vllm.spec_counts(base_url)
+    texts, tokens, seconds = asyncio.run(serve_all(base_url, prompts, concurrency))
+    return texts, tokens / seconds, [a - b for a, b in zip(serve_spec_vllm.spec_counts(base_url), counts)], "", {}
+
+
+def serve_methods(named: dict[str, list[str]], name: str, work: str, env: dict, prompts, args, measure_fn) -> dict:
+    """Each method's server (``named``: its command line, its port after ``--port``), all up and warmed
+    up, then the same requests every way, each method first in turn, so that this machine's drift
+    falls on each: ``{(method, c): [measure_fn's run, ...]}``."""
+    runs, methods = {}, list(named)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for method, argv_serve in named.items():
+            port = int(argv_serve[argv_serve.index("--port") + 1])
+            server = stack.enter_context(Server(name, argv_serve, port, os.path.join(work, f"{name}-{method}.log"), env))
+            stack.enter_context(server.tail_on_error())
+            server.wait_ready(args.ready_timeout)
+            asyncio.run(serve_all(server.base_url, prompts[:args.num_requests], max(args.concurrency)))  # warm-up
+            servers[method] = server.base_url
+        for r in range(args.repeats):
+            for i, c in enumerate(args.concurrency):
+                batch = prompts[(i + 1) * args.num_requests:(i + 2) * args.num_requests]
+                for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+                    runs.setdefault((method, c), []).append(measure_fn(servers[method], batch, c))
+    return runs
+
+
+def report(runs: dict, methods, concurrency, prefix: str = "") -> None:
+    """The speedup lines of ``runs`` (see the module docstring), each method against ``off``."""
+    for c in concurrency:
+        off = [run[1] for run in runs["off", c]]
+        for m in methods:
+            on = [run[1] for run in runs[m, c]]
+            drafts, proposed, kept = np.sum([run[2] for run in runs[m, c]], axis=0)
+            print(f"speculative {prefix}{m} c{c}: out_tok_s on {np.median(on):.1f} off {np.median(off):.1f} speedup "
+                  f"{np.median(np.divide(on, off)):.2f} acceptance {kept / max(proposed, 1):.3f} tokens_per_step "
+                  f"{1 + kept / max(drafts, 1):.2f}", flush=True)
+
+
 def measure(base_url: str, prompts: list[tuple[str, int]], concurrency: int):
     """One run: ``(texts, output tokens/s, speculative counts, the loop's breakdown, compiles)``."""
     settle(base_url)
@@ -164,27 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     methods = ("off", *args.methods)
     first = free_ports(len(methods))
-    ports = {m: first + i for i, m in enumerate(methods)}
-    runs = {}  # (method, c): [(texts, tokens/s, spec counts, loop breakdown, compiles)] per repeat
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for method in methods:
-            argv_serve = [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(ports[method]),
-                          "--max-slots", str(max(args.concurrency)), "--model-name", "bench", "--speculative", method,
-                          "--num-speculative-tokens", str(args.k), "--no-enable-prefix-caching",
-                          *(["--draft-model", draft_dir] if method == "draft" else [])]
-            server = stack.enter_context(Server("hypertron", argv_serve, ports[method],
-                                                os.path.join(work, f"server-{method}.log"), env))
-            stack.enter_context(server.tail_on_error())
-            server.wait_ready(args.ready_timeout)
-            asyncio.run(serve_all(server.base_url, prompts[:args.num_requests], max(args.concurrency)))  # warm-up
-            servers[method] = server.base_url
-        # The same requests each way, the order alternating, so that this machine's drift falls on both.
-        for r in range(args.repeats):
-            for i, c in enumerate(args.concurrency):
-                batch = prompts[(i + 1) * args.num_requests:(i + 2) * args.num_requests]
-                for method in methods[r % len(methods):] + methods[:r % len(methods)]:  # each first in turn
-                    runs.setdefault((method, c), []).append(measure(servers[method], batch, c))
+    named = {m: [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(first + i), "--max-slots",
+                 str(max(args.concurrency)), "--model-name", "bench", "--speculative", m, "--num-speculative-tokens",
+                 str(args.k), "--no-enable-prefix-caching", *(["--draft-model", draft_dir] if m == "draft" else [])]
+             for i, m in enumerate(methods)}
+    runs = serve_methods(named, "hypertron", work, env, prompts, args, measure)
     texts = [runs["off", c][0][0] for c in args.concurrency]
     wanted = [[e for _, e in tests[(i + 1) * args.num_requests:(i + 2) * args.num_requests]]
               for i in range(len(args.concurrency))]
@@ -193,15 +228,22 @@ def main(argv: list[str] | None = None) -> int:
           "speculation off)")
     for c in args.concurrency:
         assert all(run[0] == runs["off", c][0][0] for m in methods for run in runs[m, c]), "greedy text differs"
-        off = [run[1] for run in runs["off", c]]
         for m in methods:
             print(f"{m} c{c}, last run: compiles {runs[m, c][-1][4]}; {runs[m, c][-1][3]}")
-        for m in args.methods:
-            on = [run[1] for run in runs[m, c]]
-            drafts, proposed, kept = np.sum([run[2] for run in runs[m, c]], axis=0)
-            print(f"speculative {m} c{c}: out_tok_s on {np.median(on):.1f} off {np.median(off):.1f} speedup "
-                  f"{np.median(np.divide(on, off)):.2f} acceptance {kept / max(proposed, 1):.3f} tokens_per_step "
-                  f"{1 + kept / max(drafts, 1):.2f}", flush=True)
+    report(runs, args.methods, args.concurrency)
+    if args.peer == "vllm":  # after hypertron's servers stopped: each side has the machine to itself
+        hf_dir = serve_spec_vllm.export(run_dir, os.path.join(work, "hf-run"))
+        hf_draft = draft_dir and serve_spec_vllm.export(draft_dir, os.path.join(work, f"hf-draft{args.draft_layers}"))
+        serve_spec_vllm.check_ids(hf_dir, [p for p, _ in prompts])
+        first = free_ports(len(methods))
+        named = {m: serve_spec_vllm.argv(args.vllm_python, hf_dir, first + i, m, args.k, max(args.concurrency),
+                                         hf_draft) for i, m in enumerate(methods)}
+        peer = serve_methods(named, "vllm", work, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, prompts, args,
+                             measure_peer)
+        for c in args.concurrency:  # vLLM's greedy text against hypertron's (float32 both: near-ties may differ)
+            same = sum(a == b for m in methods for run in peer[m, c] for a, b in zip(run[0], runs["off", c][0][0]))
+            print(f"vllm c{c}: {same} of {len(methods) * args.repeats * args.num_requests} texts as hypertron's")
+        report(peer, args.methods, args.concurrency, prefix="vllm ")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
