@@ -16,7 +16,10 @@ medians (the ratio's: the median of the pairs' ratios)::
 
 (R = X / Y; issue 45's bar is R <= 1.1.) ``mask_ms``: the server's
 ``hypertron_structured_mask_seconds`` (per step with guided rows) over the mixed runs, its
-quantiles interpolated within the histogram's buckets.
+quantiles interpolated within the histogram's buckets. ``--peer vllm --vllm-python PATH``: then the
+same runs against vLLM's server on the same model (its own structured-output backend, float32, as
+many sequences, prefix caching off), printed as ``vllm guided ...`` without the mask times (vLLM
+exports none).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_http_prefix import settle  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import Server, script  # bench/serve_http_servers.py, this directory
+from serve_http_vllm import vllm_env  # bench/serve_http_vllm.py, this directory
 from serve_model import build_model, write_prompts  # bench/serve_model.py, this directory
 
 from hypertron.launch.local import free_ports
@@ -59,7 +63,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    return p.parse_args(argv)
+    p.add_argument("--peer", choices=["none", "vllm"], default="none",
+                   help="vllm: the same runs against vLLM's structured outputs, after hypertron's")
+    p.add_argument("--vllm-python", default=None, help="--peer vllm: the python of a venv holding vLLM")
+    args = p.parse_args(argv)
+    if (args.peer == "vllm") != (args.vllm_python is not None):
+        p.error("--peer vllm and --vllm-python PATH go together")
+    return args
+
+
+def alternate(base: str, prompts: dict, guided: set[int], args, hypertron: bool = True, measured=None) -> list[tuple]:
+    """The mixed and plain runs, alternating, after ``--warmups`` pairs: per measured pair ``(unguided
+    TPOT mixed, plain, their ratio, guided TPOT)`` in ms, printed as it comes (``hypertron``: each
+    run waits for the server's background compiles first; ``measured`` is called before the first
+    measured pair)."""
+    pairs = []
+    for i in range(args.warmups + args.repeats):
+        if hypertron:
+            settle(base)  # no compile left queued from the run before
+        if i == args.warmups and measured is not None:
+            measured()
+        # The same prompts both ways, the order alternating so that drift falls on both alike.
+        order = ("mixed", "plain") if i % 2 == 0 else ("plain", "mixed")
+        got = {kind: asyncio.run(one_run(base, prompts[f"run{i}"], guided if kind == "mixed" else set(),
+                                         args.max_tokens)) for kind in order}
+        if i < args.warmups:
+            continue  # compiles the shapes of both
+        mixed = tpot_ms([s for k, s in enumerate(got["mixed"]) if k not in guided])
+        plain = tpot_ms([s for k, s in enumerate(got["plain"]) if k not in guided])
+        pairs.append((mixed, plain, mixed / plain, tpot_ms(got["mixed"], guided=True)))
+        print(f"{'' if hypertron else 'vllm '}run {i}: unguided_tpot_ms mixed {mixed:.2f} plain {plain:.2f} ratio "
+              f"{mixed / plain:.3f} guided_tpot_ms {pairs[-1][3]:.2f}", flush=True)
+    return pairs
 
 
 async def one_run(base_url: str, prompts: list[str], guided: set[int], max_tokens: int) -> list[dict]:
@@ -133,33 +168,30 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     guided = set(range(0, args.streams, args.streams // args.guided))
     guided = set(sorted(guided)[:args.guided])
-    pairs = []
     with Server("hypertron", argv_serve, port, os.path.join(work, "server.log"), env) as server, \
             server.tail_on_error():
         server.wait_ready(args.ready_timeout)
-        base = server.base_url
-        before = None
-        for i in range(args.warmups + args.repeats):
-            settle(base)  # no compile left queued from the run before
-            if i == args.warmups:
-                before = histogram(base, "hypertron_structured_mask_seconds")
-            # The same prompts both ways, the order alternating so that drift falls on both alike.
-            order = ("mixed", "plain") if i % 2 == 0 else ("plain", "mixed")
-            got = {kind: asyncio.run(one_run(base, prompts[f"run{i}"], guided if kind == "mixed" else set(),
-                                             args.max_tokens)) for kind in order}
-            if i < args.warmups:
-                continue  # compiles the shapes of both
-            mixed = tpot_ms([s for k, s in enumerate(got["mixed"]) if k not in guided])
-            plain = tpot_ms([s for k, s in enumerate(got["plain"]) if k not in guided])
-            pairs.append((mixed, plain, mixed / plain, tpot_ms(got["mixed"], guided=True)))
-            print(f"run {i}: unguided_tpot_ms mixed {mixed:.2f} plain {plain:.2f} ratio {mixed / plain:.3f} "
-                  f"guided_tpot_ms {pairs[-1][3]:.2f}", flush=True)
-        bounds, after = histogram(base, "hypertron_structured_mask_seconds")
-    counts = [a - b for a, b in zip(after, before[1])]
+        before = []
+        pairs = alternate(server.base_url, prompts, guided, args, measured=lambda: before.extend(
+            histogram(server.base_url, "hypertron_structured_mask_seconds")[1]))
+        bounds, after = histogram(server.base_url, "hypertron_structured_mask_seconds")
+    counts = [a - b for a, b in zip(after, before)]
     p50, p99 = (1e3 * quantile(bounds, counts, q) for q in (0.5, 0.99))
     mixed, plain, ratio, slow = (float(np.median(v)) for v in zip(*pairs))
     print(f"guided c{args.streams} g{args.guided}: unguided_tpot_ms mixed {mixed:.2f} plain {plain:.2f} ratio "
           f"{ratio:.3f} guided_tpot_ms {slow:.2f} mask_ms p50 {p50:.3f} p99 {p99:.3f}")
+    if args.peer == "vllm":  # after hypertron's server stopped; vLLM's own structured-output backend
+        port = free_ports()
+        argv_vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+                     "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                     "--max-num-seqs", str(args.streams), "--block-size", "32", "--no-enable-prefix-caching"]
+        with Server("vllm", argv_vllm, port, os.path.join(work, "vllm.log"),
+                    vllm_env(env, args.vllm_python, "cpu")) as server, server.tail_on_error():
+            server.wait_ready(max(args.ready_timeout, 900))
+            pairs = alternate(server.base_url, prompts, guided, args, hypertron=False)
+        mixed, plain, ratio, slow = (float(np.median(v)) for v in zip(*pairs))
+        print(f"vllm guided c{args.streams} g{args.guided}: unguided_tpot_ms mixed {mixed:.2f} plain {plain:.2f} "
+              f"ratio {ratio:.3f} guided_tpot_ms {slow:.2f}")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

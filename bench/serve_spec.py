@@ -49,6 +49,7 @@ from serve_http_servers import (Server, breakdown_line, compile_counts, counts_s
 from serve_model import stdlib_files  # bench/serve_model.py, this directory
 
 import serve_spec_vllm  # bench/serve_spec_vllm.py, this directory
+from serve_http_vllm import vllm_env  # bench/serve_http_vllm.py, this directory
 
 from hypertron.launch.local import free_ports
 
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         first = free_ports(len(methods))
         named = {m: serve_spec_vllm.argv(args.vllm_python, hf_dir, first + i, m, args.k, max(args.concurrency),
                                          hf_draft) for i, m in enumerate(methods)}
-        peer = serve_methods(named, "vllm", work, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, prompts, args,
+        peer = serve_methods(named, "vllm", work, vllm_env(os.environ, args.vllm_python, "cpu"), prompts, args,
                              measure_peer)
         for c in args.concurrency:  # vLLM's greedy text against hypertron's (float32 both: near-ties may differ)
             same = sum(a == b for m in methods for run in peer[m, c] for a, b in zip(run[0], runs["off", c][0][0]))
