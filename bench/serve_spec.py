@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_http_prefix import metric, scrape, settle  # bench/serve_http_prefix.py, this directory
+from serve_http_prefix import settle  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import (Server, breakdown_line, compile_counts, counts_since, script, step_breakdown,
                                 step_times)  # bench/serve_http_servers.py, this directory
 from serve_model import stdlib_files  # bench/serve_model.py, this directory
@@ -191,12 +191,8 @@ def measure(base_url: str, prompts: list[tuple[str, int]], concurrency: int):
 
 
 def spec_counts(base_url: str) -> tuple[float, float, float]:
-    """The speculative counters (verify rows, tokens proposed, kept); zeros with speculation off."""
-    text = scrape(base_url)
-    if SPEC not in text:
-        return (0.0, 0.0, 0.0)
-    return tuple(metric(text, SPEC + name + "_total") for name in ("num_drafts", "num_draft_tokens",
-                                                                   "num_accepted_tokens"))
+    """hypertron's speculative counters (verify rows, tokens proposed, kept); zeros with speculation off."""
+    return serve_spec_vllm.spec_counts(base_url, SPEC)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,10 +71,11 @@ def argv(vllm_python: str, hf_dir: str, port: int, method: str, k: int, slots: i
             "--no-enable-prefix-caching", *(["--speculative-config", json.dumps(spec)] if spec else [])]
 
 
-def spec_counts(base_url: str) -> tuple[float, float, float]:
-    """vLLM's speculative counters (drafts, tokens proposed, kept); zeros without speculation."""
+def spec_counts(base_url: str, prefix: str = SPEC) -> tuple[float, float, float]:
+    """A server's speculative counters named ``prefix...`` (vLLM's, or hypertron's of the same names):
+    verify rows, tokens proposed, kept; zeros without speculation."""
     text = scrape(base_url)
-    if SPEC not in text:
+    if prefix not in text:
         return (0.0, 0.0, 0.0)
-    return tuple(metric(text, SPEC + name + "_total") for name in ("num_drafts", "num_draft_tokens",
-                                                                   "num_accepted_tokens"))
+    return tuple(metric(text, prefix + name + "_total") for name in ("num_drafts", "num_draft_tokens",
+                                                                     "num_accepted_tokens"))

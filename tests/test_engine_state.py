@@ -43,11 +43,11 @@ def _count_uploads(engine, monkeypatch) -> list[int]:
     def spy_executable(exact, keys=0):
         shape, fn = executable(exact, keys)
 
-        def counted(params, cache, state, batch):
-            assert numbers(params, cache, state) == 0  # the model, pool and state stay on the device
+        def counted(params, cache, state, batch, *draft):
+            assert numbers(params, cache, state, *draft) == 0  # the model, pool and state stay on the device
             assert isinstance(batch, np.ndarray) and batch.dtype == np.int32  # one copy a step (step_batch)
             sent.append(numbers(batch))
-            return fn(params, cache, state, batch)
+            return fn(params, cache, state, batch, *draft)
 
         return shape, counted
 
