@@ -267,6 +267,8 @@ def test_a_draft_model_needs_the_served_models_tokenizer():
     check_draft(cfg, tok, cfg, tok)
     with pytest.raises(UserError, match="draft_model: its vocab_size is 512, the served model's 259"):
         check_draft(dataclasses.replace(cfg, vocab_size=512), tok, cfg, tok)
+    with pytest.raises(UserError, match="its max_seq_len is 64, under the served model's"):
+        check_draft(dataclasses.replace(cfg, max_seq_len=64), tok, cfg, tok)
 
     class Other:  # the byte tokenizer but for one id
         def __init__(self, eos_ids=tok.eos_ids):

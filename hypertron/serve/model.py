@@ -98,6 +98,9 @@ def check_draft(draft: ModelConfig, draft_tokenizer: Tokenizer, model: ModelConf
     if draft.vocab_size != model.vocab_size:
         raise UserError(f"{where}: its vocab_size is {draft.vocab_size}, the served model's {model.vocab_size} "
                         "(a draft model needs the same tokenizer and vocabulary)")
+    if draft.max_seq_len < model.max_seq_len:
+        raise UserError(f"{where}: its max_seq_len is {draft.max_seq_len}, under the served model's "
+                        f"{model.max_seq_len} (it reads every position the served model does)")
     if draft_tokenizer.vocab_size != tokenizer.vocab_size or draft_tokenizer.eos_ids != tokenizer.eos_ids:
         raise UserError(f"{where}: its tokenizer has {draft_tokenizer.vocab_size} ids and end-of-sequence ids "
                         f"{sorted(draft_tokenizer.eos_ids)}, the served model's {tokenizer.vocab_size} and "
