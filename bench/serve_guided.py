@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_http_prefix import settle  # bench/serve_http_prefix.py, this directory
 from serve_http_servers import Server, script  # bench/serve_http_servers.py, this directory
-from serve_http_vllm import vllm_env  # bench/serve_http_vllm.py, this directory
+from serve_http_vllm import add_optional_peer, parse_optional_peer, vllm_env  # bench/, this directory
 from serve_model import build_model, write_prompts  # bench/serve_model.py, this directory
 
 from hypertron.launch.local import free_ports
@@ -63,13 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--keep", default=None, help="work in this (new) directory and keep it")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--peer", choices=["none", "vllm"], default="none",
-                   help="vllm: the same runs against vLLM's structured outputs, after hypertron's")
-    p.add_argument("--vllm-python", default=None, help="--peer vllm: the python of a venv holding vLLM")
-    args = p.parse_args(argv)
-    if (args.peer == "vllm") != (args.vllm_python is not None):
-        p.error("--peer vllm and --vllm-python PATH go together")
-    return args
+    add_optional_peer(p, "the same runs against vLLM's structured outputs, after hypertron's")
+    return parse_optional_peer(p, argv)
 
 
 def alternate(base: str, prompts: dict, guided: set[int], args, hypertron: bool = True, measured=None) -> list[tuple]:

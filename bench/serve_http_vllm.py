@@ -49,6 +49,21 @@ def add_peer_args(p) -> None:
     p.add_argument("--vllm-args", default="", help="more flags for vLLM's server, one string")
 
 
+def add_optional_peer(p, what: str) -> None:
+    """``--peer none|vllm`` and ``--vllm-python PATH`` of a bench that may run vLLM after hypertron
+    (``what``: what it measures then); :func:`parse_optional_peer` checks they go together."""
+    p.add_argument("--peer", choices=["none", "vllm"], default="none", help=f"vllm: {what}")
+    p.add_argument("--vllm-python", default=None, help=f"--peer vllm: the python of a venv holding vLLM ({INSTALL})")
+
+
+def parse_optional_peer(p, argv):
+    """``p``'s arguments of ``argv`` (:func:`add_optional_peer`'s among them), or its usage error."""
+    args = p.parse_args(argv)
+    if (args.peer == "vllm") != (args.vllm_python is not None):
+        p.error("--peer vllm and --vllm-python PATH go together")
+    return args
+
+
 def peer_error(args) -> str | None:
     """What is wrong with the peer's flags (one line), or ``None``."""
     if args.peer != "vllm":

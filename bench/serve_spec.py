@@ -49,7 +49,7 @@ from serve_http_servers import (Server, breakdown_line, compile_counts, counts_s
 from serve_model import stdlib_files  # bench/serve_model.py, this directory
 
 import serve_spec_vllm  # bench/serve_spec_vllm.py, this directory
-from serve_http_vllm import vllm_env  # bench/serve_http_vllm.py, this directory
+from serve_http_vllm import add_optional_peer, parse_optional_peer, vllm_env  # bench/, this directory
 
 from hypertron.launch.local import free_ports
 
@@ -72,13 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--keep", default=None, help="work in this directory and keep it (a trained run is reused)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--peer", choices=["none", "vllm"], default="none",
-                   help="vllm: vLLM's speculation on the same models, after hypertron's (bench/serve_spec_vllm.py)")
-    p.add_argument("--vllm-python", default=None, help="--peer vllm: the python of a venv holding vLLM")
-    args = p.parse_args(argv)
-    if (args.peer == "vllm") != (args.vllm_python is not None):
-        p.error("--peer vllm and --vllm-python PATH go together")
-    return args
+    add_optional_peer(p, "vLLM's speculation on the same models, after hypertron's (bench/serve_spec_vllm.py)")
+    return parse_optional_peer(p, argv)
 
 
 def examples(files: list[str], size: int, rng: random.Random) -> list[tuple[str, str]]:
