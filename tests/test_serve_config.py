@@ -439,6 +439,11 @@ def test_on_an_accelerator_the_kv_pool_takes_what_the_fraction_leaves(run_dir, c
         pool = kv_cache_bytes(model, (pages - 1) * config.page_size, plan.kv_dtype)  # the null page aside
         assert pool <= room < pool + kv_cache_bytes(model, config.page_size, plan.kv_dtype)  # every whole page
     assert sized[0.5] < sized[0.9]
+    # A draft model (here the model itself): its weights and its pool of as many pages count too
+    drafted = fit_memory(model, config, "none", 512, gpu, 0.5, draft=model).num_pages
+    room = 0.5 * gpu.limit - 2 * plan.weights - plan.workspace
+    pool = 2 * kv_cache_bytes(model, (drafted - 1) * config.page_size, plan.kv_dtype)
+    assert pool <= room < pool + 2 * kv_cache_bytes(model, config.page_size, plan.kv_dtype)
     assert fit_memory(model, EngineConfig(num_pages=40), "none", 512, gpu).num_pages == 40  # given: kept
     assert fit_memory(model, config, "none", 512, jax.local_devices()[0]) == config  # a CPU: every slot whole
     with pytest.raises(ConfigError, match=r"does not fit this gpu device .*--no-memory-check tries anyway"):

@@ -15,7 +15,7 @@ from serving import padded_engine, run  # tests/serving.py
 from hypertron.config import ConfigError, EngineConfig, load_config
 from hypertron.models import init_params
 from hypertron.serve.engine import PagedEngine, Shape
-from hypertron.serve.types import SamplingParams
+from hypertron.serve.types import DraftModel, SamplingParams
 
 CONFIG = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_top_logprobs=5, compile="lazy")
 PROMPTS = [list(np.random.default_rng(i).integers(3, 500, 10 + 7 * i)) for i in range(3)]
@@ -61,6 +61,25 @@ def test_tensor_parallel_steps_give_one_devices_tokens_and_logprobs(dense, tenso
     assert first(engine.params["layers"][0]["w_gate"]) == (cfg.embed_dim, cfg.mlp_dim // tensor)
     assert first(engine.cache["k_pages"])[0] == 4 // tensor
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(engine.state)} == {tensor}
+
+
+def test_a_draft_model_proposes_on_the_tensor_ranks(dense):
+    """``--tensor 2`` with the model as its own draft (k = 4): the draft's weights and pool split as
+    the served model's, the greedy prompts' tokens and log-probabilities are one device's without
+    speculation, and drafts are kept."""
+    cfg, params, (want, want_top) = dense
+    engine = padded_engine(params, cfg, dataclasses.replace(CONFIG, tensor=2),
+                           [Shape(num_decode=4, prefill_rows=4, prefill_tokens=16, logprobs=True, verify=4)],
+                           draft=DraftModel(params, cfg, 4))
+    sampling = [SamplingParams(temperature=0.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=5)
+                for _ in PROMPTS]
+    _, outs, sched = run(engine, PROMPTS, sampling, max_num_batched_tokens=16, speculative="draft")
+    for i in (0, 2):  # the greedy ones of `dense`
+        got = [o for o in outs[i] if o.token is not None]
+        assert [o.token for o in got] == want[i]
+        np.testing.assert_allclose([o.logprobs.top_logprobs for o in got], want_top[i], atol=1e-5, rtol=0)
+    assert sched.drafter.accepted > 0
+    assert engine.draft_cache["k_pages"].addressable_shards[0].data.shape[0] == 4 // 2
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +183,18 @@ def test_a_split_the_model_or_host_cannot_take_is_one_line(preset, split, messag
     cfg, params = _model(preset)
     with pytest.raises(ConfigError, match=message):
         PagedEngine(params, cfg, dataclasses.replace(CONFIG, **split))
+
+
+def test_a_draft_model_the_split_cannot_take_is_one_line():
+    """The draft model is split as the served one is: heads over ``tensor`` (refused in one line where
+    they do not divide); a dense draft beside ``--expert`` ranks is whole on each."""
+    cfg, params = _model("tiny", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16")
+    small, small_params = _model("tiny")  # 4 heads
+    with pytest.raises(ConfigError, match="^draft_model: --tensor=8 does not divide the model's 4 attention heads"):
+        PagedEngine(params, cfg, dataclasses.replace(CONFIG, tensor=8), draft=DraftModel(small_params, small, 2))
+    moe, moe_params = _model("tiny-moe")
+    engine = PagedEngine(moe_params, moe, dataclasses.replace(CONFIG, expert=2), draft=DraftModel(small_params, small, 2))
+    assert engine.draft_params["layers"][0]["wq"].sharding.is_fully_replicated
 
 
 def test_the_openai_client_gets_one_devices_greedy_text_from_a_four_way_server():

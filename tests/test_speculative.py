@@ -7,6 +7,7 @@ acceptance rate it must have (``sum(min(p, q))``; ``p(x)`` for an n-gram's one d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -120,8 +121,10 @@ def _spec_runs(preset: str, eos: int | None = None, draft: str | None = None):
     themselves, through a tiny float32 ``preset``, 3 slots and a pool of 14 pages of 4 (pre-emption), a budget of 24 tokens: with speculation off
     (one step ahead), n-gram k = 4 (one step ahead) and k = 1 (not); with ``draft`` (``"self"``: the
     model itself, ``"small"``: a random model of one layer), a draft model's k = 4 instead of
-    n-gram's. Returns each run's ``(tokens, log-probabilities, finish reasons, scheduler, sampled
-    rows, steps mixing proposals and prefill)`` and the engine."""
+    n-gram's; the small draft has a vocabulary of 2.5 times the model's (a padded one: its ids past
+    the model's are never proposed). Returns each run's ``(tokens, log-probabilities, finish reasons,
+    scheduler, sampled rows, steps mixing proposals and prefill, the largest id a draft model
+    proposed)`` and the engine."""
     from serving import padded_engine  # tests/
 
     from hypertron.config import PRESETS, EngineConfig
@@ -141,7 +144,7 @@ def _spec_runs(preset: str, eos: int | None = None, draft: str | None = None):
     engine = padded_engine(params, cfg, config, shapes)
     engines = {"off": engine, "ngram": engine}
     if draft is not None:
-        small = dataclasses.replace(cfg, num_layers=1)
+        small = dataclasses.replace(cfg, num_layers=1, vocab_size=cfg.vocab_size * 5 // 2)
         model = DraftModel(params, cfg, 4) if draft == "self" else DraftModel(init_params(small, jax.random.key(2)),
                                                                               small, 4)
         engines["draft"] = padded_engine(params, cfg, config, shapes, draft=model)
@@ -163,11 +166,13 @@ def _spec_runs(preset: str, eos: int | None = None, draft: str | None = None):
         seqs = [Request(i, p, seeded if i == len(prompts) - 1 else greedy) for i, p in enumerate(prompts)]
         for seq in seqs:
             sched.add(seq)
-        lps, sampled, update = {i: [] for i in range(len(seqs))}, [0, 0], sched.update
+        lps, sampled, update = {i: [] for i in range(len(seqs))}, [0, 0, -1], sched.update
 
         def counted(plan, result, update=update, sampled=sampled, sched=sched):
             sampled[0] += sum(r.sample and r.request in sched._live for r in plan.rows)
             sampled[1] += bool(plan.prefills and any(r.proposal for r in plan.decodes))  # a mixed step
+            if result.proposals is not None:
+                sampled[2] = max(sampled[2], int(np.max(result.proposals)))
             update(plan, result)
 
         sched.update = counted
@@ -189,7 +194,7 @@ def test_greedy_tokens_and_logprobs_equal_with_speculation_off(preset):
     every token emitted is a sampling row's or a kept draft's."""
     runs, _ = _spec_runs(preset)
     tokens, lps, *_ = runs["off", 4]
-    for (spec, k), (got, got_lps, _, sched, sampled, _) in runs.items():
+    for (spec, k), (got, got_lps, _, sched, sampled, *_) in runs.items():
         assert got == tokens, (spec, k)
         for i in lps:
             for lp, ref in zip(got_lps[i], lps[i], strict=True):
@@ -211,9 +216,10 @@ def test_a_draft_models_proposals_keep_the_tokens_and_logprobs_of_no_speculation
     tokens, a seeded sampled request's and their top-3 log-probabilities (1e-5) of no speculation,
     through pre-emption (a pool of about three sequences' pages); every page and slot back; every
     token a sampling row's or a kept draft's."""
-    runs, _ = _spec_runs(preset, draft=draft)
+    runs, engine = _spec_runs(preset, draft=draft)
     tokens, lps, *_ = runs["off", 4]
-    got, got_lps, _, sched, sampled, _ = runs["draft", 4]
+    got, got_lps, _, sched, sampled, _, most = runs["draft", 4]
+    assert 0 <= most < engine.cfg.vocab_size
     assert got == tokens
     for i in lps:
         for lp, ref in zip(got_lps[i], lps[i], strict=True):
@@ -234,6 +240,7 @@ def test_a_draft_that_is_the_model_has_every_greedy_draft_kept():
 
     from hypertron.config import PRESETS, EngineConfig
     from hypertron.models import init_params
+    from hypertron.models.flops import dense_flops_per_token
     from hypertron.serve.engine import DraftModel
     from hypertron.serve.scheduler import Request, Scheduler, run_until_done
     from hypertron.serve.shapes import Shape
@@ -253,11 +260,14 @@ def test_a_draft_that_is_the_model_has_every_greedy_draft_kept():
     d = sched.drafter
     assert d.accepted == d.draft_tokens > 40 and d.accepted_per_pos[3] > 0
     assert all(len(s.generated) == 24 for s in seqs) and sched.stats()["pages_free"] == 59
+    # Its cost model counts the draft: 3 decode rows' tokens, then again in the draft, then 4 draft steps
+    flops = 3 * dense_flops_per_token(cfg)
+    assert engine.cost(Shape(3, 0, 0)) == pytest.approx(flops * (1 + 1 + 4))
 
 
 def test_a_draft_model_needs_the_served_models_tokenizer():
-    """A draft whose vocabulary, end-of-sequence ids or any id's bytes differ is refused, naming what
-    differs; an engine without a draft cannot schedule ``speculative: draft``."""
+    """A draft whose tokenizer's vocabulary, end-of-sequence ids or any id's bytes differ is refused,
+    naming what differs (its model's vocabulary may be padded otherwise); an engine without a draft cannot schedule ``speculative: draft``."""
     from hypertron.config import PRESETS
     from hypertron.errors import UserError
     from hypertron.serve.model import check_draft
@@ -265,8 +275,7 @@ def test_a_draft_model_needs_the_served_models_tokenizer():
 
     cfg, tok = PRESETS["tiny"], get_tokenizer("byte")
     check_draft(cfg, tok, cfg, tok)
-    with pytest.raises(UserError, match="draft_model: its vocab_size is 512, the served model's 259"):
-        check_draft(dataclasses.replace(cfg, vocab_size=512), tok, cfg, tok)
+    check_draft(dataclasses.replace(cfg, vocab_size=512), tok, cfg, tok)  # a padded vocabulary: the same ids
     with pytest.raises(UserError, match="its max_seq_len is 64, under the served model's"):
         check_draft(dataclasses.replace(cfg, max_seq_len=64), tok, cfg, tok)
 
@@ -327,3 +336,28 @@ def test_eos_inside_kept_drafts_ends_the_request_there():
     assert got["off"] == got["ngram"] == fx[:3]
     d = sched.drafter
     assert (d.drafts, d.draft_tokens, d.accepted) == (1, 4, 2)
+
+
+@pytest.mark.parametrize("num_pages, max_tokens, ahead", [(9, 20, ()), (12, 20, (10, 11)), (12, 4, (10,))])
+def test_a_draft_models_pages_ahead_evict_no_cached_prefix_and_stop_at_its_room(num_pages, max_tokens, ahead):
+    """Pages taken ahead for a draft model's keys (page size 2, k = 4) come from the empty ones
+    while more are empty than sequences run, never from a cached prefix (the first request's 4
+    pages stay cached), and only for the drafts the next row may verify (``max_tokens``)."""
+    from fake_engine import FakeEngine  # tests/
+
+    from hypertron.serve.scheduler import Request, Scheduler, run_until_done
+    from hypertron.serve.types import SamplingParams
+
+    engine = FakeEngine(max_slots=2, page_size=2, num_pages=num_pages, max_seq_len=64)
+    engine.draft_k = 4
+    sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=64, speculative="draft"))
+    greedy = functools.partial(SamplingParams, temperature=0.0, seed=0, ignore_eos=True)
+    first = Request(0, list(range(10, 18)), greedy(max_tokens=1))
+    sched.add(first)
+    run_until_done(engine, sched, lambda o: None)
+    assert sched.stats()["pages_cached"] == 4
+    sched.add(Request(1, list(range(30, 39)), greedy(max_tokens=max_tokens)))  # 9 tokens, sampling at 9
+    (row,) = sched.schedule().rows
+    assert row.pages == (5, 6, 7, 8, 9) + ahead  # its prompt's and its sample's, then those ahead
+    assert sched.stats()["pages_cached"] == 8 and sched.pool.cached_prefix(
+        [sched._key(first, i) for i in range(4)]) == [1, 2, 3, 4]

@@ -108,10 +108,12 @@ def weight_bytes(model: ModelConfig, quantize: str, accelerator: bool, mesh: dic
 def plan_serving(model: ModelConfig, hw: Hardware, *, tensor: int = 1, expert: int = 1, quantize: str = "none",
                  kv_cache_dtype: str = "auto", max_num_batched_tokens: int = 512, max_slots: int = 8,
                  page_size: int = 16, device_memory: float | None = None,
-                 accelerator: bool | None = None, memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> ServePlan:
+                 accelerator: bool | None = None, memory_fraction: float = KV_CACHE_MEMORY_FRACTION,
+                 draft: ModelConfig | None = None) -> ServePlan:
     """The plan of one engine of ``model`` over ``tensor`` x ``expert`` devices of ``hw`` (its
     memory, or ``device_memory``; an accelerator unless ``hw`` is the CPU, or as ``accelerator``
-    says). Raises :class:`ConfigError` for a split the model cannot take."""
+    says). ``draft``: a draft model served beside it (speculative decoding), its weights and a KV
+    pool of as many tokens counted in. Raises :class:`ConfigError` for a split the model cannot take."""
     check_split(model, tensor, expert)
     accelerator = hw.name != "cpu" if accelerator is None else accelerator
     kv = dtype_on(model.dtype, accelerator) if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -126,15 +128,20 @@ def plan_serving(model: ModelConfig, hw: Hardware, *, tensor: int = 1, expert: i
     workspace = max_num_batched_tokens * per_token + 2 * max_slots * model.vocab_size * 4
     memory = hw.memory if device_memory is None else device_memory
     whole = kv_cache_bytes(model, 1, kv)
-    p = ServePlan(hw, model.name, mesh, quantize, kv, memory, weights, workspace, whole,
-                  whole // kv_cache_bytes(model, 1, kv, tensor), page_size, model.max_seq_len, max_num_batched_tokens,
-                  memory_fraction=memory_fraction)
+    split = whole // kv_cache_bytes(model, 1, kv, tensor)
+    if draft is not None:  # its weights, and its pool's bytes a token added to the model's (d / s_d + w / s)
+        weights += weight_bytes(draft, quantize, accelerator, {"tensor": tensor, "expert": expert if draft.moe else 1})
+        d = kv_cache_bytes(draft, 1, kv)
+        d_split = d // kv_cache_bytes(draft, 1, kv, tensor)
+        whole, split = whole * d_split + d * split, split * d_split
+    p = ServePlan(hw, model.name, mesh, quantize, kv, memory, weights, workspace, whole, split, page_size,
+                  model.max_seq_len, max_num_batched_tokens, memory_fraction=memory_fraction)
     tokens = p.kv_tokens
     if tokens is not None and p.fits and tokens < model.max_seq_len:
         p.notes.append(f"the KV cache holds {tokens:,} tokens, fewer than one {model.max_seq_len:,}-token sequence: "
                        "a longer request is refused (model.max_seq_len=N plans a shorter one)")
     if p.fits is False:
-        p.notes.append(advice(model, hw, p, memory))
+        p.notes.append(advice(model, hw, p, memory, draft))
     return p
 
 
@@ -154,21 +161,21 @@ def check_split(model: ModelConfig, tensor: int, expert: int) -> None:
         raise ConfigError(f"--expert={expert} does not divide the model's {model.moe.num_experts} experts")
 
 
-def advice(model: ModelConfig, hw: Hardware, p: ServePlan, memory: float | None) -> str:
+def advice(model: ModelConfig, hw: Hardware, p: ServePlan, memory: float | None, draft: ModelConfig | None) -> str:
     """What would fit instead: int8 weights on as many devices, or the fewest devices (doubling
     ``tensor``) at these settings."""
     ways = []
     if p.quantize == "none":
         int8 = plan_serving(model, hw, tensor=p.mesh["tensor"], expert=p.mesh["expert"], quantize="int8",
                             kv_cache_dtype=p.kv_dtype, max_num_batched_tokens=p.min_tokens, page_size=p.page_size,
-                            device_memory=memory)
+                            device_memory=memory, draft=draft)
         if int8.fits:
             ways.append(f"--quantize int8 on {p.devices} devices ({int8.kv_tokens:,} KV tokens)")
     tensor = p.mesh["tensor"] * 2
-    while tensor <= model.num_heads and not model.num_heads % tensor:
+    while tensor <= model.num_heads and not model.num_heads % tensor and not (draft and draft.num_heads % tensor):
         more = plan_serving(model, hw, tensor=tensor, expert=p.mesh["expert"], quantize=p.quantize,
                             kv_cache_dtype=p.kv_dtype, max_num_batched_tokens=p.min_tokens, page_size=p.page_size,
-                            device_memory=memory)
+                            device_memory=memory, draft=draft)
         if more.fits:
             ways.append(f"--tensor {tensor}: {more.devices} devices ({more.kv_tokens:,} KV tokens)")
             break

@@ -86,8 +86,8 @@ def step(params, cache, state, packed, draft_params=None, draft_cache=None, *, c
         at = (at[:, None] + jnp.minimum(jnp.arange(per), b["draft"][:, None])).reshape(-1)
     if prompt_logprobs:
         at = jnp.concatenate([at, nq + jnp.arange(n_pre, dtype=jnp.int32)])
-    split = contextlib.nullcontext() if mesh is None else use_rules(mesh, DEFAULT_RULES, pin=False)
-    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split:
+    split = contextlib.nullcontext if mesh is None else functools.partial(use_rules, mesh, DEFAULT_RULES, pin=False)
+    with adapter_tokens(b["adapter"][token_rows][None] - 1) if lora else contextlib.nullcontext(), split():
         fwd = forward(params, tokens[None], cfg, positions=positions[None], segment_ids=segments[None],
                       cache=paged(cache), logits_at=at[None])
     logits, pages = fwd.logits, fwd.cache.pages
@@ -107,23 +107,25 @@ def step(params, cache, state, packed, draft_params=None, draft_cache=None, *, c
     if prompt_logprobs:
         out["prompt"] = logprobs(logits[0, n_rows * (verify + 1):], jnp.maximum(b["targets"], 0), top_n)
     if draft_cfg is not None:
-        with split:
-            draft_cache, out["proposal"] = _draft_proposals(draft_params, paged(draft_cache), draft_cfg, draft_k, state,
-                                                            b, out, (tokens[None], positions[None], segments[None]))
-        pages = (pages, draft_cache)
+        with split():  # a second context of the rules: one is entered once
+            pages = (pages, _draft_proposals(draft_params, paged(draft_cache), draft_cfg, draft_k, state, b, out,
+                                             (tokens[None], positions[None], segments[None]), cfg.vocab_size))
     state = _written(state, b, out, nd)
     return pages, state, out
 
 
-def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state: dict, b: dict, out: dict, inputs):
-    """``(pages, proposal [rows, k])`` of a draft model: ``inputs``, the step's ``(tokens, positions,
-    segment_ids)``, through it into ``cache`` (its own pool, read through the step's page table, so
-    that it holds what the served model's does), then its ``k`` greedy tokens after each row's last
+def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state: dict, b: dict, out: dict, inputs,
+                     vocab: int):
+    """A draft model's pages, its proposals put in ``out["proposal"] [rows, k]``: ``inputs``, the
+    step's ``(tokens, positions, segment_ids)``, through it into ``cache`` (its own pool, read
+    through the step's page table, so that it holds what the served model's does), then its ``k``
+    greedy tokens after each row's last
     new token (the last of its ``out["emitted"]``; rows that sampled nothing here propose
     nothing), one decode step of the draft at a time, each writing its input's keys and values
     into the draft's pages at its position (pages not given to the sequence yet read as the null
     page: a draft past them is worse, never wrong). Greedy drafts are a point mass, which is what
-    :func:`~hypertron.serve.sampling.verify_proposal` keeps them against (as vLLM v1 drafts)."""
+    :func:`~hypertron.serve.sampling.verify_proposal` keeps them against (as vLLM v1 drafts). Only ids
+    under ``vocab``, the served model's, are proposed (a draft's vocabulary may be padded wider)."""
     tokens, positions, segments = inputs
     pages = forward(params, tokens, cfg, positions=positions, segment_ids=segments, cache=cache,
                     logits_at=jnp.zeros((1, 1), jnp.int32)).cache.pages
@@ -142,12 +144,13 @@ def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state:
                            valid, decode_only=True)
         fwd = forward(params, token[None], cfg, positions=jnp.minimum(pos, capacity - 1)[None],
                       segment_ids=jnp.where(valid, rows + 1, 0)[None], cache=cache, logits_at=rows[None])
-        nxt = jnp.argmax(fwd.logits[0], axis=-1).astype(jnp.int32)
+        nxt = jnp.argmax(fwd.logits[0, :, :vocab], axis=-1).astype(jnp.int32)
         return (fwd.cache.pages, nxt, pos + 1), nxt
 
     start = new[rows, emitted - 1], b["lengths"] - b["draft"] + emitted - 1  # the last new token, its position
     (pages, _, _), proposal = jax.lax.scan(one, (pages, *start), None, length=k)
-    return pages, proposal.T
+    out["proposal"] = proposal.T
+    return pages
 
 
 def _written(state: dict, b: dict, out: dict, nd: int) -> dict:

@@ -193,7 +193,7 @@ class PagedEngine:
 
     def __init__(self, params, cfg: ModelConfig, config: EngineConfig, *, eos_ids: frozenset[int] = frozenset(),
                  scan_layers: bool = False, lora=None, draft: DraftModel | None = None):
-        self.mesh = engine_mesh(cfg, config)  # None: one device (hypertron.serve.placement)
+        self.mesh = engine_mesh(cfg, config, draft and draft.cfg)  # None: one device (serve.placement)
         params = place_weights(self.mesh, cfg, params)
         self.params = params if scan_layers else unstack_layers(params)
         self.lora, self._attached = lora, (-1, None)  # LoRA adapters (serve.lora_slots.LoraSlots), and their weights
@@ -262,8 +262,14 @@ class PagedEngine:
         """:func:`~hypertron.serve.shapes.step_flops` of ``shape``, with the step's fixed cost
         once :meth:`measure_step_cost` has measured it. Without that, a decode of 1 row padded to 2
         looks twice as costly, where a step's fixed cost makes it barely more (on this project's
-        CPU: 2 to 3 ms a step against 0.07 ms a token)."""
-        return step_flops(self.cfg, shape, keys, queries_per_row, self.step_overhead_flops)
+        CPU: 2 to 3 ms a step against 0.07 ms a token). A draft model's passes count too: the
+        step's tokens, then ``draft_k`` decode steps of every row."""
+        flops = step_flops(self.cfg, shape, keys, queries_per_row, self.step_overhead_flops)
+        if self.draft_cfg is not None:
+            rows = Shape(shape.num_decode + shape.prefill_rows, 0, 0)
+            flops += step_flops(self.draft_cfg, shape, keys, queries_per_row) + self.draft_k * step_flops(
+                self.draft_cfg, rows, keys)
+        return flops
 
     @property
     def program_digest(self) -> str:

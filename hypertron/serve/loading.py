@@ -22,11 +22,12 @@ def load_engine(checkpoint: str | Path, config: EngineConfig, *, quantize: str =
     speculative decoding's draft model, loaded as the served one is, with its tokenizer checked
     against it), a :class:`DraftModel` proposing ``k`` tokens."""
     model = model_config_of(checkpoint)
-    model, params, tok = load_for_inference(checkpoint, quantize, model and engine_mesh(model, config))
+    mesh = model and engine_mesh(model, config, draft and model_config_of(draft[0]))
+    model, params, tok = load_for_inference(checkpoint, quantize, mesh)
     lora = slots_for(model, config, lora_modules)
     drafter = None
     if draft is not None:
-        draft_model, draft_params, draft_tok = load_for_inference(draft[0], quantize, engine_mesh(model, config))
+        draft_model, draft_params, draft_tok = load_for_inference(draft[0], quantize, mesh)
         check_draft(draft_model, draft_tok, model, tok)
         drafter = DraftModel(draft_params, draft_model, draft[1])
     return PagedEngine(params, model, config, eos_ids=tok.eos_ids, lora=lora, draft=drafter), tok, served_name(checkpoint)

@@ -93,11 +93,9 @@ def model_config_of(path: str | Path) -> ModelConfig | None:
 def check_draft(draft: ModelConfig, draft_tokenizer: Tokenizer, model: ModelConfig, tokenizer: Tokenizer,
                 where: str = "draft_model") -> None:
     """A draft model (speculative decoding) proposes ids the served model reads as the same text: its
-    vocabulary the same size, and its tokenizer the same ids, bytes and end-of-sequence ids; else a
-    :class:`UserError` naming ``where`` and the first difference."""
-    if draft.vocab_size != model.vocab_size:
-        raise UserError(f"{where}: its vocab_size is {draft.vocab_size}, the served model's {model.vocab_size} "
-                        "(a draft model needs the same tokenizer and vocabulary)")
+    tokenizer the same ids, bytes and end-of-sequence ids (its model's vocabulary may be padded to
+    another size: it proposes only the served model's ids); else a :class:`UserError` naming
+    ``where`` and the first difference."""
     if draft.max_seq_len < model.max_seq_len:
         raise UserError(f"{where}: its max_seq_len is {draft.max_seq_len}, under the served model's "
                         f"{model.max_seq_len} (it reads every position the served model does)")

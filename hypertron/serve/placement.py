@@ -32,7 +32,6 @@ from hypertron.config.serving import KV_CACHE_MEMORY_FRACTION
 from hypertron.models import declare, resolve_dtype
 from hypertron.models.kv_pages import init_pages
 from hypertron.hardware import HARDWARE, device_memory, match
-from hypertron.models.memory import kv_cache_bytes
 from hypertron.models.params import abstract, on_mesh, place_params
 from hypertron.models.serve_plan import check_split, plan_serving
 from hypertron.parallel.mesh import make_mesh
@@ -55,10 +54,17 @@ def check_split_here(cfg: ModelConfig, config: EngineConfig, devices: int) -> No
         raise ConfigError(f"{split} with LoRA adapters: not supported yet (issue 43)")
 
 
-def engine_mesh(cfg: ModelConfig, config: EngineConfig) -> Mesh | None:
-    """The engine's mesh (``tensor`` x ``expert`` of the first local devices), or None for one device."""
+def engine_mesh(cfg: ModelConfig, config: EngineConfig, draft: ModelConfig | None = None) -> Mesh | None:
+    """The engine's mesh (``tensor`` x ``expert`` of the first local devices), or None for one device.
+    ``draft``: a draft model's config, split over the same mesh (a dense draft beside experts:
+    over ``tensor`` alone, whole on each ``expert`` rank)."""
     devices = jax.local_devices()
     check_split_here(cfg, config, len(devices))
+    if draft is not None and config.tensor * config.expert > 1:
+        try:
+            check_split(draft, config.tensor, config.expert if draft.moe else 1)
+        except ConfigError as e:
+            raise ConfigError(f"draft_model: {e}") from None
     if config.tensor * config.expert == 1:
         return None
     n = config.tensor * config.expert
@@ -94,10 +100,11 @@ def place_whole(mesh: Mesh | None, tree):
 
 
 def fit_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_batched_tokens: int, device,
-               fraction: float = KV_CACHE_MEMORY_FRACTION) -> EngineConfig:
+               fraction: float = KV_CACHE_MEMORY_FRACTION, draft: ModelConfig | None = None) -> EngineConfig:
     """Refuse, before anything loads, an engine whose weights and KV pool, both exact
     (:mod:`hypertron.models.serve_plan`), exceed what ``device`` holds
-    (:func:`~hypertron.hardware.device_memory`), in one line saying what would fit.
+    (:func:`~hypertron.hardware.device_memory`), in one line saying what would fit. ``draft``: the
+    engine's draft model (its weights and its pool of as many pages count too).
 
     Returns ``config``, on an accelerator without ``num_pages`` with the pool the plan leaves:
     what ``fraction`` of its memory holds after the weights and a step's workspace (as vLLM's
@@ -112,7 +119,7 @@ def fit_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_ba
     plan = plan_serving(cfg, hw, tensor=config.tensor, expert=config.expert, quantize=quantize,
                         kv_cache_dtype=config.kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens,
                         max_slots=config.max_slots, page_size=config.page_size, device_memory=limit,
-                        accelerator=device.platform != "cpu", memory_fraction=fraction)
+                        accelerator=device.platform != "cpu", memory_fraction=fraction, draft=draft)
     anyway = "; --no-memory-check tries anyway"
     if device.platform != "cpu" and config.num_pages is None:
         if not plan.fits:
@@ -120,7 +127,7 @@ def fit_memory(cfg: ModelConfig, config: EngineConfig, quantize: str, max_num_ba
                               f"tokens in {100 * fraction:.0f}% of its {describe_bytes(limit)}: {plan.notes[-1]}{anyway}")
         return dataclasses.replace(config, num_pages=plan.kv_tokens // config.page_size + 1)
     pages = config.pool_pages(cfg.max_seq_len)
-    pool = kv_cache_bytes(cfg, pages * config.page_size, plan.kv_dtype, config.tensor)
+    pool = pages * config.page_size * plan.kv_token_bytes // plan.kv_split  # kv_cache_bytes (the draft's too)
     if plan.weights + pool <= limit:
         return config
     head = (f"{cfg.name} does not fit this {device.platform} device: its weights ({describe_bytes(plan.weights)}) and KV "

@@ -60,6 +60,11 @@ class PagePool:
         return len(self._empty) + len(self._cached)
 
     @property
+    def num_empty(self) -> int:
+        """Free pages holding no key: taken before any cached one is evicted."""
+        return len(self._empty)
+
+    @property
     def num_cached(self) -> int:
         """Pages holding a key: shared, in use or free."""
         return len(self._key_of)

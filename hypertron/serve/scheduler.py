@@ -310,17 +310,18 @@ class Scheduler:
         return out
 
     def _lookahead(self, rows: list[Row]) -> list[Row]:
-        """``rows``, each sampling row with the pages the draft model writes its proposal's keys into
-        (its next ``k`` positions past the row's, within ``max_seq_len``), while more pages are free
-        than sequences run (a draft's pages never pre-empt; without them its keys go to the null
-        page, and the draft past them is worse, not wrong)."""
+        """``rows``, each sampling row that is not guided with the pages the draft model writes its
+        proposal's keys into (its next ``k`` positions past the row's, as many as the next row may
+        verify: :meth:`_room`), while more pages are empty than sequences run: a draft's pages
+        never pre-empt nor evict a cached prefix; without them its keys go to the null page, and
+        the draft past them is worse, not wrong."""
         out = []
         for row in rows:
             seq = self._live[row.request]
-            if row.sample:
-                for position in range(row.end, min(row.end + self.drafter.k, self.max_seq_len)):
+            if row.sample and not row.guided:
+                for position in range(row.end, row.end + min(self.drafter.k, self._room(seq, row.end + 1))):
                     if position // self.page_size >= len(seq.pages) and (
-                            self.pool.num_free <= len(self.running) or not self._page_for(seq, position)):
+                            self.pool.num_empty <= len(self.running) or not self._page_for(seq, position)):
                         break
                 row = dataclasses.replace(row, pages=tuple(seq.pages))
             out.append(row)

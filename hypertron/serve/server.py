@@ -526,10 +526,10 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     from hypertron.serve.shapes import ShapeMemory  # imports JAX (its cost model): not at the module's import
 
     model, config = model_config_of(serve.checkpoint), serve.engine
+    draft = (serve.draft_model, serve.num_speculative_tokens) if serve.speculative == "draft" else None
     if model is not None and serve.memory_check:  # before anything loads
         config = fit_memory(model, config, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0],
-                            serve.kv_cache_memory_fraction)
-    draft = (serve.draft_model, serve.num_speculative_tokens) if serve.speculative == "draft" else None
+                            serve.kv_cache_memory_fraction, draft and model_config_of(draft[0]))
     engine, tokenizer, model_name = load_engine(serve.checkpoint, config, quantize=serve.quantize,
                                                 lora_modules=serve.lora_adapters(), draft=draft)
     orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))
