@@ -26,12 +26,14 @@ BASE = dataclasses.replace(PRESETS["tiny"], num_layers=2, num_heads=4, num_kv_he
 
 
 def _pages_with_nan(cfg, num_pages, page_size, dtype):
-    """A pool whose every entry is NaN (or a large int8 with NaN scales): a read of anything not
-    written by this sequence poisons the output."""
+    """A pool whose every key is NaN and every value 1e6 (int8: 100 with NaN / 1e4 scales; a pool
+    never holds a NaN value, ``write_tokens`` writes none): anything not written by this sequence
+    that is read poisons the output, or weighed shows."""
     pages = init_pages(cfg, num_pages, page_size, dtype)
+    poison = {"k": jnp.nan, "v": 1e6 if jnp.dtype(dtype) != jnp.int8 else 1e4}
     if jnp.dtype(dtype) == jnp.int8:
-        return {k: (jnp.full_like(v, jnp.nan) if "scales" in k else jnp.full_like(v, 100)) for k, v in pages.items()}
-    return {k: jnp.full_like(v, jnp.nan) for k, v in pages.items()}
+        return {k: (jnp.full_like(v, poison[k[0]]) if "scales" in k else jnp.full_like(v, 100)) for k, v in pages.items()}
+    return {k: jnp.full_like(v, poison[k[0]]) for k, v in pages.items()}
 
 
 def _step(params, cfg, pages, tokens_n, positions_n, rows_n, table, lengths):
@@ -48,7 +50,7 @@ def test_a_mixed_step_after_cached_prefixes_equals_attention_without_a_cache(win
     """Three sequences' prefixes prefilled in one step; then one step in which the
     first decodes a token and the other two each take a chunk after their cached prefix (flat, in
     one row): the logits equal the model's without any cache, with random page tables over a pool
-    whose every unwritten entry is NaN."""
+    whose every unwritten key is NaN and value 1e6."""
     cfg = dataclasses.replace(BASE, sliding_window=window)
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(1)
@@ -111,3 +113,23 @@ def test_the_engine_attends_every_row_of_a_step_in_one_call_per_layer(monkeypatc
     for prompt, seq in zip(prompts, seqs):
         full = forward(params, jnp.asarray([prompt + seq.generated]), cfg).logits[0]
         assert seq.generated == [int(t) for t in jnp.argmax(full[len(prompt) - 1:-1], -1)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_value_that_is_not_finite_is_written_as_zero(dtype):
+    """``write_tokens`` writes V's NaN and infinities as 0 (keys as they are): a pool never holds a
+    NaN value, which the reference attention relies on when it reads past a row's end."""
+    from hypertron.models.kv_pages import write_tokens
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=1, num_kv_heads=2, head_dim=4)
+    pages = init_pages(cfg, 3, 4, jnp.dtype(dtype))
+    k = jnp.full((1, 2, 2, 4), jnp.nan).at[0, 1].set(1.0)
+    v = jnp.array([[[[jnp.nan, jnp.inf, -jnp.inf, 2.0]] * 2, [[1.0, 1.0, 1.0, 1.0]] * 2]])
+    out = write_tokens(pages, k, v, jnp.array([[0, 1]]), jnp.array([[1]]), jnp.array([[True, True]]))
+    read = out["v_pages"][:, 1, :2].astype(jnp.float32)
+    if dtype == "int8":
+        read = read * out["v_scales"][:, 1, :2, None].astype(jnp.float32)
+    np.testing.assert_allclose(read[:, 0], [[0, 0, 0, 2.0]] * 2, atol=2e-2)
+    np.testing.assert_allclose(read[:, 1], [[1.0] * 4] * 2, atol=1e-2)
+    if dtype == "float32":
+        assert np.isnan(np.asarray(out["k_pages"][:, 1, 0])).all()

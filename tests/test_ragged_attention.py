@@ -220,12 +220,15 @@ def test_pallas_lowers_to_triton_for_cuda(q_dtype, page_dtype):
 # a prompt of one page exactly, a chunk crossing pages; 3 padding tokens after the last row.
 MIX = [(37, 1), (21, 21), (58, 9), (0, 0), (80, 1), (16, 16), (70, 35), (5, 1)]
 PAD_TOKENS = 3
+V_POISON = 1e6  # a value no query may weigh: any weight on it shows
 
 
 def _paged_case(seed, kv_heads, page_dtype, mix, window=None, heads=H, head_dim=D):
     """Inputs of one ragged call and the dense float32 ``(q, k, v)`` (``[rows, kv, CAP, d]``) they
     came from. Positions no query may read (past ``kv_len``, before the first query's window)
-    hold NaN (int8: NaN scales), and page-table slots outside a row's pages name a page of NaN."""
+    hold NaN keys and values of :data:`V_POISON` (int8: scales), and page-table slots outside a
+    row's pages name a page of them: a pool never holds a NaN value (``kv_pages`` writes non-finite
+    values as 0), so the reference may read a chunk past a row's end, but never weigh it."""
     rng = np.random.default_rng(seed)
     lens = np.array([m[0] for m in mix], np.int32)
     nq = np.array([m[1] for m in mix], np.int32)
@@ -249,15 +252,16 @@ def _paged_case(seed, kv_heads, page_dtype, mix, window=None, heads=H, head_dim=
     if page_dtype == "int8":
         dense = []
         for name, x in [("k", k), ("v", v)]:
+            poison_value = np.nan if name == "k" else V_POISON
             values, scales = (np.asarray(a, np.float32) for a in quantize_kv(jnp.asarray(x)))
-            dense.append(np.where(mask, values * scales[..., None], np.nan))
+            dense.append(np.where(mask, values * scales[..., None], poison_value))
             args[f"{name}_pages"] = jnp.asarray(paged(values, 0), jnp.int8)
-            args[f"{name}_scales"] = jnp.asarray(paged(np.where(valid[:, None], scales, np.nan), np.nan),
-                                                 jnp.bfloat16)
+            scales = np.where(valid[:, None], scales, poison_value)
+            args[f"{name}_scales"] = jnp.asarray(paged(scales, poison_value), jnp.bfloat16)
         k, v = dense
     else:
-        k, v = (np.where(mask, x, np.nan) for x in (k, v))
-        args["k_pages"], args["v_pages"] = (jnp.asarray(paged(x, np.nan)) for x in (k, v))
+        k, v = np.where(mask, k, np.nan), np.where(mask, v, V_POISON)
+        args["k_pages"], args["v_pages"] = jnp.asarray(paged(k, np.nan)), jnp.asarray(paged(v, V_POISON))
     slot = np.arange(P)
     outside = (slot < (lo // S)[:, None]) | (slot > ((lens - 1) // S)[:, None]) | (lens == 0)[:, None]
     args["page_table"] = jnp.asarray(np.where(outside, poison, home), jnp.int32)
@@ -340,14 +344,14 @@ def test_rows_of_a_few_queries_attend_in_the_decode_batch_as_dense_attention(mon
 def test_a_verify_row_whose_first_places_are_padding_reads_only_its_own_pages():
     """The engine's layout of a verify step: each row's 5 places, its queries last. A row of 3
     tokens (its first two places at negative positions) beside one over a whole chunk of the
-    reference (REFERENCE_CHUNK_TOKENS: the rows' shared read then has a chunk to read) gets dense
+    reference's decode batch (DECODE_CHUNK_TOKENS: the rows' shared read then has a chunk to read) gets dense
     attention over its own pages, and so does the long one (it once read the long row's pages:
     a row was taken for live by its first place only)."""
-    from hypertron.kernels.ragged_paged_attention import REFERENCE_CHUNK_TOKENS
+    from hypertron.kernels.ragged_paged_attention import DECODE_CHUNK_TOKENS
 
     rng = np.random.default_rng(0)
     page, heads, dim, places = 16, 2, 8, 5
-    lens = [REFERENCE_CHUNK_TOKENS + 44, 3]
+    lens = [DECODE_CHUNK_TOKENS + 44, 3]
     own = -(-lens[0] // page)
     k, v = (rng.standard_normal((1, own + 1, page, dim)).astype(np.float32) for _ in "kv")
     table = np.full((2, own + 1), own, np.int32)
@@ -444,8 +448,8 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     last = np.asarray(args["kv_lens"]) - 1  # each row's last query's position: the decode batch's
     shared, _ = rpa.shared_prefix(args["page_table"], jnp.asarray(last >= 0), jnp.asarray(last), S)
     assert int(shared) == 3 * S  # the case is what it says: three pages every row with a query shares
-    monkeypatch.setattr(rpa, "REFERENCE_CHUNK_TOKENS", S)  # whole chunks of the shared prefix: 3,
-    monkeypatch.setattr(rpa, "SHARED_CHUNKS", 2)  # one read two at a time, then one alone
+    monkeypatch.setattr(rpa, "DECODE_CHUNK_TOKENS", S)  # whole chunks of the shared prefix: 3,
+    monkeypatch.setattr(rpa, "DECODE_SHARED_TOKENS", 2 * S)  # one read two at a time, then one alone
     for window in (None, WINDOW):
         got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
         _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)

@@ -76,7 +76,15 @@ REFERENCE_CHUNK_TOKENS = 256
 # each for rows of 64-128 queries, the same for one row of 512.
 EVERY_BLOCK_Q = 256
 EVERY_SHARED_TOKENS = 512
-SHARED_CHUNKS = 4  # the reference reads a prefix its rows share in chunks of this many of its chunks
+# The decode batch (every row's last queries) reads its rows' own pages this many keys a step (a
+# row reads to the end of the step holding its last key), and a prefix they share this many a
+# product. The engine's decode step on the serving bench's model (4 layers, 8 / 4 heads x 32,
+# float32; 2026-11-29, this project's CPU, engines with 256, 128 and 64 stepped in turn in one
+# process, median of 40-80 steps; with V no longer masked, below): 16 rows of ~150 tokens 7.11 /
+# 6.47 / 6.48 ms, of ~1,000 tokens 15.58 / 13.18 / 14.42, 4 rows 3.40 / 3.33 / 3.12, 64 rows
+# 18.16 / 17.02 / 17.03.
+DECODE_CHUNK_TOKENS = 128
+DECODE_SHARED_TOKENS = 1024
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
 # group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
 # (2026-11-27: 64 decode rows of ~150 tokens, 8 / 4 heads x 32, one layer).
@@ -97,7 +105,7 @@ def reference_block_q(queries_per_row: int | None) -> int:
 
 def block_chunk_tokens(block_q: int) -> int:
     """Keys a block of ``block_q`` queries of one row reads a step, from its row's pages: twice its
-    queries, at most :data:`REFERENCE_CHUNK_TOKENS` (the decode rows' batch reads that many). Blocks
+    queries, at most :data:`REFERENCE_CHUNK_TOKENS`. Blocks
     of 64 queries reading 128 keys a step, not 256 (2026-11-27, this project's CPU, one layer at the
     serving bench's heads, the two interleaved, fastest of 25 each): 7 new prompts of 65 tokens 1.7
     against 2.6 ms, 15 rows of 33 after a shared 1,024 13.7 against 16.6, 7 of 65 after it 11.4
@@ -159,7 +167,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: ``[tokens, num_heads, head_dim]``, the rows' queries back to back; tokens from
         ``query_start[-1]`` on are padding (output zeros).
       k_pages, v_pages, k_scales, v_scales, sm_scale, window, pages_per_block, interpret: as
-        :func:`ragged_decode_attention`.
+        :func:`ragged_decode_attention`; values no query reads must be finite (the reference reads
+        whole chunks past a row's end and weighs them 0; the engine's pool never holds a NaN value:
+        :func:`~hypertron.models.kv_pages.write_tokens`).
       kv_lens: int ``[rows]``, tokens of each row once its queries are in (0: output zeros).
       page_table: int ``[rows, pages_per_seq]``.
       query_start: int ``[rows + 1]``, non-decreasing, from 0.
@@ -232,8 +242,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     proposal all of its) attend in one batch over the rows; the
     others in blocks of up to ``block_q`` queries of one row (:func:`query_tiles`), a loop over
     just the blocks there are (a dynamic trip count). Each reads its row's pages,
-    :data:`REFERENCE_CHUNK_TOKENS` at a time, from the first its first query's window reaches to
-    the one holding its last query, with an online softmax in float32: the cost follows the
+    :data:`DECODE_CHUNK_TOKENS` (the batch) or :func:`block_chunk_tokens` (a block) at a time, from
+    the first its first query's window reaches to the one holding its last query, with an online
+    softmax in float32: the cost follows the
     queries and their context, not rows x queries nor the page table's width. Where the rows
     share a prefix (the same pages from the start), both parts read it once for all their rows
     first (:func:`_attend_pages`' ``shared``; :func:`_shared_prefix_first`), and each block goes on
@@ -242,7 +253,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     n, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group, capacity = num_heads // num_kv_heads, page_table.shape[1] * page_size
-    ppc = max(1, REFERENCE_CHUNK_TOKENS // page_size)  # pages per chunk: the rows' last queries
+    ppc = max(1, DECODE_CHUNK_TOKENS // page_size)  # pages per chunk: the rows' last queries
     ppc_block = max(1, block_chunk_tokens(block_q) // page_size)  # and the blocks of the others
     chunks = functools.partial(
         _Chunks, k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
@@ -354,7 +365,7 @@ def _attend_pages(chunks: _Chunks, table_rp, *, shared: bool = False):
         live = jnp.any(chunks.pos >= 0, axis=1)
         first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
         tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
-        carry, start = chunks.shared(carry, table_rp[first], tokens)
+        carry, start = chunks.shared(carry, table_rp[first], tokens, max(1, DECODE_SHARED_TOKENS // chunks.chunk_tokens))
         lo = jnp.maximum(lo, start)
     return chunks.result(chunks.own(carry, table_rp, lo))
 
@@ -400,14 +411,12 @@ class _Chunks:
         def step(c, carry):
             pages_rp = lax.dynamic_slice_in_dim(table_rp, c * self.ppc, self.ppc, axis=1)
             k_krtd, v_krtd = (gather_pages_by_head(x, s, pages_rp) for x, s in self.kv)
-            valid_rmt = self._valid(c, self.chunk_tokens)
-            # Keys no query reads may hold anything (stale tokens, NaN): V's are zeroed (0 * NaN).
-            v_krtd = jnp.where(jnp.any(valid_rmt, axis=1)[None, :, :, None], v_krtd, 0.0)
+            valid_rmt = self._valid(c, self.chunk_tokens)  # (keys no query reads: stale, never NaN)
             return self._update(carry, jnp.where(valid_rmt[None], self._scores(k_krtd), -jnp.inf), v_krtd)
 
         return lax.fori_loop(lo, self.hi, step, carry)
 
-    def shared(self, carry, table_p, tokens, per_step: int = SHARED_CHUNKS, rest: bool = True):
+    def shared(self, carry, table_p, tokens, per_step: int, rest: bool = True):
         """``carry`` on over the whole chunks of the first ``tokens`` of ``table_p``, pages every
         row reads alike (:func:`shared_prefix`): each chunk gathered once for all the rows,
         ``per_step`` of them a product while there are so many (a step's cost on a CPU is mostly
@@ -420,7 +429,6 @@ class _Chunks:
             pages_1p = lax.dynamic_slice_in_dim(table_1p, c * n * self.ppc, n * self.ppc, axis=1)
             k_ktd, v_ktd = (gather_pages_by_head(x, s, pages_1p)[:, 0] for x, s in self.kv)
             valid_rmt = self._valid(c, n * self.chunk_tokens)
-            v_ktd = jnp.where(jnp.any(valid_rmt, axis=(0, 1))[None, :, None], v_ktd, 0.0)
             return self._update(carry, jnp.where(valid_rmt[None], self._scores(k_ktd), -jnp.inf), v_ktd)
 
         big_hi = tokens // (per_step * self.chunk_tokens)

@@ -57,8 +57,14 @@ def layer_page_table(page_table: jax.Array, layer, pages_per_layer: int) -> jax.
 
 
 def _store(cache: dict, name: str, x_bkh: jax.Array, page_b: jax.Array, row_b: jax.Array) -> dict:
-    """Write one token's ``[b, kv_heads, head_dim]`` vectors at (page, row) of one layer's pages."""
+    """Write one token's ``[b, kv_heads, head_dim]`` vectors at (page, row) of one layer's pages.
+    Values that are not finite are written as 0: a page then never holds a NaN, so attention may
+    read keys past a row's end (stale ones, masked out of its softmax) without a 0 * NaN in its
+    product with V (the CPU reference reads whole chunks; a model giving NaN has NaN in its
+    residual stream anyway)."""
     pages = cache[f"{name}_pages"]
+    if name == "v":
+        x_bkh = jnp.where(jnp.isfinite(x_bkh), x_bkh, 0)
     if pages.dtype == jnp.int8:
         values, scales = quantize_kv(x_bkh, SCALE_DTYPE)
         cache = cache | {f"{name}_scales": cache[f"{name}_scales"].at[:, page_b, row_b].set(scales.swapaxes(0, 1))}
