@@ -119,11 +119,10 @@ def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state:
     """A draft model's pages, its proposals put in ``out["proposal"] [rows, k]``: ``inputs``, the
     step's ``(tokens, positions, segment_ids)``, through it into ``cache`` (its own pool, read
     through the step's page table, so that it holds what the served model's does), then its ``k``
-    greedy tokens after each row's last
-    new token (the last of its ``out["emitted"]``; rows that sampled nothing here propose
-    nothing), one decode step of the draft at a time, each writing its input's keys and values
-    into the draft's pages at its position (pages not given to the sequence yet read as the null
-    page: a draft past them is worse, never wrong). Greedy drafts are a point mass, which is what
+    greedy tokens after each row's last new token (the last of its ``out["emitted"]``; rows that
+    sampled nothing here propose nothing), one decode step of the draft at a time, each writing its
+    input's keys and values into the draft's pages at its position (pages not given to the
+    sequence yet read as the null page: a draft past them is worse, never wrong). Greedy drafts are a point mass, which is what
     :func:`~hypertron.serve.sampling.verify_proposal` keeps them against (as vLLM v1 drafts). Only ids
     under ``vocab``, the served model's, are proposed (a draft's vocabulary may be padded wider)."""
     tokens, positions, segments = inputs
