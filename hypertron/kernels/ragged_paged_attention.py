@@ -82,7 +82,8 @@ EVERY_SHARED_TOKENS = 512
 # float32; 2026-11-29, this project's CPU, engines with 256, 128 and 64 stepped in turn in one
 # process, median of 40-80 steps; with V no longer masked, below): 16 rows of ~150 tokens 7.11 /
 # 6.47 / 6.48 ms, of ~1,000 tokens 15.58 / 13.18 / 14.42, 4 rows 3.40 / 3.33 / 3.12, 64 rows
-# 18.16 / 17.02 / 17.03.
+# 18.16 / 17.02 / 17.03. With V unmasked in all three, `bench/decode_chunks.py` finds the chunk
+# size itself within the runs' spread (docs/benchmarks.md): the gain was the mask's.
 DECODE_CHUNK_TOKENS = 128
 DECODE_SHARED_TOKENS = 1024
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
