@@ -122,9 +122,10 @@ def _draft_proposals(params, cache: PagedCache, cfg: ModelConfig, k: int, state:
     greedy tokens after each row's last new token (the last of its ``out["emitted"]``; rows that
     sampled nothing here propose nothing), one decode step of the draft at a time, each writing its
     input's keys and values into the draft's pages at its position (pages not given to the
-    sequence yet read as the null page: a draft past them is worse, never wrong). Greedy drafts are a point mass, which is what
-    :func:`~hypertron.serve.sampling.verify_proposal` keeps them against (as vLLM v1 drafts). Only ids
-    under ``vocab``, the served model's, are proposed (a draft's vocabulary may be padded wider)."""
+    sequence yet read as the null page: a draft past them is worse, never wrong). Greedy drafts are
+    a point mass, which is what :func:`~hypertron.serve.sampling.verify_proposal` keeps them
+    against (as vLLM v1 drafts). Only ids under ``vocab``, the served model's, are proposed (a
+    draft's vocabulary may be padded wider)."""
     tokens, positions, segments = inputs
     pages = forward(params, tokens, cfg, positions=positions, segment_ids=segments, cache=cache,
                     logits_at=jnp.zeros((1, 1), jnp.int32)).cache.pages
