@@ -213,6 +213,27 @@ def test_batches_routed_ahead_are_the_streams_batches_routed_and_keep_the_loops_
     again.close()
 
 
+def test_ids_routed_per_process_train_as_the_steps_own_routing_does():
+    """On one process of 8 devices, routing as each of several processes does (every table split:
+    t0 row-wise, the others column-wise; duplicates merged on the devices) gives the 10 losses of
+    the trainer's own routing (every table whole on a device, the step's duplicates found on the
+    host) to 1e-6, and then the held-out logits to 1e-5. (Two real processes: test_multiprocess.py.)"""
+    cfg = _cfg("dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]")
+    mesh, task = Recommender().mesh(cfg, jax.devices()), Recommender()
+    losses, logits = {}, {}
+    for per_process in (False, True):
+        trainer = make_dlrm_trainer(cfg, mesh, per_process=per_process)
+        want = ["row"] + ["column"] * 7 if per_process else ["table"] * 8
+        assert [t.spec.placement for t in trainer.tables] == want
+        state, data, losses[per_process] = trainer.init(jax.random.key(0)), task.batches(cfg), []
+        for _ in range(10):
+            state, metrics = trainer.step(state, next(data))
+            losses[per_process].append(float(metrics["loss"]))
+        logits[per_process] = evaluate_logits(trainer, state, task.batches(cfg, "eval"), 1)[0]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_recipe_stopped_at_checkpoint_6_resumes_bit_identically(tmp_path):
     """The recipe (8 tables, row-wise Adagrad, its data stream, held-out AUC) resumed from checkpoint 6
@@ -316,3 +337,7 @@ def test_hypertron_plan_of_a_dlrm_recipe_sizes_it_and_places_its_tables(capsys):
     assert len(placements) == 26 and placements.count("table") == 21  # the 40M-row tables split, the rest whole
     assert cli.main([*args, "--devices", "1"]) == 1  # 98 GiB do not fit one H100
     assert "26,151,671,809 parameters" in capsys.readouterr().out
+    assert cli.main([*args, "--devices", "16", "--json"]) == 0  # two nodes: two processes split every table
+    assert {t["placement"] for t in json.loads(capsys.readouterr().out)["tables"]["tables"]} <= {"row", "column"}
+    assert cli.main([*args, "--devices", "16", "dlrm.placement=table"]) == 2
+    assert "dlrm.placement=table: a table-wise table is one process's only" in capsys.readouterr().err

@@ -339,3 +339,70 @@ def test_dlrm_v2s_tables_plan_onto_one_h100_node_with_the_traffic_spread(capsys)
     assert max(sent) < 1.25 * min(sent), sent
     code, out, err = cli_output("embed", "plan", spec, "--hardware", "h100", "--devices", "1")
     assert code == 1 and "does not fit" in out
+
+
+def _process_part(x: Jagged, p: int, count: int) -> Jagged:
+    """Process ``p``'s samples of ``x`` (its slice of the batch, as the data pipeline splits it)."""
+    b = x.batch // count
+    starts = np.concatenate([[0], np.cumsum(x.lengths)])
+    lo, hi = starts[p * b], starts[(p + 1) * b]
+    return Jagged(x.values[lo:hi], x.lengths[p * b:(p + 1) * b], None if x.weights is None else x.weights[lo:hi])
+
+
+def _routed_by_processes(spec: TableSpec, x: Jagged, combiner: str, count: int, **kw):
+    """``x`` routed by ``count`` processes, each its own samples (the capacity agreed as the one
+    collective would), and the parts stitched as jax assembles global arrays from them."""
+    needs = []
+    for p in range(count):
+        route(spec, _process_part(x, p, count), combiner, 8, process=(p, count), gather=lambda n: needs.append(n) or [n], **kw)
+    parts = [route(spec, _process_part(x, p, count), combiner, 8, process=(p, count), gather=lambda n: needs, **kw)
+             for p in range(count)]
+    assert all(part.uniq is None and part.processes == count for part in parts)
+    return dataclasses.replace(parts[0], batch=x.batch, processes=1,
+                               **{k: np.concatenate([getattr(part, k) for part in parts])
+                                  for k in ("slot", "seg", "w", "scale")})
+
+
+@pytest.mark.parametrize("placement", ["row", "column"])
+def test_ids_routed_per_process_merge_their_duplicates_on_the_device(mesh, placement):
+    """Two processes, each routing only its own 8 samples for its 4 devices: no process holds the
+    step's ids and duplicates are merged on the device that reads them. Three steps of lookup and
+    row-wise Adagrad update, each combiner, ids repeated inside a sample, inside a process and
+    across the two: the pooled rows, the table and its state equal the float64 dense reference."""
+    rng = np.random.default_rng(6)
+    spec = TableSpec("t", rows=37, dim=16, placement=placement)
+    values = rng.normal(size=(spec.rows, spec.dim)).astype(np.float32)
+    table = shard_table(values, spec, mesh, "x", optimizer="rowwise_adagrad")
+    ref_v, ref_s = values.astype(np.float64), np.zeros(spec.rows)
+    for i, combiner in enumerate(COMBINERS):
+        x = _batch(rng, spec.rows, batch=16, weighted=i != 1)
+        x.values[[2, -2, -3]] = 11  # one row in both processes' samples, twice in the second
+        r = _routed_by_processes(spec, x, combiner, 2)
+        np.testing.assert_allclose(np.asarray(lookup(table, r)), reference_lookup(ref_v, x, combiner),
+                                   rtol=1e-5, atol=1e-5, err_msg=combiner)
+        grad = rng.normal(size=(x.batch, spec.dim)).astype(np.float32)
+        table = apply_gradients(table, r, grad, lr=0.1)
+        ref_v, ref_s = reference_update(ref_v, ref_s, x, grad, combiner, "rowwise_adagrad", lr=0.1)
+        got_v, got_s = table.dense()
+        np.testing.assert_allclose(got_v, ref_v, rtol=1e-5, atol=1e-6, err_msg=combiner)
+        np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-7, err_msg=combiner)
+
+
+def test_routing_per_process_agrees_its_capacity_and_refuses_what_it_cannot_route():
+    """The capacity is the largest any process needs, to a power of two; a fixed one that some
+    process overflows raises on every process, naming that process; a table-wise table and a
+    process's samples that do not split over its devices are one line each."""
+    spec = TableSpec("t", rows=64, dim=8)
+    x = Jagged(np.array([0, 8, 16, 1, 2]), np.array([3, 1, 1, 0]))  # 3 ids from device 0 to shard 0
+    r = route(spec, x, "sum", 8, process=(0, 2), gather=lambda n: [n, 9])
+    assert r.slot.shape == (4, 8, 16) and r.seg.shape == (4, 8, 16) and r.scale.shape == (4,)
+    assert sorted(r.slot[0, 0][r.w[0, 0] > 0]) == [0, 1, 2]  # ids 0, 8, 16: rows 0, 1, 2 of shard 0
+    with pytest.raises(EmbedError) as e:
+        route(spec, x, "sum", 8, capacity=4, process=(0, 2), gather=lambda n: [n, 9], feature="clicks")
+    assert str(e.value) == ("feature 'clicks': 9 ids go from one device of process 1 to one shard of table 't' in "
+                            "this batch, past the buffer's capacity=4: raise it, leave it unset to size it from the "
+                            "data, or set overflow='drop' to drop and count them")
+    with pytest.raises(EmbedError, match=r"^table 't': table-wise tables are not routed per process yet"):
+        route(dataclasses.replace(spec, placement="table"), x, "sum", 8, process=(0, 2), gather=lambda n: [n, n])
+    with pytest.raises(EmbedError, match=r"^feature 't': process 1's 3 samples do not split over its 4 devices$"):
+        route(spec, Jagged(np.array([1, 2, 3]), np.ones(3, int)), "sum", 8, process=(1, 2), gather=lambda n: [n, n])

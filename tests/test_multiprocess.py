@@ -2,7 +2,8 @@
 
 ``hypertron launch local`` starts both; each feeds its own rows of the global batch (its 4 of the
 8 data shards). The losses must equal one process fed the same global batch (both halves,
-concatenated in process order). Resuming on the same or another process count, onto a mesh split
+concatenated in process order): a language model's, and a DLRM's whose tables are split over
+both processes' devices. Resuming on the same or another process count, onto a mesh split
 across the processes (``mesh.dcn.data=-1``), is ``tests/test_elastic.py``'s.
 """
 
@@ -13,13 +14,19 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
+from hypertron.checkpoint import Checkpointer
 from hypertron.config import load_config
 from hypertron.data import make_batches
 from hypertron.parallel.mesh import make_mesh
+from hypertron.recsys import data as recsys_data
+from hypertron.train.dlrm import make_dlrm_trainer
 from hypertron.train.events import read_events
 from hypertron.train.step import global_batch, make_trainer
 from support import processes  # tests/support
@@ -139,3 +146,40 @@ def test_a_pipeline_across_the_two_processes_trains_like_one_process(tmp_path):
     ready = [e for e in read_events(run / "events.1.jsonl") if e["event"] == "backend_ready"]
     assert ready[0]["mesh"]["stage"] == 2 and {c[5] for c in ready[0]["mesh_coords"]} == {1}  # process 1: stage 1
     assert (run / "model").is_dir()
+
+
+DLRM = [str(Path(__file__).parent.parent / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"), "train.steps=10",
+        "train.log_every=1", "train.eval_every=0", "checkpoint.every=10",
+        "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]"]  # 8 ids of f0 a sample: t0 goes row-wise, the others column-wise
+
+
+def test_two_processes_train_the_dlrm_like_one_each_routing_its_own_ids(tmp_path):
+    """``task: dlrm`` on 2 processes x 4 devices, its tables split over all 8 (t0 row-wise, the
+    others column-wise), each process routing only its own samples' ids, equals one process on 8
+    devices fed the same global batches (process 0's samples, then process 1's), routing them per
+    process too: the 10 losses to 1e-6, and from the checkpoint every table and its row-wise Adagrad
+    state after 10 steps to 2e-6. (One process's own routing, the step's duplicates found on the
+    host, is test_dlrm.py's.)"""
+    run = tmp_path / "run"
+    out = _launch(*DLRM, f"run_dir={run}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    cfg = load_config(DLRM[0], DLRM[1:])
+    trainer = make_dlrm_trainer(cfg, Mesh(np.array(jax.devices()[:8]), ("data",)), per_process=True)
+    assert [t.spec.placement for t in trainer.tables] == ["row"] + ["column"] * 7
+    state = trainer.init(jax.random.key(cfg.train.seed))
+    streams = [recsys_data.make_batches(cfg.dlrm, batch_size=cfg.train.global_batch // 2, seed=cfg.data.seed,
+                                        process_index=p, process_count=2) for p in range(2)]
+    want = []
+    for _ in range(10):
+        halves = [next(s) for s in streams]
+        state, metrics = trainer.step(state, {k: np.concatenate([h[k] for h in halves]) for k in halves[0]})
+        want.append(float(metrics["loss"]))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Row-wise Adagrad's first steps divide a row's gradient by its own size, so where the gradient is
+    # near zero one rounding of it moves the row by about 1e-6 (seen: up to 1.1e-6, the rows up to 0.6).
+    saved = Checkpointer(run, create=False).restore(10, trainer.abstract_state())
+    for a, b in zip(trainer.live_tables(saved), trainer.live_tables(state), strict=True):
+        for x, y in zip(a.dense(), b.dense(), strict=True):
+            np.testing.assert_allclose(x, y, rtol=0, atol=2e-6, err_msg=a.spec.name)

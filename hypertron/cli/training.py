@@ -248,14 +248,16 @@ def _plan_dlrm(cfg, args: argparse.Namespace) -> int:
     from hypertron.units import describe_bytes
 
     devices, device_memory = _devices(args)
-    check_dlrm_devices(cfg, devices, -(-devices // lookup(args.hardware).per_node))  # as train checks them
+    processes = -(-devices // lookup(args.hardware).per_node)
+    check_dlrm_devices(cfg, devices, processes)  # as train checks them
     d = cfg.dlrm
     tables, features = dlrm.table_specs(d, d.placement)
     sizes = dlrm.sizes(d)
     dense = 4 * sizes["dense_params"] * (1 if d.optimizer == "sgd" else 2)  # replicated: parameters (+ Adagrad)
     memory = int(device_memory) - dense
     p = planner.plan(tables, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
-                     shards=devices, batch=cfg.train.global_batch, device_bytes=max(memory, 1))
+                     shards=devices, batch=cfg.train.global_batch, device_bytes=max(memory, 1),
+                     split_all=processes > 1)  # as make_dlrm_trainer places them
     if args.json:
         print(json.dumps({"dlrm": d.name, **sizes, "dense_bytes_per_device": dense, "tables": planner.to_json(p)},
                          indent=1))

@@ -454,11 +454,11 @@ def _check_process_blocks(ici: dict[str, int], dcn: dict[str, int]) -> None:
 
 
 def check_dlrm_devices(cfg: Config, num_devices: int, processes: int) -> None:
-    """What ``task: dlrm`` needs of its devices, checked by ``train`` and by ``plan``: one process,
-    and a batch that splits by samples over the devices."""
-    if processes > 1:
-        raise ConfigError(f"task=dlrm runs in one process for now (its ids are routed on one host); this job has "
-                          f"{processes}")
+    """What ``task: dlrm`` needs of its devices, checked by ``train`` and by ``plan``: a batch that
+    splits by samples over the devices, and on several processes no table-wise tables."""
+    if processes > 1 and cfg.dlrm.placement == "table":
+        raise ConfigError(f"dlrm.placement=table: a table-wise table is one process's only for now (its owner would "
+                          f"need every process's ids); this job has {processes} processes: set row, column or auto")
     if cfg.train.global_batch % num_devices:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
                           f"{num_devices} devices, so it must be a multiple of {num_devices}")

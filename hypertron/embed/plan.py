@@ -73,9 +73,10 @@ def exchanged(spec: TableSpec, placement: str, shards: int, ids: int, pooled: in
 
 
 def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_sample: Mapping[str, float], *,
-         shards: int, batch: int, device_bytes: int) -> Plan:
+         shards: int, batch: int, device_bytes: int, split_all: bool = False) -> Plan:
     """A placement for every table whose ``placement`` is ``auto`` (the others are kept), with
-    bytes held and exchanged per device and the reason. ``ids_per_sample``: by feature, the mean."""
+    bytes held and exchanged per device and the reason. ``ids_per_sample``: by feature, the mean.
+    ``split_all``: split every table (a job of several processes, where table-wise is not yet)."""
     if shards < 1 or batch < 1 or device_bytes < 1:
         raise EmbedError(f"devices={shards}, batch={batch}, device memory={device_bytes}: all must be positive")
     by_hand = {t.name for t in tables if t.placement != AUTO}
@@ -105,13 +106,14 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
             else:
                 whole.append((t, "set by hand"))
             continue
-        if shards == 1 or size <= share:
+        if shards == 1 or (size <= share and not split_all):
             whole.append((t, "one device" if shards == 1 else
                           f"{describe_bytes(size)} whole, at most 1/{shards} of a device: "
                           f"no partial sums, and {shards} times less traffic than split"))
             continue
         row, column = cost(t, "row"), cost(t, "column")
-        split = f"{describe_bytes(size)} whole, more than 1/{shards} of a device"
+        split = (f"{describe_bytes(size)} whole, more than 1/{shards} of a device" if size > share else
+                 "every table split on several processes (table-wise is one process's only)")
         if t.dim % shards == 0 and column < row:
             placement = "column"
             why = f"{split}; column-wise exchanges {describe_bytes(column)} a step, row-wise {describe_bytes(row)}"

@@ -30,6 +30,13 @@ largest temporary is ``[ids in the batch, dim]``. (A custom VJP could not do thi
 cotangent of a table as large as the table, so the update takes the pooled gradient instead, as
 jax-tpu-embedding does.) Row-wise, the pooled gradient is all-gathered (the transpose of the
 reduce-scatter) and each shard updates its own rows.
+
+Input routed per process (:func:`hypertron.embed.route` with ``process``; what a job of several
+processes does) holds each id's row, not its place in a list of distinct rows: each shard gathers
+the rows it receives directly (row-wise after the all-to-all, column-wise after an all-gather of
+every device's ids) and, in an update, sorts them into distinct rows on the device (``jnp.unique``
+at the received count) and sums each one's gradients before its optimiser step, so duplicates
+within a process and across processes get one update, as above.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from hypertron.embed.route import Routed, route
+from hypertron.embed.route import PAD, Routed, route
 from hypertron.embed.spec import OPTIMIZERS, EmbedError, Jagged, TableSpec
 from hypertron.hardware import device_memory
 from hypertron.units import describe_bytes
@@ -193,13 +200,33 @@ def pooled_sharding(table: ShardedTable):
     return SingleDeviceSharding(_axis_devices(table.mesh, table.axis)[table.owner])
 
 
+def process_values(n: int) -> list[int]:
+    """Each process's value of the host integer ``n``, in process order (one small collective)."""
+    if jax.process_count() == 1:
+        return [int(n)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(n))).reshape(-1)]
+
+
 def _routed(table: ShardedTable, x: Jagged | Routed, combiner: str, capacity: int | None, overflow: str) -> Routed:
     if isinstance(x, Routed):
         if (x.placement, x.shards) != (table.spec.placement, table.shards):
             raise ValueError(f"table {table.spec.name!r}: input routed for {x.placement}-wise on {x.shards} shards, "
                              f"the table is {table.spec.placement}-wise on {table.shards}")
         return x
-    return route(table.spec, x, combiner, table.shards, capacity=capacity, overflow=overflow)
+    process = (jax.process_index(), jax.process_count()) if jax.process_count() > 1 else None
+    return route(table.spec, x, combiner, table.shards, capacity=capacity, overflow=overflow, process=process,
+                 gather=process_values)
+
+
+def routed_inputs(table: ShardedTable, r: Routed) -> tuple:
+    """``r``'s arrays as the compiled lookup and update take them: routed on several processes,
+    each one global, assembled from every process's part (split by devices on the first axis)."""
+    if r.processes == 1:
+        return r.arrays()
+    split = NamedSharding(table.mesh, P(table.axis))
+    return tuple(jax.make_array_from_process_local_data(split, a) for a in r.arrays())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,21 +237,24 @@ class _Layout:
     mesh: Mesh
     axis: str
     optimizer: str
+    merged: bool = False  # input routed per process: duplicates merged on the device
 
     @property
     def shards(self) -> int:
         return self.mesh.shape[self.axis]
 
 
-def _layout(table: ShardedTable) -> _Layout:
-    return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer)
+def _layout(table: ShardedTable, merged: bool = False) -> _Layout:
+    return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer, merged)
 
 
 def _specs(lay: _Layout) -> tuple:
-    """shard_map specs of the table, its state, the routed ids and the pooled output (or its gradient)."""
+    """shard_map specs of the table, its state, the routed ids, the pooled output (or its gradient)
+    and the combiner's scale."""
     if lay.placement == "row":
-        return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P(lay.axis), P(lay.axis)
-    return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), P(), P(None, lay.axis)
+        return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P(lay.axis), P(lay.axis), P(lay.axis)
+    ids = P(lay.axis) if lay.merged else P()  # per process: each device's own samples' ids
+    return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), ids, P(None, lay.axis), ids
 
 
 def _over_shards(lay: _Layout, fn, in_specs, out_specs):
@@ -244,28 +274,57 @@ def _receive(lay: _Layout, per: int, slot, seg, w):
     return ids[0].reshape(-1), sample.reshape(-1), w.reshape(-1)
 
 
+def _gathered(lay: _Layout, per: int, slot, seg, w, scale):
+    """Column-wise, routed per process, inside shard_map: every device's ids (all-gathered), each
+    one's sample among the whole padded batch (``S * per`` for padding), weight, and every sample's
+    scale."""
+    s = lay.shards
+
+    def every(a):  # each device's part in its place, summed: a value the replication check sees as one
+        return jax.lax.psum(jnp.zeros((s, *a.shape), a.dtype).at[jax.lax.axis_index(lay.axis)].set(a), lay.axis)
+
+    rows, seg, w = (every(a[0]) for a in (slot, seg, w))  # [source, capacity]
+    sample = jnp.where(seg < per, jnp.arange(s, dtype=jnp.int32)[:, None] * per + seg, s * per)
+    return rows.reshape(-1), sample.reshape(-1), w.reshape(-1), every(scale).reshape(-1)
+
+
+def _ids(lay: _Layout, per: int, routed: tuple):
+    """Inside shard_map: the ids this shard reads (places in ``uniq``, or rows when merged on the
+    device), each one's sample (among every device's when row-wise or merged), its weight, and the
+    scale of the samples the output holds (the whole batch column-wise when merged)."""
+    if lay.merged:
+        slot, seg, w, scale = routed
+        uniq = None
+    else:
+        uniq, slot, seg, w, scale = routed
+    if lay.placement == "row":
+        slot, seg, w = _receive(lay, per, slot, seg, w)
+        uniq = None if uniq is None else uniq[0]
+    elif lay.merged:
+        slot, seg, w, scale = _gathered(lay, per, slot, seg, w, scale)
+    return uniq, slot, seg, w, scale
+
+
 @functools.lru_cache(maxsize=None)
 def _pooled_fn(lay: _Layout, per: int):
-    t_spec, _, in_spec, out_spec = _specs(lay)
+    t_spec, _, in_spec, out_spec, scale_spec = _specs(lay)
     row = lay.placement == "row"
+    samples = lay.shards * per if row or lay.merged else per
 
-    def shard(t, uniq, slot, seg, w, scale):
-        if row:
-            slot, sample, w = _receive(lay, per, slot, seg, w)
-            t, uniq = t[0], uniq[0]
+    def shard(t, *routed):
+        uniq, slot, sample, w, scale = _ids(lay, per, routed)
+        t = t[0] if row else t
+        if uniq is None:  # merged on the device: the rows themselves
+            vals = t.at[slot].get(mode="fill", fill_value=0) * w[:, None]
         else:
-            sample = seg
-        distinct = t.at[uniq].get(mode="fill", fill_value=0)  # each row the step reads, once
-        vals = distinct[slot] * w[:, None]
+            vals = t.at[uniq].get(mode="fill", fill_value=0)[slot] * w[:, None]  # each distinct row read once
+        partial = jax.ops.segment_sum(vals, sample, num_segments=samples)
         if row:
-            partial = jax.ops.segment_sum(vals, sample, num_segments=lay.shards * per)
-            pooled = jax.lax.psum_scatter(partial.reshape(lay.shards, per, -1), lay.axis, scatter_dimension=0)
-        else:
-            pooled = jax.ops.segment_sum(vals, sample, num_segments=per)
-        return pooled * scale[:, None]
+            partial = jax.lax.psum_scatter(partial.reshape(lay.shards, per, -1), lay.axis, scatter_dimension=0)
+        return partial * scale[:, None]
 
-    scale_spec = in_spec if row else P()
-    return jax.jit(_over_shards(lay, shard, (t_spec, in_spec, in_spec, in_spec, in_spec, scale_spec), out_spec))
+    ids = (in_spec,) * (3 if lay.merged else 4)
+    return jax.jit(_over_shards(lay, shard, (t_spec, *ids, scale_spec), out_spec))
 
 
 def lookup(table: ShardedTable, x: Jagged | Routed, combiner: str = "sum", *, capacity: int | None = None,
@@ -275,8 +334,8 @@ def lookup(table: ShardedTable, x: Jagged | Routed, combiner: str = "sum", *, ca
     column-wise, on the owner table-wise. ``x`` may be routed already (:func:`route`), else it
     is routed here (``capacity``, ``overflow``: as :func:`route` takes them)."""
     r = _routed(table, x, combiner, capacity, overflow)
-    pooled = _pooled_fn(_layout(table), r.per_device)(table.data, *r.arrays())
-    return pooled if r.padded_batch == r.batch else pooled[:r.batch]
+    pooled = _pooled_fn(_layout(table, r.merged_on_device), r.per_device)(table.data, *routed_inputs(table, r))
+    return pooled if r.padded_batch == r.batch or r.processes > 1 else pooled[:r.batch]
 
 
 def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps):
@@ -299,18 +358,22 @@ def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps):
 
 @functools.lru_cache(maxsize=None)
 def _update_fn(lay: _Layout, per: int, dim: int):
-    t_spec, s_spec, in_spec, grad_spec = _specs(lay)
+    t_spec, s_spec, in_spec, grad_spec, scale_spec = _specs(lay)
     row = lay.placement == "row"
 
-    def shard(t, state, uniq, slot, seg, w, scale, grad, lr, eps):
+    def shard(t, state, *args):
+        *routed, grad, lr, eps = args
+        uniq, slot, sample, w, scale = _ids(lay, per, routed)
         g = grad * scale[:, None]
         if row:  # every sample's gradient where its ids' rows live: the transpose of the scatter
             g = jax.lax.all_gather(g, lay.axis, tiled=True)
-            slot, sample, w = _receive(lay, per, slot, seg, w)
-            block, st, uniq = t[0], (None if state.ndim == 0 else state[0]), uniq[0]
+            block, st = t[0], (None if state.ndim == 0 else state[0])
         else:
-            sample, block, st = seg, t, state
+            block, st = t, state
         g_id = jnp.take(g, sample, axis=0, mode="fill", fill_value=0) * w[:, None]
+        if uniq is None:  # merged here: the received rows sorted into distinct ones (padding: PAD, past the block)
+            uniq, slot = jnp.unique(slot, size=slot.shape[0], fill_value=PAD, return_inverse=True)
+            slot = slot.reshape(-1)
         g_row = jax.ops.segment_sum(g_id, slot, num_segments=uniq.shape[0])  # one gradient per distinct row
         block, st = _apply(lay, dim, block, st, uniq, g_row, lr, eps)
         if st is None:
@@ -319,8 +382,8 @@ def _update_fn(lay: _Layout, per: int, dim: int):
             st = st[None]
         return (block[None] if row else block), st
 
-    scale_spec = in_spec if row else P()
-    specs = (t_spec, s_spec, in_spec, in_spec, in_spec, in_spec, scale_spec, grad_spec, P(), P())
+    ids = (in_spec,) * (3 if lay.merged else 4)
+    specs = (t_spec, s_spec, *ids, scale_spec, grad_spec, P(), P())
     return jax.jit(_over_shards(lay, shard, specs, (t_spec, s_spec)), donate_argnums=(0, 1))
 
 
@@ -333,22 +396,23 @@ def apply_gradients(table: ShardedTable, x: Jagged | Routed, grad_pooled, combin
     if r.padded_batch != r.batch:
         grad = jnp.pad(grad, ((0, r.padded_batch - r.batch), (0, 0)))
     state = table.state if table.state is not None else jnp.zeros((), jnp.float32)
-    fn = _update_fn(_layout(table), r.per_device, table.spec.dim)
-    data, state = fn(table.data, state, *r.arrays(), grad, jnp.float32(lr), jnp.float32(eps))
+    fn = _update_fn(_layout(table, r.merged_on_device), r.per_device, table.spec.dim)
+    data, state = fn(table.data, state, *routed_inputs(table, r), grad, jnp.float32(lr), jnp.float32(eps))
     return dataclasses.replace(table, data=data, state=None if table.state is None else state)
 
 
-def pooling_fn(table: ShardedTable, per_device: int):
+def pooling_fn(table: ShardedTable, per_device: int, merged: bool = False):
     """:func:`lookup`'s compiled function for this table's layout, to call inside a larger
-    ``jax.jit`` (a model's whole step): ``(data, *routed.arrays()) -> pooled [padded batch, dim]``."""
-    return _pooled_fn(_layout(table), per_device)
+    ``jax.jit`` (a model's whole step): ``(data, *routed.arrays()) -> pooled [padded batch, dim]``;
+    ``merged``: for input routed per process (:attr:`Routed.merged_on_device`)."""
+    return _pooled_fn(_layout(table, merged), per_device)
 
 
-def update_fn(table: ShardedTable, per_device: int):
+def update_fn(table: ShardedTable, per_device: int, merged: bool = False):
     """:func:`apply_gradients`' compiled function for this table's layout, to call inside a larger
     ``jax.jit``: ``(data, state, *routed.arrays(), grad [padded batch, dim], lr, eps) -> (data,
     state)``; ``state`` is a float32 scalar for SGD (and comes back unchanged)."""
-    return _update_fn(_layout(table), per_device, table.spec.dim)
+    return _update_fn(_layout(table, merged), per_device, table.spec.dim)
 
 
 def reference_lookup(values: np.ndarray, x: Jagged, combiner: str = "sum") -> np.ndarray:

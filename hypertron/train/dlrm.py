@@ -20,8 +20,15 @@ restore it as they do a language model's. Each step's buffers have one shape (th
 capacity is fixed at the most a device could send), so each part compiles once.
 
 Placements: ``dlrm.placement=auto`` asks :func:`hypertron.embed.plan.plan` per table; ``row``,
-``column`` or ``table`` puts every table so. The routing needs the whole step's ids in one
-process: a DLRM run is one process (of any number of local devices) for now.
+``column`` or ``table`` puts every table so.
+
+On several processes (``hypertron launch local --processes 2``, Slurm, JobSet) the tables are
+split over every device of every process and each process routes only its own samples' ids
+(:func:`hypertron.embed.route` with ``process``): duplicates are merged on the devices that read
+them, so no process ever holds the step's ids. The dense step and its batch are split by samples
+as on one process (each process's batch its block of the global one). A table-wise table is one
+process's only for now (its owner would need every process's ids): ``auto`` splits every table,
+and ``dlrm.placement=table`` is refused.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
 )
+from hypertron.embed.tables import routed_inputs
 from hypertron.embed.plan import plan as plan_tables
 from hypertron.hardware import device_memory
 from hypertron.models.flops import device_peak_flops
@@ -79,15 +87,17 @@ def dense_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(scale_by_adagrad(cfg.dlrm.eps), optax.scale_by_learning_rate(lr))
 
 
-def place_tables(cfg: Config, mesh: Mesh) -> list[tuple[Any, int]]:
-    """Each table's spec (with its placement) and owner over the mesh's axis."""
+def place_tables(cfg: Config, mesh: Mesh, split_all: bool) -> list[tuple[Any, int]]:
+    """Each table's spec (with its placement) and owner over the mesh's axis; ``split_all``: no
+    table whole (``auto`` on several processes)."""
     d = cfg.dlrm
     specs, features = dlrm.table_specs(d, "auto" if d.placement == "auto" else d.placement)
     if d.placement != "auto":
         return [(s, i % mesh.shape[AXIS]) for i, s in enumerate(specs)]
     chosen = plan_tables(specs, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
                          shards=mesh.shape[AXIS], batch=cfg.train.global_batch,
-                         device_bytes=int(device_memory(mesh.devices.flat[0]) or 0))
+                         device_bytes=int(device_memory(mesh.devices.flat[0]) or 0),
+                         split_all=split_all)
     return [(c.table, c.owner or 0) for c in chosen.choices]
 
 
@@ -105,6 +115,8 @@ class DlrmTrainer:
     predict_fn: Any
     capacities: list[int]
     fused_step: Any = None  # the whole step as one compiled function, where the tables allow (see make_dlrm_trainer)
+    processes: int = 1  # more than one: each feeds its block of the global batch
+    per_process: bool = False  # each process routes its own samples' ids, duplicates merged on the devices
 
     def init(self, key: jax.Array) -> dict:
         replicated = NamedSharding(self.mesh, P())
@@ -146,12 +158,21 @@ class DlrmTrainer:
         b = len(sparse)
         starts = np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
 
-        def one(f: int):
+        process = (jax.process_index(), self.processes) if self.per_process else None
+
+        def one(f: int):  # (its capacity is the most a device could send: no process can overflow it)
             x = Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
             return route(self.tables[f].spec, x, "sum", self.tables[f].shards, capacity=self.capacities[f],
-                         feature=f"f{f}")
+                         feature=f"f{f}", process=process)
 
         return list(pool.map(one, range(len(self.tables))) if pool is not None else map(one, range(len(self.tables))))
+
+    def batch_array(self, local: np.ndarray) -> jax.Array | np.ndarray:
+        """This process's rows of a batch as the step takes them: on several processes, the global
+        array split by samples, each process's rows its block."""
+        if self.processes == 1:
+            return local
+        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local))
 
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
@@ -165,8 +186,8 @@ class DlrmTrainer:
             return self._fused(state, local, routed)
         tables = self.live_tables(state)
         pooled = self._pooled(tables, routed)
-        x = jax.device_put(local["dense"], self.batch_sharding)
-        y = jax.device_put(local["labels"], self.batch_sharding)
+        x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
+        y = jax.device_put(self.batch_array(local["labels"]), self.batch_sharding)
         dense, opt, grads, metrics = self.dense_step(state["params"]["dense"], state["opt_state"]["dense"],
                                                     state["step"], x, y, pooled)
         new_tables, new_state = {}, {}
@@ -185,8 +206,8 @@ class DlrmTrainer:
         acc = state["opt_state"]["tables"]
         dense, opt, tables, accs, metrics = self.fused_step(
             state["params"]["dense"], state["opt_state"]["dense"], [state["params"]["tables"][n] for n in names],
-            [acc.get(n, np.float32(0)) for n in names], state["step"], local["dense"], local["labels"],
-            [r.arrays() for r in routed])
+            [acc.get(n, np.float32(0)) for n in names], state["step"], self.batch_array(local["dense"]),
+            self.batch_array(local["labels"]), [routed_inputs(t, r) for t, r in zip(self.tables, routed)])
         return ({"params": {"dense": dense, "tables": dict(zip(names, tables))},
                  "opt_state": {"dense": opt, "tables": {n: a for n, a in zip(names, accs) if n in acc}},
                  "step": state["step"] + 1}, metrics)
@@ -194,7 +215,7 @@ class DlrmTrainer:
     def predict(self, state: dict, local: dict, zero_tables: bool = False) -> jax.Array:
         """Click logits of a batch (``zero_tables``: with every pooled embedding zeroed, the ablation)."""
         pooled = self._pooled(self.live_tables(state), self.route(local), zero=zero_tables)
-        x = jax.device_put(local["dense"], self.batch_sharding)
+        x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
         return self.predict_fn(state["params"]["dense"], x, pooled)
 
 
@@ -255,13 +276,21 @@ class RoutedAhead:
         self.features.shutdown()
 
 
-def make_dlrm_trainer(cfg: Config, mesh: Mesh) -> DlrmTrainer:
-    """The DLRM trainer of ``cfg`` on the one-axis ``mesh``; nothing is compiled until first called."""
+def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) -> DlrmTrainer:
+    """The DLRM trainer of ``cfg`` on the one-axis ``mesh``; nothing is compiled until first called.
+    ``per_process``: route per process, every table split (None: on several processes, where it
+    must be; on one, the step's duplicates are found on the host, tables whole where they fit)."""
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(AXIS))
-    tables = [abstract_table(spec, mesh, AXIS, owner=owner) for spec, owner in place_tables(cfg, mesh)]
+    processes = jax.process_count()
+    per_process = processes > 1 if per_process is None else per_process
+    if processes > 1 and not per_process:
+        raise ValueError("on several processes the ids are routed per process")
+    placed = place_tables(cfg, mesh, split_all=per_process)
+    tables = [abstract_table(spec, mesh, AXIS, owner=owner) for spec, owner in placed]
     s, b = mesh.shape[AXIS], cfg.train.global_batch
-    # Row-wise: the most ids one device could send one owner (all of its own); others: ignored but fixed.
+    # Row-wise: the most ids one device could send one owner (all of its own); routed per process,
+    # column-wise too (a device's ids); others: ignored but fixed.
     capacities = [-(-b // s) * hot for hot in cfg.dlrm.ids_per_sample]
     optimizer = dense_optimizer(cfg)
     lr = schedule(cfg.train)
@@ -282,14 +311,16 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh) -> DlrmTrainer:
                       out_shardings=(replicated, replicated, [batch_sharding] * n, replicated), donate_argnums=(0, 1))
     predict = jax.jit(lambda dense, x, pooled: dlrm.forward(dense, x, pooled),
                       in_shardings=(replicated, batch_sharding, [batch_sharding] * n), out_shardings=batch_sharding)
-    trainer = DlrmTrainer(cfg, mesh, tables, {}, batch_sharding, optimizer, step_fn, predict, capacities)
+    trainer = DlrmTrainer(cfg, mesh, tables, {}, batch_sharding, optimizer, step_fn, predict, capacities,
+                          processes=processes, per_process=per_process)
     trainer.state_shardings = jax.tree.map(lambda a: a.sharding, trainer.abstract_state())
     # One compiled step (lookups, dense step, updates) when every table lives on the mesh's devices as one
     # jit can take them: split row- or column-wise, or whole on a mesh of one device. A whole table on one of
     # several devices is an array of another device set, so those steps run in parts.
     if s == 1 or all(t.spec.placement != "table" for t in tables):
-        pools = [pooling_fn(t, -(-b // s) if t.spec.placement == "row" else b) for t in tables]
-        updates = [update_fn(t, -(-b // s) if t.spec.placement == "row" else b) for t in tables]
+        per = [-(-b // s) if t.spec.placement == "row" or per_process else b for t in tables]
+        pools = [pooling_fn(t, n, per_process) for t, n in zip(tables, per)]
+        updates = [update_fn(t, n, per_process) for t, n in zip(tables, per)]
         eps = cfg.dlrm.eps
 
         def whole_step(dense, opt, data, accs, step, x, y, routed):
@@ -378,5 +409,10 @@ def evaluate_logits(trainer: DlrmTrainer, state: dict, batches: Iterator[dict], 
     for _ in range(count):
         local = next(batches)
         logits.append(trainer.predict(state, local, zero_tables))
-        labels.append(local["labels"])
-    return np.concatenate(jax.device_get(logits)), np.concatenate(labels)
+        labels.append(trainer.batch_array(local["labels"]))
+    if trainer.processes > 1:  # every process's samples, in process order
+        from jax.experimental import multihost_utils
+
+        logits, labels = ([multihost_utils.process_allgather(a, tiled=True) for a in arrays]
+                          for arrays in (logits, labels))
+    return np.concatenate(jax.device_get(logits)), np.concatenate(jax.device_get(labels))
