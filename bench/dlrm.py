@@ -218,7 +218,7 @@ def main() -> None:
     results = []
     for batch in args.batch:
         cfg = _config(args.dlrm, batch, args.max_rows)
-        batches = [synthetic_batch(i, cfg=cfg.dlrm, batch_size=batch, seed=0, process_index=0, stream=0)
+        batches = [synthetic_batch(i, cfg=cfg.dlrm, batch_size=batch, seed=0)
                    for i in range(args.batches)]
         h = measure(cfg, batches, args.steps, keep_initial=not args.hypertron_only)
         row = {"batch": batch, "table_rows": list(cfg.dlrm.table_rows), "hypertron_samples_per_s": h["samples_s"],

@@ -574,7 +574,7 @@ def dlrm_row(ctx):
     preset, batch, cap = ctx.s.dlrm
     cfg = _config(preset, batch, cap or None)
     sizes = dlrm.sizes(cfg.dlrm)
-    batches = [synthetic_batch(i, cfg=cfg.dlrm, batch_size=batch, seed=0, process_index=0, stream=0) for i in range(2)]
+    batches = [synthetic_batch(i, cfg=cfg.dlrm, batch_size=batch, seed=0) for i in range(2)]
     m = measure(cfg, batches, ctx.s.steps, warmup=ctx.s.warmup)
     return {"preset": preset, "table_rows_cap": cap, "params_m": sizes["params"] / 1e6,
             "table_gib": (sizes["param_bytes"] + sizes["optimizer_bytes"]) / 2**30, "batch": batch,

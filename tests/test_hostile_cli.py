@@ -176,10 +176,10 @@ def test_plan_refuses_what_train_refuses_in_the_same_words(case, tmp_path, monke
     assert one_error_line(run_cli(["plan", *overrides, *where])) == trained
 
 
-def test_plan_takes_no_device_count_of_zero_and_no_dlrm_over_nodes():
+def test_plan_takes_no_device_count_of_zero_and_no_table_wise_dlrm_over_nodes():
     one_error_line(run_cli(["plan", "model=tiny", "--devices", "0"]), "--devices=0", "at least 1")
-    one_error_line(run_cli(["plan", "task=dlrm", "dlrm=dlrm-v2-tiny", "--devices", "16"]),
-                   "task=dlrm runs in one process", "this job has 2")
+    one_error_line(run_cli(["plan", "task=dlrm", "dlrm=dlrm-v2-tiny", "dlrm.placement=table", "--devices", "16"]),
+                   "dlrm.placement=table: a table-wise table is one process's only", "this job has 2 processes")
 
 
 # --- readers and flags ---

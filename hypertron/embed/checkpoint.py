@@ -14,6 +14,7 @@ A directory that exists is never written into (:class:`EmbedError`, one line).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -36,20 +37,41 @@ def _padded_rows(rows: int, shards: int) -> int:
     return -(-rows // align) * align
 
 
-def _logical(table: ShardedTable) -> dict[str, jax.Array]:
-    """The table (and state) in ``[padded rows, ...]`` row order, split by rows over its axis."""
-    spec, s = table.spec, table.shards
-    n = _padded_rows(spec.rows, s)
-    out = NamedSharding(table.mesh, P(table.axis))
+@functools.lru_cache(maxsize=None)
+def _to_logical(placement: str, rows: int, shards: int, out):
+    """The jitted relayout of one of a table's arrays from ``placement``'s layout (over ``shards``)
+    to ``[padded rows, ...]`` on ``out``."""
+    n = _padded_rows(rows, shards)
 
     def relayout(a):
-        if spec.placement == "row":
+        if placement == "row":
             a = jnp.moveaxis(a, 0, 1).reshape(-1, *a.shape[2:])
-        a = a[:spec.rows]
-        return jnp.pad(a, [(0, n - spec.rows)] + [(0, 0)] * (a.ndim - 1))
+        a = a[:rows]
+        return jnp.pad(a, [(0, n - rows)] + [(0, 0)] * (a.ndim - 1))
 
+    return jax.jit(relayout, out_shardings=out)
+
+
+def logical_arrays(table: ShardedTable) -> dict[str, jax.Array]:
+    """The table (``table``) and its optimiser state (``state``) in ``[padded rows, ...]`` row order,
+    split by rows over its axis: what is saved (a copy; the table's own arrays are left alone)."""
+    split = NamedSharding(table.mesh, P(table.axis))
     arrays = {"table": table.data} | ({} if table.state is None else {"state": table.state})
-    return {k: jax.jit(relayout, out_shardings=out)(v) for k, v in arrays.items()}
+    spec, s = table.spec, table.shards
+    if spec.placement != "table":
+        return {k: _to_logical(spec.placement, spec.rows, s, split)(v) for k, v in arrays.items()}
+    # Table-wise: padded on its owner, then its rows sent to their shards (a transfer).
+    return {k: jax.device_put(_to_logical("table", spec.rows, s, v.sharding)(v), split) for k, v in arrays.items()}
+
+
+def logical_abstract(spec: TableSpec, optimizer: str, mesh: Mesh, axis: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """What :func:`logical_arrays` gives for ``spec`` with ``optimizer``, as shapes and shardings on
+    ``mesh`` (split by rows where the shard count divides the padded rows, else whole)."""
+    n, s = _padded_rows(spec.rows, 1), mesh.shape[axis]
+    split = NamedSharding(mesh, P(axis) if n % s == 0 else P())
+    state = {"rowwise_adagrad": (n,), "adagrad": (n, spec.dim)}.get(optimizer)
+    shapes = {"table": (n, spec.dim), "state": state}
+    return {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=split) for k, v in shapes.items() if v is not None}
 
 
 def save_tables(directory: str | Path, tables: Mapping[str, ShardedTable]) -> None:
@@ -58,7 +80,7 @@ def save_tables(directory: str | Path, tables: Mapping[str, ShardedTable]) -> No
     if directory.exists():
         raise EmbedError(f"{directory}: exists already; embedding tables are saved into a new directory")
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(directory / "arrays", {name: _logical(t) for name, t in tables.items()})
+    ckpt.save(directory / "arrays", {name: logical_arrays(t) for name, t in tables.items()})
     ckpt.wait_until_finished()
     meta = {name: {"rows": t.spec.rows, "dim": t.spec.dim, "optimizer": t.optimizer} for name, t in tables.items()}
     (directory / "tables.json").write_text(json.dumps(meta, indent=1))
@@ -73,7 +95,6 @@ def restore_tables(directory: str | Path, specs: Mapping[str, TableSpec], mesh: 
         meta = json.loads((directory / "tables.json").read_text())
     except (OSError, ValueError) as e:
         raise EmbedError(f"{directory}: no embedding tables saved here ({type(e).__name__})") from None
-    s = mesh.shape[axis]
     abstract = {}
     for name, spec in specs.items():
         if name not in meta:
@@ -81,35 +102,40 @@ def restore_tables(directory: str | Path, specs: Mapping[str, TableSpec], mesh: 
         m = meta[name]
         if (m["rows"], m["dim"]) != (spec.rows, spec.dim):
             raise EmbedError(f"table {name!r}: saved as {m['rows']} x {m['dim']}, asked for {spec.rows} x {spec.dim}")
-        n = _padded_rows(spec.rows, 1)
-        split = NamedSharding(mesh, P(axis) if n % s == 0 else P())
-        state = {"rowwise_adagrad": (n,), "adagrad": (n, spec.dim)}.get(m["optimizer"])
-        shapes = {"table": (n, spec.dim), "state": state}
-        abstract[name] = {k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=split) for k, v in shapes.items()
-                          if v is not None}
+        abstract[name] = logical_abstract(spec, m["optimizer"], mesh, axis)
     restored = ocp.StandardCheckpointer().restore(directory / "arrays", abstract)
-    return {name: _place(restored[name], spec, meta[name]["optimizer"], mesh, axis, (owners or {}).get(name, 0))
-            for name, spec in specs.items()}
+    return {name: place_logical(restored[name], spec, meta[name]["optimizer"], mesh, axis,
+                                (owners or {}).get(name, 0)) for name, spec in specs.items()}
 
 
-def _place(arrays: dict, spec: TableSpec, optimizer: str, mesh: Mesh, axis: str, owner: int) -> ShardedTable:
+@functools.lru_cache(maxsize=None)
+def _from_logical(placement: str, rows: int, out):
+    """The jitted relayout of one logical array (``[padded rows, ...]``) into ``placement``'s layout on ``out``."""
+    if placement != "row":
+        return jax.jit(lambda a: a[:rows], out_shardings=out)
+    s = out.mesh.shape[out.spec[0]]
+    per = -(-rows // s)
+
+    def relayout(a):
+        a = jnp.pad(a[:rows], [(0, per * s - rows)] + [(0, 0)] * (a.ndim - 1))
+        return jnp.moveaxis(a.reshape(per, s, *a.shape[1:]), 1, 0)
+
+    return jax.jit(relayout, out_shardings=out)
+
+
+def place_logical(arrays: Mapping[str, jax.Array], spec: TableSpec, optimizer: str, mesh: Mesh, axis: str,
+                  owner: int = 0) -> ShardedTable:
+    """The table of ``arrays`` (:func:`logical_arrays`' form) laid out for ``spec.placement`` over
+    ``axis`` of ``mesh`` (``owner``: table-wise, the device)."""
     s = mesh.shape[axis]
     if spec.placement == "row":
-        per = -(-spec.rows // s)
-
-        def relayout(a):
-            a = jnp.pad(a[:spec.rows], [(0, per * s - spec.rows)] + [(0, 0)] * (a.ndim - 1))
-            return jnp.moveaxis(a.reshape(per, s, *a.shape[1:]), 1, 0)
-
         shard = lambda a: NamedSharding(mesh, P(axis))  # noqa: E731
-    else:
-        relayout = lambda a: a[:spec.rows]  # noqa: E731
-        if spec.placement == "column":
-            shard = lambda a: NamedSharding(mesh, P(None, axis) if a.ndim == 2 else P())  # noqa: E731
-        else:  # the owner takes the rows (a transfer), then drops the padding
-            device = SingleDeviceSharding(_axis_devices(mesh, axis)[owner % s])
-            arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}
-            shard = lambda a: device  # noqa: E731
-    placed = {k: jax.jit(relayout, out_shardings=shard(v))(v) for k, v in arrays.items()}
+    elif spec.placement == "column":
+        shard = lambda a: NamedSharding(mesh, P(None, axis) if a.ndim == 2 else P())  # noqa: E731
+    else:  # the owner takes the rows (a transfer), then drops the padding
+        device = SingleDeviceSharding(_axis_devices(mesh, axis)[owner % s])
+        arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}
+        shard = lambda a: device  # noqa: E731
+    placed = {k: _from_logical(spec.placement, spec.rows, shard(v))(v) for k, v in arrays.items()}
     return ShardedTable(dataclasses.replace(spec, optimizer=optimizer), placed["table"], mesh, axis, optimizer,
                         placed.get("state"), owner % s)

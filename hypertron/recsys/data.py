@@ -5,8 +5,14 @@ ids_per_sample]`` int32 (feature ``f``'s ids in its own columns, in feature orde
 [B]`` float32 (0 or 1). Iterators are Grain's, so a checkpoint holds their position and a resumed
 run reads exactly the batches it would have.
 
-**Synthetic, with a planted teacher.** Each batch is made from ``(seed, process, batch index,
-split)`` alone. Dense floats are standard normal; feature ``f``'s ids are ``floor(rows * u**2)``
+Each process reads its block of every global batch, and a global batch is the same whatever the
+process count, so a run resumes on another process count with the batches it would have read: a
+stream's position is the global batch's index, the same on every process
+(``restore_from_files`` takes it from whichever process saved it).
+
+**Synthetic, with a planted teacher.** A global batch is ``shards`` blocks of rows (the
+``data.shards`` of the run), block ``k`` of batch ``i`` made from ``(seed, k, i, split)`` alone;
+a process makes its own blocks. Dense floats are standard normal; feature ``f``'s ids are ``floor(rows * u**2)``
 for uniform ``u`` (low ids are common, as in click logs). The teacher gives every row of every
 table a value in ``[-1, 1)`` (a hash of ``teacher_seed``, the feature and the id: no table is
 stored, so the MLPerf sizes cost nothing) and the label is drawn with probability
@@ -21,14 +27,17 @@ sample per line, tab-separated: the label, 13 integer counts and 26 categorical 
 fields are allowed. As the DLRM reference reads them, a count becomes ``log(1 + max(x, 0))`` and an
 id is taken modulo its table's rows (an empty one is 0). These lines have one id per feature, so
 ``ids_per_sample`` must be all 1. The lines of each file are indexed once (8 bytes a line, through
-a memory map), then read in a seeded shuffled order, epoch after epoch.
+a memory map), then read in a seeded shuffled order, epoch after epoch: global batch ``i`` is
+lines ``i * B`` to ``(i + 1) * B - 1`` of that order, and a process parses its block of them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import grain
@@ -70,19 +79,48 @@ def teacher_logits(cfg: DlrmConfig, dense: np.ndarray, sparse: np.ndarray) -> np
     return cfg.teacher_scale * s * gain
 
 
-def synthetic_batch(index: int, *, cfg: DlrmConfig, batch_size: int, seed: int, process_index: int,
-                    stream: int) -> dict[str, np.ndarray]:
-    """Batch ``index`` of the synthetic stream (``stream`` 1: the held-out one)."""
-    rng = np.random.default_rng((seed, process_index, index, stream))
-    dense = rng.standard_normal((batch_size, cfg.dense_features)).astype(np.float32)
+def synthetic_batch(index: int, *, cfg: DlrmConfig, batch_size: int, seed: int, stream: int = 0,
+                    shards: Sequence[int] = (0,)) -> dict[str, np.ndarray]:
+    """Batch ``index`` of the synthetic stream (``stream`` 1: the held-out one): ``batch_size`` rows
+    of each of ``shards`` (the global batch's blocks this process makes), in shard order."""
+    blocks = [_synthetic_block(index, cfg, batch_size, seed, shard, stream) for shard in shards]
+    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+
+
+def _synthetic_block(index: int, cfg: DlrmConfig, rows: int, seed: int, shard: int, stream: int) -> dict:
+    rng = np.random.default_rng((seed, shard, index, stream))
+    dense = rng.standard_normal((rows, cfg.dense_features)).astype(np.float32)
     cols = []
-    for rows, hot in zip(cfg.table_rows, cfg.ids_per_sample):
-        u = rng.random((batch_size, hot))
-        cols.append(np.minimum((rows * u * u).astype(np.int64), rows - 1))
+    for table_rows, hot in zip(cfg.table_rows, cfg.ids_per_sample):
+        u = rng.random((rows, hot))
+        cols.append(np.minimum((table_rows * u * u).astype(np.int64), table_rows - 1))
     sparse = np.concatenate(cols, axis=1)
     p = 1.0 / (1.0 + np.exp(-teacher_logits(cfg, dense.astype(np.float64), sparse)))
-    labels = (rng.random(batch_size) < p).astype(np.float32)
+    labels = (rng.random(rows) < p).astype(np.float32)
     return {"dense": dense, "sparse": sparse.astype(np.int32), "labels": labels}
+
+
+class _GlobalPosition(grain.DatasetIterator):
+    """A process's stream whose position (the global batch's index) is the same on every process,
+    so a checkpoint of any process count restores it from any process's saved state."""
+
+    def __init__(self, parent: grain.DatasetIterator):
+        super().__init__(parent)
+
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+    def restore_from_files(self, paths: Iterable[Path]) -> None:
+        paths = list(paths)
+        if not paths:
+            raise DataError("the checkpoint holds no data position")
+        self.set_state(json.loads(Path(paths[0]).read_text()))
 
 
 class _Lines:
@@ -144,15 +182,21 @@ def check_files(paths: tuple[str, ...], key: str = "dlrm.paths") -> None:
 
 
 def make_batches(cfg: DlrmConfig, *, batch_size: int, seed: int, split: str = "train", process_index: int = 0,
-                 process_count: int = 1) -> grain.DatasetIterator:
-    """This process's batches of ``batch_size`` samples, endlessly; ``split``: ``train`` or ``eval``
-    (the held-out stream, or ``eval_paths``)."""
+                 process_count: int = 1, shards: int = 1) -> grain.DatasetIterator:
+    """This process's batches of ``batch_size`` samples (its block of each global batch of
+    ``batch_size * process_count``), endlessly; ``split``: ``train`` or ``eval`` (the held-out
+    stream, or ``eval_paths``); ``shards``: the synthetic global batch's blocks (the processes
+    divide them)."""
     if split not in ("train", "eval"):
         raise DataError(f"split={split!r}: expected 'train' or 'eval'")
     if cfg.source == "synthetic":
-        make = functools.partial(synthetic_batch, cfg=cfg, batch_size=batch_size, seed=seed,
-                                 process_index=process_index, stream=int(split == "eval"))
-        return iter(grain.MapDataset.range(sys.maxsize).map(make).to_iter_dataset(_READ_OPTIONS))
+        if shards % process_count or (batch_size * process_count) % shards:
+            raise DataError(f"data.shards={shards}: must divide the global batch of {batch_size * process_count} "
+                            f"and be divided by the {process_count} processes")
+        mine = range(process_index * shards // process_count, (process_index + 1) * shards // process_count)
+        make = functools.partial(synthetic_batch, cfg=cfg, batch_size=batch_size // len(mine), seed=seed,
+                                 stream=int(split == "eval"), shards=mine)
+        return _GlobalPosition(iter(grain.MapDataset.range(sys.maxsize).map(make).to_iter_dataset(_READ_OPTIONS)))
     if any(hot != 1 for hot in cfg.ids_per_sample):
         raise DataError("dlrm.source=criteo: Criteo lines hold one id per feature; set dlrm.ids_per_sample to all 1")
     paths = cfg.paths if split == "train" else cfg.eval_paths
@@ -164,6 +208,7 @@ def make_batches(cfg: DlrmConfig, *, batch_size: int, seed: int, split: str = "t
     ds = grain.MapDataset.source(lines)
     if split == "train":
         ds = ds.shuffle(seed=seed)
-    ds = ds[process_index::process_count].repeat(None)
-    ds = ds.map(functools.partial(parse_criteo, table_rows=cfg.table_rows))
-    return iter(ds.to_iter_dataset(_READ_OPTIONS).batch(batch_size, drop_remainder=True))
+    ds = ds.repeat(None).map(functools.partial(parse_criteo, table_rows=cfg.table_rows))
+    # Blocks of this process's size in the global order: global batch i is blocks i * P to i * P + P - 1.
+    ds = ds.batch(batch_size, drop_remainder=True)[process_index::process_count]
+    return _GlobalPosition(iter(ds.to_iter_dataset(_READ_OPTIONS)))

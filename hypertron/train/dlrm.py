@@ -48,11 +48,13 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.config import Config, ConfigError
 from hypertron.config.validation import check_dlrm_devices
+from hypertron.data import resolve_shards
 from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
 )
 from hypertron.embed.tables import routed_inputs
+from hypertron.embed.checkpoint import logical_abstract, logical_arrays, place_logical
 from hypertron.embed.plan import plan as plan_tables
 from hypertron.hardware import device_memory
 from hypertron.models.flops import device_peak_flops
@@ -115,6 +117,7 @@ class DlrmTrainer:
     predict_fn: Any
     capacities: list[int]
     fused_step: Any = None  # the whole step as one compiled function, where the tables allow (see make_dlrm_trainer)
+    fused_predict: Any = None  # the same for the logits (on several processes, one program a batch, not one a table)
     processes: int = 1  # more than one: each feeds its block of the global batch
     per_process: bool = False  # each process routes its own samples' ids, duplicates merged on the devices
 
@@ -131,19 +134,44 @@ class DlrmTrainer:
         return {"params": {"dense": dense, "tables": tables}, "opt_state": {"dense": opt, "tables": table_state},
                 "step": jax.device_put(np.int32(0), replicated)}
 
-    def to_held(self, state: dict) -> dict:  # checkpoints hold the state as the step does
-        return state
+    def to_model(self, state: dict) -> dict:
+        """``state`` as checkpoints hold it: every table and its optimiser state in its logical row
+        order (:func:`hypertron.embed.checkpoint.logical_arrays`, a copy), whatever its placement,
+        so a run resumes under another placement, device count or process count."""
+        tables, accs = {}, {}
+        for t in self.live_tables(state):
+            arrays = logical_arrays(t)
+            tables[t.spec.name] = arrays["table"]
+            if "state" in arrays:
+                accs[t.spec.name] = arrays["state"]
+        return {**state, "params": {**state["params"], "tables": tables},
+                "opt_state": {**state["opt_state"], "tables": accs}}
 
-    to_model = to_held
+    def to_held(self, state: dict) -> dict:
+        """A checkpoint's state (:meth:`to_model`'s form) laid out as this trainer's step holds it."""
+        tables, accs = {}, {}
+        for t in self.tables:
+            arrays = {"table": state["params"]["tables"][t.spec.name]}
+            if t.state is not None:
+                arrays["state"] = state["opt_state"]["tables"][t.spec.name]
+            placed = place_logical(arrays, t.spec, t.optimizer, self.mesh, AXIS, t.owner)
+            tables[t.spec.name] = placed.data
+            if placed.state is not None:
+                accs[t.spec.name] = placed.state
+        return {**state, "params": {**state["params"], "tables": tables},
+                "opt_state": {**state["opt_state"], "tables": accs}}
 
     def abstract_state(self) -> dict:
+        """The checkpoints' state as shapes and shardings (:meth:`to_model`'s form)."""
         replicated = NamedSharding(self.mesh, P())
         shaped = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
         dense = jax.eval_shape(lambda: dlrm.init_dense(self.cfg.dlrm, jax.random.key(0)))
         opt = jax.eval_shape(self.optimizer.init, dense)
-        return {"params": {"dense": jax.tree.map(shaped, dense), "tables": {t.spec.name: t.data for t in self.tables}},
+        logical = {t.spec.name: logical_abstract(t.spec, t.optimizer, self.mesh, AXIS) for t in self.tables}
+        return {"params": {"dense": jax.tree.map(shaped, dense),
+                           "tables": {name: a["table"] for name, a in logical.items()}},
                 "opt_state": {"dense": jax.tree.map(shaped, opt),
-                              "tables": {t.spec.name: t.state for t in self.tables if t.state is not None}},
+                              "tables": {name: a["state"] for name, a in logical.items() if "state" in a}},
                 "step": shaped(jax.ShapeDtypeStruct((), jnp.int32))}
 
     def live_tables(self, state: dict) -> list[ShardedTable]:
@@ -214,7 +242,13 @@ class DlrmTrainer:
 
     def predict(self, state: dict, local: dict, zero_tables: bool = False) -> jax.Array:
         """Click logits of a batch (``zero_tables``: with every pooled embedding zeroed, the ablation)."""
-        pooled = self._pooled(self.live_tables(state), self.route(local), zero=zero_tables)
+        routed = self.route(local)
+        if self.fused_predict is not None:
+            return self.fused_predict(state["params"]["dense"], [state["params"]["tables"][t.spec.name]
+                                                                 for t in self.tables],
+                                      self.batch_array(local["dense"]),
+                                      [routed_inputs(t, r) for t, r in zip(self.tables, routed)], zero_tables)
+        pooled = self._pooled(self.live_tables(state), routed, zero=zero_tables)
         x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
         return self.predict_fn(state["params"]["dense"], x, pooled)
 
@@ -332,6 +366,15 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
             return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
 
         trainer.fused_step = jax.jit(whole_step, donate_argnums=(0, 1, 2, 3))
+
+        def whole_predict(dense, data, x, routed, zero):
+            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)]
+            if zero:
+                pooled = [jnp.zeros_like(p) for p in pooled]
+            x, pooled = jax.lax.with_sharding_constraint((x, pooled), batch_sharding)
+            return dlrm.forward(dense, x, pooled)
+
+        trainer.fused_predict = jax.jit(whole_predict, static_argnums=4, out_shardings=batch_sharding)
     return trainer
 
 
@@ -362,7 +405,7 @@ class Recommender:
     def batches(self, cfg: Config, split: str = "train") -> Iterator[dict]:
         return recsys_data.make_batches(cfg.dlrm, batch_size=cfg.train.global_batch // jax.process_count(),
                                         seed=cfg.data.seed, split=split, process_index=jax.process_index(),
-                                        process_count=jax.process_count())
+                                        process_count=jax.process_count(), shards=data_shards(cfg))
 
     def data_fingerprint(self, cfg: Config) -> dict[str, Any]:
         d = cfg.dlrm
@@ -370,7 +413,7 @@ class Recommender:
                 "seed": cfg.data.seed, "teacher_seed": d.teacher_seed, "teacher_scale": d.teacher_scale,
                 "table_rows": list(d.table_rows), "ids_per_sample": list(d.ids_per_sample),
                 "dense_features": d.dense_features, "global_batch": cfg.train.global_batch,
-                "process_count": jax.process_count()}
+                "shards": data_shards(cfg)}  # not the process count: a global batch is the same on any
 
     def trainer(self, cfg: Config, mesh: Mesh) -> DlrmTrainer:
         return make_dlrm_trainer(cfg, mesh)
@@ -400,6 +443,12 @@ class Recommender:
 
     def finish(self, cfg: Config, state: dict, console) -> None:
         pass  # the run's checkpoint is what it leaves
+
+
+def data_shards(cfg: Config) -> int:
+    """The synthetic global batch's blocks: ``data.shards``, or by default 8 (or the most of 4, 2, 1)
+    that divides the batch and that the processes divide, so 1, 2, 4 and 8 processes read one stream."""
+    return resolve_shards(cfg.data.shards, cfg.train.global_batch, jax.process_count())
 
 
 def evaluate_logits(trainer: DlrmTrainer, state: dict, batches: Iterator[dict], count: int,
