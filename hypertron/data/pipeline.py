@@ -215,15 +215,9 @@ class _Stream(grain.DatasetIterator):
         self.set_state({"shards": merged})
 
 
-class _JsonStateIterator(grain.DatasetIterator):
-    """The pipeline's iterator, with a state that survives a JSON round trip.
-
-    Grain's checkpoint handler stores iterator states as JSON, which turns
-    tuples into lists; ``ConcatThenSplitIterDataset.set_state`` then compares
-    its ``remainder_slices`` to the tuple ``(-1, -1)`` and takes every list for
-    a remainder, so a restored stream goes wrong (grain 0.2.18). This wrapper
-    turns those slices back into tuples before restoring.
-    """
+class Wrapped(grain.DatasetIterator):
+    """A Grain iterator that passes batches and states through to the one it wraps: the base of a
+    wrapper that changes one thing about them."""
 
     def __init__(self, parent: grain.DatasetIterator):
         super().__init__(parent)
@@ -233,6 +227,20 @@ class _JsonStateIterator(grain.DatasetIterator):
 
     def get_state(self):
         return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+
+class _JsonStateIterator(Wrapped):
+    """The pipeline's iterator, with a state that survives a JSON round trip.
+
+    Grain's checkpoint handler stores iterator states as JSON, which turns
+    tuples into lists; ``ConcatThenSplitIterDataset.set_state`` then compares
+    its ``remainder_slices`` to the tuple ``(-1, -1)`` and takes every list for
+    a remainder, so a restored stream goes wrong (grain 0.2.18). This wrapper
+    turns those slices back into tuples before restoring.
+    """
 
     def set_state(self, state):
         self._parent.set_state(_slices_as_tuples(state))

@@ -44,6 +44,7 @@ import grain
 import numpy as np
 
 from hypertron.config import DlrmConfig
+from hypertron.data.pipeline import Wrapped
 from hypertron.errors import DataError
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
@@ -100,21 +101,9 @@ def _synthetic_block(index: int, cfg: DlrmConfig, rows: int, seed: int, shard: i
     return {"dense": dense, "sparse": sparse.astype(np.int32), "labels": labels}
 
 
-class _GlobalPosition(grain.DatasetIterator):
+class _GlobalPosition(Wrapped):
     """A process's stream whose position (the global batch's index) is the same on every process,
     so a checkpoint of any process count restores it from any process's saved state."""
-
-    def __init__(self, parent: grain.DatasetIterator):
-        super().__init__(parent)
-
-    def __next__(self):
-        return next(self._parent)
-
-    def get_state(self):
-        return self._parent.get_state()
-
-    def set_state(self, state):
-        self._parent.set_state(state)
 
     def restore_from_files(self, paths: Iterable[Path]) -> None:
         paths = list(paths)
