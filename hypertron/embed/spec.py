@@ -19,7 +19,7 @@ the feature or table.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -111,23 +111,53 @@ def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], sh
     return by_name
 
 
-def check_ids(features: Sequence[FeatureSpec], tables: Mapping[str, TableSpec], batch: Mapping[str, Jagged]) -> None:
-    """Every feature's input is there and well formed, and every id is a row of its table."""
+# What check_ids can find wrong with a feature's input, by code (a process's code is what the others learn).
+_PROBLEMS = {1: "no input in the batch", 2: "a sample count unlike the other features'",
+             3: "lengths that do not add up to its ids (or a negative length)", 4: "weights unlike its ids in number",
+             5: "an id that is not a row of its table"}
+
+
+def _problem(features: Sequence[FeatureSpec], tables: Mapping[str, TableSpec],
+             batch: Mapping[str, Jagged]) -> tuple[int, int, str] | None:
+    """The first thing wrong with ``batch``: (the feature's index, a :data:`_PROBLEMS` code, the
+    message), or None."""
     size = None
-    for f in features:
+    for i, f in enumerate(features):
         if f.name not in batch:
-            raise EmbedError(f"feature {f.name!r}: no input in the batch")
+            return i, 1, f"feature {f.name!r}: no input in the batch"
         x, rows = batch[f.name], tables[f.table].rows
         if size is not None and x.batch != size:
-            raise EmbedError(f"feature {f.name!r}: {x.batch} samples, the other features {size}")
+            return i, 2, f"feature {f.name!r}: {x.batch} samples, the other features {size}"
         size = x.batch
         if (np.asarray(x.lengths) < 0).any() or int(np.sum(x.lengths)) != len(x.values):
-            raise EmbedError(f"feature {f.name!r}: lengths add up to {int(np.sum(x.lengths))} but there are "
-                             f"{len(x.values)} ids (or a length is negative)")
+            return i, 3, (f"feature {f.name!r}: lengths add up to {int(np.sum(x.lengths))} but there are "
+                          f"{len(x.values)} ids (or a length is negative)")
         if x.weights is not None and len(x.weights) != len(x.values):
-            raise EmbedError(f"feature {f.name!r}: {len(x.weights)} weights for {len(x.values)} ids")
+            return i, 4, f"feature {f.name!r}: {len(x.weights)} weights for {len(x.values)} ids"
         values = np.asarray(x.values)
         bad = values[(values < 0) | (values >= rows)]
         if bad.size:
-            raise EmbedError(f"feature {f.name!r}: id {int(bad[0])} is not a row of table {f.table!r} "
-                             f"(0 to {rows - 1}); {bad.size} such ids in this batch")
+            return i, 5, (f"feature {f.name!r}: id {int(bad[0])} is not a row of table {f.table!r} "
+                          f"(0 to {rows - 1}); {bad.size} such ids in this batch")
+    return None
+
+
+def check_ids(features: Sequence[FeatureSpec], tables: Mapping[str, TableSpec], batch: Mapping[str, Jagged], *,
+              gather: Callable[[int], Sequence[int]] | None = None) -> None:
+    """Every feature's input is there and well formed, and every id is a row of its table.
+
+    On several processes (``gather``: each process's value of a host integer, in process order, one
+    small collective) each checks its own samples and every process raises the same error, naming
+    the feature, what is wrong and the first process that found it, so none goes on into a step
+    the others left (and waits for them there)."""
+    found = _problem(features, tables, batch)
+    if gather is None:
+        if found:
+            raise EmbedError(found[2])
+        return
+    codes = [int(c) for c in gather(0 if found is None else found[0] * 8 + found[1])]
+    bad = next((p for p, c in enumerate(codes) if c), None)
+    if bad is not None:
+        f = features[codes[bad] // 8]
+        what = _PROBLEMS[codes[bad] % 8].replace("its table", f"table {f.table!r} (0 to {tables[f.table].rows - 1})")
+        raise EmbedError(f"feature {f.name!r}: {what}, in the samples of process {bad}")
