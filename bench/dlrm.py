@@ -134,16 +134,7 @@ def run_torchrec(cfg, batches: list[dict], steps: int, trainer, initial) -> tupl
     _copy_weights(model, ebc, trainer, initial)
     dense = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
     opt = torch.optim.Adagrad(dense, lr=lr, eps=EPS)
-    inputs = [_torch_batch(d, b) for b in batches]
-
-    def step(i: int) -> float:
-        x, kjt, y = inputs[i % len(inputs)]
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, kjt).squeeze(-1), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = torch_step(model, opt, [_torch_batch(d, b) for b in batches])
     check = [step(i).item() for i in range(3)]
     for i in range(5):
         step(i)
@@ -151,6 +142,21 @@ def run_torchrec(cfg, batches: list[dict], steps: int, trainer, initial) -> tupl
     for i in range(steps):
         step(i)
     return time.perf_counter() - t0, check
+
+
+def torch_step(model, opt, inputs: list):
+    """``step(i)``: one training step of ``model`` on ``inputs[i % len(inputs)]`` (its loss)."""
+    import torch
+
+    def step(i: int):
+        x, kjt, y = inputs[i % len(inputs)]
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, kjt).squeeze(-1), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
 
 
 def _torch_batch(d, b: dict):

@@ -35,21 +35,22 @@ def _cfg(run: Path, *overrides: str):
     return load_config(RECIPE, [f"run_dir={run}", *QUIET, *overrides])
 
 
-@pytest.mark.optimized
 def test_the_shapes_demo_learns_its_prompts_colour(tmp_path, one_device):
     """The recipe's model, trained briefly (80 steps of 8 pictures, on one device as the demo runs:
     on the 8 simulated devices each step took longer, twice as long over fsdp), draws the prompt's
     colour in at least 90 % of 24 samples, and with the prompt embeddings zeroed in at most 60 % (the prompt decides it).
     The run leaves RUN/model, our pixel pipeline, its EMA weights. (The shape needs the recipe's
-    2,800 steps, about 5 minutes: bench/diffusion_shapes.py, docs/benchmarks.md.)"""
+    2,800 steps, about 5 minutes: bench/diffusion_shapes.py, docs/benchmarks.md.) Compiled at the
+    suite's least effort and sampled in 10 steps (the bench's 25 gave the same counts): alone, 37 s
+    of training and 9 of sampling against 54 and 12 optimised with the suite's CPU emitters."""
     run = tmp_path / "run"
     result = train(_cfg(run, "train.steps=80", "train.global_batch=8", "checkpoint.every=80"))
     assert result.losses[-1] < result.losses[0] / 4
     index = json.loads((run / "model" / "model_index.json").read_text())
     assert index["_class_name"] == PIXEL
     pipe = load_pipeline(run / "model")
-    score = shapes.score(pipe, per_prompt=4)
-    zeroed = shapes.score(pipe, per_prompt=4, zero_prompts=True)
+    score = shapes.score(pipe, per_prompt=4, steps=10)
+    zeroed = shapes.score(pipe, per_prompt=4, steps=10, zero_prompts=True)
     assert score.colour >= 0.9 * score.total, score
     assert zeroed.colour <= 0.6 * zeroed.total, zeroed
 

@@ -213,25 +213,15 @@ def test_batches_routed_ahead_are_the_streams_batches_routed_and_keep_the_loops_
     again.close()
 
 
-def test_ids_routed_per_process_train_as_the_steps_own_routing_does():
-    """On one process of 8 devices, routing as each of several processes does (every table split:
-    t0 row-wise, the others column-wise; duplicates merged on the devices) gives the 10 losses of
-    the trainer's own routing (every table whole on a device, the step's duplicates found on the
-    host) to 1e-6, and then the held-out logits to 1e-5. (Two real processes: test_multiprocess.py.)"""
-    cfg = _cfg("dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]")
-    mesh, task = Recommender().mesh(cfg, jax.devices()), Recommender()
-    losses, logits = {}, {}
-    for per_process in (False, True):
-        trainer = make_dlrm_trainer(cfg, mesh, per_process=per_process)
-        want = ["row"] + ["column"] * 7 if per_process else ["table"] * 8
-        assert [t.spec.placement for t in trainer.tables] == want
-        state, data, losses[per_process] = trainer.init(jax.random.key(0)), task.batches(cfg), []
-        for _ in range(10):
-            state, metrics = trainer.step(state, next(data))
-            losses[per_process].append(float(metrics["loss"]))
-        logits[per_process] = evaluate_logits(trainer, state, task.batches(cfg, "eval"), 1)[0]
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
-    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+def test_the_two_process_recipe_is_the_tiny_recipe_on_2_processes_of_4_devices():
+    """recipes/cpu/dlrm-v2-tiny-2proc.yaml is what test_multiprocess.py launches by hand: the tiny
+    recipe's training, as 1 node x 2 processes of 4 CPU devices."""
+    from hypertron.launch import recipes
+
+    r = recipes.load(str(RECIPE.with_name("dlrm-v2-tiny-2proc.yaml")), None, [])
+    assert (r.nodes, r.processes) == (1, 2) and "--xla_force_host_platform_device_count=4" in r.env()["XLA_FLAGS"]
+    one, two = load_config(RECIPE, []), load_config(RECIPE.with_name("dlrm-v2-tiny-2proc.yaml"), [])
+    assert (two.task, two.dlrm, two.train) == (one.task, one.dlrm, one.train)
 
 
 @pytest.mark.slow

@@ -150,28 +150,28 @@ def test_a_pipeline_across_the_two_processes_trains_like_one_process(tmp_path):
     assert (run / "model").is_dir()
 
 
-DLRM_RECIPE = Path(__file__).parent.parent / "recipes" / "cpu" / "dlrm-v2-tiny-2proc.yaml"  # 1 node x 2 processes
-DLRM = [str(DLRM_RECIPE), "train.steps=10",
-        "train.log_every=1", "train.eval_every=0", "checkpoint.every=5", "monitor.collect=false",
+DLRM = [str(Path(__file__).parent.parent / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"), "train.steps=10",
+        "train.log_every=1", "train.eval_every=10", "train.eval_batches=1", "checkpoint.every=5",
+        "monitor.collect=false",
         "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]"]  # 8 ids of f0 a sample: t0 goes row-wise, the others column-wise
 
 
 def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
-    """``task: dlrm`` on 2 processes x 4 devices (recipes/cpu/dlrm-v2-tiny-2proc.yaml), its tables split over all 8 (t0 row-wise, the
-    others column-wise), each process reading its block of each global batch and routing only its
-    own samples' ids, equals one process on 8 devices fed the same global batches and routing them
-    per process too: the 10 losses to 1e-6, and from checkpoint 10 every table and its row-wise
-    Adagrad state to 1e-5. Then, as if killed after checkpoint 5, the run resumes on one process of 8
-    devices (its tables whole on a device, its routing its own): steps 6 to 10 give the two
-    processes' losses (1e-6), reading the same batches. (One process's routing against per-process
-    routing from step 1: test_dlrm.py.)"""
+    """``task: dlrm`` on 2 processes x 4 devices (what recipes/cpu/dlrm-v2-tiny-2proc.yaml runs), its
+    tables split over all 8 (t0 row-wise, the others column-wise), each process reading its block
+    of each global batch and routing only its own samples' ids, equals one process on 8 devices fed
+    the same global batches and routing them per process too: the 10 losses to 1e-6, and from
+    checkpoint 10 every table and its row-wise Adagrad state to 1e-5. Then, as if killed after
+    checkpoint 5, the run resumes on one process of 8 devices (its tables whole on a device, the
+    step's duplicates found on the host): steps 6 to 10 give the two processes' losses (1e-6),
+    reading the same batches, and the held-out loss at step 10 (one compiled program a batch on
+    two processes, a lookup a table on one) agrees to 1e-5."""
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}  # the recipe's
-    out = processes.run([sys.executable, "-m", "hypertron.cli", "launch", "local", "--recipe", *DLRM,
-                         f"run_dir={run}"], env=env, capture_output=True, text=True, timeout=400)
+    out = _launch(*DLRM, f"run_dir={run}")
     assert out.returncode == 0, out.stdout + out.stderr
-    got = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(read_events(run / "events.1.jsonl")) and len(got) == 10  # two processes, one metrics file
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    got = [r["loss"] for r in rows if "loss" in r]
+    (evaluated,) = [r["eval_loss"] for r in rows if "eval_loss" in r]
 
     cfg = load_config(DLRM[0], DLRM[1:])
     trainer = make_dlrm_trainer(cfg, Mesh(np.array(jax.devices()[:8]), ("data",)), per_process=True)
@@ -195,6 +195,7 @@ def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
     resumed = train(load_config(DLRM[0], [*DLRM[1:], f"run_dir={run}"]))
     assert resumed.first_step == 5
     np.testing.assert_allclose(resumed.losses, got[5:], rtol=1e-6)
+    np.testing.assert_allclose(resumed.eval_rows[-1]["eval_loss"], evaluated, rtol=1e-5)
 
 
 def test_bad_ids_and_an_overflow_in_one_process_are_one_error_on_both_and_neither_hangs(tmp_path):

@@ -278,14 +278,16 @@ def _gathered(lay: _Layout, per: int, slot, seg, w, scale):
     """Column-wise, routed per process, inside shard_map: every device's ids (all-gathered), each
     one's sample among the whole padded batch (``S * per`` for padding), weight, and every sample's
     scale."""
-    s = lay.shards
-
-    def every(a):  # each device's part in its place, summed: a value the replication check sees as one
-        return jax.lax.psum(jnp.zeros((s, *a.shape), a.dtype).at[jax.lax.axis_index(lay.axis)].set(a), lay.axis)
-
-    rows, seg, w = (every(a[0]) for a in (slot, seg, w))  # [source, capacity]
+    s, cap = lay.shards, slot.shape[-1]
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731  (float32 -> int32, as is)
+    mine = jnp.concatenate([slot[0], seg[0], bits(w[0]), bits(scale)])
+    # Each device's part in its place, summed (zeros elsewhere: exact): one collective for all four,
+    # and a value the replication check sees as the same on every device, as an all-gather's is not.
+    every = jax.lax.psum(jnp.zeros((s, mine.shape[0]), jnp.int32).at[jax.lax.axis_index(lay.axis)].set(mine), lay.axis)
+    rows, seg = every[:, :cap], every[:, cap:2 * cap]  # [source, capacity]
+    w, scale = (jax.lax.bitcast_convert_type(a, jnp.float32) for a in (every[:, 2 * cap:3 * cap], every[:, 3 * cap:]))
     sample = jnp.where(seg < per, jnp.arange(s, dtype=jnp.int32)[:, None] * per + seg, s * per)
-    return rows.reshape(-1), sample.reshape(-1), w.reshape(-1), every(scale).reshape(-1)
+    return rows.reshape(-1), sample.reshape(-1), w.reshape(-1), scale.reshape(-1)
 
 
 def _ids(lay: _Layout, per: int, routed: tuple):
