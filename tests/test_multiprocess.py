@@ -201,9 +201,10 @@ def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
 def test_bad_ids_and_an_overflow_in_one_process_are_one_error_on_both_and_neither_hangs(tmp_path):
     """tests/support/embed_processes.py on 2 processes x 4 devices, a row-wise table over all 8, each
     process checking and routing its own samples: a good batch's lookup equals the reference on the
-    whole batch; an id past the table in process 1's samples, then 9 ids from one of process 0's
-    devices to one shard past a capacity of 4, are each one error naming the feature and the
-    process, the same on both, after which both go on (the launch is bounded: none hangs)."""
+    whole batch; an id past the table in process 1's samples, a negative id in process 0's, lengths
+    that do not add up in process 1's, then 9 ids from one of process 0's devices to one shard past
+    a capacity of 4, are each one error naming the feature and the process, the same on both, after
+    which both go on (the launch is bounded: none hangs)."""
     from hypertron.launch.local import free_ports, process_env
 
     script = Path(__file__).parent / "support" / "embed_processes.py"
@@ -217,6 +218,9 @@ def test_bad_ids_and_an_overflow_in_one_process_are_one_error_on_both_and_neithe
         processes.kill(*procs)
     want = ["good",
             "error: feature 'clicks': an id that is not a row of table 't' (0 to 63), in the samples of process 1",
+            "error: feature 'clicks': an id that is not a row of table 't' (0 to 63), in the samples of process 0",
+            "error: feature 'clicks': lengths that do not add up to its ids (or a negative length), in the samples "
+            "of process 1",
             "error: feature 'clicks': 9 ids go from one device of process 0 to one shard of table 't' in this batch, "
             "past the buffer's capacity=4: raise it, leave it unset to size it from the data, or set overflow='drop' "
             "to drop and count them"]

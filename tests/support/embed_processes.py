@@ -6,6 +6,8 @@ own samples, then looked up:
 
 - ``good``: the lookup, gathered, equals the float64 reference on the whole batch; prints ``good``;
 - ``bad-id``: process 1 holds an id past the table;
+- ``negative-id``: process 0 holds a negative id;
+- ``lengths``: process 1's lengths add up to more than its ids;
 - ``overflow``: process 0 sends 9 ids from one device to one shard.
 
 Each process writes a line a batch to ``argv[1]/process_<index>.txt`` (stdout is shared with Gloo's
@@ -33,6 +35,10 @@ def batch(process: int, case: str):
     values = (np.arange(16) * 5 + process * 3) % 64
     if case == "bad-id" and process == 1:
         values[3] = 64
+    if case == "negative-id" and process == 0:
+        values[5] = -1
+    if case == "lengths" and process == 1:
+        lengths = np.full(8, 3)
     if case == "overflow" and process == 0:  # samples 0 and 1 (device 0): 9 ids owned by shard 0
         lengths = np.array([5, 4, 1, 1, 1, 1, 1, 1])
         values = np.concatenate([np.arange(9) * 8 % 64, [1, 2, 3, 4, 5, 6]])
@@ -52,7 +58,7 @@ def main() -> None:
     values = values.transpose(1, 0, 2).reshape(64, 8)
     me = jax.process_index()
     lines = []
-    for case in ("good", "bad-id", "overflow"):
+    for case in ("good", "bad-id", "negative-id", "lengths", "overflow"):
         x = batch(me, case)
         try:
             check_ids([FeatureSpec("clicks", "t")], {"t": spec}, {"clicks": x}, gather=process_values)
