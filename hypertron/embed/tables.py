@@ -238,14 +238,15 @@ class _Layout:
     axis: str
     optimizer: str
     merged: bool = False  # input routed per process: duplicates merged on the device
+    gathered: bool = False  # merged column-wise input gathered already (gather_ids): whole on every device
 
     @property
     def shards(self) -> int:
         return self.mesh.shape[self.axis]
 
 
-def _layout(table: ShardedTable, merged: bool = False) -> _Layout:
-    return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer, merged)
+def _layout(table: ShardedTable, merged: bool = False, gathered: bool = False) -> _Layout:
+    return _Layout(table.spec.placement, table.mesh, table.axis, table.optimizer, merged, gathered)
 
 
 def _specs(lay: _Layout) -> tuple:
@@ -253,7 +254,7 @@ def _specs(lay: _Layout) -> tuple:
     and the combiner's scale."""
     if lay.placement == "row":
         return P(lay.axis), (P() if lay.optimizer == "sgd" else P(lay.axis)), P(lay.axis), P(lay.axis), P(lay.axis)
-    ids = P(lay.axis) if lay.merged else P()  # per process: each device's own samples' ids
+    ids = P(lay.axis) if lay.merged and not lay.gathered else P()  # per process: each device's own samples' ids
     return P(None, lay.axis), (P(None, lay.axis) if lay.optimizer == "adagrad" else P()), ids, P(None, lay.axis), ids
 
 
@@ -274,20 +275,44 @@ def _receive(lay: _Layout, per: int, slot, seg, w):
     return ids[0].reshape(-1), sample.reshape(-1), w.reshape(-1)
 
 
-def _gathered(lay: _Layout, per: int, slot, seg, w, scale):
-    """Column-wise, routed per process, inside shard_map: every device's ids (all-gathered), each
-    one's sample among the whole padded batch (``S * per`` for padding), weight, and every sample's
-    scale."""
-    s, cap = lay.shards, slot.shape[-1]
+def _every_ids(axis: str, s: int, per: int, parts: list[tuple]) -> list[tuple]:
+    """Column-wise, routed per process, inside shard_map over ``axis`` (``s`` devices): for each of
+    ``parts`` (a table's ``slot, seg, w, scale`` on this device), every device's ids, each one's
+    sample among the whole padded batch (``S * per`` for padding), its weight and every sample's
+    scale. One collective for all of them: each device's part in its place, summed (zeros
+    elsewhere: exact, the floats bitcast), a value the replication check sees as the same on every
+    device, as an all-gather's is not."""
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731  (float32 -> int32, as is)
-    mine = jnp.concatenate([slot[0], seg[0], bits(w[0]), bits(scale)])
-    # Each device's part in its place, summed (zeros elsewhere: exact): one collective for all four,
-    # and a value the replication check sees as the same on every device, as an all-gather's is not.
-    every = jax.lax.psum(jnp.zeros((s, mine.shape[0]), jnp.int32).at[jax.lax.axis_index(lay.axis)].set(mine), lay.axis)
-    rows, seg = every[:, :cap], every[:, cap:2 * cap]  # [source, capacity]
-    w, scale = (jax.lax.bitcast_convert_type(a, jnp.float32) for a in (every[:, 2 * cap:3 * cap], every[:, 3 * cap:]))
-    sample = jnp.where(seg < per, jnp.arange(s, dtype=jnp.int32)[:, None] * per + seg, s * per)
-    return rows.reshape(-1), sample.reshape(-1), w.reshape(-1), scale.reshape(-1)
+    mine = jnp.concatenate([x for slot, seg, w, scale in parts for x in (slot[0], seg[0], bits(w[0]), bits(scale))])
+    every = jax.lax.psum(jnp.zeros((s, mine.shape[0]), jnp.int32).at[jax.lax.axis_index(axis)].set(mine), axis)
+    out, start = [], 0
+    for slot, _, _, scale in parts:
+        cap, n = slot.shape[-1], scale.shape[0]
+        rows, seg, w, sc = (every[:, start + a:start + b] for a, b in
+                            ((0, cap), (cap, 2 * cap), (2 * cap, 3 * cap), (3 * cap, 3 * cap + n)))
+        start += 3 * cap + n
+        w, sc = (jax.lax.bitcast_convert_type(a, jnp.float32) for a in (w, sc))
+        sample = jnp.where(seg < per, jnp.arange(s, dtype=jnp.int32)[:, None] * per + seg, s * per)
+        out.append((rows.reshape(-1), sample.reshape(-1), w.reshape(-1), sc.reshape(-1)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_fn(mesh: Mesh, axis: str, per: int, count: int):
+    def gather(*flat):
+        parts = _every_ids(axis, mesh.shape[axis], per, [flat[i:i + 4] for i in range(0, len(flat), 4)])
+        return tuple(x for part in parts for x in part)
+
+    return jax.shard_map(gather, mesh=mesh, in_specs=(P(axis),) * (4 * count), out_specs=(P(),) * (4 * count))
+
+
+def gather_ids(tables: list[ShardedTable], per_device: int, routed: list[tuple]) -> list[tuple]:
+    """Column-wise tables' input routed per process (each ``slot, seg, w, scale`` split by devices)
+    gathered onto every device in one collective, for :func:`pooling_fn` and :func:`update_fn` with
+    ``gathered=True``: each ``rows, sample, w, scale`` over the whole batch. Inside a ``jax.jit``."""
+    t = tables[0]
+    flat = _gather_fn(t.mesh, t.axis, per_device, len(tables))(*[a for r in routed for a in r])
+    return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
 
 
 def _ids(lay: _Layout, per: int, routed: tuple):
@@ -302,8 +327,8 @@ def _ids(lay: _Layout, per: int, routed: tuple):
     if lay.placement == "row":
         slot, seg, w = _receive(lay, per, slot, seg, w)
         uniq = None if uniq is None else uniq[0]
-    elif lay.merged:
-        slot, seg, w, scale = _gathered(lay, per, slot, seg, w, scale)
+    elif lay.merged and not lay.gathered:
+        ((slot, seg, w, scale),) = _every_ids(lay.axis, lay.shards, per, [(slot, seg, w, scale)])
     return uniq, slot, seg, w, scale
 
 
@@ -403,18 +428,19 @@ def apply_gradients(table: ShardedTable, x: Jagged | Routed, grad_pooled, combin
     return dataclasses.replace(table, data=data, state=None if table.state is None else state)
 
 
-def pooling_fn(table: ShardedTable, per_device: int, merged: bool = False):
+def pooling_fn(table: ShardedTable, per_device: int, merged: bool = False, gathered: bool = False):
     """:func:`lookup`'s compiled function for this table's layout, to call inside a larger
     ``jax.jit`` (a model's whole step): ``(data, *routed.arrays()) -> pooled [padded batch, dim]``;
-    ``merged``: for input routed per process (:attr:`Routed.merged_on_device`)."""
-    return _pooled_fn(_layout(table, merged), per_device)
+    ``merged``: for input routed per process (:attr:`Routed.merged_on_device`); ``gathered``: and,
+    column-wise, gathered already (:func:`gather_ids`)."""
+    return _pooled_fn(_layout(table, merged, gathered), per_device)
 
 
-def update_fn(table: ShardedTable, per_device: int, merged: bool = False):
+def update_fn(table: ShardedTable, per_device: int, merged: bool = False, gathered: bool = False):
     """:func:`apply_gradients`' compiled function for this table's layout, to call inside a larger
     ``jax.jit``: ``(data, state, *routed.arrays(), grad [padded batch, dim], lr, eps) -> (data,
     state)``; ``state`` is a float32 scalar for SGD (and comes back unchanged)."""
-    return _update_fn(_layout(table, merged), per_device, table.spec.dim)
+    return _update_fn(_layout(table, merged, gathered), per_device, table.spec.dim)
 
 
 def reference_lookup(values: np.ndarray, x: Jagged, combiner: str = "sum") -> np.ndarray:

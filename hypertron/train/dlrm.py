@@ -53,7 +53,7 @@ from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
 )
-from hypertron.embed.tables import routed_inputs
+from hypertron.embed.tables import gather_ids, routed_inputs
 from hypertron.embed.checkpoint import logical_abstract, logical_arrays, place_logical
 from hypertron.embed.plan import plan as plan_tables
 from hypertron.hardware import device_memory
@@ -353,12 +353,22 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
     # several devices is an array of another device set, so those steps run in parts.
     if s == 1 or all(t.spec.placement != "table" for t in tables):
         per = [-(-b // s) if t.spec.placement == "row" or per_process else b for t in tables]
-        pools = [pooling_fn(t, n, per_process) for t, n in zip(tables, per)]
-        updates = [update_fn(t, n, per_process) for t, n in zip(tables, per)]
+        # Routed per process, every column-wise table's ids are gathered in one collective, not one a table.
+        gathered = [per_process and t.spec.placement == "column" for t in tables]
+        pools = [pooling_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
+        updates = [update_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
         eps = cfg.dlrm.eps
+
+        def gather(routed: list) -> list:
+            if not any(gathered):
+                return routed
+            together = iter(gather_ids([t for t, g in zip(tables, gathered) if g], -(-b // s),
+                                       [r for r, g in zip(routed, gathered) if g]))
+            return [next(together) if g else r for r, g in zip(routed, gathered)]
 
         def whole_step(dense, opt, data, accs, step, x, y, routed):
             x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
+            routed = gather(routed)
             pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)]
             dense, opt, grads, metrics = dense_step(dense, opt, step, x, y, pooled)
             new = [update(t, a, *r, g, metrics["lr"], jnp.float32(eps))
@@ -368,7 +378,7 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
         trainer.fused_step = jax.jit(whole_step, donate_argnums=(0, 1, 2, 3))
 
         def whole_predict(dense, data, x, routed, zero):
-            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)]
+            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, gather(routed))]
             if zero:
                 pooled = [jnp.zeros_like(p) for p in pooled]
             x, pooled = jax.lax.with_sharding_constraint((x, pooled), batch_sharding)
