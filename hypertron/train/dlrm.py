@@ -53,9 +53,9 @@ from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
     pooling_fn, route, update_fn,
 )
-from hypertron.embed.tables import gather_ids, routed_inputs
 from hypertron.embed.checkpoint import logical_abstract, logical_arrays, place_logical
 from hypertron.embed.plan import plan as plan_tables
+from hypertron.embed.tables import gather_ids, routed_inputs
 from hypertron.hardware import device_memory
 from hypertron.models.flops import device_peak_flops
 from hypertron.recsys import data as recsys_data
@@ -138,28 +138,18 @@ class DlrmTrainer:
         """``state`` as checkpoints hold it: every table and its optimiser state in its logical row
         order (:func:`hypertron.embed.checkpoint.logical_arrays`, a copy), whatever its placement,
         so a run resumes under another placement, device count or process count."""
-        tables, accs = {}, {}
-        for t in self.live_tables(state):
-            arrays = logical_arrays(t)
-            tables[t.spec.name] = arrays["table"]
-            if "state" in arrays:
-                accs[t.spec.name] = arrays["state"]
-        return {**state, "params": {**state["params"], "tables": tables},
-                "opt_state": {**state["opt_state"], "tables": accs}}
+        return _with_tables(state, {t.spec.name: logical_arrays(t) for t in self.live_tables(state)})
 
     def to_held(self, state: dict) -> dict:
         """A checkpoint's state (:meth:`to_model`'s form) laid out as this trainer's step holds it."""
-        tables, accs = {}, {}
+        placed = {}
         for t in self.tables:
             arrays = {"table": state["params"]["tables"][t.spec.name]}
             if t.state is not None:
                 arrays["state"] = state["opt_state"]["tables"][t.spec.name]
-            placed = place_logical(arrays, t.spec, t.optimizer, self.mesh, AXIS, t.owner)
-            tables[t.spec.name] = placed.data
-            if placed.state is not None:
-                accs[t.spec.name] = placed.state
-        return {**state, "params": {**state["params"], "tables": tables},
-                "opt_state": {**state["opt_state"], "tables": accs}}
+            p = place_logical(arrays, t.spec, t.optimizer, self.mesh, AXIS, t.owner)
+            placed[t.spec.name] = {"table": p.data} | ({} if p.state is None else {"state": p.state})
+        return _with_tables(state, placed)
 
     def abstract_state(self) -> dict:
         """The checkpoints' state as shapes and shardings (:meth:`to_model`'s form)."""
@@ -202,6 +192,10 @@ class DlrmTrainer:
             return local
         return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local))
 
+    def _inputs(self, routed: list) -> list[tuple]:
+        """Each table's routing as the fused programs take it (global arrays on several processes)."""
+        return [routed_inputs(t, r) for t, r in zip(self.tables, routed)]
+
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
         if zero:
@@ -235,7 +229,7 @@ class DlrmTrainer:
         dense, opt, tables, accs, metrics = self.fused_step(
             state["params"]["dense"], state["opt_state"]["dense"], [state["params"]["tables"][n] for n in names],
             [acc.get(n, np.float32(0)) for n in names], state["step"], self.batch_array(local["dense"]),
-            self.batch_array(local["labels"]), [routed_inputs(t, r) for t, r in zip(self.tables, routed)])
+            self.batch_array(local["labels"]), self._inputs(routed))
         return ({"params": {"dense": dense, "tables": dict(zip(names, tables))},
                  "opt_state": {"dense": opt, "tables": {n: a for n, a in zip(names, accs) if n in acc}},
                  "step": state["step"] + 1}, metrics)
@@ -246,11 +240,17 @@ class DlrmTrainer:
         if self.fused_predict is not None:
             return self.fused_predict(state["params"]["dense"], [state["params"]["tables"][t.spec.name]
                                                                  for t in self.tables],
-                                      self.batch_array(local["dense"]),
-                                      [routed_inputs(t, r) for t, r in zip(self.tables, routed)], zero_tables)
+                                      self.batch_array(local["dense"]), self._inputs(routed), zero_tables)
         pooled = self._pooled(self.live_tables(state), routed, zero=zero_tables)
         x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
         return self.predict_fn(state["params"]["dense"], x, pooled)
+
+
+def _with_tables(state: dict, tables: dict[str, dict]) -> dict:
+    """``state`` with its tables and their optimiser state replaced by ``tables`` (by name: a
+    ``table`` array and, where the optimiser keeps one, a ``state`` array)."""
+    return {**state, "params": {**state["params"], "tables": {n: a["table"] for n, a in tables.items()}},
+            "opt_state": {**state["opt_state"], "tables": {n: a["state"] for n, a in tables.items() if "state" in a}}}
 
 
 ROUTED = "_routed"  # a batch's routing, done ahead (a leading "_": derived from the rows, not rows)
