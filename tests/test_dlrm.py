@@ -31,8 +31,8 @@ def _cfg(*overrides: str):
     return load_config(None, [*TINY, *overrides])
 
 
-def _trainer(cfg):
-    return make_dlrm_trainer(cfg, Recommender().mesh(cfg, jax.devices()))
+def _trainer(cfg, per_process=None):
+    return make_dlrm_trainer(cfg, Recommender().mesh(cfg, jax.devices()), per_process=per_process)
 
 
 def test_the_mlperf_preset_counts_its_parameters_as_its_tables_and_mlps_add_up():
@@ -155,18 +155,23 @@ def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,placement", [("adagrad", "column"), ("rowwise_adagrad", "table")])
-def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement):
+@pytest.mark.parametrize("optimizer,placement,per_process", [("adagrad", "column", False),
+                                                               ("rowwise_adagrad", "column", True),
+                                                               ("rowwise_adagrad", "table", False)])
+def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement, per_process):
     """Tables: Adagrad (torch's), or TorchRec's RowWiseAdagrad (one accumulator per row); MLPs: Adagrad.
     A first Adagrad step is ``lr * g / (|g| + eps)``: with eps 1e-8 it is ``lr * sign(g)`` wherever
     ``|g|`` is not tiny, and where it is tiny float32's rounding of ``g`` decides it. eps 1e-3
-    makes the comparison well conditioned (and still tells ``sqrt(acc) + eps`` from ``sqrt(acc + eps)``)."""
+    makes the comparison well conditioned (and still tells ``sqrt(acc) + eps`` from ``sqrt(acc + eps)``).
+    Routed per process (as several processes route), the column-wise tables' ids are gathered on the
+    devices, their duplicates merged there and their row sums summed over the column shards in one
+    collective (:mod:`hypertron.train.dlrm_fused`)."""
     import torch
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: F401  (imported after the skip)
 
     lr, eps = 0.05, 1e-3
     cfg = _cfg(f"dlrm.optimizer={optimizer}", f"dlrm.placement={placement}", f"train.lr={lr}", f"dlrm.eps={eps}")
-    trainer = _trainer(cfg)
+    trainer = _trainer(cfg, per_process)
     state = trainer.init(jax.random.key(4))
     model = _torch_model(cfg, trainer, state)
     tables = [p for n, p in model.named_parameters() if n.startswith("sparse_arch.")]

@@ -364,13 +364,16 @@ def _routed_by_processes(spec: TableSpec, x: Jagged, combiner: str, count: int, 
 
 
 @pytest.mark.parametrize("placement", ["row", "column"])
-def test_ids_routed_per_process_merge_their_duplicates_on_the_device(mesh, placement):
+@pytest.mark.parametrize("rows", [37, 4096])
+def test_ids_routed_per_process_merge_their_duplicates_on_the_device(mesh, placement, rows):
     """Two processes, each routing only its own 8 samples for its 4 devices: no process holds the
     step's ids and duplicates are merged on the device that reads them. Three steps of lookup and
     row-wise Adagrad update, each combiner, ids repeated inside a sample, inside a process and
-    across the two: the pooled rows, the table and its state equal the float64 dense reference."""
+    across the two: the pooled rows, the table and its state equal the float64 dense reference.
+    A shard of 37 rows receives more ids than it has rows, so it merges them over its rows
+    (scattered, no sort); one of 4,096 sorts what it receives (``tables._distinct``)."""
     rng = np.random.default_rng(6)
-    spec = TableSpec("t", rows=37, dim=16, placement=placement)
+    spec = TableSpec("t", rows=rows, dim=16, placement=placement)
     values = rng.normal(size=(spec.rows, spec.dim)).astype(np.float32)
     table = shard_table(values, spec, mesh, "x", optimizer="rowwise_adagrad")
     ref_v, ref_s = values.astype(np.float64), np.zeros(spec.rows)

@@ -215,7 +215,7 @@ def _per_process(spec: TableSpec, values: np.ndarray, lengths: np.ndarray, weigh
     row = spec.placement == "row"
     bins = local * s if row else local
     pair = (sample // per) * s + values % s if row else sample // per  # source device (and owner)
-    order = np.argsort(pair, kind="stable")
+    order = np.argsort(pair, kind="stable") if row else np.arange(n)  # (by device: in sample order already)
     counts = np.bincount(pair, minlength=bins)
     mine = int(counts.max()) if n else 0
     needs = [int(v) for v in gather(mine)] if gather is not None else None  # the one collective
@@ -229,15 +229,17 @@ def _per_process(spec: TableSpec, values: np.ndarray, lengths: np.ndarray, weigh
     pair_sorted = pair[order]
     place = _places(pair_sorted, counts)
     keep = place < cap
-    idx, pos, kept = pair_sorted[keep], place[keep], order[keep]
-    slot = np.full((bins, cap), PAD, np.int32)
-    seg = np.full((bins, cap), per, np.int32)
-    w = np.zeros((bins, cap), np.float32)
-    slot[idx, pos] = values[kept] // s if row else values[kept]
-    seg[idx, pos] = sample[kept] % per
-    w[idx, pos] = weights[kept]
-    keep_w = np.zeros(n, np.float32)
-    keep_w[kept] = weights[kept]
+    every = bool(keep.all())
+    at, kept = (pair_sorted * cap + place, order) if every else ((pair_sorted * cap + place)[keep], order[keep])
+    slot = np.full(bins * cap, PAD, np.int32)
+    seg = np.full(bins * cap, per, np.int32)
+    w = np.zeros(bins * cap, np.float32)
+    slot[at] = values[kept] // s if row else values[kept]
+    seg[at] = sample[kept] % per
+    w[at] = weights[kept]
+    keep_w = weights if every else np.zeros(n, np.float32)
+    if not every:
+        keep_w[kept] = weights[kept]
     shape = (local, s, cap) if row else (local, cap)
     return Routed(spec.placement, s, b, per, None, slot.reshape(shape), seg.reshape(shape), w.reshape(shape),
                   _scale(keep_w, sample, local * per, combiner), combiner, int(n - keep.sum()), count)

@@ -275,19 +275,22 @@ def _receive(lay: _Layout, per: int, slot, seg, w):
     return ids[0].reshape(-1), sample.reshape(-1), w.reshape(-1)
 
 
-def _every_ids(axis: str, s: int, per: int, parts: list[tuple]) -> list[tuple]:
-    """Column-wise, routed per process, inside shard_map over ``axis`` (``s`` devices): for each of
-    ``parts`` (a table's ``slot, seg, w, scale`` on this device), every device's ids, each one's
-    sample among the whole padded batch (``S * per`` for padding), its weight and every sample's
-    scale. One collective for all of them: each device's part in its place, summed (zeros
-    elsewhere: exact, the floats bitcast), a value the replication check sees as the same on every
-    device, as an all-gather's is not."""
-    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731  (float32 -> int32, as is)
-    mine = jnp.concatenate([x for slot, seg, w, scale in parts for x in (slot[0], seg[0], bits(w[0]), bits(scale))])
-    every = jax.lax.psum(jnp.zeros((s, mine.shape[0]), jnp.int32).at[jax.lax.axis_index(axis)].set(mine), axis)
+def _every_ids(axis: str, s: int, per: int, mine, sizes: tuple[tuple[int, int], ...],
+               checked: bool = True) -> list[tuple]:
+    """Column-wise, routed per process, inside shard_map over ``axis`` (``s`` devices): from
+    ``mine``, this device's part of some tables' input packed as one int32 vector (per table
+    ``slot, seg, w, scale`` of ``sizes``' ``(capacity, samples)``, floats bitcast: :func:`pack_ids`),
+    each table's every device's ids, each one's sample among the whole padded batch (``S * per``
+    for padding), its weight and every sample's scale. One collective for all of them: an
+    all-gather, or where the shard_map's replication check is on (``checked``), each device's part
+    in its place, summed (zeros elsewhere: exact), a value the check sees as the same on every
+    device, as an all-gather's is not (at the cost of S / 2 times the bytes moved or more)."""
+    if checked:
+        every = jax.lax.psum(jnp.zeros((s, mine.shape[0]), jnp.int32).at[jax.lax.axis_index(axis)].set(mine), axis)
+    else:
+        every = jax.lax.all_gather(mine, axis)
     out, start = [], 0
-    for slot, _, _, scale in parts:
-        cap, n = slot.shape[-1], scale.shape[0]
+    for cap, n in sizes:
         rows, seg, w, sc = (every[:, start + a:start + b] for a, b in
                             ((0, cap), (cap, 2 * cap), (2 * cap, 3 * cap), (3 * cap, 3 * cap + n)))
         start += 3 * cap + n
@@ -297,22 +300,18 @@ def _every_ids(axis: str, s: int, per: int, parts: list[tuple]) -> list[tuple]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _gather_fn(mesh: Mesh, axis: str, per: int, count: int):
-    def gather(*flat):
-        parts = _every_ids(axis, mesh.shape[axis], per, [flat[i:i + 4] for i in range(0, len(flat), 4)])
-        return tuple(x for part in parts for x in part)
-
-    return jax.shard_map(gather, mesh=mesh, in_specs=(P(axis),) * (4 * count), out_specs=(P(),) * (4 * count))
-
-
-def gather_ids(tables: list[ShardedTable], per_device: int, routed: list[tuple]) -> list[tuple]:
-    """Column-wise tables' input routed per process (each ``slot, seg, w, scale`` split by devices)
-    gathered onto every device in one collective, for :func:`pooling_fn` and :func:`update_fn` with
-    ``gathered=True``: each ``rows, sample, w, scale`` over the whole batch. Inside a ``jax.jit``."""
-    t = tables[0]
-    flat = _gather_fn(t.mesh, t.axis, per_device, len(tables))(*[a for r in routed for a in r])
-    return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+def pack_ids(routed: list[Routed], xp=np):
+    """Column-wise tables' input routed per process, as one int32 array ``[local devices, total]``
+    (per device, each table's ``slot, seg, w, scale`` in turn, the floats bitcast), so that it
+    travels to the devices, and between them, as one array (:func:`hypertron.embed.grouped.gather_ids`).
+    ``xp``: ``jax.numpy`` inside a ``jax.jit`` (then ``routed``: tuples of arrays)."""
+    bits = (lambda a: a.view(np.int32)) if xp is np else (lambda a: jax.lax.bitcast_convert_type(a, jnp.int32))
+    parts = []
+    for r in routed:
+        slot, seg, w, scale = r.arrays() if isinstance(r, Routed) else r
+        d = slot.shape[0]
+        parts += [slot, seg, bits(w), bits(scale).reshape(d, -1)]
+    return xp.concatenate(parts, axis=1)
 
 
 def _ids(lay: _Layout, per: int, routed: tuple):
@@ -328,7 +327,8 @@ def _ids(lay: _Layout, per: int, routed: tuple):
         slot, seg, w = _receive(lay, per, slot, seg, w)
         uniq = None if uniq is None else uniq[0]
     elif lay.merged and not lay.gathered:
-        ((slot, seg, w, scale),) = _every_ids(lay.axis, lay.shards, per, [(slot, seg, w, scale)])
+        mine = pack_ids([(slot, seg, w, scale)], jnp)[0]
+        ((slot, seg, w, scale),) = _every_ids(lay.axis, lay.shards, per, mine, ((slot.shape[-1], per),))
     return uniq, slot, seg, w, scale
 
 
@@ -365,9 +365,11 @@ def lookup(table: ShardedTable, x: Jagged | Routed, combiner: str = "sum", *, ca
     return pooled if r.padded_batch == r.batch or r.processes > 1 else pooled[:r.batch]
 
 
-def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps):
+def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps, sq=None):
     """The optimiser on the distinct rows ``uniq`` (padding: past the block), with their
-    gradients ``g``; ``block`` and ``st`` updated in place."""
+    gradients ``g``; ``block`` and ``st`` updated in place. ``sq``: row-wise Adagrad's sums of
+    each row's squared gradient over the whole row (column-wise, over every shard), when the
+    caller summed them already."""
     rows = block.at[uniq].get(mode="fill", fill_value=0)
     if lay.optimizer == "sgd":
         return block.at[uniq].set(rows - lr * g, mode="drop"), st
@@ -375,43 +377,71 @@ def _apply(lay: _Layout, dim: int, block, st, uniq, g, lr, eps):
         acc = st.at[uniq].get(mode="fill", fill_value=0) + g * g
         new = rows - lr * g / (jnp.sqrt(acc) + eps)
     else:
-        sq = jnp.sum(g * g, axis=-1)
-        if lay.placement == "column":
-            sq = jax.lax.psum(sq, lay.axis)
+        if sq is None:
+            sq = jnp.sum(g * g, axis=-1)
+            if lay.placement == "column":
+                sq = jax.lax.psum(sq, lay.axis)
         acc = st.at[uniq].get(mode="fill", fill_value=0) + sq / dim
         new = rows - lr * g / (jnp.sqrt(acc) + eps)[:, None]
     return block.at[uniq].set(new, mode="drop"), st.at[uniq].set(acc, mode="drop")
 
 
+def _distinct(rows: int, received: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The distinct rows of a shard's ``received`` rows (PAD past the shard's ``rows``; unused
+    places PAD too) and each received one's place among them. Where the shard has no more rows
+    than it received, its rows themselves, every one PAD but those received: no sort, and no
+    temporary larger than the received ones'; else sorted (``jnp.unique``: XLA's CPU sort was
+    most of a multi-process step, 2026-11-29)."""
+    if rows <= received.shape[0]:
+        every = jnp.arange(rows, dtype=received.dtype)
+        touched = jnp.zeros(rows, bool).at[received].set(True, mode="drop")
+        return jnp.where(touched, every, PAD), received
+    uniq, slot = jnp.unique(received, size=received.shape[0], fill_value=PAD, return_inverse=True)
+    return uniq, slot.reshape(-1)
+
+
+def _row_grads(lay: _Layout, per: int, block, routed: tuple, grad):
+    """Inside shard_map: the distinct rows this shard updates (padding: past the block) and each
+    one's gradient, summed over its ids, from the pooled gradient ``grad``."""
+    uniq, slot, sample, w, scale = _ids(lay, per, routed)
+    g = grad * scale[:, None]
+    if lay.placement == "row":  # every sample's gradient where its ids' rows live: the transpose of the scatter
+        g = jax.lax.all_gather(g, lay.axis, tiled=True)
+    g_id = jnp.take(g, sample, axis=0, mode="fill", fill_value=0) * w[:, None]
+    if uniq is None:  # merged here: one gradient per distinct received row (padding: PAD, past the block)
+        uniq, slot = _distinct(block.shape[0], slot)
+    return uniq, jax.ops.segment_sum(g_id, slot, num_segments=uniq.shape[0])  # one gradient per distinct row
+
+
+def _own(lay: _Layout, t, state) -> tuple:
+    """Inside shard_map: this shard's block of the table and of its state (None for SGD)."""
+    if lay.placement == "row":
+        return t[0], (None if state.ndim == 0 else state[0])
+    return t, (None if state.ndim == 0 else state)
+
+
+def _laid(lay: _Layout, block, st, state) -> tuple:
+    """:func:`_own`'s inverse, after an update (``state``: what came in, for SGD's placeholder)."""
+    row = lay.placement == "row"
+    return (block[None] if row else block), (state if st is None else st[None] if row else st)
+
+
+def _update_specs(lay: _Layout) -> tuple:
+    """shard_map specs of one table's update: its arguments (lr and eps last) and results."""
+    t_spec, s_spec, in_spec, grad_spec, scale_spec = _specs(lay)
+    return (t_spec, s_spec, *(in_spec,) * (3 if lay.merged else 4), scale_spec, grad_spec), (t_spec, s_spec)
+
+
 @functools.lru_cache(maxsize=None)
 def _update_fn(lay: _Layout, per: int, dim: int):
-    t_spec, s_spec, in_spec, grad_spec, scale_spec = _specs(lay)
-    row = lay.placement == "row"
-
     def shard(t, state, *args):
         *routed, grad, lr, eps = args
-        uniq, slot, sample, w, scale = _ids(lay, per, routed)
-        g = grad * scale[:, None]
-        if row:  # every sample's gradient where its ids' rows live: the transpose of the scatter
-            g = jax.lax.all_gather(g, lay.axis, tiled=True)
-            block, st = t[0], (None if state.ndim == 0 else state[0])
-        else:
-            block, st = t, state
-        g_id = jnp.take(g, sample, axis=0, mode="fill", fill_value=0) * w[:, None]
-        if uniq is None:  # merged here: the received rows sorted into distinct ones (padding: PAD, past the block)
-            uniq, slot = jnp.unique(slot, size=slot.shape[0], fill_value=PAD, return_inverse=True)
-            slot = slot.reshape(-1)
-        g_row = jax.ops.segment_sum(g_id, slot, num_segments=uniq.shape[0])  # one gradient per distinct row
-        block, st = _apply(lay, dim, block, st, uniq, g_row, lr, eps)
-        if st is None:
-            st = state
-        elif row:
-            st = st[None]
-        return (block[None] if row else block), st
+        block, st = _own(lay, t, state)
+        uniq, g_row = _row_grads(lay, per, block, tuple(routed), grad)
+        return _laid(lay, *_apply(lay, dim, block, st, uniq, g_row, lr, eps), state)
 
-    ids = (in_spec,) * (3 if lay.merged else 4)
-    specs = (t_spec, s_spec, *ids, scale_spec, grad_spec, P(), P())
-    return jax.jit(_over_shards(lay, shard, specs, (t_spec, s_spec)), donate_argnums=(0, 1))
+    specs, out = _update_specs(lay)
+    return jax.jit(_over_shards(lay, shard, (*specs, P(), P()), out), donate_argnums=(0, 1))
 
 
 def apply_gradients(table: ShardedTable, x: Jagged | Routed, grad_pooled, combiner: str = "sum", *, lr: float,
@@ -432,7 +462,7 @@ def pooling_fn(table: ShardedTable, per_device: int, merged: bool = False, gathe
     """:func:`lookup`'s compiled function for this table's layout, to call inside a larger
     ``jax.jit`` (a model's whole step): ``(data, *routed.arrays()) -> pooled [padded batch, dim]``;
     ``merged``: for input routed per process (:attr:`Routed.merged_on_device`); ``gathered``: and,
-    column-wise, gathered already (:func:`gather_ids`)."""
+    column-wise, gathered already (:func:`hypertron.embed.grouped.gather_ids`)."""
     return _pooled_fn(_layout(table, merged, gathered), per_device)
 
 

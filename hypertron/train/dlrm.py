@@ -50,17 +50,17 @@ from hypertron.config import Config, ConfigError
 from hypertron.config.validation import check_dlrm_devices
 from hypertron.data import resolve_shards
 from hypertron.embed import (
-    Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding,
-    pooling_fn, route, update_fn,
+    Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding, route,
 )
 from hypertron.embed.checkpoint import logical_abstract, logical_arrays, place_logical
 from hypertron.embed.plan import plan as plan_tables
-from hypertron.embed.tables import gather_ids, routed_inputs
+from hypertron.embed.tables import pack_ids, routed_inputs
 from hypertron.hardware import device_memory
 from hypertron.models.flops import device_peak_flops
 from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
+from hypertron.train.dlrm_fused import fused_programs, summed_dense_step
 from hypertron.train.metrics import Throughput
 from hypertron.train.optimizer import schedule
 
@@ -120,6 +120,7 @@ class DlrmTrainer:
     fused_predict: Any = None  # the same for the logits (on several processes, one program a batch, not one a table)
     processes: int = 1  # more than one: each feeds its block of the global batch
     per_process: bool = False  # each process routes its own samples' ids, duplicates merged on the devices
+    gathered: list[bool] = dataclasses.field(default_factory=list)  # per table: its ids gathered on the devices
 
     def init(self, key: jax.Array) -> dict:
         replicated = NamedSharding(self.mesh, P())
@@ -192,9 +193,13 @@ class DlrmTrainer:
             return local
         return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local))
 
-    def _inputs(self, routed: list) -> list[tuple]:
-        """Each table's routing as the fused programs take it (global arrays on several processes)."""
-        return [routed_inputs(t, r) for t, r in zip(self.tables, routed)]
+    def _inputs(self, routed: list) -> tuple:
+        """Each table's routing as the fused programs take it (global arrays on several processes);
+        the tables ``gathered`` on the devices take theirs packed as one array (:func:`pack_ids`),
+        so that it travels as one, and nothing of their own."""
+        mine = [r for r, g in zip(routed, self.gathered) if g]
+        packed = self.batch_array(pack_ids(mine)) if mine else None
+        return packed, [() if g else routed_inputs(t, r) for t, r, g in zip(self.tables, routed, self.gathered)]
 
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
@@ -348,43 +353,10 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
     trainer = DlrmTrainer(cfg, mesh, tables, {}, batch_sharding, optimizer, step_fn, predict, capacities,
                           processes=processes, per_process=per_process)
     trainer.state_shardings = jax.tree.map(lambda a: a.sharding, trainer.abstract_state())
-    # One compiled step (lookups, dense step, updates) when every table lives on the mesh's devices as one
-    # jit can take them: split row- or column-wise, or whole on a mesh of one device. A whole table on one of
-    # several devices is an array of another device set, so those steps run in parts.
-    if s == 1 or all(t.spec.placement != "table" for t in tables):
-        per = [-(-b // s) if t.spec.placement == "row" or per_process else b for t in tables]
-        # Routed per process, every column-wise table's ids are gathered in one collective, not one a table.
-        gathered = [per_process and t.spec.placement == "column" for t in tables]
-        pools = [pooling_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
-        updates = [update_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
-        eps = cfg.dlrm.eps
-
-        def gather(routed: list) -> list:
-            if not any(gathered):
-                return routed
-            together = iter(gather_ids([t for t, g in zip(tables, gathered) if g], -(-b // s),
-                                       [r for r, g in zip(routed, gathered) if g]))
-            return [next(together) if g else r for r, g in zip(routed, gathered)]
-
-        def whole_step(dense, opt, data, accs, step, x, y, routed):
-            x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
-            routed = gather(routed)
-            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)]
-            dense, opt, grads, metrics = dense_step(dense, opt, step, x, y, pooled)
-            new = [update(t, a, *r, g, metrics["lr"], jnp.float32(eps))
-                   for update, t, a, r, g in zip(updates, data, accs, routed, grads)]
-            return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
-
-        trainer.fused_step = jax.jit(whole_step, donate_argnums=(0, 1, 2, 3))
-
-        def whole_predict(dense, data, x, routed, zero):
-            pooled = [pool(t, *r)[:b] for pool, t, r in zip(pools, data, gather(routed))]
-            if zero:
-                pooled = [jnp.zeros_like(p) for p in pooled]
-            x, pooled = jax.lax.with_sharding_constraint((x, pooled), batch_sharding)
-            return dlrm.forward(dense, x, pooled)
-
-        trainer.fused_predict = jax.jit(whole_predict, static_argnums=4, out_shardings=batch_sharding)
+    if s == 1 or all(t.spec.placement != "table" for t in tables):  # one compiled step: see dlrm_fused
+        trainer.fused_step, trainer.fused_predict, trainer.gathered = fused_programs(
+            tables, mesh, AXIS, b, capacities, per_process, summed_dense_step(mesh, AXIS, b, optimizer, lr),
+            cfg.dlrm.eps)
     return trainer
 
 
