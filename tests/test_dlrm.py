@@ -156,22 +156,25 @@ def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,placement,per_process", [("adagrad", "column", False),
-                                                               ("rowwise_adagrad", "column", True),
+                                                               ("rowwise_adagrad", "auto", True),
                                                                ("rowwise_adagrad", "table", False)])
 def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement, per_process):
     """Tables: Adagrad (torch's), or TorchRec's RowWiseAdagrad (one accumulator per row); MLPs: Adagrad.
     A first Adagrad step is ``lr * g / (|g| + eps)``: with eps 1e-8 it is ``lr * sign(g)`` wherever
     ``|g|`` is not tiny, and where it is tiny float32's rounding of ``g`` decides it. eps 1e-3
     makes the comparison well conditioned (and still tells ``sqrt(acc) + eps`` from ``sqrt(acc + eps)``).
-    Routed per process (as several processes route), the column-wise tables' ids are gathered on the
-    devices, their duplicates merged there and their row sums summed over the column shards in one
-    collective (:mod:`hypertron.train.dlrm_fused`)."""
+    Routed per process (as several processes route), the planner puts t0-t3 column-wise (their ids
+    gathered on the devices, their duplicates merged there, their row sums summed over the column
+    shards in one collective) and t4-t7 data-parallel (pooled on each device from its own copy,
+    their gradients summed with the MLPs'): :mod:`hypertron.train.dlrm_fused`."""
     import torch
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: F401  (imported after the skip)
 
     lr, eps = 0.05, 1e-3
     cfg = _cfg(f"dlrm.optimizer={optimizer}", f"dlrm.placement={placement}", f"train.lr={lr}", f"dlrm.eps={eps}")
     trainer = _trainer(cfg, per_process)
+    if per_process:
+        assert [t.spec.placement for t in trainer.tables] == ["column"] * 4 + ["data"] * 4
     state = trainer.init(jax.random.key(4))
     model = _torch_model(cfg, trainer, state)
     tables = [p for n, p in model.named_parameters() if n.startswith("sparse_arch.")]
@@ -368,5 +371,8 @@ def test_hypertron_plan_of_a_dlrm_recipe_sizes_it_and_places_its_tables(capsys):
     assert len(placements) == 26 and placements.count("table") == 21  # the 40M-row tables split, the rest whole
     assert cli.main([*args, "--devices", "1"]) == 1  # 98 GiB do not fit one H100
     assert "26,151,671,809 parameters" in capsys.readouterr().out
-    assert cli.main([*args, "--devices", "16", "--json"]) == 0  # two nodes: two processes split every table
-    assert {t["placement"] for t in json.loads(capsys.readouterr().out)["tables"]["tables"]} <= {"row", "column"}
+    assert cli.main([*args, "--devices", "16", "--json"]) == 0  # two nodes: no table whole on one device
+    tables = json.loads(capsys.readouterr().out)["tables"]["tables"]
+    assert "table" not in {t["placement"] for t in tables}
+    # The tables whose gradient's all-reduce moves fewer bytes than splitting them would: on every device.
+    assert {t["rows"] for t in tables if t["placement"] == "data"} == {3, 4, 10, 14, 36, 63, 108, 155, 976, 1543, 2209}

@@ -43,7 +43,7 @@ def _batch(rng, rows: int, batch: int, weighted: bool) -> Jagged:
     return Jagged(values, lengths, weights)
 
 
-@pytest.mark.parametrize("placement", ["row", "column", "table"])
+@pytest.mark.parametrize("placement", ["row", "column", "table", "data"])
 def test_sharded_lookups_equal_the_dense_reference(mesh, placement):
     rng = np.random.default_rng(0)
     spec = TableSpec("t", rows=37, dim=16, placement=placement)  # 37 rows: not a multiple of 8 shards
@@ -107,7 +107,7 @@ def test_bad_ids_are_one_line_naming_the_feature(batch, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("placement", ["row", "column", "table"])
+@pytest.mark.parametrize("placement", ["row", "column", "table", "data"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_sparse_updates_equal_a_dense_step_on_the_whole_table(mesh, placement, optimizer):
     """Two steps: lookup, a gradient for the pooled embeddings, the update of the touched rows; each
@@ -132,6 +132,8 @@ def test_sparse_updates_equal_a_dense_step_on_the_whole_table(mesh, placement, o
             np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-6)
     if placement == "table":
         assert table.data.sharding.device_set == {list(mesh.devices.flat)[3]}
+    if placement == "data":  # whole on every device, each copy updated alike
+        assert table.data.sharding.is_fully_replicated and len(table.data.sharding.device_set) == 8
 
 
 @pytest.mark.parametrize("placement", ["row", "table"])

@@ -153,12 +153,13 @@ def test_a_pipeline_across_the_two_processes_trains_like_one_process(tmp_path):
 DLRM = [str(Path(__file__).parent.parent / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"), "train.steps=10",
         "train.log_every=1", "train.eval_every=10", "train.eval_batches=1", "checkpoint.every=5",
         "monitor.collect=false",
-        "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]"]  # 8 ids of f0 a sample: t0 goes row-wise, the others column-wise
+        "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]"]  # 8 ids of f0 a sample: t0 goes row-wise, t1-t3 column-wise
 
 
 def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
     """``task: dlrm`` on 2 processes x 4 devices (what recipes/cpu/dlrm-v2-tiny-2proc.yaml runs), its
-    tables split over all 8 (t0 row-wise, the others column-wise), each process reading its block
+    tables over all 8 (t0 row-wise, t1-t3 column-wise, the 4 smallest whole on every device,
+    data-parallel), each process reading its block
     of each global batch and routing only its own samples' ids, equals one process on 8 devices fed
     the same global batches and routing them per process too: the 10 losses to 1e-6, and from
     checkpoint 10 every table and its row-wise Adagrad state to 1e-5. Then, as if killed after
@@ -175,7 +176,7 @@ def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
 
     cfg = load_config(DLRM[0], DLRM[1:])
     trainer = make_dlrm_trainer(cfg, Mesh(np.array(jax.devices()[:8]), ("data",)), per_process=True)
-    assert [t.spec.placement for t in trainer.tables] == ["row"] + ["column"] * 7
+    assert [t.spec.placement for t in trainer.tables] == ["row"] + ["column"] * 3 + ["data"] * 4
     state = trainer.init(jax.random.key(cfg.train.seed))
     stream = recsys_data.make_batches(cfg.dlrm, batch_size=cfg.train.global_batch, seed=cfg.data.seed, shards=8)
     want = []

@@ -68,7 +68,7 @@ LoraBaseDtype = Literal["auto", "bfloat16", "int8", "fp8"]
 Overlong = Literal["truncate", "error"]  # a fine-tuning example longer than a row: keep its start, or refuse it
 DlrmSource = Literal["synthetic", "criteo"]  # planted-teacher samples, or Criteo-format TSV files
 TableOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]  # as hypertron.embed.OPTIMIZERS
-TablePlacement = Literal["auto", "row", "column", "table"]  # auto: hypertron.embed.plan decides per table
+TablePlacement = Literal["auto", "row", "column", "table", "data"]  # auto: hypertron.embed.plan decides per table
 # Diffusion training (hypertron.diffusion.objectives): what the model learns, how its timesteps are
 # drawn, and how each example's loss is weighted.
 DiffusionObjective = Literal["epsilon", "v_prediction", "flow"]

@@ -458,7 +458,7 @@ def check_dlrm_devices(cfg: Config, num_devices: int, processes: int) -> None:
     splits by samples over the devices, and on several processes no table-wise tables."""
     if processes > 1 and cfg.dlrm.placement == "table":
         raise ConfigError(f"dlrm.placement=table: a table-wise table is one process's only for now (its owner would "
-                          f"need every process's ids); this job has {processes} processes: set row, column or auto")
+                          f"need every process's ids); this job has {processes} processes: set row, column, data or auto")
     if cfg.train.global_batch % num_devices:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
                           f"{num_devices} devices, so it must be a multiple of {num_devices}")

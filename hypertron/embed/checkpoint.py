@@ -132,6 +132,8 @@ def place_logical(arrays: Mapping[str, jax.Array], spec: TableSpec, optimizer: s
         shard = lambda a: NamedSharding(mesh, P(axis))  # noqa: E731
     elif spec.placement == "column":
         shard = lambda a: NamedSharding(mesh, P(None, axis) if a.ndim == 2 else P())  # noqa: E731
+    elif spec.placement == "data":
+        shard = lambda a: NamedSharding(mesh, P())  # noqa: E731
     else:  # the owner takes the rows (a transfer), then drops the padding
         device = SingleDeviceSharding(_axis_devices(mesh, axis)[owner % s])
         arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}

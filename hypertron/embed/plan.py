@@ -13,12 +13,17 @@ sample, its weight) and a pooled value 4:
   on every device.
 - ``column``: every device holds ``1 / S`` of the columns of every row. Each receives every id
   and sends its columns of the other devices' samples: ``(12 N + 4 P dim / S) (S - 1) / S``.
+- ``data``: every device holds it all and pools its own samples; the gradient of the whole table
+  is summed over the devices (an all-reduce): ``8 rows dim (S - 1) / S`` on every device.
 
 The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise (no partial
 sums, ``S`` times less traffic than splitting it), largest tables first, each onto the device
 that exchanges the fewest bytes so far among those it fits on (then the one holding fewest); a larger one is split, row-wise or column-wise, whichever
 exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
-hand is kept. The plan fits when every device's total is within its memory.
+hand is kept. With every table to be split (``split_all``: a job of several processes, where
+table-wise is not yet), a table that could have gone whole goes data-parallel instead where that
+exchanges fewer bytes than splitting it (TorchRec's planner keeps small tables so). The plan fits
+when every device's total is within its memory.
 
 The exchange figures are this model's, for the input pipeline the module is built for; they are
 not measured (``bench/embed.py`` measures lookups).
@@ -68,7 +73,8 @@ def exchanged(spec: TableSpec, placement: str, shards: int, ids: int, pooled: in
     s, d = shards, spec.dim
     per = {"table": ID_BYTES * ids + 4 * pooled * d,
            "row": ID_BYTES * ids / s + 4 * pooled * d,
-           "column": ID_BYTES * ids + 4 * pooled * d / s}[placement]
+           "column": ID_BYTES * ids + 4 * pooled * d / s,
+           "data": 8 * spec.rows * d}[placement]
     return int(per * (s - 1) / s)
 
 
@@ -111,10 +117,14 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
                           f"{describe_bytes(size)} whole, at most 1/{shards} of a device: "
                           f"no partial sums, and {shards} times less traffic than split"))
             continue
-        row, column = cost(t, "row"), cost(t, "column")
+        row, column, data = cost(t, "row"), cost(t, "column"), cost(t, "data")
         split = (f"{describe_bytes(size)} whole, more than 1/{shards} of a device" if size > share else
                  "every table split on several processes (table-wise is one process's only)")
-        if t.dim % shards == 0 and column < row:
+        if size <= share and data < min(row, column if t.dim % shards == 0 else row):
+            placement = "data"
+            why = (f"{describe_bytes(size)} whole on every device: its gradient's all-reduce exchanges "
+                   f"{describe_bytes(data)} a step, row-wise {describe_bytes(row)}")
+        elif t.dim % shards == 0 and column < row:
             placement = "column"
             why = f"{split}; column-wise exchanges {describe_bytes(column)} a step, row-wise {describe_bytes(row)}"
         else:

@@ -17,7 +17,9 @@ entry the row itself within its owner's block (``uniq`` is None); column-wise, `
 capacity]`` of ids by the device that holds their sample. Duplicates are then merged on the device
 that reads them (:mod:`hypertron.embed.tables`): its received rows sorted into distinct ones, each
 row's gradients summed before its optimiser step, as above. A table-wise table is not routed per
-process yet (its owner would need every process's ids: place it row- or column-wise).
+process yet (its owner would need every process's ids: place it row- or column-wise), nor is a
+data-parallel one (a model's step pools each device's own samples from its own copy:
+:mod:`hypertron.train.dlrm_fused`).
 
 The capacity, the most ids one device sends to one owner in a step, is sized from the data: the
 largest count in this batch, rounded up to a power of two (at least 8) so that steps compile to
@@ -201,9 +203,10 @@ def _per_process(spec: TableSpec, values: np.ndarray, lengths: np.ndarray, weigh
     index, count = process
     if gather is None and count > 1 and capacity is None:
         raise ValueError("a capacity sized from the data on several processes needs gather (each process's need)")
-    if spec.placement == "table":
-        raise EmbedError(f"table {spec.name!r}: table-wise tables are not routed per process yet (the owner would "
-                         f"need every process's ids); place it row- or column-wise")
+    if spec.placement in ("table", "data"):
+        raise EmbedError(f"table {spec.name!r}: {spec.placement}-wise tables are not routed per process yet (a "
+                         f"table-wise owner would need every process's ids; a data-parallel table is pooled by the "
+                         f"model's step); place it row- or column-wise")
     if count < 1 or not 0 <= index < count or shards % count:
         raise EmbedError(f"process {index} of {count}: the {shards} devices must split evenly over the processes")
     s, local = shards, shards // count

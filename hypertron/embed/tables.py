@@ -8,6 +8,10 @@ A table is laid out for its spec's placement over the ``S`` devices of one mesh 
   device. Stored as ``[S, ceil(rows / S), dim]``, split on the first axis.
 - ``column``: every shard holds every row, ``dim / S`` of its columns.
 - ``table``: the whole table on one device of the axis (``owner``).
+- ``data``: the whole table on every device (replicated). Through :func:`lookup` and
+  :func:`apply_gradients` every device computes the whole batch, as a table-wise owner does; a
+  model's step does better, each device pooling its own samples and the gradient summed with the
+  model's (:mod:`hypertron.train.dlrm_fused`).
 
 :func:`lookup` pools each sample's rows, from input laid out on the host by
 :func:`hypertron.embed.route` (each step's distinct rows found there, so each is read once).
@@ -111,6 +115,8 @@ def _sharding(spec: TableSpec, mesh: Mesh, axis: str, owner: int, ndim: int):
         return NamedSharding(mesh, P(axis))
     if spec.placement == "column":
         return NamedSharding(mesh, P(None, axis) if ndim == 2 else P())
+    if spec.placement == "data":
+        return NamedSharding(mesh, P())
     return SingleDeviceSharding(_axis_devices(mesh, axis)[owner % mesh.shape[axis]])
 
 
@@ -192,11 +198,13 @@ def abstract_table(spec: TableSpec, mesh: Mesh, axis: str, *, optimizer: str | N
 def pooled_sharding(table: ShardedTable):
     """Where :func:`lookup` leaves a table's pooled embeddings ``[batch, dim]`` (and where
     :func:`apply_gradients` wants their gradient): split by samples row-wise, by columns
-    column-wise, on the owner table-wise."""
+    column-wise, on the owner table-wise, on every device data-parallel."""
     if table.spec.placement == "row":
         return NamedSharding(table.mesh, P(table.axis))
     if table.spec.placement == "column":
         return NamedSharding(table.mesh, P(None, table.axis))
+    if table.spec.placement == "data":
+        return NamedSharding(table.mesh, P())
     return SingleDeviceSharding(_axis_devices(table.mesh, table.axis)[table.owner])
 
 
@@ -259,7 +267,7 @@ def _specs(lay: _Layout) -> tuple:
 
 
 def _over_shards(lay: _Layout, fn, in_specs, out_specs):
-    if lay.placement == "table":
+    if lay.placement in ("table", "data"):
         return fn
     return jax.shard_map(fn, mesh=lay.mesh, in_specs=in_specs, out_specs=out_specs)
 
@@ -471,6 +479,19 @@ def update_fn(table: ShardedTable, per_device: int, merged: bool = False, gather
     ``jax.jit``: ``(data, state, *routed.arrays(), grad [padded batch, dim], lr, eps) -> (data,
     state)``; ``state`` is a float32 scalar for SGD (and comes back unchanged)."""
     return _update_fn(_layout(table, merged, gathered), per_device, table.spec.dim)
+
+
+def update_whole(table: ShardedTable, data, state, grad, lr, eps):
+    """A data-parallel table's optimiser step from the gradient of the whole table ``[rows, dim]``
+    (summed over the devices already), inside a ``jax.jit``: ``(data, state)`` back (``state`` a
+    float32 scalar for SGD, as :func:`update_fn` takes it). Every row takes the step; a row the
+    batch did not touch has a zero gradient, which leaves it and its accumulator as they were
+    (exactly, for ``eps > 0``), so this equals the sparse update of the touched rows."""
+    lay = _layout(table)
+    st = None if state.ndim == 0 else state
+    uniq = jnp.arange(data.shape[0], dtype=jnp.int32)
+    data, st = _apply(lay, table.spec.dim, data, st, uniq, grad, lr, eps)
+    return data, state if st is None else st
 
 
 def reference_lookup(values: np.ndarray, x: Jagged, combiner: str = "sum") -> np.ndarray:

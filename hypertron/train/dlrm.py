@@ -60,7 +60,7 @@ from hypertron.models.flops import device_peak_flops
 from hypertron.recsys import data as recsys_data
 from hypertron.recsys import dlrm
 from hypertron.recsys.metrics import auc, log_loss
-from hypertron.train.dlrm_fused import fused_programs, summed_dense_step
+from hypertron.train.dlrm_fused import fused_programs
 from hypertron.train.metrics import Throughput
 from hypertron.train.optimizer import schedule
 
@@ -180,6 +180,8 @@ class DlrmTrainer:
         process = (jax.process_index(), self.processes) if self.per_process else None
 
         def one(f: int):  # (its capacity is the most a device could send: no process can overflow it)
+            if self.fused_step is not None and self.tables[f].spec.placement == "data":
+                return None  # pooled by the step from the batch's own ids
             x = Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
             return route(self.tables[f].spec, x, "sum", self.tables[f].shards, capacity=self.capacities[f],
                          feature=f"f{f}", process=process)
@@ -193,13 +195,21 @@ class DlrmTrainer:
             return local
         return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local))
 
-    def _inputs(self, routed: list) -> tuple:
-        """Each table's routing as the fused programs take it (global arrays on several processes);
+    def _inputs(self, routed: list, local: dict) -> tuple:
+        """Each table's routing as the fused programs take it (global arrays on several processes):
         the tables ``gathered`` on the devices take theirs packed as one array (:func:`pack_ids`),
-        so that it travels as one, and nothing of their own."""
+        so that it travels as one, and the data-parallel ones their ids as the batch holds them
+        (one array); neither has arrays of its own."""
         mine = [r for r, g in zip(routed, self.gathered) if g]
         packed = self.batch_array(pack_ids(mine)) if mine else None
-        return packed, [() if g else routed_inputs(t, r) for t, r, g in zip(self.tables, routed, self.gathered)]
+        own = [t.spec.placement == "data" for t in self.tables]
+        ids = None
+        if any(own):
+            sparse, starts = np.asarray(local["sparse"]), np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
+            ids = self.batch_array(np.concatenate([sparse[:, starts[f]:starts[f + 1]] for f, o in enumerate(own) if o],
+                                                  axis=1).astype(np.int32))
+        return packed, [() if g or o else routed_inputs(t, r)
+                        for t, r, g, o in zip(self.tables, routed, self.gathered, own)], ids
 
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
@@ -234,7 +244,7 @@ class DlrmTrainer:
         dense, opt, tables, accs, metrics = self.fused_step(
             state["params"]["dense"], state["opt_state"]["dense"], [state["params"]["tables"][n] for n in names],
             [acc.get(n, np.float32(0)) for n in names], state["step"], self.batch_array(local["dense"]),
-            self.batch_array(local["labels"]), self._inputs(routed))
+            self.batch_array(local["labels"]), self._inputs(routed, local))
         return ({"params": {"dense": dense, "tables": dict(zip(names, tables))},
                  "opt_state": {"dense": opt, "tables": {n: a for n, a in zip(names, accs) if n in acc}},
                  "step": state["step"] + 1}, metrics)
@@ -245,7 +255,7 @@ class DlrmTrainer:
         if self.fused_predict is not None:
             return self.fused_predict(state["params"]["dense"], [state["params"]["tables"][t.spec.name]
                                                                  for t in self.tables],
-                                      self.batch_array(local["dense"]), self._inputs(routed), zero_tables)
+                                      self.batch_array(local["dense"]), self._inputs(routed, local), zero_tables)
         pooled = self._pooled(self.live_tables(state), routed, zero=zero_tables)
         x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
         return self.predict_fn(state["params"]["dense"], x, pooled)
@@ -355,7 +365,7 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
     trainer.state_shardings = jax.tree.map(lambda a: a.sharding, trainer.abstract_state())
     if s == 1 or all(t.spec.placement != "table" for t in tables):  # one compiled step: see dlrm_fused
         trainer.fused_step, trainer.fused_predict, trainer.gathered = fused_programs(
-            tables, mesh, AXIS, b, capacities, per_process, summed_dense_step(mesh, AXIS, b, optimizer, lr),
+            tables, mesh, AXIS, b, capacities, list(cfg.dlrm.ids_per_sample), per_process, optimizer, lr,
             cfg.dlrm.eps)
     return trainer
 

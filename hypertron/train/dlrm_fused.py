@@ -17,6 +17,12 @@ buffer even of the all-reduces it combines: 28 arrays summed one by one took 13 
 3. the dense gradient (with the loss) summed as one flat vector (:func:`summed_dense_step`);
 4. row-wise Adagrad's row sums of every column-wise table in one ``psum``
    (:func:`hypertron.embed.grouped.update_columns`).
+
+A data-parallel table (``data``: TorchRec's ``data_parallel``, what the planner picks for a small
+table on several processes) takes part in none of them: each device pools its own samples' ids
+(the batch's own ``sparse`` columns, fixed ids a sample) from its own copy, inside the dense
+step, and the gradient of the whole table joins the MLPs' in the one flat all-reduce; every copy
+then takes the same optimiser step (:func:`hypertron.embed.tables.update_whole`).
 """
 
 from __future__ import annotations
@@ -30,33 +36,47 @@ from jax.sharding import PartitionSpec as P
 
 from hypertron.embed import ShardedTable, pooling_fn, update_fn
 from hypertron.embed.grouped import gather_ids, reshard_pooled, update_columns
+from hypertron.embed.tables import update_whole
 from hypertron.recsys import dlrm
 
 
-def summed_dense_step(mesh: Mesh, axis: str, batch: int, optimizer: optax.GradientTransformation, lr):
+def data_parallel_pooled(tables: list, ids, hots: list[int]) -> list:
+    """Data-parallel tables' pooled rows (sum) of ``ids [batch, sum of hots]`` (each table's
+    ``hot`` ids a sample in turn), from each device's own copy: no exchange."""
+    starts = [sum(hots[:i]) for i in range(len(hots) + 1)]
+    return [jnp.take(t, ids[:, a:b], axis=0).sum(1) for t, a, b in zip(tables, starts[:-1], starts[1:])]
+
+
+def summed_dense_step(mesh: Mesh, axis: str, batch: int, optimizer: optax.GradientTransformation, lr,
+                      hots: list[int]):
     """The dense step over a batch split by samples over ``axis`` (the forward pass, the mean
-    log-loss, its gradient with respect to the MLPs and to each pooled embedding, the MLPs'
-    optimiser), with each device's gradient summed as one flat vector: one all-reduce.
-    ``(dense, opt, step, x, y, pooled) -> (dense, opt, pooled gradients, metrics)``."""
+    log-loss, its gradient with respect to the MLPs, to each pooled embedding and to each
+    data-parallel table, the MLPs' optimiser), with each device's gradients summed as one flat
+    vector: one all-reduce. ``(dense, opt, step, x, y, pooled, tables, ids) -> (dense, opt, pooled
+    gradients, tables' gradients, metrics)``: ``pooled`` None where a data-parallel table (of
+    ``tables``, its ``hots`` ids a sample in ``ids``) pools its own, in feature order."""
 
-    def part(dense, x, y, pooled):  # this device's samples' share of the loss and of its gradients
-        def loss_fn(dense, pooled):
-            return jnp.sum(dlrm.bce_with_logits(dlrm.forward(dense, x, pooled), y)) / batch
+    def part(dense, tables, x, y, pooled, ids):  # this device's samples' share of the loss and of its gradients
+        def loss_fn(dense, tables, pooled):
+            own = iter(data_parallel_pooled(tables, ids, hots))
+            full = [next(own) if p is None else p for p in pooled]
+            return jnp.sum(dlrm.bce_with_logits(dlrm.forward(dense, x, full), y)) / batch
 
-        dense = jax.lax.pcast(dense, axis, to="varying")  # its gradient this device's, summed below
-        loss, (g_dense, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1))(dense, pooled)
-        flat, unravel = ravel_pytree((loss, g_dense))
+        # Their gradients this device's, summed below in one collective.
+        dense, tables = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), (dense, tables))
+        loss, (g_dense, g_tables, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(dense, tables, pooled)
+        flat, unravel = ravel_pytree((loss, g_dense, g_tables))
         return (*unravel(jax.lax.psum(flat, axis)), g_pooled)
 
-    summed = jax.shard_map(part, mesh=mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
-                           out_specs=(P(), P(), P(axis)))
+    summed = jax.shard_map(part, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis), P(axis), P(axis)),
+                           out_specs=(P(), P(), P(), P(axis)))
 
-    def step_fn(dense, opt, step, x, y, pooled):
-        loss, g_dense, g_pooled = summed(dense, x, y, pooled)
+    def step_fn(dense, opt, step, x, y, pooled, tables, ids):
+        loss, g_dense, g_tables, g_pooled = summed(dense, tables, x, y, pooled, ids)
         updates, opt = optimizer.update(g_dense, opt, dense)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(g_dense), "lr": jnp.asarray(lr(step), jnp.float32),
                    "samples": jnp.float32(batch)}
-        return optax.apply_updates(dense, updates), opt, g_pooled, metrics
+        return optax.apply_updates(dense, updates), opt, g_pooled, g_tables, metrics
 
     return step_fn
 
@@ -68,23 +88,26 @@ def _subset(mask: list[bool], done: list, rest: list) -> list:
 
 
 def fused_programs(tables: list[ShardedTable], mesh: Mesh, axis: str, batch: int, capacities: list[int],
-                   per_process: bool, dense_step, eps: float) -> tuple:
+                   hots: list[int], per_process: bool, optimizer: optax.GradientTransformation, lr,
+                   eps: float) -> tuple:
     """``(step, predict, gathered)``: the whole step
     ``(dense, opt, tables, accs, step, x, y, routed) -> (dense, opt, tables, accs, metrics)`` (the
     dense and table arguments donated), the logits ``(dense, tables, x, routed, zero) -> [batch]``,
-    and per table whether its routing travels packed (``routed`` is ``(packed or None, each
-    table's arrays, () where packed)``). ``dense_step``: :func:`summed_dense_step`'s."""
+    and per table whether its routing travels packed. ``routed`` is ``(packed or None, each
+    table's arrays (() where packed or data-parallel), the data-parallel tables' ids or None)``;
+    ``hots``: each feature's ids a sample."""
     s, b = mesh.shape[axis], batch
     batch_sharding = NamedSharding(mesh, P(axis))
     per = [-(-b // s) if t.spec.placement == "row" or per_process else b for t in tables]
     gathered = [per_process and t.spec.placement == "column" for t in tables]
     columns = [t.spec.placement == "column" and s > 1 for t in tables]
-    pools = [pooling_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
-    updates = [update_fn(t, n, per_process, g) for t, n, g in zip(tables, per, gathered)]
+    own = [t.spec.placement == "data" for t in tables]  # data-parallel: each device pools its own samples
+    pools = [None if o else pooling_fn(t, n, per_process, g) for t, n, g, o in zip(tables, per, gathered, own)]
+    updates = [None if o else update_fn(t, n, per_process, g) for t, n, g, o in zip(tables, per, gathered, own)]
     of = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
+    dense_step = summed_dense_step(mesh, axis, b, optimizer, lr, of(own, hots))
 
-    def gather(routed: tuple) -> list:
-        packed, inputs = routed
+    def gather(packed, inputs: list) -> list:
         if packed is None:
             return inputs
         return _subset(gathered, gather_ids(of(gathered, tables), -(-b // s), packed, of(gathered, capacities)),
@@ -95,23 +118,35 @@ def fused_programs(tables: list[ShardedTable], mesh: Mesh, axis: str, batch: int
             return arrays
         return _subset(columns, reshard_pooled(of(columns, tables), of(columns, arrays), to_samples), arrays)
 
-    def update_all(data, accs, routed, grads, lr) -> list:
+    def pooled_rows(data, routed: tuple) -> tuple[list, list]:
+        """The routing as the updates take it, and each table's pooled rows split by samples
+        (None where data-parallel: the dense step pools those)."""
+        packed, inputs, _ = routed
+        inputs = gather(packed, inputs)
+        return inputs, reshard([None if o else pool(t, *r)[:b] for pool, t, r, o in zip(pools, data, inputs, own)],
+                               True)
+
+    def update_all(data, accs, routed, grads, whole, lr) -> list:
         e = jnp.float32(eps)
         args = [(d, a, *r, g) for d, a, r, g in zip(data, accs, routed, grads)]
         done = update_columns(of(columns, tables), of(columns, per)[0], per_process, per_process,
                               of(columns, args), lr, e) if any(columns) else []
-        return _subset(columns, done, [None if c else fn(*x, lr, e) for fn, x, c in zip(updates, args, columns)])
+        whole = iter(whole)
+        return _subset(columns, done, [None if c else update_whole(t, x[0], x[1], next(whole), lr, e) if o
+                                       else fn(*x, lr, e) for t, fn, x, c, o in zip(tables, updates, args, columns, own)])
 
     def whole_step(dense, opt, data, accs, step, x, y, routed):
         x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
-        routed = gather(routed)
-        pooled = reshard([pool(t, *r)[:b] for pool, t, r in zip(pools, data, routed)], True)
-        dense, opt, grads, metrics = dense_step(dense, opt, step, x, y, pooled)
-        new = update_all(data, accs, routed, reshard(grads, False), metrics["lr"])
+        inputs, pooled = pooled_rows(data, routed)
+        dense, opt, grads, whole, metrics = dense_step(dense, opt, step, x, y, pooled, of(own, data), routed[2])
+        new = update_all(data, accs, inputs, reshard(grads, False), whole, metrics["lr"])
         return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
 
     def whole_predict(dense, data, x, routed, zero):
-        pooled = reshard([pool(t, *r)[:b] for pool, t, r in zip(pools, data, gather(routed))], True)
+        _, pooled = pooled_rows(data, routed)
+        if any(own):
+            mine = iter(data_parallel_pooled(of(own, data), routed[2], of(own, hots)))
+            pooled = [next(mine) if p is None else p for p in pooled]
         if zero:
             pooled = [jnp.zeros_like(p) for p in pooled]
         x, pooled = jax.lax.with_sharding_constraint((x, pooled), batch_sharding)
