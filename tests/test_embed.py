@@ -287,6 +287,23 @@ def test_the_planner_places_each_table_by_its_rule_with_hand_computed_figures(tm
     assert code == 1 and "does not fit: the fullest device (device 0) holds 47.2 MiB of 47 MiB" in out, out
 
 
+def test_the_planner_keeps_a_small_table_data_parallel_where_that_exchanges_least():
+    """Batch 256, 2 ids a sample (512 ids a step, 256 pooled rows of 16). On one device a table of no
+    more rows than the step's ids goes data-parallel (no routing, its gradient no larger than the
+    ids' rows), a larger one whole. With every table to be split (several processes, 8 devices):
+    the small one's gradient all-reduce, 8 * 50 * 16 * 7/8 = 5,600 bytes, is under row-wise's
+    (12 * 512 / 8 + 4 * 256 * 16) * 7/8 = 14,672 and column-wise's (12 * 512 + 4 * 256 * 2) * 7/8 =
+    7,168: data-parallel; the large one's (11.2 MB) is not: column-wise."""
+    from hypertron.embed.plan import plan
+
+    tables = [TableSpec("few", 50, 16, placement="auto"), TableSpec("many", 100_000, 16, placement="auto")]
+    features = [FeatureSpec("f", "few"), FeatureSpec("g", "many")]
+    one = plan(tables, features, {"f": 2, "g": 2}, shards=1, batch=256, device_bytes=2**30)
+    assert [(c.table.placement, c.exchanged) for c in one.choices] == [("data", 0), ("table", 0)]
+    split = plan(tables, features, {"f": 2, "g": 2}, shards=8, batch=256, device_bytes=2**30, split_all=True)
+    assert [(c.table.placement, c.exchanged) for c in split.choices] == [("data", 5600), ("column", 7168)]
+
+
 @pytest.mark.parametrize("text, message", [
     ("tables: [{name: a, rows: 10, dim: 8, colour: red}]", "table 'a': unknown key 'colour'"),
     ("tables: [{name: a, rows: 10, dim: 8}]\nfeatures: [{name: f, table: b}]",

@@ -22,8 +22,10 @@ that exchanges the fewest bytes so far among those it fits on (then the one hold
 exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
 hand is kept. With every table to be split (``split_all``: a job of several processes, where
 table-wise is not yet), a table that could have gone whole goes data-parallel instead where that
-exchanges fewer bytes than splitting it (TorchRec's planner keeps small tables so). The plan fits
-when every device's total is within its memory.
+exchanges fewer bytes than splitting it (TorchRec's planner keeps small tables so). On one
+device a table with no more rows than the step's ids goes data-parallel too: a model's step pools
+it from the batch's own ids, with no routing, and the gradient of the whole table is no larger
+than the ids' rows would be. The plan fits when every device's total is within its memory.
 
 The exchange figures are this model's, for the input pipeline the module is built for; they are
 not measured (``bench/embed.py`` measures lookups).
@@ -111,6 +113,11 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
                 choices[t.name] = Choice(t, None, t.device_bytes(shards), n, cost(t, t.placement), "set by hand", True)
             else:
                 whole.append((t, "set by hand"))
+            continue
+        if shards == 1 and t.rows <= n:
+            choices[t.name] = Choice(dataclasses.replace(t, placement="data"), None, size, n, 0,
+                                     f"one device, no more rows than ids a step ({n:,}): pooled in the step from "
+                                     f"the batch's ids, no routing, its gradient no larger than theirs", False)
             continue
         if shards == 1 or (size <= share and not split_all):
             whole.append((t, "one device" if shards == 1 else
