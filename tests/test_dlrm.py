@@ -108,7 +108,7 @@ def _torch_model(cfg, trainer, state):
                      over_arch_layer_sizes=list(d.top_mlp), dcn_num_layers=d.cross_layers,
                      dcn_low_rank_dim=d.cross_rank)
     sd = dlrm.torchrec_state_dict(jax.device_get(state["params"]["dense"]),
-                                  [t.dense()[0] for t in trainer.live_tables(state)])
+                                  [values for values, _ in trainer.host_tables(state)])
     model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in sd.items()}, strict=True)
     return model
 
@@ -156,25 +156,28 @@ def test_twenty_sgd_steps_give_torchrecs_losses_with_tables_split_row_wise():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,placement,per_process", [("adagrad", "column", False),
-                                                               ("rowwise_adagrad", "auto", True),
+                                                               ("rowwise_adagrad", "mixed", True),
                                                                ("rowwise_adagrad", "table", False)])
 def test_one_adagrad_step_gives_torchrecs_parameters(optimizer, placement, per_process):
     """Tables: Adagrad (torch's), or TorchRec's RowWiseAdagrad (one accumulator per row); MLPs: Adagrad.
     A first Adagrad step is ``lr * g / (|g| + eps)``: with eps 1e-8 it is ``lr * sign(g)`` wherever
     ``|g|`` is not tiny, and where it is tiny float32's rounding of ``g`` decides it. eps 1e-3
     makes the comparison well conditioned (and still tells ``sqrt(acc) + eps`` from ``sqrt(acc + eps)``).
-    Routed per process (as several processes route), the planner puts t0-t3 column-wise (their ids
-    gathered on the devices, their duplicates merged there, their row sums summed over the column
-    shards in one collective) and t4-t7 data-parallel (pooled on each device from its own copy,
-    their gradients summed with the MLPs'): :mod:`hypertron.train.dlrm_fused`."""
+    Routed per process (as several processes route), ``mixed`` is every placement in one step: t0
+    row-wise, t1 column-wise (its ids gathered on the devices, its duplicates merged there, its row
+    sums summed over the column shards), t2 and t3 table-wise (held as one row-wise array,
+    :mod:`hypertron.embed.batched`) and the planner's t4-t7 data-parallel (pooled on each device
+    from its own copy, their gradients summed with the MLPs'): :mod:`hypertron.train.dlrm_fused`."""
     import torch
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: F401  (imported after the skip)
 
     lr, eps = 0.05, 1e-3
-    cfg = _cfg(f"dlrm.optimizer={optimizer}", f"dlrm.placement={placement}", f"train.lr={lr}", f"dlrm.eps={eps}")
+    where = "dlrm.placements=[row,column,table,table,auto,auto,auto,auto]" if placement == "mixed" else \
+        f"dlrm.placement={placement}"
+    cfg = _cfg(f"dlrm.optimizer={optimizer}", where, f"train.lr={lr}", f"dlrm.eps={eps}")
     trainer = _trainer(cfg, per_process)
-    if per_process:
-        assert [t.spec.placement for t in trainer.tables] == ["column"] * 4 + ["data"] * 4
+    if placement == "mixed":
+        assert [t.spec.placement for t in trainer.tables] == ["row", "column", "table", "table"] + ["data"] * 4
     state = trainer.init(jax.random.key(4))
     model = _torch_model(cfg, trainer, state)
     tables = [p for n, p in model.named_parameters() if n.startswith("sparse_arch.")]

@@ -176,10 +176,10 @@ def test_plan_refuses_what_train_refuses_in_the_same_words(case, tmp_path, monke
     assert one_error_line(run_cli(["plan", *overrides, *where])) == trained
 
 
-def test_plan_takes_no_device_count_of_zero_and_no_table_wise_dlrm_over_nodes():
+def test_plan_takes_no_device_count_of_zero_and_no_dlrm_placements_but_one_per_table():
     one_error_line(run_cli(["plan", "model=tiny", "--devices", "0"]), "--devices=0", "at least 1")
-    one_error_line(run_cli(["plan", "task=dlrm", "dlrm=dlrm-v2-tiny", "dlrm.placement=table", "--devices", "16"]),
-                   "dlrm.placement=table: a table-wise table is one process's only", "this job has 2 processes")
+    one_error_line(run_cli(["plan", "task=dlrm", "dlrm=dlrm-v2-tiny", "dlrm.placements=[row,table]", "--devices", "16"]),
+                   "dlrm.placements has 2 entries and dlrm.table_rows 8", "one per table")
 
 
 # --- readers and flags ---

@@ -153,13 +153,14 @@ def test_a_pipeline_across_the_two_processes_trains_like_one_process(tmp_path):
 DLRM = [str(Path(__file__).parent.parent / "recipes" / "cpu" / "dlrm-v2-tiny.yaml"), "train.steps=10",
         "train.log_every=1", "train.eval_every=10", "train.eval_batches=1", "checkpoint.every=5",
         "monitor.collect=false",
-        "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]"]  # 8 ids of f0 a sample: t0 goes row-wise, t1-t3 column-wise
+        "dlrm.ids_per_sample=[8,2,1,2,4,1,1,1]", "dlrm.placements=[row,column,table,table,auto,auto,auto,auto]"]
 
 
 def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
     """``task: dlrm`` on 2 processes x 4 devices (what recipes/cpu/dlrm-v2-tiny-2proc.yaml runs), its
-    tables over all 8 (t0 row-wise, t1-t3 column-wise, the 4 smallest whole on every device,
-    data-parallel), each process reading its block
+    tables over all 8 (t0 row-wise, t1 column-wise, t2 and t3 table-wise, held as one row-wise
+    array of two owners' blocks, and the planner's choice for the 4 smallest: whole on every
+    device, data-parallel), each process reading its block
     of each global batch and routing only its own samples' ids, equals one process on 8 devices fed
     the same global batches and routing them per process too: the 10 losses to 1e-6, and from
     checkpoint 10 every table and its row-wise Adagrad state to 1e-5. Then, as if killed after
@@ -176,7 +177,7 @@ def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
 
     cfg = load_config(DLRM[0], DLRM[1:])
     trainer = make_dlrm_trainer(cfg, Mesh(np.array(jax.devices()[:8]), ("data",)), per_process=True)
-    assert [t.spec.placement for t in trainer.tables] == ["row"] + ["column"] * 3 + ["data"] * 4
+    assert [t.spec.placement for t in trainer.tables] == ["row", "column", "table", "table"] + ["data"] * 4
     state = trainer.init(jax.random.key(cfg.train.seed))
     stream = recsys_data.make_batches(cfg.dlrm, batch_size=cfg.train.global_batch, seed=cfg.data.seed, shards=8)
     want = []
@@ -188,9 +189,9 @@ def test_two_processes_train_the_dlrm_like_one_and_resume_on_one(tmp_path):
     # is a near-cancelling sum, the summation order moves the row by about 1e-6 (seen: up to 2.3e-6 in 3
     # of 16,000 values, the rows up to 0.6; every other value within 1e-6).
     saved = trainer.to_held(Checkpointer(run, create=False).restore(10, trainer.abstract_state()))
-    for a, b in zip(trainer.live_tables(saved), trainer.live_tables(state), strict=True):
-        for x, y in zip(a.dense(), b.dense(), strict=True):
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5, err_msg=a.spec.name)
+    for t, a, b in zip(trainer.tables, trainer.host_tables(saved), trainer.host_tables(state), strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5, err_msg=t.spec.name)
 
     shutil.rmtree(run / "checkpoints" / "10")  # what a kill after checkpoint 5 leaves
     resumed = train(load_config(DLRM[0], [*DLRM[1:], f"run_dir={run}"]))

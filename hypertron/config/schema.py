@@ -441,6 +441,7 @@ class DlrmConfig:
     optimizer: TableOptimizer = "rowwise_adagrad"
     eps: float = 1e-8  # the Adagrads' epsilon (added to the root of the accumulator)
     placement: TablePlacement = "auto"
+    placements: tuple[TablePlacement, ...] = ()  # per table, in place of placement (auto: the planner's); () none
     source: DlrmSource = "synthetic"
     paths: tuple[str, ...] = ()  # Criteo-format files (label, 13 integers, 26 hex ids; tab-separated)
     eval_paths: tuple[str, ...] = ()  # held-out Criteo-format files, for train.eval_every

@@ -23,9 +23,11 @@ from hypertron.config.schema import (
     DpoConfig,
     MeshConfig,
     ModelConfig,
+    TablePlacement,
     WeightQuantization,
     check_choices,
     check_sizes,
+    choice_error,
     choices,
 )
 from hypertron.config.serving import (ServeConfig, check_budget, check_engine_settings, check_lora_modules,
@@ -107,6 +109,14 @@ def validate_dlrm(d: DlrmConfig) -> None:
         raise ConfigError(f"dlrm.top_mlp ends at {d.top_mlp[-1]}: its last layer gives the logit, so it must be 1")
     if d.eps <= 0 or d.teacher_scale <= 0:
         raise ConfigError("dlrm.eps and dlrm.teacher_scale must be positive")
+    if d.placements:
+        if len(d.placements) != len(d.table_rows):
+            raise ConfigError(f"dlrm.placements has {len(d.placements)} entries and dlrm.table_rows "
+                              f"{len(d.table_rows)}: give one per table, or none (dlrm.placement for all)")
+        allowed = choices(TablePlacement)
+        for p in d.placements:
+            if p not in allowed:
+                raise choice_error("dlrm.placements", p, allowed)
     if d.source == "criteo":
         if not d.paths:
             raise ConfigError("dlrm.paths: dlrm.source=criteo needs at least one file")
@@ -455,10 +465,7 @@ def _check_process_blocks(ici: dict[str, int], dcn: dict[str, int]) -> None:
 
 def check_dlrm_devices(cfg: Config, num_devices: int, processes: int) -> None:
     """What ``task: dlrm`` needs of its devices, checked by ``train`` and by ``plan``: a batch that
-    splits by samples over the devices, and on several processes no table-wise tables."""
-    if processes > 1 and cfg.dlrm.placement == "table":
-        raise ConfigError(f"dlrm.placement=table: a table-wise table is one process's only for now (its owner would "
-                          f"need every process's ids); this job has {processes} processes: set row, column, data or auto")
+    splits by samples over the devices."""
     if cfg.train.global_batch % num_devices:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch}: task=dlrm splits it by samples over the "
                           f"{num_devices} devices, so it must be a multiple of {num_devices}")

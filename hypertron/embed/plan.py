@@ -20,8 +20,8 @@ The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise
 sums, ``S`` times less traffic than splitting it), largest tables first, each onto the device
 that exchanges the fewest bytes so far among those it fits on (then the one holding fewest); a larger one is split, row-wise or column-wise, whichever
 exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
-hand is kept. With every table to be split (``split_all``: a job of several processes, where
-table-wise is not yet), a table that could have gone whole goes data-parallel instead where that
+hand is kept. With no table to go whole on one device (``split_all``: a job of several
+processes, where a table-wise table is asked by hand), a table that could have gone whole goes data-parallel instead where that
 exchanges fewer bytes than splitting it (TorchRec's planner keeps small tables so). On one
 device a table with no more rows than the step's ids goes data-parallel too: a model's step pools
 it from the batch's own ids, with no routing, and the gradient of the whole table is no larger
@@ -84,7 +84,8 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
          shards: int, batch: int, device_bytes: int, split_all: bool = False) -> Plan:
     """A placement for every table whose ``placement`` is ``auto`` (the others are kept), with
     bytes held and exchanged per device and the reason. ``ids_per_sample``: by feature, the mean.
-    ``split_all``: split every table (a job of several processes, where table-wise is not yet)."""
+    ``split_all``: no table whole on one device (a job of several processes, where a table-wise
+    table takes grouping, :mod:`hypertron.embed.batched`, asked by hand)."""
     if shards < 1 or batch < 1 or device_bytes < 1:
         raise EmbedError(f"devices={shards}, batch={batch}, device memory={device_bytes}: all must be positive")
     by_hand = {t.name for t in tables if t.placement != AUTO}
@@ -126,7 +127,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], ids_per_s
             continue
         row, column, data = cost(t, "row"), cost(t, "column"), cost(t, "data")
         split = (f"{describe_bytes(size)} whole, more than 1/{shards} of a device" if size > share else
-                 "every table split on several processes (table-wise is one process's only)")
+                 "no table whole on one device on several processes")
         if size <= share and data < min(row, column if t.dim % shards == 0 else row):
             placement = "data"
             why = (f"{describe_bytes(size)} whole on every device: its gradient's all-reduce exchanges "

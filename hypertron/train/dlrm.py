@@ -20,15 +20,18 @@ restore it as they do a language model's. Each step's buffers have one shape (th
 capacity is fixed at the most a device could send), so each part compiles once.
 
 Placements: ``dlrm.placement=auto`` asks :func:`hypertron.embed.plan.plan` per table; ``row``,
-``column`` or ``table`` puts every table so.
+``column``, ``table`` or ``data`` puts every table so; ``dlrm.placements`` gives one per table
+(``auto`` among them: the planner's).
 
 On several processes (``hypertron launch local --processes 2``, Slurm, JobSet) the tables are
 split over every device of every process and each process routes only its own samples' ids
 (:func:`hypertron.embed.route` with ``process``): duplicates are merged on the devices that read
 them, so no process ever holds the step's ids. The dense step and its batch are split by samples
-as on one process (each process's batch its block of the global one). A table-wise table is one
-process's only for now (its owner would need every process's ids): ``auto`` splits every table,
-and ``dlrm.placement=table`` is refused.
+as on one process (each process's batch its block of the global one). Table-wise tables are held
+there as one row-wise array, each table in its owner's block (:mod:`hypertron.embed.batched`), and
+routed together as one; ``auto`` puts no table whole on one device there (it splits the large
+ones and keeps small ones data-parallel where that exchanges less), a table-wise one is asked by
+hand.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from hypertron.data import resolve_shards
 from hypertron.embed import (
     Jagged, ShardedTable, abstract_table, apply_gradients, init_table, lookup, pooled_sharding, route,
 )
+from hypertron.embed.batched import TableGroup, group_from_logical, group_input, group_logical, group_tables, init_group
 from hypertron.embed.checkpoint import logical_abstract, logical_arrays, place_logical
 from hypertron.embed.plan import plan as plan_tables
 from hypertron.embed.tables import pack_ids, routed_inputs
@@ -90,11 +94,14 @@ def dense_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def place_tables(cfg: Config, mesh: Mesh, split_all: bool) -> list[tuple[Any, int]]:
-    """Each table's spec (with its placement) and owner over the mesh's axis; ``split_all``: no
-    table whole (``auto`` on several processes)."""
+    """Each table's spec (with its placement) and owner over the mesh's axis: ``dlrm.placements``
+    (per table) or ``dlrm.placement``, ``auto`` the planner's; ``split_all``: no table whole on one
+    device by the planner's choice (``auto`` on several processes)."""
     d = cfg.dlrm
-    specs, features = dlrm.table_specs(d, "auto" if d.placement == "auto" else d.placement)
-    if d.placement != "auto":
+    specs, features = dlrm.table_specs(d, "auto")
+    wanted = list(d.placements) or [d.placement] * len(specs)
+    specs = [dataclasses.replace(s, placement=p) for s, p in zip(specs, wanted)]
+    if "auto" not in wanted:
         return [(s, i % mesh.shape[AXIS]) for i, s in enumerate(specs)]
     chosen = plan_tables(specs, features, {f.name: float(h) for f, h in zip(features, d.ids_per_sample)},
                          shards=mesh.shape[AXIS], batch=cfg.train.global_batch,
@@ -120,18 +127,35 @@ class DlrmTrainer:
     fused_predict: Any = None  # the same for the logits (on several processes, one program a batch, not one a table)
     processes: int = 1  # more than one: each feeds its block of the global batch
     per_process: bool = False  # each process routes its own samples' ids, duplicates merged on the devices
-    gathered: list[bool] = dataclasses.field(default_factory=list)  # per table: its ids gathered on the devices
+    gathered: list[bool] = dataclasses.field(default_factory=list)  # per array: its ids gathered on the devices
+    group: TableGroup | None = None  # routed per process, the table-wise tables held as one array
+    arrays: list[ShardedTable] = dataclasses.field(default_factory=list)  # what the fused step holds: see _arrays
+    features: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)  # each feature's array, place
+    names: list[str] = dataclasses.field(default_factory=list)  # each array's key in the state
+
+    def grouped(self, i: int) -> bool:
+        """Whether table ``i`` is held in :attr:`group`."""
+        return self.group is not None and self.tables[i].spec.placement == "table"
 
     def init(self, key: jax.Array) -> dict:
         replicated = NamedSharding(self.mesh, P())
         dense = jax.jit(lambda k: dlrm.init_dense(self.cfg.dlrm, k), out_shardings=replicated)(key)
         opt = jax.jit(self.optimizer.init, out_shardings=replicated)(dense)
         tables, table_state = {}, {}
+        seed = lambda i: self.cfg.train.seed * 1_000_003 + i  # noqa: E731
         for i, t in enumerate(self.tables):
-            made = init_table(t.spec, self.mesh, AXIS, seed=self.cfg.train.seed * 1_000_003 + i, owner=t.owner)
+            if self.grouped(i):
+                continue
+            made = init_table(t.spec, self.mesh, AXIS, seed=seed(i), owner=t.owner)
             tables[t.spec.name] = made.data
             if made.state is not None:
                 table_state[t.spec.name] = made.state
+        if self.group is not None:
+            data, st = init_group(self.group, self.mesh, AXIS, [seed(i) for i in range(len(self.tables))
+                                                                if self.grouped(i)])
+            tables[GROUP] = data
+            if st is not None:
+                table_state[GROUP] = st
         return {"params": {"dense": dense, "tables": tables}, "opt_state": {"dense": opt, "tables": table_state},
                 "step": jax.device_put(np.int32(0), replicated)}
 
@@ -139,17 +163,27 @@ class DlrmTrainer:
         """``state`` as checkpoints hold it: every table and its optimiser state in its logical row
         order (:func:`hypertron.embed.checkpoint.logical_arrays`, a copy), whatever its placement,
         so a run resumes under another placement, device count or process count."""
-        return _with_tables(state, {t.spec.name: logical_arrays(t) for t in self.live_tables(state)})
+        logical = {t.spec.name: logical_arrays(t) for t in self.live_tables(state)}
+        if self.group is not None:
+            logical |= group_logical(self.group, self.mesh, AXIS, state["params"]["tables"][GROUP],
+                                     state["opt_state"]["tables"].get(GROUP))
+        return _with_tables(state, logical)
 
     def to_held(self, state: dict) -> dict:
         """A checkpoint's state (:meth:`to_model`'s form) laid out as this trainer's step holds it."""
-        placed = {}
+        placed, logical = {}, {}
         for t in self.tables:
             arrays = {"table": state["params"]["tables"][t.spec.name]}
             if t.state is not None:
                 arrays["state"] = state["opt_state"]["tables"][t.spec.name]
-            p = place_logical(arrays, t.spec, t.optimizer, self.mesh, AXIS, t.owner)
-            placed[t.spec.name] = {"table": p.data} | ({} if p.state is None else {"state": p.state})
+            logical[t.spec.name] = arrays
+        for i, t in enumerate(self.tables):
+            if not self.grouped(i):
+                p = place_logical(logical[t.spec.name], t.spec, t.optimizer, self.mesh, AXIS, t.owner)
+                placed[t.spec.name] = {"table": p.data} | ({} if p.state is None else {"state": p.state})
+        if self.group is not None:
+            data, st = group_from_logical(self.group, self.mesh, AXIS, logical)
+            placed[GROUP] = {"table": data} | ({} if st is None else {"state": st})
         return _with_tables(state, placed)
 
     def abstract_state(self) -> dict:
@@ -166,9 +200,21 @@ class DlrmTrainer:
                 "step": shaped(jax.ShapeDtypeStruct((), jnp.int32))}
 
     def live_tables(self, state: dict) -> list[ShardedTable]:
-        """The tables with their arrays from ``state``."""
+        """The tables with their arrays from ``state`` (those not held in :attr:`group`)."""
         return [dataclasses.replace(t, data=state["params"]["tables"][t.spec.name],
-                                    state=state["opt_state"]["tables"].get(t.spec.name)) for t in self.tables]
+                                    state=state["opt_state"]["tables"].get(t.spec.name))
+                for i, t in enumerate(self.tables) if not self.grouped(i)]
+
+    def host_tables(self, state: dict) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Each table ``[rows, dim]`` and its optimiser state (None for SGD) on the host, in table
+        order, whatever its placement (on one process: what tests compare)."""
+        model = self.to_model(state)
+        out = []
+        for t in self.tables:
+            st = model["opt_state"]["tables"].get(t.spec.name)
+            out.append((np.asarray(model["params"]["tables"][t.spec.name])[:t.spec.rows],
+                        None if st is None else np.asarray(st)[:t.spec.rows]))
+        return out
 
     def route(self, local: dict, pool: concurrent.futures.Executor | None = None) -> list:
         """Each feature's ids of this batch laid out for its table (on the host); with ``pool``,
@@ -179,14 +225,21 @@ class DlrmTrainer:
 
         process = (jax.process_index(), self.processes) if self.per_process else None
 
+        def jagged(f: int) -> Jagged:
+            return Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
+
         def one(f: int):  # (its capacity is the most a device could send: no process can overflow it)
-            if self.fused_step is not None and self.tables[f].spec.placement == "data":
-                return None  # pooled by the step from the batch's own ids
-            x = Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
-            return route(self.tables[f].spec, x, "sum", self.tables[f].shards, capacity=self.capacities[f],
+            if (self.fused_step is not None and self.tables[f].spec.placement == "data") or self.grouped(f):
+                return None  # pooled by the step from the batch's own ids; routed with its group
+            return route(self.tables[f].spec, jagged(f), "sum", self.tables[f].shards, capacity=self.capacities[f],
                          feature=f"f{f}", process=process)
 
-        return list(pool.map(one, range(len(self.tables))) if pool is not None else map(one, range(len(self.tables))))
+        routed = list(pool.map(one, range(len(self.tables))) if pool is not None else map(one, range(len(self.tables))))
+        if self.group is not None:  # the group's own samples: each sample's ids of each of its tables
+            x = group_input(self.group, [jagged(f) for f in range(len(self.tables)) if self.grouped(f)])
+            routed.append(route(self.group.spec, x, "sum", self.group.shards, capacity=self.capacities[-1],
+                                feature="the table-wise features", process=process))
+        return routed
 
     def batch_array(self, local: np.ndarray) -> jax.Array | np.ndarray:
         """This process's rows of a batch as the step takes them: on several processes, the global
@@ -200,16 +253,19 @@ class DlrmTrainer:
         the tables ``gathered`` on the devices take theirs packed as one array (:func:`pack_ids`),
         so that it travels as one, and the data-parallel ones their ids as the batch holds them
         (one array); neither has arrays of its own."""
+        solo = [r for i, r in enumerate(routed[:len(self.tables)]) if not self.grouped(i)]
+        routed = solo + ([routed[-1]] if self.group is not None else [])  # each array's, as self.arrays
         mine = [r for r, g in zip(routed, self.gathered) if g]
         packed = self.batch_array(pack_ids(mine)) if mine else None
-        own = [t.spec.placement == "data" for t in self.tables]
+        own = [t.spec.placement == "data" for t in self.arrays]
         ids = None
         if any(own):
             sparse, starts = np.asarray(local["sparse"]), np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
-            ids = self.batch_array(np.concatenate([sparse[:, starts[f]:starts[f + 1]] for f, o in enumerate(own) if o],
+            ids = self.batch_array(np.concatenate([sparse[:, starts[f]:starts[f + 1]]
+                                                   for f, (a, _) in enumerate(self.features) if own[a]],
                                                   axis=1).astype(np.int32))
         return packed, [() if g or o else routed_inputs(t, r)
-                        for t, r, g, o in zip(self.tables, routed, self.gathered, own)], ids
+                        for t, r, g, o in zip(self.arrays, routed, self.gathered, own)], ids
 
     def _pooled(self, tables: list[ShardedTable], routed: list, zero: bool = False) -> list[jax.Array]:
         pooled = [lookup(t, r) for t, r in zip(tables, routed)]
@@ -239,7 +295,7 @@ class DlrmTrainer:
                  "step": state["step"] + 1}, metrics)
 
     def _fused(self, state: dict, local: dict, routed: list) -> tuple[dict, dict]:
-        names = [t.spec.name for t in self.tables]
+        names = self.names
         acc = state["opt_state"]["tables"]
         dense, opt, tables, accs, metrics = self.fused_step(
             state["params"]["dense"], state["opt_state"]["dense"], [state["params"]["tables"][n] for n in names],
@@ -253,8 +309,7 @@ class DlrmTrainer:
         """Click logits of a batch (``zero_tables``: with every pooled embedding zeroed, the ablation)."""
         routed = self.route(local)
         if self.fused_predict is not None:
-            return self.fused_predict(state["params"]["dense"], [state["params"]["tables"][t.spec.name]
-                                                                 for t in self.tables],
+            return self.fused_predict(state["params"]["dense"], [state["params"]["tables"][n] for n in self.names],
                                       self.batch_array(local["dense"]), self._inputs(routed, local), zero_tables)
         pooled = self._pooled(self.live_tables(state), routed, zero=zero_tables)
         x = jax.device_put(self.batch_array(local["dense"]), self.batch_sharding)
@@ -268,6 +323,7 @@ def _with_tables(state: dict, tables: dict[str, dict]) -> dict:
             "opt_state": {**state["opt_state"], "tables": {n: a["state"] for n, a in tables.items() if "state" in a}}}
 
 
+GROUP = "_table_wise"  # the state's key of the table-wise tables held as one array (embed.batched)
 ROUTED = "_routed"  # a batch's routing, done ahead (a leading "_": derived from the rows, not rows)
 
 
@@ -341,6 +397,12 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
     # Row-wise: the most ids one device could send one owner (all of its own); routed per process,
     # column-wise too (a device's ids); others: ignored but fixed.
     capacities = [-(-b // s) * hot for hot in cfg.dlrm.ids_per_sample]
+    # Routed per process, the table-wise tables are held as one row-wise array (embed.batched), routed together.
+    together = [i for i, t in enumerate(tables) if per_process and t.spec.placement == "table"]
+    group = group_tables([tables[i].spec for i in together], [tables[i].owner for i in together], s) \
+        if together else None
+    if group is not None:
+        capacities.append(-(-b // s) * sum(cfg.dlrm.ids_per_sample[i] for i in together))
     optimizer = dense_optimizer(cfg)
     lr = schedule(cfg.train)
 
@@ -363,10 +425,16 @@ def make_dlrm_trainer(cfg: Config, mesh: Mesh, per_process: bool | None = None) 
     trainer = DlrmTrainer(cfg, mesh, tables, {}, batch_sharding, optimizer, step_fn, predict, capacities,
                           processes=processes, per_process=per_process)
     trainer.state_shardings = jax.tree.map(lambda a: a.sharding, trainer.abstract_state())
-    if s == 1 or all(t.spec.placement != "table" for t in tables):  # one compiled step: see dlrm_fused
+    trainer.group = group
+    solo = [i for i in range(len(tables)) if i not in together]
+    trainer.arrays = [tables[i] for i in solo] + ([abstract_table(group.spec, mesh, AXIS)] if group else [])
+    trainer.names = [tables[i].spec.name for i in solo] + ([GROUP] if group else [])
+    trainer.features = [(len(solo), together.index(f)) if f in together else (solo.index(f), None)
+                        for f in range(len(tables))]
+    if s == 1 or all(t.spec.placement != "table" for t in trainer.arrays):  # one compiled step: see dlrm_fused
         trainer.fused_step, trainer.fused_predict, trainer.gathered = fused_programs(
-            tables, mesh, AXIS, b, capacities, list(cfg.dlrm.ids_per_sample), per_process, optimizer, lr,
-            cfg.dlrm.eps)
+            trainer.arrays, trainer.features, mesh, AXIS, b, [capacities[i] for i in solo] + capacities[len(tables):],
+            list(cfg.dlrm.ids_per_sample), per_process, optimizer, lr, cfg.dlrm.eps)
     return trainer
 
 

@@ -87,65 +87,85 @@ def _subset(mask: list[bool], done: list, rest: list) -> list:
     return [next(it) if m else r for r, m in zip(rest, mask)]
 
 
-def fused_programs(tables: list[ShardedTable], mesh: Mesh, axis: str, batch: int, capacities: list[int],
-                   hots: list[int], per_process: bool, optimizer: optax.GradientTransformation, lr,
-                   eps: float) -> tuple:
+def _members(features: list[tuple[int, int | None]], count: int) -> tuple[list, list, list]:
+    """Per array: its features, whether it is a group of tables, and its samples per sample."""
+    members = [[f for f, (a, _) in enumerate(features) if a == i] for i in range(count)]
+    grouped = [any(features[f][1] is not None for f in m) for m in members]
+    return members, grouped, [len(m) if g else 1 for m, g in zip(members, grouped)]
+
+
+def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | None]], mesh: Mesh, axis: str,
+                   batch: int, capacities: list[int], hots: list[int], per_process: bool,
+                   optimizer: optax.GradientTransformation, lr, eps: float) -> tuple:
     """``(step, predict, gathered)``: the whole step
     ``(dense, opt, tables, accs, step, x, y, routed) -> (dense, opt, tables, accs, metrics)`` (the
     dense and table arguments donated), the logits ``(dense, tables, x, routed, zero) -> [batch]``,
-    and per table whether its routing travels packed. ``routed`` is ``(packed or None, each
-    table's arrays (() where packed or data-parallel), the data-parallel tables' ids or None)``;
-    ``hots``: each feature's ids a sample."""
+    and per array whether its routing travels packed. ``arrays``: each table's layout, a group of
+    table-wise tables one (:mod:`hypertron.embed.batched`: its features' samples interleaved);
+    ``features``: each feature's array and place in its group (None: its own table), in feature
+    order; ``capacities``: each array's routing's; ``hots``: each feature's ids a sample.
+    ``routed`` is ``(packed or None, each array's routing (() where packed or data-parallel), the
+    data-parallel tables' ids or None)``."""
     s, b = mesh.shape[axis], batch
     batch_sharding = NamedSharding(mesh, P(axis))
-    per = [-(-b // s) if t.spec.placement == "row" or per_process else b for t in tables]
-    gathered = [per_process and t.spec.placement == "column" for t in tables]
-    columns = [t.spec.placement == "column" and s > 1 for t in tables]
-    own = [t.spec.placement == "data" for t in tables]  # data-parallel: each device pools its own samples
-    pools = [None if o else pooling_fn(t, n, per_process, g) for t, n, g, o in zip(tables, per, gathered, own)]
-    updates = [None if o else update_fn(t, n, per_process, g) for t, n, g, o in zip(tables, per, gathered, own)]
+    members, grouped, width = _members(features, len(arrays))
+    per = [(-(-b // s) if t.spec.placement == "row" or per_process else b) * w for t, w in zip(arrays, width)]
+    gathered = [per_process and t.spec.placement == "column" for t in arrays]
+    columns = [t.spec.placement == "column" and s > 1 for t in arrays]
+    own = [t.spec.placement == "data" for t in arrays]  # data-parallel: each device pools its own samples
+    pools = [None if o else pooling_fn(t, n, per_process, g) for t, n, g, o in zip(arrays, per, gathered, own)]
+    updates = [None if o else update_fn(t, n, per_process, g) for t, n, g, o in zip(arrays, per, gathered, own)]
     of = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
-    dense_step = summed_dense_step(mesh, axis, b, optimizer, lr, of(own, hots))
+    own_hots = [hots[[a for a, _ in features].index(i)] for i, o in enumerate(own) if o]
+    dense_step = summed_dense_step(mesh, axis, b, optimizer, lr, own_hots)
 
     def gather(packed, inputs: list) -> list:
         if packed is None:
             return inputs
-        return _subset(gathered, gather_ids(of(gathered, tables), -(-b // s), packed, of(gathered, capacities)),
+        return _subset(gathered, gather_ids(of(gathered, arrays), -(-b // s), packed, of(gathered, capacities)),
                        inputs)
 
-    def reshard(arrays: list, to_samples: bool) -> list:
+    def reshard(xs: list, to_samples: bool) -> list:
         if not any(columns):
-            return arrays
-        return _subset(columns, reshard_pooled(of(columns, tables), of(columns, arrays), to_samples), arrays)
+            return xs
+        return _subset(columns, reshard_pooled(of(columns, arrays), of(columns, xs), to_samples), xs)
+
+    def by_feature(pooled: list) -> list:  # each array's pooled rows -> each feature's
+        return [pooled[a] if k is None else pooled[a].reshape(b, width[a], -1)[:, k] for a, k in features]
+
+    def by_array(grads: list) -> list:  # each feature's gradient -> each array's
+        return [jnp.stack([grads[f] for f in m], axis=1).reshape(b * len(m), -1) if g else grads[m[0]]
+                for m, g in zip(members, grouped)]
 
     def pooled_rows(data, routed: tuple) -> tuple[list, list]:
-        """The routing as the updates take it, and each table's pooled rows split by samples
+        """The routing as the updates take it, and each feature's pooled rows split by samples
         (None where data-parallel: the dense step pools those)."""
         packed, inputs, _ = routed
         inputs = gather(packed, inputs)
-        return inputs, reshard([None if o else pool(t, *r)[:b] for pool, t, r, o in zip(pools, data, inputs, own)],
-                               True)
+        pooled = reshard([None if o else pool(t, *r)[:b * w] for pool, t, r, o, w in zip(pools, data, inputs, own, width)],
+                         True)
+        return inputs, by_feature(pooled)
 
     def update_all(data, accs, routed, grads, whole, lr) -> list:
         e = jnp.float32(eps)
         args = [(d, a, *r, g) for d, a, r, g in zip(data, accs, routed, grads)]
-        done = update_columns(of(columns, tables), of(columns, per)[0], per_process, per_process,
+        done = update_columns(of(columns, arrays), of(columns, per)[0], per_process, per_process,
                               of(columns, args), lr, e) if any(columns) else []
         whole = iter(whole)
         return _subset(columns, done, [None if c else update_whole(t, x[0], x[1], next(whole), lr, e) if o
-                                       else fn(*x, lr, e) for t, fn, x, c, o in zip(tables, updates, args, columns, own)])
+                                       else fn(*x, lr, e) for t, fn, x, c, o in zip(arrays, updates, args, columns, own)])
 
     def whole_step(dense, opt, data, accs, step, x, y, routed):
         x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
         inputs, pooled = pooled_rows(data, routed)
         dense, opt, grads, whole, metrics = dense_step(dense, opt, step, x, y, pooled, of(own, data), routed[2])
-        new = update_all(data, accs, inputs, reshard(grads, False), whole, metrics["lr"])
+        new = update_all(data, accs, inputs, reshard(by_array(grads), False), whole, metrics["lr"])
         return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
 
     def whole_predict(dense, data, x, routed, zero):
         _, pooled = pooled_rows(data, routed)
         if any(own):
-            mine = iter(data_parallel_pooled(of(own, data), routed[2], of(own, hots)))
+            mine = iter(data_parallel_pooled(of(own, data), routed[2], own_hots))
             pooled = [next(mine) if p is None else p for p in pooled]
         if zero:
             pooled = [jnp.zeros_like(p) for p in pooled]
