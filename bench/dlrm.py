@@ -13,10 +13,12 @@ planted-teacher batches, cycled, and first check that their losses agree over 3 
 being ready; samples/s = steps x batch / that time.
 
 - hypertron: :class:`hypertron.train.dlrm.DlrmTrainer` on one CPU device (the tables placed by the
-  planner: whole, on that device), its step as ``hypertron train`` runs it: the batches routed on
-  the host one ahead, on a thread (:class:`hypertron.train.dlrm.RoutedAhead`), the lookups, the
-  compiled dense step, the sparse updates. Also timed (``inline``): each step routing its own
-  batch first, as before routing moved off the step's path.
+  planner: whole on that device; data-parallel, pooled in the step from the batch's ids with no
+  routing, where a table has no more rows than the step's ids), its step as ``hypertron train``
+  runs it: the batches routed on the host one ahead, on a thread
+  (:class:`hypertron.train.dlrm.RoutedAhead`), the lookups, the compiled dense step, the sparse
+  updates. Also timed (``inline``): each step routing its own batch first, as before routing
+  moved off the step's path.
 - TorchRec: ``DLRM_DCN`` over a ``FusedEmbeddingBagCollection`` (FBGEMM's CPU kernels, row-wise
   Adagrad fused into backward) and ``torch.optim.Adagrad`` on the MLPs: TorchRec's single-process
   training setup, eager.
