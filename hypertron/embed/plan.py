@@ -16,16 +16,17 @@ sample, its weight) and a pooled value 4:
 - ``data``: every device holds it all and pools its own samples; the gradient of the whole table
   is summed over the devices (an all-reduce): ``8 rows dim (S - 1) / S`` on every device.
 
-The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise (no partial
-sums, ``S`` times less traffic than splitting it), largest tables first, each onto the device
-that exchanges the fewest bytes so far among those it fits on (then the one holding fewest); a larger one is split, row-wise or column-wise, whichever
-exchanges fewer bytes (column-wise only when ``S`` divides its dimension). A placement given by
-hand is kept. With no table to go whole on one device (``split_all``: a job of several
-processes, where a table-wise table is asked by hand), a table that could have gone whole goes data-parallel instead where that
-exchanges fewer bytes than splitting it (TorchRec's planner keeps small tables so). On one
-device a table with no more rows than the step's ids goes data-parallel too: a model's step pools
-it from the batch's own ids, with no routing, and the gradient of the whole table is no larger
-than the ids' rows would be. The plan fits when every device's total is within its memory.
+The rule: a table that takes at most ``1 / S`` of a device whole goes table-wise (no partial sums,
+``S`` times less traffic than splitting it), largest tables first, each onto the device that
+exchanges the fewest bytes so far among those it fits on (then the one holding fewest); a larger one
+is split, row-wise or column-wise, whichever exchanges fewer bytes (column-wise only when ``S``
+divides its dimension). A placement given by hand is kept. With no table to go whole on one device
+(``split_all``: a job of several processes, where a table-wise table is asked by hand), a table that
+could have gone whole goes data-parallel instead where that exchanges fewer bytes than splitting it
+(TorchRec's planner keeps small tables so). On one device a table with no more rows than the step's
+ids goes data-parallel too: a model's step pools it from the batch's own ids, with no routing, and
+the gradient of the whole table is no larger than the ids' rows would be. The plan fits when every
+device's total is within its memory.
 
 The exchange figures are this model's, for the input pipeline the module is built for; they are
 not measured (``bench/embed.py`` measures lookups).

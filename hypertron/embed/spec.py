@@ -1,14 +1,14 @@
 """Embedding tables, the features that read them, and their multi-hot input.
 
-A :class:`TableSpec` is one table (``rows`` x ``dim``), its optimiser, and where it lives over
-the mesh (``placement``: ``row``, rows dealt out by id modulo the shard count, as
-jax-tpu-embedding does; ``column``, each shard a slice of the dimension; ``table``, the whole
-table on one device; ``data``, the whole table on every device, each pooling its own samples and
-the gradients summed over the devices, as TorchRec's ``data_parallel`` keeps small tables). A :class:`FeatureSpec` names the table it reads and how a sample's ids
-are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``); several features may share a table. A
-feature's input for a batch is a :class:`Jagged` (TorchRec's KeyedJaggedTensor for one key): the
-ids of every sample one after another (``values``), how many each sample has (``lengths``, 0 for
-an empty sample) and, optionally, a weight per id.
+A :class:`TableSpec` is one table (``rows`` x ``dim``), its optimiser, and where it lives over the
+mesh (``placement``: ``row``, rows dealt out by id modulo the shard count, as jax-tpu-embedding
+does; ``column``, each shard a slice of the dimension; ``table``, the whole table on one device;
+``data``, the whole table on every device, each pooling its own samples and the gradients summed
+over the devices, as TorchRec's ``data_parallel`` keeps small tables). A :class:`FeatureSpec` names
+the table it reads and how a sample's ids are pooled (``combiner``: ``sum``, ``mean``, ``sqrtn``);
+several features may share a table. A feature's input for a batch is a :class:`Jagged` (TorchRec's
+KeyedJaggedTensor for one key): the ids of every sample one after another (``values``), how many
+each sample has (``lengths``, 0 for an empty sample) and, optionally, a weight per id.
 
 Everything here runs on the host, before anything compiles: :func:`check_specs` (a feature naming
 no table, a column split that does not divide a table's dimension, a table that fits no device

@@ -129,7 +129,7 @@ class DlrmTrainer:
     per_process: bool = False  # each process routes its own samples' ids, duplicates merged on the devices
     gathered: list[bool] = dataclasses.field(default_factory=list)  # per array: its ids gathered on the devices
     group: TableGroup | None = None  # routed per process, the table-wise tables held as one array
-    arrays: list[ShardedTable] = dataclasses.field(default_factory=list)  # what the fused step holds: see _arrays
+    arrays: list[ShardedTable] = dataclasses.field(default_factory=list)  # the fused step's: tables, then the group
     features: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)  # each feature's array, place
     names: list[str] = dataclasses.field(default_factory=list)  # each array's key in the state
 
@@ -226,7 +226,8 @@ class DlrmTrainer:
         process = (jax.process_index(), self.processes) if self.per_process else None
 
         def jagged(f: int) -> Jagged:
-            return Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, starts[f + 1] - starts[f], np.int32))
+            hot = starts[f + 1] - starts[f]
+            return Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, hot, np.int32))
 
         def one(f: int):  # (its capacity is the most a device could send: no process can overflow it)
             if (self.fused_step is not None and self.tables[f].spec.placement == "data") or self.grouped(f):

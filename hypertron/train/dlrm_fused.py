@@ -142,8 +142,8 @@ def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | N
         (None where data-parallel: the dense step pools those)."""
         packed, inputs, _ = routed
         inputs = gather(packed, inputs)
-        pooled = reshard([None if o else pool(t, *r)[:b * w] for pool, t, r, o, w in zip(pools, data, inputs, own, width)],
-                         True)
+        pooled = reshard([None if o else pool(t, *r)[:b * w]
+                          for pool, t, r, o, w in zip(pools, data, inputs, own, width)], True)
         return inputs, by_feature(pooled)
 
     def update_all(data, accs, routed, grads, whole, lr) -> list:
@@ -152,8 +152,9 @@ def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | N
         done = update_columns(of(columns, arrays), of(columns, per)[0], per_process, per_process,
                               of(columns, args), lr, e) if any(columns) else []
         whole = iter(whole)
-        return _subset(columns, done, [None if c else update_whole(t, x[0], x[1], next(whole), lr, e) if o
-                                       else fn(*x, lr, e) for t, fn, x, c, o in zip(arrays, updates, args, columns, own)])
+        rest = [None if c else update_whole(t, x[0], x[1], next(whole), lr, e) if o else fn(*x, lr, e)
+                for t, fn, x, c, o in zip(arrays, updates, args, columns, own)]
+        return _subset(columns, done, rest)
 
     def whole_step(dense, opt, data, accs, step, x, y, routed):
         x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
