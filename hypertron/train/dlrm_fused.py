@@ -87,6 +87,11 @@ def _subset(mask: list[bool], done: list, rest: list) -> list:
     return [next(it) if m else r for r, m in zip(rest, mask)]
 
 
+def _of(mask: list[bool], xs: list) -> list:
+    """The items of ``xs`` that ``mask`` marks."""
+    return [x for x, m in zip(xs, mask) if m]
+
+
 def _members(features: list[tuple[int, int | None]], count: int) -> tuple[list, list, list]:
     """Per array: its features, whether it is a group of tables, and its samples per sample."""
     members = [[f for f, (a, _) in enumerate(features) if a == i] for i in range(count)]
@@ -115,20 +120,19 @@ def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | N
     own = [t.spec.placement == "data" for t in arrays]  # data-parallel: each device pools its own samples
     pools = [None if o else pooling_fn(t, n, per_process, g) for t, n, g, o in zip(arrays, per, gathered, own)]
     updates = [None if o else update_fn(t, n, per_process, g) for t, n, g, o in zip(arrays, per, gathered, own)]
-    of = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
     own_hots = [hots[[a for a, _ in features].index(i)] for i, o in enumerate(own) if o]
     dense_step = summed_dense_step(mesh, axis, b, optimizer, lr, own_hots)
 
     def gather(packed, inputs: list) -> list:
         if packed is None:
             return inputs
-        return _subset(gathered, gather_ids(of(gathered, arrays), -(-b // s), packed, of(gathered, capacities)),
+        return _subset(gathered, gather_ids(_of(gathered, arrays), -(-b // s), packed, _of(gathered, capacities)),
                        inputs)
 
     def reshard(xs: list, to_samples: bool) -> list:
         if not any(columns):
             return xs
-        return _subset(columns, reshard_pooled(of(columns, arrays), of(columns, xs), to_samples), xs)
+        return _subset(columns, reshard_pooled(_of(columns, arrays), _of(columns, xs), to_samples), xs)
 
     def by_feature(pooled: list) -> list:  # each array's pooled rows -> each feature's
         return [pooled[a] if k is None else pooled[a].reshape(b, width[a], -1)[:, k] for a, k in features]
@@ -149,8 +153,8 @@ def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | N
     def update_all(data, accs, routed, grads, whole, lr) -> list:
         e = jnp.float32(eps)
         args = [(d, a, *r, g) for d, a, r, g in zip(data, accs, routed, grads)]
-        done = update_columns(of(columns, arrays), of(columns, per)[0], per_process, per_process,
-                              of(columns, args), lr, e) if any(columns) else []
+        done = update_columns(_of(columns, arrays), _of(columns, per)[0], per_process, per_process,
+                              _of(columns, args), lr, e) if any(columns) else []
         whole = iter(whole)
         rest = [None if c else update_whole(t, x[0], x[1], next(whole), lr, e) if o else fn(*x, lr, e)
                 for t, fn, x, c, o in zip(arrays, updates, args, columns, own)]
@@ -159,14 +163,14 @@ def fused_programs(arrays: list[ShardedTable], features: list[tuple[int, int | N
     def whole_step(dense, opt, data, accs, step, x, y, routed):
         x, y = jax.lax.with_sharding_constraint((x, y), batch_sharding)
         inputs, pooled = pooled_rows(data, routed)
-        dense, opt, grads, whole, metrics = dense_step(dense, opt, step, x, y, pooled, of(own, data), routed[2])
+        dense, opt, grads, whole, metrics = dense_step(dense, opt, step, x, y, pooled, _of(own, data), routed[2])
         new = update_all(data, accs, inputs, reshard(by_array(grads), False), whole, metrics["lr"])
         return dense, opt, [d for d, _ in new], [a for _, a in new], metrics
 
     def whole_predict(dense, data, x, routed, zero):
         _, pooled = pooled_rows(data, routed)
         if any(own):
-            mine = iter(data_parallel_pooled(of(own, data), routed[2], own_hots))
+            mine = iter(data_parallel_pooled(_of(own, data), routed[2], own_hots))
             pooled = [next(mine) if p is None else p for p in pooled]
         if zero:
             pooled = [jnp.zeros_like(p) for p in pooled]
