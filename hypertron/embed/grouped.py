@@ -102,9 +102,8 @@ def _columns_update_fn(lays: tuple[_Layout, ...], per: int, dims: tuple[int, ...
         return tuple(out)
 
     specs = [_update_specs(lay) for lay in lays]
-    fn = jax.shard_map(shard, mesh=lays[0].mesh, in_specs=(*(x for a, _ in specs for x in a), P(), P()),
-                       out_specs=tuple(x for _, b in specs for x in b))
-    return fn
+    return jax.shard_map(shard, mesh=lays[0].mesh, in_specs=(*(x for a, _ in specs for x in a), P(), P()),
+                         out_specs=tuple(x for _, b in specs for x in b))
 
 
 def update_columns(tables: list[ShardedTable], per_device: int, merged: bool, gathered: bool, arrays: list[tuple],

@@ -220,14 +220,11 @@ class DlrmTrainer:
         """Each feature's ids of this batch laid out for its table (on the host); with ``pool``,
         the features on its threads (numpy's sorts let go of the GIL)."""
         sparse = np.asarray(local["sparse"])
-        b = len(sparse)
-        starts = np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
-
         process = (jax.process_index(), self.processes) if self.per_process else None
 
         def jagged(f: int) -> Jagged:
-            hot = starts[f + 1] - starts[f]
-            return Jagged(sparse[:, starts[f]:starts[f + 1]].reshape(-1), np.full(b, hot, np.int32))
+            ids = self._ids(sparse, f)
+            return Jagged(ids.reshape(-1), np.full(len(ids), ids.shape[1], np.int32))
 
         def one(f: int):  # (its capacity is the most a device could send: no process can overflow it)
             if (self.fused_step is not None and self.tables[f].spec.placement == "data") or self.grouped(f):
@@ -249,6 +246,11 @@ class DlrmTrainer:
             return local
         return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local))
 
+    def _ids(self, sparse: np.ndarray, f: int) -> np.ndarray:
+        """Feature ``f``'s ids of a batch's ``sparse`` columns: ``[samples, its ids a sample]``."""
+        start = sum(self.cfg.dlrm.ids_per_sample[:f])
+        return sparse[:, start:start + self.cfg.dlrm.ids_per_sample[f]]
+
     def _inputs(self, routed: list, local: dict) -> tuple:
         """Each table's routing as the fused programs take it (global arrays on several processes):
         the tables ``gathered`` on the devices take theirs packed as one array (:func:`pack_ids`),
@@ -261,10 +263,9 @@ class DlrmTrainer:
         own = [t.spec.placement == "data" for t in self.arrays]
         ids = None
         if any(own):
-            sparse, starts = np.asarray(local["sparse"]), np.cumsum([0, *self.cfg.dlrm.ids_per_sample])
-            ids = self.batch_array(np.concatenate([sparse[:, starts[f]:starts[f + 1]]
-                                                   for f, (a, _) in enumerate(self.features) if own[a]],
-                                                  axis=1).astype(np.int32))
+            sparse = np.asarray(local["sparse"])
+            ids = self.batch_array(np.concatenate([self._ids(sparse, f) for f, (a, _) in enumerate(self.features)
+                                                   if own[a]], axis=1).astype(np.int32))
         return packed, [() if g or o else routed_inputs(t, r)
                         for t, r, g, o in zip(self.arrays, routed, self.gathered, own)], ids
 
