@@ -140,12 +140,14 @@ def http_figures(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "http.json")
         here = os.path.dirname(os.path.abspath(__file__))
-        subprocess.run([sys.executable, os.path.join(here, "serve_http.py"), "--servers", "hypertron", "--workload",
-                        "shared-prefix", "--prefix-caching", "on", "--concurrency", str(args.concurrency),
-                        "--num-requests", str(args.concurrency * args.requests), "--repeats", "3",
-                        "--no-interference", "--prefix-len", str(args.prefix_len), "--suffix-len",
-                        str(args.suffix_len), "--max-tokens", str(args.max_tokens), "--output", out],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, os.path.join(here, "serve_http.py"), "--servers", "hypertron",
+                               "--workload", "shared-prefix", "--prefix-caching", "on", "--concurrency",
+                               str(args.concurrency), "--num-requests", str(args.concurrency * args.requests),
+                               "--repeats", "3", "--no-interference", "--prefix-len", str(args.prefix_len),
+                               "--suffix-len", str(args.suffix_len), "--max-tokens", str(args.max_tokens),
+                               "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            sys.exit("error: bench/serve_http.py failed:\n" + "\n".join(done.stderr.splitlines()[-20:]))
         with open(out) as f:
             got = json.load(f)["results"][f"shared-prefix c{args.concurrency}"]["hypertron on"]
     return {"ttft_ms": got["ttft_mean_ms"], "out_tok_s": got["out_tok_s"],
@@ -155,7 +157,8 @@ def http_figures(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=2, help="requests a stream sends, one after another")
+    p.add_argument("--requests", type=int, default=2,
+                   help="requests a stream sends, one after another (--http: at least 2, serve_http.py's least)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=1024)
