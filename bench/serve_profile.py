@@ -1,7 +1,7 @@
 """``bench/serve.py --profile``: the serving loop without HTTP, and where its turns' time goes.
 
 For each batch size B: a :class:`~hypertron.serve.engine.PagedEngine` readied as ``hypertron
-serve`` readies it (:func:`hypertron.serve.server.orchestrate`: a step's cost measured, the
+serve`` readies it (:func:`hypertron.serve.readying.orchestrate`: a step's cost measured, the
 largest shape compiled in the background, compiles in the background), its
 :class:`~hypertron.serve.orchestrator.Orchestrator` started, and rounds of B requests submitted at
 once from one event loop (``--context`` random tokens each, new ones every round, so the prefix
@@ -60,7 +60,7 @@ def profile_batch(params, cfg, batch: int, context: int, steps: int, page_size: 
 
     from hypertron.config import ServeConfig
     from hypertron.serve.engine import PagedEngine
-    from hypertron.serve.server import orchestrate
+    from hypertron.serve.readying import orchestrate
     from hypertron.serve.types import SamplingParams
 
     slots = max(batch, slots or batch)

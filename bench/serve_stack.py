@@ -49,7 +49,7 @@ from hypertron.config import PRESETS, EngineConfig, ServeConfig
 from hypertron.models import init_params
 from hypertron.serve.engine import PagedEngine
 from hypertron.serve.scheduler import Request
-from hypertron.serve.server import orchestrate
+from hypertron.serve.readying import orchestrate
 from hypertron.serve.types import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ class _Prompts:
 
 def _ready(params, args):
     """An engine and its orchestrator (not started), readied as ``hypertron serve`` readies them
-    (:func:`hypertron.serve.server.orchestrate`: the step's cost measured, the largest shape compiled
+    (:func:`hypertron.serve.readying.orchestrate`: the step's cost measured, the largest shape compiled
     in the background), with pages for every slot's sequence."""
     page = EngineConfig().page_size
     pages = args.slots * -(-(1 + args.prefix_len + args.suffix_len + args.max_tokens) // page) + 1

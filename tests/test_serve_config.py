@@ -179,18 +179,20 @@ def test_serve_measures_a_steps_cost_at_start_unless_prefill_groups_is_max(group
         assert err.count("hypertron serve: a step costs") == 1 and (overhead is None or overhead >= 0)
 
 
-def test_generate_gives_what_the_server_answers(run_dir, monkeypatch):
+@pytest.mark.parametrize("layout", [[], ["--engine-process"]], ids=["one-process", "engine-process"])
+def test_generate_gives_what_the_server_answers(layout, run_dir, monkeypatch):
     """``hypertron generate`` (its function, :func:`hypertron.serve.generate.generate`, called as the
     CLI calls it) drives the same engine and sampler as the server: the same prompt and settings
     give the same tokens, greedy and seeded (compared as the server's detokenizer writes them:
-    this random model emits bytes that are not whole characters)."""
+    this random model emits bytes that are not whole characters); with the engine in a process of
+    its own too."""
     from hypertron.serve.generate import generate
     from hypertron.serve.model import load_for_inference
     from hypertron.serve.detokenize import detokenizer
 
     model, params, tok = load_for_inference(run_dir)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
-    app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2"], monkeypatch)
+    app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2", *layout], monkeypatch)
     with ThreadedServer(app, lifespan="on") as s:
         for settings in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3},
                          {"temperature": 0.9, "top_k": -1, "seed": 3}):  # -1: off, as 0
@@ -345,7 +347,7 @@ def test_a_server_keeps_the_shapes_it_compiled_and_compiles_them_first_at_its_ne
     import time
 
     from hypertron.serve.loading import load_engine
-    from hypertron.serve.server import orchestrate
+    from hypertron.serve.readying import orchestrate
     from hypertron.serve.shapes import Shape, ShapeMemory
 
     serve = _config(["--checkpoint", run_dir, "--prefill-groups", "max", "--max-slots", "2"])

@@ -21,6 +21,13 @@ STEP_PHASES = (
 STEP_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)
 
 
+# The metrics the consumer's side records (hypertron.serve.output.Generation: latency, finishes,
+# detokenisation); the engine loop records the others. With the engine in a process of its own
+# (hypertron.serve.engine_process) each process exports its side.
+REQUEST_SIDE = frozenset({"hypertron_time_to_first_token_seconds", "hypertron_time_per_output_token_seconds",
+                          "hypertron_request_latency_seconds", "hypertron_requests", "hypertron_detokenize_seconds"})
+
+
 class ServeMetrics:
     """The server's Prometheus metrics, in a registry of its own (several servers per process)."""
 

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from hypertron.serve.metrics import STEP_PHASES, ServeMetrics
 from hypertron.serve.output import Chunk, Generation
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 STEP_FAILED = "the request failed in an engine step; the server log has the details"
 CLOSE_WAIT_S = 1.0  # stop: how long to wait for the engine's background compiler
 
-__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Chunk", "Generation", "Orchestrator", "QueueFull"]
+__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Chunk", "Generation", "Orchestrator", "QueueFull", "Submission"]
 
 
 def resolve_dispatch_ahead(setting: str, accelerator: bool) -> tuple[bool, int | None]:
@@ -74,12 +74,23 @@ class QueueFull(Exception):
 
 
 @dataclasses.dataclass(eq=False)
-class _Submission:
-    """A request submitted by a client, and where its outputs go (its event loop's queue)."""
+class Submission:
+    """A request taken by :meth:`Orchestrator.add`: its outputs go to ``target`` with ``tag``."""
 
     seq: Request
+    target: object  # an OutputTarget: deliver(pairs) on the loop thread, pairs: [(tag, Output)]
+    tag: object
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopTarget:
+    """Outputs for requests submitted from one event loop: each to its request's queue (the tag),
+    one thread-safe call per step."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+
+    def deliver(self, pairs: list[tuple[asyncio.Queue, Output]]) -> None:
+        self.loop.call_soon_threadsafe(_deliver, pairs)  # RuntimeError: that loop is closed
 
 
 class Orchestrator:
@@ -101,17 +112,18 @@ class Orchestrator:
         self.vocab_size = engine.vocab_size
         self.scheduler = Scheduler(engine, config, step_overhead_tokens=step_overhead_tokens)
         self.kv_pool_tokens = engine.num_pages * engine.page_size  # a prompt must be shorter (see Scheduler._admit)
+        self.lora = getattr(engine, "lora", None)  # its LoRA slots (hypertron.serve.lora_slots), if any
         self.metrics = ServeMetrics(registry)
         self._cv = threading.Condition()
-        self._incoming: list[_Submission] = []
-        self._cancelled: list[_Submission] = []
+        self._incoming: list[Submission] = []
+        self._cancelled: list[Submission] = []
         self._resets: list[concurrent.futures.Future] = []
         self._waiting = 0  # requests not admitted yet (incoming + the scheduler's queue), for max_queue
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._requests: dict[int, _Submission] = {}  # owned by the loop thread
-        self._outbox: list[tuple[_Submission, Output]] = []
+        self._requests: dict[int, Submission] = {}  # owned by the loop thread
+        self._outbox: list[tuple[Submission, Output]] = []
         self._counted: dict[str, int] = {}  # the scheduler's counts already in the metrics, by name
         self._guided_seen = False  # a step with guided rows has run (see _guide)
         self._compiles: dict[str, int] = {}
@@ -133,6 +145,17 @@ class Orchestrator:
         Raises :class:`QueueFull` when ``max_queue`` requests are waiting, ValueError for a
         prompt or sampling value the engine cannot take (:meth:`SamplingParams.check`), RuntimeError when not running.
         """
+        queue: asyncio.Queue = asyncio.Queue()
+        req = self.add(prompt, sampling, LoopTarget(asyncio.get_running_loop()), queue,
+                       want_prompt_logprobs=want_prompt_logprobs, cache_salt=cache_salt, adapter=adapter, guide=guide)
+        return Generation(req.seq, queue, self.tokenizer, self.metrics, lambda: self.cancel(req), stop)
+
+    def add(self, prompt: Sequence[int], sampling: SamplingParams, target, tag, *,
+            want_prompt_logprobs: bool = False, cache_salt: str | None = None, adapter: str | None = None,
+            guide=None) -> Submission:
+        """:meth:`submit` from any thread, its outputs handed to ``target.deliver([(tag, Output),
+        ...])`` on the loop thread, once per step for all of that step's requests with that target
+        (a RuntimeError there aborts them). The same checks and errors as :meth:`submit`."""
         self.scheduler.check_prompt(prompt)
         check_token_ids(prompt, self.vocab_size, "prompt")  # SamplingError, as the server's own checks
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
@@ -140,18 +163,18 @@ class Orchestrator:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(31))
         lora = None
         if adapter is not None:
-            if getattr(self.engine, "lora", None) is None:
+            if self.lora is None:
                 raise LoraError(f"model {adapter!r} does not exist (this server serves no LoRA adapters)", status=404,
                                 param="model")
-            lora = self.engine.lora.acquire(adapter)
+            lora = self.lora.acquire(adapter)
         seq = Request(next(self._ids), list(map(int, prompt)), sampling, want_prompt_logprobs, cache_salt,
                       adapter=-1 if lora is None else lora.slot, adapter_key=None if lora is None else lora.key,
                       guide=guide)
-        req = _Submission(seq, asyncio.get_running_loop(), asyncio.Queue())
+        req = Submission(seq, target, tag)
         with self._cv:
             if not self.running or self._waiting >= self.max_queue:
                 if lora is not None:
-                    self.engine.lora.release(lora.slot)
+                    self.lora.release(lora.slot)
                 if not self.running:
                     raise RuntimeError("the orchestrator is not running")
                 raise QueueFull(f"{self._waiting} requests are waiting already (max_queue)")
@@ -159,7 +182,13 @@ class Orchestrator:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
             self._cv.notify()
-        return Generation(seq, req.queue, self.tokenizer, self.metrics, lambda: self._cancel(req), stop)
+        return req
+
+    @property
+    def waiting(self) -> int:
+        """Requests not admitted yet (what ``max_queue`` bounds)."""
+        with self._cv:
+            return self._waiting
 
     def reset_prefix_cache(self) -> concurrent.futures.Future:
         """Drop the cached pages no sequence holds, on the loop thread before its next step: a
@@ -172,7 +201,8 @@ class Orchestrator:
             self._cv.notify()
         return future
 
-    def _cancel(self, req: _Submission) -> None:
+    def cancel(self, req: Submission) -> None:
+        """End ``req`` (from :meth:`add`) before the next step; any thread, any number of times."""
         with self._cv:
             self._cancelled.append(req)
             self._cv.notify()
@@ -356,16 +386,16 @@ class Orchestrator:
             self._outbox.append((req, out))
 
     def _flush(self) -> None:
-        """Deliver this step's outputs: one thread-safe call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Output]]] = {}
+        """Deliver this step's outputs: one call per target (for asyncio, per event loop)."""
+        by_target: dict[object, list[tuple[object, Output]]] = {}
         for req, out in self._outbox:
-            by_loop.setdefault(req.loop, []).append((req.queue, out))
+            by_target.setdefault(req.target, []).append((req.tag, out))
         self._outbox = []
-        for loop, pairs in by_loop.items():
+        for target, pairs in by_target.items():
             try:
-                loop.call_soon_threadsafe(_deliver, pairs)
+                target.deliver(pairs)
             except RuntimeError:  # that event loop is closed: nobody consumes its requests
-                for queue, out in pairs:
+                for _, out in pairs:
                     self.scheduler.abort(out.seq)
                     self._forget(out.seq.id)
 
@@ -373,7 +403,7 @@ class Orchestrator:
         """A request has ended: drop it, and give back its LoRA adapter's slot."""
         req = self._requests.pop(request, None)
         if req is not None and req.seq.adapter >= 0:
-            self.engine.lora.release(req.seq.adapter)
+            self.lora.release(req.seq.adapter)
 
     def _update_gauges(self) -> None:
         stats, m = self.scheduler.stats(), self.metrics
@@ -397,6 +427,11 @@ class Orchestrator:
             counter.inc(n - self._counted.get(name, 0))
             self._counted[name] = n
         self.count_compiles()
+
+    def exposition(self) -> bytes:
+        """``GET /metrics``' Prometheus text: the metrics, the engine's compiles counted first."""
+        self.count_compiles()
+        return generate_latest(self.metrics.registry)
 
     def count_compiles(self) -> None:
         """The engine's compiles since it started, and those queued, into the metrics: each loop turn

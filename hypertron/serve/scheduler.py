@@ -93,6 +93,13 @@ from hypertron.serve.types import Engine, Row, SamplingError, StepPlan, StepResu
 
 log = logging.getLogger(__name__)
 
+def check_prompt(prompt, max_seq_len: int) -> None:
+    """The one prompt-length rule of the serving loop: :class:`SamplingError` naming ``prompt``
+    unless it is 1 .. ``max_seq_len - 1`` tokens (its first sampled token needs a place)."""
+    if not 0 < len(prompt) < max_seq_len:
+        raise SamplingError("prompt", f"'prompt' is {len(prompt)} tokens; expected 1 to {max_seq_len - 1}")
+
+
 class Scheduler:
     """Requests, slots and pages; one :class:`~hypertron.serve.types.StepPlan` per step (see the
     module docstring). Not thread-safe: one thread calls it."""
@@ -132,11 +139,9 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
 
     def check_prompt(self, prompt) -> None:
-        """The one prompt-length rule of the serving loop: :class:`SamplingError` naming ``prompt``
-        unless it is 1 .. ``max_seq_len - 1`` tokens (its first sampled token needs a place).
-        Reads settings only, so the orchestrator calls it from the submitting thread."""
-        if not 0 < len(prompt) < self.max_seq_len:
-            raise SamplingError("prompt", f"'prompt' is {len(prompt)} tokens; expected 1 to {self.max_seq_len - 1}")
+        """:func:`check_prompt` for this scheduler's ``max_seq_len``. Reads settings only, so the
+        orchestrator calls it from the submitting thread."""
+        check_prompt(prompt, self.max_seq_len)
 
     def add(self, seq: Request) -> None:
         """Queue a sequence (its prompt as :meth:`check_prompt` takes, its seed set)."""

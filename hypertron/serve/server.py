@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server over an :class:`~hypertron.serve.orchestrator.Orchestrator`.
+"""OpenAI-compatible HTTP server over an :class:`~hypertron.serve.orchestrator.Orchestrator` (in this
+process, or in one of its own behind an :class:`~hypertron.serve.engine_process.EngineClient`).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (the API's
@@ -24,20 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hmac
 import itertools
 import json
 import logging
-import math
-import sys
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hypertron.config import ConfigError, ServeConfig
@@ -72,6 +70,8 @@ from hypertron.serve.api import (
     schema_error,
 )
 from hypertron.serve.detokenize import detokenizer
+from hypertron.serve.engine_process import EngineClient
+from hypertron.serve.readying import engine_side, tune_for_serving
 from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
 from hypertron.serve.sse import TEXT_MARK, Template, dump_event, sse_exclude
@@ -133,8 +133,7 @@ def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_ke
 
     @app.get("/metrics", summary="Prometheus text", responses=METRICS_RESPONSES)
     async def metrics():
-        orchestrator.count_compiles()
-        return Response(generate_latest(orchestrator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await asyncio.to_thread(orchestrator.exposition), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(authorize)], include_in_schema=False)  # operators'
     async def reset_prefix_cache():
@@ -214,7 +213,7 @@ class _Api:
 
     def __init__(self, orch: Orchestrator, tokenizer, model_name, max_prompt, max_tokens_limit, max_body, render_chat):
         self.orch, self.tok, self.model_name, self.render_chat = orch, tokenizer, model_name, render_chat
-        self.lora = getattr(orch.engine, "lora", None)  # LoRA adapters, each served as a model
+        self.lora = orch.lora  # LoRA adapters, each served as a model
         self.max_prompt, self.max_tokens_limit, self.max_body = max_prompt, max_tokens_limit, max_body
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
@@ -508,31 +507,17 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
-# The engine loop's thread and the event loop's share the GIL: a thread that wants it back (the
-# loop, after each step's wait on the device) waits up to Python's switch interval (5 ms by default)
-# while the other runs Python. 0.5 ms: in a 16-stream trace on 2 cores a step's dispatch call took
-# 3.8 ms on average at 5 ms and 2.4 ms at 0.5 ms (docs/benchmarks.md).
-SWITCH_INTERVAL_S = 0.0005
-
-
-def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
+def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator | EngineClient]:
     """The app and its orchestrator (not started) for ``serve``: the engine of ``serve.checkpoint``
-    with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole."""
-    import jax
-
-    from hypertron.serve.loading import load_engine
-    from hypertron.serve.model import model_config_of
-    from hypertron.serve.placement import fit_memory
-    from hypertron.serve.shapes import ShapeMemory  # imports JAX (its cost model): not at the module's import
-
-    model, config = model_config_of(serve.checkpoint), serve.engine
-    draft = (serve.draft_model, serve.num_speculative_tokens) if serve.speculative == "draft" else None
-    if model is not None and serve.memory_check:  # before anything loads
-        config = fit_memory(model, config, serve.quantize, serve.max_num_batched_tokens, jax.local_devices()[0],
-                            serve.kv_cache_memory_fraction, draft and model_config_of(draft[0]))
-    engine, tokenizer, model_name = load_engine(serve.checkpoint, config, quantize=serve.quantize,
-                                                lora_modules=serve.lora_adapters(), draft=draft)
-    orchestrator = orchestrate(engine, tokenizer, serve, ShapeMemory.beside_compile_cache(engine.program_digest))
+    with ``serve.engine``, the orchestrator and its scheduler with ``serve.scheduler``, each whole
+    (:func:`engine_side`); with ``serve.engine_process`` they run in a process of their own,
+    started now, and the orchestrator here is its :class:`EngineClient`."""
+    if serve.engine_process:
+        orchestrator = EngineClient(engine_side, (serve, True), max_queue=serve.max_queue)
+        model_name = orchestrator.model_name
+    else:
+        orchestrator, model_name = engine_side(serve)
+    tokenizer = orchestrator.tokenizer
     app = create_app(orchestrator, tokenizer, serve.model_name or model_name, api_key=serve.api_key,
                      max_prompt_tokens=serve.max_prompt_tokens, max_tokens_limit=serve.max_tokens_limit,
                      chat_template=tokenizer.chat_template, openapi=serve.openapi,
@@ -540,50 +525,12 @@ def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator]:
     return app, orchestrator
 
 
-def orchestrate(engine, tokenizer, serve: ServeConfig, memory=None) -> Orchestrator:
-    """The orchestrator (not started) of ``engine`` as ``hypertron serve`` readies it: a step's cost
-    measured (``prefill_groups: auto``), the largest shape and then ``memory``'s (a
-    :class:`~hypertron.serve.shapes.ShapeMemory`, or None) compiling in the background (``compile:
-    background``), each shape compiled from now on kept in ``memory``,
-    ``serve.scheduler`` whole. ``bench/serve.py --profile`` uses it too."""
-    from hypertron.serve.orchestrator import Orchestrator  # looked up when called (a test wraps it)
-
-    if memory is not None:
-        engine.on_compiled = memory.add
-    overhead = None
-    if serve.prefill_groups == "auto":
-        cost = engine.measure_step_cost(serve.max_num_batched_tokens)
-        overhead = cost.overhead_tokens if math.isfinite(cost.overhead_tokens) else None
-        if math.isnan(cost.per_token):
-            print(f"hypertron serve: a step's cost could not be measured here (one of {serve.max_num_batched_tokens} "
-                  "tokens was timed within 5% of one of 1: a busy CPU?); "
-                  "new prompts share a step as the budget allows, and a step's fixed cost is not counted",
-                  file=sys.stderr)
-        else:
-            print(f"hypertron serve: a step costs {cost.fixed * 1e3:.2f} ms + {cost.per_token * 1e3:.4f} ms a token "
-                  f"here, its fixed cost {'beyond measure' if overhead is None else f'{overhead:.0f}'} tokens' worth: "
-                  "new prompts share a step as that gives the least mean time to first token", file=sys.stderr)
-    if serve.compile == "background":  # then no step waits for a compile but one of a variant not met yet
-        engine.precompile(engine.largest_shape(serve.scheduler))
-        for shape in memory.shapes if memory is not None else ():  # the last run's, before a load meets them
-            engine.precompile(shape)
-    return Orchestrator(engine, tokenizer, serve.scheduler, step_overhead_tokens=overhead)
-
-
 def main(serve: ServeConfig) -> int:
     """``hypertron serve``: load the engine of ``serve.checkpoint`` and serve it until interrupted."""
     app, orchestrator = build(serve)
-    engine = orchestrator.engine
     if serve.host not in ("127.0.0.1", "localhost", "::1") and not serve.api_key:
         log.warning("serving on %s without an api_key: anyone who can reach it can use it", serve.host)
-    # A full garbage collection walks every object the process holds, and JAX's caches keep about
-    # 13,000 for each step shape compiled: with two dozen compiled, one took 300 ms, a pause in every
-    # stream (traced at concurrency 16). What exists once the engine is up, and what each compile
-    # adds, is frozen (gc.freeze): left out of collections, still freed when no longer referenced.
-    gc.collect()
-    gc.freeze()
-    keep = engine.on_compiled or (lambda shape: None)
-    engine.on_compiled = lambda shape: (keep(shape), gc.freeze())
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    if isinstance(orchestrator, Orchestrator):  # else the engine's process tuned itself
+        tune_for_serving(orchestrator.engine)
     run(app, serve.host, serve.port)
     return 0

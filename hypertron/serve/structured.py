@@ -174,7 +174,7 @@ class Grammars:
                 self._compiled[grammar.text] = matcher
                 while len(self._compiled) > MAX_CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        return Guide(matcher.deep_copy(), self.words, -(-self._lltokenizer().vocab_size // 32))
+        return Guide(matcher.deep_copy(), self.words, -(-self._lltokenizer().vocab_size // 32), grammar)
 
 
 _EXECUTOR = None
@@ -195,8 +195,9 @@ def _executor():
 class Guide:
     """One guided sequence's grammar state (see the module docstring)."""
 
-    def __init__(self, matcher, words: int, own_words: int):
+    def __init__(self, matcher, words: int, own_words: int, grammar: Grammar | None = None):
         self.matcher, self.words, self._own = matcher, words, own_words
+        self.grammar = grammar  # what it keeps to (an engine in a process of its own compiles it there)
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into ``row`` (int32, ``words`` long)."""

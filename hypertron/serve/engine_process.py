@@ -1,0 +1,406 @@
+"""The engine loop in a process of its own, the HTTP server's front end in another (``hypertron
+serve --engine-process``).
+
+In one process the event loop (HTTP, JSON, tokenizing, detokenizing, streaming) and the engine
+loop's thread share the GIL: each waits for the other's Python, and a burst of requests being
+parsed holds back the next step. vLLM runs its API server and its engine core as two processes
+for this reason; so does this module:
+
+- the *engine process* (:func:`_engine_main`, a new interpreter) builds the engine and its
+  :class:`~hypertron.serve.orchestrator.Orchestrator` from a factory (``hypertron serve``'s:
+  :func:`hypertron.serve.readying.engine_side`), reads the front end's messages on its main thread
+  and hands them to the orchestrator, whose loop thread sends back each step's outputs in one
+  message (:class:`_EngineCore`);
+- the *front end* (:class:`EngineClient`, in the server's process) offers what the server uses of
+  an orchestrator (``submit`` returning a :class:`~hypertron.serve.output.Generation`,
+  ``reset_prefix_cache``, ``exposition``, ``running``, ``start`` / ``stop``); a reader thread
+  hands the outputs to each request's event loop, where detokenizing and stop strings happen as
+  before.
+
+The two talk over a socket pair (``multiprocessing``'s connections), one pickled tuple a message:
+
+- front end to engine: ``("submit", id, prompt, sampling, want_prompt_logprobs, cache_salt,
+  grammar)``, ``("cancel", id)``, ``("reset", call)``, ``("metrics", call)``, ``("stop",)``;
+- engine to front end: ``("ready", info)`` or ``("failed", error)`` once, then ``("out", [(id,
+  token, logprobs, prompt_logprobs, finish_reason, error, cached_tokens), ...], waiting, taken)``
+  per step, ``("reply", call, value, error)``, ``("stopped",)`` last.
+
+The front end bounds the queue (``max_queue``) itself: the engine reports with each step how many
+requests wait and how many it has taken, and a request sent since counts as waiting (an upper
+bound: it refuses early rather than late). Requests are checked in the front end as in one process
+(prompt, token ids, sampling) before they are sent. A grammar (structured output) is compiled in
+both: the front end's checks it (a 400), the engine's keeps the request to it. Metrics: each side
+exports its own (:data:`~hypertron.serve.metrics.REQUEST_SIDE`: the front end's), ``GET /metrics``
+both. If the engine process ends (a crash, a kill), every open request ends with ``abort`` and the
+server's ``/health`` answers 503. The engine process ignores SIGINT (the front end stops it) and
+ends when the front end's side of the pipe closes. LoRA adapters are not served this way yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from hypertron.errors import UserError
+from hypertron.serve.metrics import REQUEST_SIDE, ServeMetrics
+from hypertron.serve.orchestrator import ABORT, LoopTarget, Orchestrator, QueueFull, Submission
+from hypertron.serve.output import Generation
+from hypertron.serve.scheduler import Output, Request, check_prompt
+from hypertron.serve.types import SamplingParams, check_token_ids
+
+log = logging.getLogger(__name__)
+
+ENDED = "the engine process ended"  # what the open requests are told when it does (503)
+STOPPED = "the server stopped"
+STOP_WAIT_S = 10.0  # stop: how long the engine process gets to abort its requests and end
+CALL_WAIT_S = 10.0  # a call (metrics) waits this long for the engine's reply
+_CHILD = "from hypertron.serve.engine_process import _engine_main; _engine_main()"
+
+
+# -- the engine process --------------------------------------------------------------------
+
+
+def _engine_main() -> None:
+    """The engine process (``python -c``, its pipe's end the descriptor in argv[1]): it reads the
+    front end's ``sys.path`` and then ``(factory, args)``; ``factory(*args)`` is ``(orchestrator,
+    model_name)`` (not started)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the whole process group: the front end stops it
+    conn = Connection(int(sys.argv[1]))
+    sys.path[:] = conn.recv()
+    try:
+        factory, args = pickle.loads(conn.recv_bytes())
+        orch, model_name = factory(*args)
+    except BaseException as e:  # noqa: BLE001 - the front end reports it; a user's mistake in one line
+        if not isinstance(e, UserError):
+            log.exception("the engine process failed to start")
+        conn.send(("failed", e if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    orch.max_queue = sys.maxsize  # the front end bounds the queue: it knows what it has sent
+    conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
+                         "max_top_logprobs": orch.max_top_logprobs, "vocab_size": orch.vocab_size,
+                         "kv_pool_tokens": orch.kv_pool_tokens}))
+    _EngineCore(orch, conn).serve()
+
+
+class _EngineCore:
+    """The engine process's side: the front end's messages to ``orch``, its outputs back (this
+    object is their :class:`~hypertron.serve.orchestrator.Orchestrator.add` target)."""
+
+    def __init__(self, orch: Orchestrator, conn):
+        self.orch, self.conn = orch, conn
+        self.send_lock, self.lock = threading.Lock(), threading.Lock()
+        self.requests: dict[int, Submission] = {}  # the front end's id -> the request (until it ends)
+        self.taken = 0
+        self.grammars = None
+
+    def serve(self) -> None:
+        self.orch.start()
+        try:
+            while True:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):  # the front end is gone
+                    break
+                if msg[0] == "stop":
+                    break
+                getattr(self, "_on_" + msg[0])(*msg[1:])
+        finally:
+            self.orch.stop()  # what is left ends with abort, sent by deliver
+            self._send(("stopped",))
+            self.conn.close()
+
+    def _send(self, msg) -> None:
+        with self.send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # the front end is gone (or this end closed): nothing to tell
+                pass
+
+    def deliver(self, pairs: list[tuple[int, Output]]) -> None:
+        """A step's outputs (the loop thread), in one message with the queue's length."""
+        wire = []
+        with self.lock:
+            for fid, out in pairs:
+                if out.finish_reason is not None:
+                    self.requests.pop(fid, None)
+                wire.append((fid, out.token, out.logprobs, out.prompt_logprobs, out.finish_reason, out.error,
+                             out.seq.cached_tokens))
+            taken = self.taken
+        self._send(("out", wire, self.orch.waiting, taken))
+
+    def _on_submit(self, fid: int, prompt, sampling, want_prompt_logprobs, cache_salt, grammar) -> None:
+        error = None
+        try:  # checked in the front end: only a race or a bug fails here
+            guide = None if grammar is None else self._grammars().guide(grammar)  # before the lock deliver takes
+            with self.lock:
+                self.requests[fid] = self.orch.add(prompt, sampling, self, fid, want_prompt_logprobs=want_prompt_logprobs,
+                                                   cache_salt=cache_salt, guide=guide)
+        except Exception as e:  # noqa: BLE001 - the request ends, the engine goes on
+            log.warning("request %d refused by the engine process: %s", fid, e)
+            error = f"the engine refused the request: {e}"
+        with self.lock:
+            self.taken += 1
+            taken = self.taken
+        if error is not None:
+            self._send(("out", [(fid, None, None, None, ABORT, error, None)], self.orch.waiting, taken))
+
+    def _grammars(self):
+        from hypertron.serve.structured import Grammars  # llguidance: only for a guided request
+
+        if self.grammars is None:
+            self.grammars = Grammars(self.orch.tokenizer, self.orch.vocab_size)
+        return self.grammars
+
+    def _on_cancel(self, fid: int) -> None:
+        with self.lock:  # the orchestrator ends it without an output: forgotten here
+            req = self.requests.pop(fid, None)
+        if req is not None:
+            self.orch.cancel(req)
+
+    def _on_reset(self, call: int) -> None:
+        try:
+            future = self.orch.reset_prefix_cache()
+        except RuntimeError as e:
+            self._send(("reply", call, None, str(e)))
+            return
+        future.add_done_callback(lambda f: self._send(("reply", call, f.result(), None) if f.exception() is None
+                                                      else ("reply", call, None, str(f.exception()))))
+
+    def _on_metrics(self, call: int) -> None:
+        self.orch.count_compiles()
+        self._send(("reply", call, [f for f in self.orch.metrics.registry.collect() if f.name not in REQUEST_SIDE],
+                    None))
+
+
+# -- the front end ------------------------------------------------------------------------
+
+
+class _Families:
+    """Metric families collected elsewhere, as a registry for ``generate_latest``."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+class EngineClient:
+    """The front end of an engine in a process of its own (see the module docstring).
+
+    Starts the engine process with ``factory(*args)`` and waits until it is ready (the model
+    loaded, its first shapes compiled): a :class:`~hypertron.errors.UserError` the factory raised
+    is raised here; any other failure as a RuntimeError. ``max_queue``: as
+    :class:`~hypertron.config.SchedulerConfig`'s. Then :attr:`tokenizer`, :attr:`model_name` and
+    the engine's limits are the engine's.
+    """
+
+    lora = None  # not served through an engine process yet
+
+    def __init__(self, factory, args: Sequence = (), *, max_queue: int, registry: CollectorRegistry | None = None):
+        # A new interpreter (JAX's runtime does not survive a fork), not multiprocessing's spawn,
+        # which runs the __main__ module again: a script without a __main__ guard would start over.
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        try:
+            self._conn.send(list(sys.path))
+            self._conn.send_bytes(pickle.dumps((factory, tuple(args))))
+            kind, info = self._conn.recv()
+        except (EOFError, OSError):
+            self._wait(STOP_WAIT_S)
+            raise RuntimeError(f"the engine process ended while starting (exit code {self._process.returncode})") \
+                from None
+        if kind == "failed":
+            self._wait(STOP_WAIT_S)
+            raise info
+        self.tokenizer, self.model_name = info["tokenizer"], info["model_name"]
+        self.max_seq_len, self.max_top_logprobs = info["max_seq_len"], info["max_top_logprobs"]
+        self.vocab_size, self.kv_pool_tokens = info["vocab_size"], info["kv_pool_tokens"]
+        self.max_queue = max_queue
+        self.metrics = ServeMetrics(registry)
+        self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._ids, self._calls_ids = itertools.count(), itertools.count()
+        self._open: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._sent = self._taken = self._waiting = 0
+        self._stopping = self._ended = False
+        self._reader = threading.Thread(target=self._read, name="hypertron-engine-reader", daemon=True)
+        self._reader.start()
+
+    # -- what the server uses ------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return not (self._stopping or self._ended) and self._process.poll() is None
+
+    def start(self) -> EngineClient:
+        """The engine runs from the start: nothing to do."""
+        return self
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, stop: Sequence[str] = (),
+               want_prompt_logprobs: bool = False, cache_salt: str | None = None, adapter: str | None = None,
+               guide=None) -> Generation:
+        """As :meth:`Orchestrator.submit <hypertron.serve.orchestrator.Orchestrator.submit>` (the
+        same checks and errors); ``adapter`` must be None."""
+        if adapter is not None:
+            raise ValueError("LoRA adapters are not served with the engine in a process of its own")
+        prompt = list(map(int, prompt))
+        check_prompt(prompt, self.max_seq_len)
+        check_token_ids(prompt, self.vocab_size, "prompt")
+        sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        with self._lock:
+            if not self.running:
+                raise RuntimeError("the engine is not running" + (f" ({ENDED})" if self._ended else ""))
+            waiting = self._waiting + self._sent - self._taken
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting already (max_queue)")
+            fid = next(self._ids)
+            seq = Request(fid, prompt, sampling, want_prompt_logprobs, cache_salt)
+            self._open[fid] = (loop, queue, seq)
+            self._sent += 1
+        self._send(("submit", fid, prompt, sampling, want_prompt_logprobs, cache_salt,
+                    None if guide is None else guide.grammar))
+        return Generation(seq, queue, self.tokenizer, self.metrics, lambda: self._cancel(fid), stop)
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """A future of how many cached pages the engine dropped. RuntimeError when not running."""
+        if not self.running:
+            raise RuntimeError("the engine is not running")
+        return self._call("reset")
+
+    def exposition(self) -> bytes:
+        """``GET /metrics``: this side's request metrics and the engine process's own (only the
+        former once it has ended)."""
+        mine = [f for f in self.metrics.registry.collect() if f.name in REQUEST_SIDE]
+        theirs = []
+        if self.running:
+            try:
+                theirs = self._call("metrics").result(CALL_WAIT_S)
+            except (RuntimeError, concurrent.futures.TimeoutError) as e:
+                log.warning("the engine process's metrics: %s", e)
+        return generate_latest(_Families(mine + theirs))
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop the engine process (what is left ends with ``abort``) and wait for it; one that
+        does not end in ``timeout`` seconds is killed."""
+        self._stopping = True
+        self._send(("stop",))
+        self._reader.join(timeout)
+        if not self._wait(timeout):
+            log.warning("the engine process did not stop in %.0f s: killing it", timeout)
+            self._process.kill()
+            self._wait(timeout)
+        self._conn.close()
+        self._reader.join(timeout)
+
+    def _wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the engine process to end; whether it has."""
+        try:
+            self._process.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    # -- the pipe ------------------------------------------------------------------------
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):  # the engine process has ended: the reader ends the requests
+                pass
+
+    def _call(self, kind: str) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._ended:
+                future.set_exception(RuntimeError(ENDED))
+                return future
+            call = next(self._calls_ids)
+            self._calls[call] = future
+        self._send((kind, call))
+        return future
+
+    def _cancel(self, fid: int) -> None:
+        """End request ``fid`` (its consumer went away or stopped): forgotten here, ended there
+        (without an output, as in one process); a no-op once it has ended."""
+        with self._lock:
+            open_ = self._open.pop(fid, None) is not None
+        if open_:
+            self._send(("cancel", fid))
+
+    def _read(self) -> None:
+        """The reader thread: outputs to their event loops, replies to their futures."""
+        try:
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "out":
+                    self._on_outputs(*msg[1:])
+                elif msg[0] == "reply":
+                    _, call, value, error = msg
+                    with self._lock:
+                        future = self._calls.pop(call, None)
+                    if future is not None:
+                        future.set_result(value) if error is None else future.set_exception(RuntimeError(error))
+                elif msg[0] == "stopped":
+                    break
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._end()
+
+    def _on_outputs(self, wire, waiting: int, taken: int) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Output]]] = {}
+        with self._lock:
+            self._waiting, self._taken = waiting, taken
+            for fid, token, logprobs, prompt_logprobs, finish_reason, error, cached in wire:
+                entry = self._open.get(fid)
+                if entry is None:
+                    continue
+                loop, queue, seq = entry
+                if cached is not None:
+                    seq.cached_tokens = cached
+                if finish_reason is not None:
+                    del self._open[fid]
+                by_loop.setdefault(loop, []).append((queue, Output(seq, token, logprobs, prompt_logprobs,
+                                                                   finish_reason, error)))
+        self._hand(by_loop)
+
+    def _hand(self, by_loop) -> None:
+        for loop, pairs in by_loop.items():
+            try:
+                LoopTarget(loop).deliver(pairs)
+            except RuntimeError:  # that event loop is closed: nobody consumes its requests
+                for _, out in pairs:
+                    self._cancel(out.seq.id)
+
+    def _end(self) -> None:
+        """The engine process has stopped or gone: every open request and call ends."""
+        with self._lock:
+            self._ended = True
+            why = STOPPED if self._stopping else ENDED
+            open_, self._open = self._open, {}
+            calls, self._calls = self._calls, {}
+        if not self._stopping:
+            log.error("%s (exit code %s): its requests end", ENDED, self._process.poll())
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Output]]] = {}
+        for loop, queue, seq in open_.values():
+            by_loop.setdefault(loop, []).append((queue, Output(seq, finish_reason=ABORT, error=why)))
+        self._hand(by_loop)
+        for future in calls.values():
+            future.set_exception(RuntimeError(why))
