@@ -13,11 +13,12 @@ for this reason; so does this module:
   message (:class:`_EngineCore`);
 - the *front end* (:class:`EngineClient`, in the server's process) offers what the server uses of
   an orchestrator (``submit`` returning a :class:`~hypertron.serve.output.Generation`,
-  ``reset_prefix_cache``, ``exposition``, ``running``, ``start`` / ``stop``); a reader thread
-  hands the outputs to each request's event loop, where detokenizing and stop strings happen as
-  before.
+  ``reset_prefix_cache``, ``exposition``, ``running``, ``start`` / ``stop``); the server's event
+  loop reads the pipe when it is readable (no thread of its own: the front end's Python runs on one
+  thread) and hands the outputs to the requests' queues, where detokenizing and stop strings happen
+  as before.
 
-The two talk over a socket pair (``multiprocessing``'s connections), one pickled tuple a message:
+The two talk over two socket pairs (one each way), one pickled tuple a message:
 
 - front end to engine: ``("submit", id, prompt, sampling, want_prompt_logprobs, cache_salt,
   grammar)``, ``("cancel", id)``, ``("reset", call)``, ``("metrics", call)``, ``("stop",)``;
@@ -45,10 +46,10 @@ import logging
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -69,18 +70,79 @@ CALL_WAIT_S = 10.0  # a call (metrics) waits this long for the engine's reply
 _CHILD = "from hypertron.serve.engine_process import _engine_main; _engine_main()"
 
 
+class _Channel:
+    """Pickled messages, each after its length, over two one-way sockets: ``out`` to write (blocking,
+    from any thread) and ``inp`` to read, whole messages at a time (:meth:`recv`), or, once
+    :meth:`nonblocking`, what has arrived (:meth:`received`, for an event loop's reader callback;
+    uvloop puts a polled descriptor in non-blocking mode anyway)."""
+
+    HEADER = struct.Struct("!Q")
+
+    def __init__(self, out: socket.socket, inp: socket.socket):
+        self.out, self.inp = out, inp
+        self.lock = threading.Lock()
+        self.buf = bytearray()
+
+    def send(self, msg) -> None:
+        """OSError once the other side is gone."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            self.out.sendall(self.HEADER.pack(len(data)) + data)
+
+    def recv(self):
+        """The next message, waiting for it; EOFError once the other side is gone."""
+        (n,) = self.HEADER.unpack(self._exactly(self.HEADER.size))
+        return pickle.loads(self._exactly(n))
+
+    def _exactly(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self.inp.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+
+    def nonblocking(self) -> None:
+        self.inp.setblocking(False)
+
+    def received(self) -> tuple[list, bool]:
+        """``(messages, ended)``: the whole messages that have arrived, and whether the other side is gone."""
+        ended = False
+        try:
+            while chunk := self.inp.recv(1 << 20):
+                self.buf += chunk
+            ended = True  # b"": the other side closed
+        except BlockingIOError:
+            pass
+        except OSError:
+            ended = True
+        messages, size = [], self.HEADER.size
+        while len(self.buf) >= size:
+            (n,) = self.HEADER.unpack_from(self.buf)
+            if len(self.buf) < size + n:
+                break
+            messages.append(pickle.loads(self.buf[size:size + n]))
+            del self.buf[:size + n]
+        return messages, ended
+
+    def close(self) -> None:
+        self.out.close()
+        self.inp.close()
+
+
 # -- the engine process --------------------------------------------------------------------
 
 
 def _engine_main() -> None:
-    """The engine process (``python -c``, its pipe's end the descriptor in argv[1]): it reads the
-    front end's ``sys.path`` and then ``(factory, args)``; ``factory(*args)`` is ``(orchestrator,
+    """The engine process (``python -c``; argv[1] the socket it reads, argv[2] the one it writes):
+    it reads the front end's ``sys.path`` and then ``(factory, args)``; ``factory(*args)`` is ``(orchestrator,
     model_name)`` (not started)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the whole process group: the front end stops it
-    conn = Connection(int(sys.argv[1]))
+    conn = _Channel(socket.socket(fileno=int(sys.argv[2])), socket.socket(fileno=int(sys.argv[1])))
     sys.path[:] = conn.recv()
     try:
-        factory, args = pickle.loads(conn.recv_bytes())
+        factory, args = pickle.loads(conn.recv())
         orch, model_name = factory(*args)
     except BaseException as e:  # noqa: BLE001 - the front end reports it; a user's mistake in one line
         if not isinstance(e, UserError):
@@ -100,7 +162,7 @@ class _EngineCore:
 
     def __init__(self, orch: Orchestrator, conn):
         self.orch, self.conn = orch, conn
-        self.send_lock, self.lock = threading.Lock(), threading.Lock()
+        self.lock = threading.Lock()
         self.requests: dict[int, Submission] = {}  # the front end's id -> the request (until it ends)
         self.taken = 0
         self.grammars = None
@@ -122,11 +184,10 @@ class _EngineCore:
             self.conn.close()
 
     def _send(self, msg) -> None:
-        with self.send_lock:
-            try:
-                self.conn.send(msg)
-            except (OSError, ValueError):  # the front end is gone (or this end closed): nothing to tell
-                pass
+        try:
+            self.conn.send(msg)
+        except OSError:  # the front end is gone (or this end closed): nothing to tell
+            pass
 
     def deliver(self, pairs: list[tuple[int, Output]]) -> None:
         """A step's outputs (the loop thread), in one message with the queue's length."""
@@ -212,13 +273,15 @@ class EngineClient:
     def __init__(self, factory, args: Sequence = (), *, max_queue: int, registry: CollectorRegistry | None = None):
         # A new interpreter (JAX's runtime does not survive a fork), not multiprocessing's spawn,
         # which runs the __main__ module again: a script without a __main__ guard would start over.
-        ours, theirs = socket.socketpair()
-        self._process = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=[theirs.fileno()])
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        (to_engine, engine_reads), (engine_writes, from_engine) = socket.socketpair(), socket.socketpair()
+        fds = [engine_reads.fileno(), engine_writes.fileno()]
+        self._process = subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, fds)], pass_fds=fds)
+        engine_reads.close()
+        engine_writes.close()
+        self._conn = _Channel(to_engine, from_engine)
         try:
             self._conn.send(list(sys.path))
-            self._conn.send_bytes(pickle.dumps((factory, tuple(args))))
+            self._conn.send(pickle.dumps((factory, tuple(args))))  # unpickled there once sys.path is set
             kind, info = self._conn.recv()
         except (EOFError, OSError):
             self._wait(STOP_WAIT_S)
@@ -232,14 +295,14 @@ class EngineClient:
         self.vocab_size, self.kv_pool_tokens = info["vocab_size"], info["kv_pool_tokens"]
         self.max_queue = max_queue
         self.metrics = ServeMetrics(registry)
-        self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._lock = threading.Lock()
         self._ids, self._calls_ids = itertools.count(), itertools.count()
         self._open: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._sent = self._taken = self._waiting = 0
         self._stopping = self._ended = False
-        self._reader = threading.Thread(target=self._read, name="hypertron-engine-reader", daemon=True)
-        self._reader.start()
+        self._reading: asyncio.AbstractEventLoop | None = None  # the event loop that reads the pipe
+        self._done = threading.Event()  # set once the engine process has stopped or gone (_end)
 
     # -- what the server uses ------------------------------------------------------------
 
@@ -248,7 +311,12 @@ class EngineClient:
         return not (self._stopping or self._ended) and self._process.poll() is None
 
     def start(self) -> EngineClient:
-        """The engine runs from the start: nothing to do."""
+        """Read the engine's messages on the running event loop (the server's; else the first
+        that submits a request). The engine itself runs from the start."""
+        try:
+            self._read_on(asyncio.get_running_loop())
+        except RuntimeError:  # no running loop: the first submit's
+            pass
         return self
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, stop: Sequence[str] = (),
@@ -263,6 +331,7 @@ class EngineClient:
         check_token_ids(prompt, self.vocab_size, "prompt")
         sampling.check(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        self._read_on(loop)
         with self._lock:
             if not self.running:
                 raise RuntimeError("the engine is not running" + (f" ({ENDED})" if self._ended else ""))
@@ -297,16 +366,20 @@ class EngineClient:
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Stop the engine process (what is left ends with ``abort``) and wait for it; one that
-        does not end in ``timeout`` seconds is killed."""
+        does not end in ``timeout`` seconds is killed. Call it off the reading event loop (it
+        waits for that loop to read the engine's last messages): ``asyncio.to_thread``."""
         self._stopping = True
         self._send(("stop",))
-        self._reader.join(timeout)
+        if self._reading is not None and not self._reading.is_closed():
+            self._done.wait(timeout)
         if not self._wait(timeout):
             log.warning("the engine process did not stop in %.0f s: killing it", timeout)
             self._process.kill()
             self._wait(timeout)
+        if not self._done.is_set():  # nobody read its last messages: its requests end here
+            self._unread()
+            self._end()
         self._conn.close()
-        self._reader.join(timeout)
 
     def _wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the engine process to end; whether it has."""
@@ -319,11 +392,10 @@ class EngineClient:
     # -- the pipe ------------------------------------------------------------------------
 
     def _send(self, msg) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(msg)
-            except (OSError, ValueError):  # the engine process has ended: the reader ends the requests
-                pass
+        try:
+            self._conn.send(msg)
+        except OSError:  # the engine process has ended: the reader ends the requests
+            pass
 
     def _call(self, kind: str) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -344,24 +416,44 @@ class EngineClient:
         if open_:
             self._send(("cancel", fid))
 
-    def _read(self) -> None:
-        """The reader thread: outputs to their event loops, replies to their futures."""
+    def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the pipe on ``loop`` (a callback when it is readable: no thread of its own, so no
+        GIL to share with the event loop), unless a live loop reads it already."""
+        with self._lock:
+            if self._ended or (self._reading is not None and not self._reading.is_closed()):
+                return
+            self._reading = loop
+        self._conn.nonblocking()
+        loop.add_reader(self._conn.inp.fileno(), self._on_readable)
+
+    def _unread(self) -> None:
+        loop, fd = self._reading, self._conn.inp.fileno()
+        if loop is None or loop.is_closed():
+            return
         try:
-            while True:
-                msg = self._conn.recv()
-                if msg[0] == "out":
-                    self._on_outputs(*msg[1:])
-                elif msg[0] == "reply":
-                    _, call, value, error = msg
-                    with self._lock:
-                        future = self._calls.pop(call, None)
-                    if future is not None:
-                        future.set_result(value) if error is None else future.set_exception(RuntimeError(error))
-                elif msg[0] == "stopped":
-                    break
-        except (EOFError, OSError):
+            if loop is _running_loop():
+                loop.remove_reader(fd)
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, fd)
+        except RuntimeError:  # closed meanwhile
             pass
-        finally:
+
+    def _on_readable(self) -> None:
+        """The engine's messages that have arrived: outputs to their queues, replies to their futures."""
+        messages, ended = self._conn.received()
+        for msg in messages:
+            if msg[0] == "out":
+                self._on_outputs(*msg[1:])
+            elif msg[0] == "reply":
+                _, call, value, error = msg
+                with self._lock:
+                    future = self._calls.pop(call, None)
+                if future is not None:
+                    future.set_result(value) if error is None else future.set_exception(RuntimeError(error))
+            elif msg[0] == "stopped":
+                ended = True
+        if ended:
+            self._unread()
             self._end()
 
     def _on_outputs(self, wire, waiting: int, taken: int) -> None:
@@ -383,6 +475,10 @@ class EngineClient:
 
     def _hand(self, by_loop) -> None:
         for loop, pairs in by_loop.items():
+            if loop is _running_loop():
+                for queue, out in pairs:
+                    queue.put_nowait(out)
+                continue
             try:
                 LoopTarget(loop).deliver(pairs)
             except RuntimeError:  # that event loop is closed: nobody consumes its requests
@@ -392,6 +488,8 @@ class EngineClient:
     def _end(self) -> None:
         """The engine process has stopped or gone: every open request and call ends."""
         with self._lock:
+            if self._ended:
+                return
             self._ended = True
             why = STOPPED if self._stopping else ENDED
             open_, self._open = self._open, {}
@@ -404,3 +502,11 @@ class EngineClient:
         self._hand(by_loop)
         for future in calls.values():
             future.set_exception(RuntimeError(why))
+        self._done.set()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
