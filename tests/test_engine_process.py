@@ -24,8 +24,9 @@ from hypertron.serve.orchestrator import QueueFull
 from hypertron.serve.server import create_app
 from hypertron.serve.types import SamplingParams
 
-ENGINE = {"max_slots": 4, "max_seq_len": 256, "num_pages": 256}
-LIMITS = {"max_prompt_tokens": 200, "max_tokens_limit": 128}
+ENGINE = {"max_slots": 4, "max_seq_len": 4096, "num_pages": 2048}
+LIMITS = {"max_prompt_tokens": 3000, "max_tokens_limit": 128}
+LONG = "a long prompt " * 160  # 2,240 characters: tokenized off the event loop (server.OFF_LOOP_CHARS)
 
 
 class ProcessServer(ThreadedServer):
@@ -72,7 +73,9 @@ def _answers(url: str) -> list:
                                   "logprobs": True, "top_logprobs": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "seed": 3,
                                   "stream": True, "stream_options": {"include_usage": True}}),
-        ("/v1/completions", {"prompt": "x" * 300, "max_tokens": 3}),  # past max_prompt_tokens: a 400
+        ("/v1/completions", {"prompt": LONG, "max_tokens": 5, "seed": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 5, "seed": 4}),
+        ("/v1/completions", {"prompt": "x" * 3500, "max_tokens": 3}),  # past max_prompt_tokens: a 400
         ("/v1/completions", {"prompt": "x", "max_tokens": 3, "logprobs": 99}),  # past max_top_logprobs: a 400
     ]
     out = []
@@ -100,6 +103,8 @@ def test_the_two_process_server_answers_as_the_one_process_server_does(pair):
     assert got == want
     assert two.wait_idle() and not two.orch._open  # a request stopped by a stop string is forgotten too
     assert want[0][1]["choices"][0]["text"] == expected("Hello", 12, seed=7)[0]  # the fake engine's own tokens
+    assert want[10][1]["choices"][0]["text"] == expected(LONG, 5, seed=4, max_seq_len=4096)[0]
+    assert want[11][1]["usage"]["prompt_tokens"] == len(TOK.encode(f"<|user|>\n{LONG}\n<|assistant|>\n")) + 1
     assert re.fullmatch("[0-9]{3}-x", want[4][1]["choices"][0]["text"])
     assert [want[i][1]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in (6, 7)] == [0, 20]
     assert [status for status, _ in want[-2:]] == [400, 400]
@@ -115,7 +120,7 @@ def test_64_concurrent_streams_each_get_exactly_their_tokens_and_both_sides_coun
             return await asyncio.gather(*(_stream(http, b) for b in bodies))
 
     for body, (status, text, reason, usage) in zip(bodies, asyncio.run(run())):
-        want, want_reason, ids = expected(body["prompt"], body["max_tokens"], body["seed"])
+        want, want_reason, ids = expected(body["prompt"], body["max_tokens"], body["seed"], max_seq_len=4096)
         assert (status, text, reason, usage["completion_tokens"]) == (200, want, want_reason, len(ids))
     m = server.wait_idle()
     assert not server.orch._open
@@ -127,7 +132,7 @@ def test_64_concurrent_streams_each_get_exactly_their_tokens_and_both_sides_coun
     assert moved("hypertron_time_to_first_token_seconds_count") == 64  # the front end's
     assert moved("hypertron_generation_tokens_total") == tokens  # the engine process's
     assert moved("hypertron_prompt_tokens_total") == sum(len(TOK.encode(b["prompt"])) + 1 for b in bodies)
-    assert moved("hypertron_step_seconds_count") > 0 and m["hypertron_kv_pages_total"] == 256
+    assert moved("hypertron_step_seconds_count") > 0 and m["hypertron_kv_pages_total"] == 2048
     families = [f.name for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)]
     assert len(families) == len(set(families))  # each metric once: from one side or the other
 

@@ -85,6 +85,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+OFF_LOOP_CHARS = 2048  # a prompt this long (about 0.4 ms of BPE here) is tokenized off the event loop
 
 
 def create_app(orchestrator: Orchestrator, tokenizer, model_name: str, *, api_key: str | None = None,
@@ -230,7 +231,7 @@ class _Api:
     async def completions(self, request: Request):
         req = await self._read(request, CompletionRequest)
         served = req.model or self.model_name  # the model or the LoRA adapter asked for
-        prompt = self._completion_prompt(req.prompt)
+        prompt = await self._completion_prompt(req.prompt)
         echo, n_logprobs = bool(req.echo), req.logprobs
         sampling = self._sampling(req, req.max_tokens, 16, n_logprobs, "logprobs")
         guide = await self._guide(req)
@@ -272,9 +273,9 @@ class _Api:
         return completion(text, ids, lps, offsets, chunks[-1].finish_reason, True,
                           Usage.of(len(prompt), gen.completion_tokens, gen.cached_tokens)).model_dump()
 
-    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(prompt)
+            ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + await self._encode(prompt)
         else:
             try:
                 check_token_ids(prompt, self.tok.vocab_size, "prompt")
@@ -282,6 +283,13 @@ class _Api:
                 raise ApiError(400, str(e), param="prompt") from None
             ids = list(prompt)
         return self._check_prompt_len(ids, "prompt")
+
+    async def _encode(self, text: str) -> list[int]:
+        """``text``'s ids; a long one tokenized on a worker thread, while the event loop reads and
+        streams the other requests (a tokenizer that lets go of the GIL then works beside it)."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.tok.encode(text)
+        return await asyncio.to_thread(self.tok.encode, text)
 
     def _check_prompt_len(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -301,7 +309,9 @@ class _Api:
         req = await self._read(request, ChatCompletionRequest)
         served = req.model or self.model_name
         messages = [{**m.model_dump(exclude={"content"}), "content": m.text()} for m in req.messages]
-        prompt = self._check_prompt_len(self.render_chat(messages), "messages")
+        long = sum(len(m["content"] or "") for m in messages) >= OFF_LOOP_CHARS  # rendered and tokenized off the loop
+        ids = await asyncio.to_thread(self.render_chat, messages) if long else self.render_chat(messages)
+        prompt = self._check_prompt_len(ids, "messages")
         want_logprobs, top_n = bool(req.logprobs), req.top_logprobs
         if top_n is not None and not want_logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
