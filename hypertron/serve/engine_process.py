@@ -150,9 +150,12 @@ def _engine_main() -> None:
         conn.send(("failed", e if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
     orch.max_queue = sys.maxsize  # the front end bounds the queue: it knows what it has sent
-    conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
-                         "max_top_logprobs": orch.max_top_logprobs, "vocab_size": orch.vocab_size,
-                         "kv_pool_tokens": orch.kv_pool_tokens}))
+    try:
+        conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
+                             "max_top_logprobs": orch.max_top_logprobs, "vocab_size": orch.vocab_size,
+                             "kv_pool_tokens": orch.kv_pool_tokens}))
+    except OSError:  # the front end went away while the engine was loading
+        return
     _EngineCore(orch, conn).serve()
 
 
