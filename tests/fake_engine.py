@@ -204,17 +204,3 @@ class FakeEngine:
             time.sleep(self.step_delay)
         return result
 
-
-def fake_orchestrator(engine: dict, scheduler: dict | None = None, model_name: str = "fake-model"):
-    """``(Orchestrator over FakeEngine(**engine) with the byte tokenizer, model_name)``: an engine
-    process's factory (:class:`hypertron.serve.engine_process.EngineClient`) for the tests."""
-    from hypertron.config import SchedulerConfig
-    from hypertron.serve.orchestrator import Orchestrator
-    from hypertron.tokenizer import get_tokenizer
-
-    return Orchestrator(FakeEngine(**engine), get_tokenizer("byte"), SchedulerConfig(**(scheduler or {}))), model_name
-
-
-def refuse_to_start(error: type[BaseException], message: str):
-    """An engine process's factory that raises ``error(message)``."""
-    raise error(message)

@@ -13,9 +13,10 @@ import signal
 
 import httpx
 import pytest
-from fake_engine import FakeEngine, fake_orchestrator, refuse_to_start  # tests/
+from fake_engine import FakeEngine  # tests/
 from http_harness import ThreadedServer  # tests/
 from prometheus_client.parser import text_string_to_metric_families
+from support.engine_factories import fake_orchestrator, refuse_to_start  # tests/support
 from test_server import MODEL, TOK, Server, _stream, expected, sse_events  # tests/
 
 from hypertron.config import ConfigError

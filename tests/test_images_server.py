@@ -117,6 +117,7 @@ def test_images_are_hypertron_diffuses(served, tmp_path):
     (["--max-batch", "0"], ["max-batch"]),
     (["--embedding-cache", "-1"], ["embedding-cache", "0 (off)"]),
     (["--mesh", "data=99"], ["mesh=", "needs 99 devices"]),
+    (["--engine-process"], ["--engine-process", "only a text model's engine runs in a process of its own"]),
 ])
 def test_serve_refuses_bad_image_flags_before_loading(served, flags, words):
     """``hypertron serve`` on a diffusers folder: a bad flag is one error line and exit 2, nothing compiled."""

@@ -192,6 +192,7 @@ def test_generate_gives_what_the_server_answers(layout, run_dir, monkeypatch):
 
     model, params, tok = load_for_inference(run_dir)
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("def f")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # an engine process compiles as in process
     app, _ = _serve(["--checkpoint", run_dir, "--max-slots", "2", *layout], monkeypatch)
     with ThreadedServer(app, lifespan="on") as s:
         for settings in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 3},

@@ -252,3 +252,37 @@ def test_256_requests_over_8_adapters_keep_their_own_while_a_ninth_loads_and_unl
     assert [post("/v1/unload_lora_adapter", {"lora_name": n}) for n in MORE] == [200] * 5
     server.wait_idle()
     assert not +server.engine.lora._users and {a.name for a in server.engine.lora.adapters()} == set(ADAPTERS)
+
+
+def test_an_engine_in_a_process_of_its_own_serves_the_same_adapters(setup, monkeypatch):
+    """The engine of ``setup`` built in a process of its own (``--engine-process``): the adapters
+    live in its slots, and each model's greedy text is the one-process server's (PEFT's, above);
+    ``/v1/models`` lists them; one unloaded through the front end is a 404, a bad load the same
+    400, and loaded again it serves again."""
+    from http_harness import ThreadedServer  # tests/
+    from support.engine_factories import lora_orchestrator  # tests/support
+
+    from hypertron.serve.engine_process import EngineClient
+    from hypertron.serve.server import create_app
+
+    root, server, (_, _, config) = setup
+    engine = {k: getattr(config, k) for k in ("max_slots", "page_size", "num_pages", "max_top_logprobs", "compile",
+                                              "enable_lora", "max_loras", "max_lora_rank")}
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # compiled as in process: the suite's cache serves
+    client = EngineClient(lora_orchestrator, (str(root / "base"), {n: str(root / n) for n in ADAPTERS}, engine),
+                          max_queue=1024)
+    with ThreadedServer(create_app(client, TOK, MODEL, lora_updates=True), lifespan="on") as two:
+        def post(path, body):
+            return httpx.post(two.url + path, json=body, timeout=60)
+
+        texts = {m: [_complete(s, m, PROMPT)["choices"][0]["text"] for s in (server, two)] for m in (MODEL, *ADAPTERS)}
+        assert all(one == other for one, other in texts.values()) and len({t for t, _ in texts.values()}) == 4
+        cards = {c["id"]: c for c in httpx.get(two.url + "/v1/models").json()["data"]}
+        assert set(cards) == {MODEL, *ADAPTERS} and cards["a2"]["parent"] == MODEL
+        assert post("/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 200
+        assert _complete(two, "a3", PROMPT)["error"]["code"] == "model_not_found"
+        big = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(root / "big")})
+        assert big.status_code == 400 and "has rank 16, above --max-lora-rank=8" in big.json()["error"]["message"]
+        assert post("/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": str(root / "a3")}).status_code == 200
+        assert _complete(two, "a3", PROMPT)["choices"][0]["text"] == texts["a3"][0]
+    assert not client.running

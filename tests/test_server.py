@@ -575,8 +575,6 @@ def test_full_queue_answers_429_with_retry_after():
 @pytest.mark.parametrize("argv, message", [
     (["--max-slots", "0"], "--max-slots=0: must be positive"),
     (["--port", "70000"], "--port=70000: must be 0 to 65535"),
-    (["--engine-process", "--enable-lora"], "--engine-process: LoRA adapters are not served with the engine in a "
-                                            "process of its own yet; leave --engine-process off to serve them"),
 ])
 def test_serve_cli_refuses_bad_options_in_one_line(argv, message, capsys):
     from hypertron.cli import main

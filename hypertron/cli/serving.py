@@ -40,7 +40,7 @@ _SERVE_FLAGS: dict[str, dict] = {
                                     "adapters served (a load reads a path on the server: use --api-key); off, "
                                     "they answer 403"),
     "engine_process": dict(help="run the engine loop in a process of its own and the HTTP server in this one "
-                                "(vLLM's layout), so that they share no GIL; no LoRA adapters this way yet"),
+                                "(vLLM's layout), so that they share no GIL"),
     "tensor": dict(metavar="N", help="split the weights (heads, MLP, vocabulary) and the KV pages (by KV head) "
                                      "over this host's first N devices, as training's rules do"),
     "memory_check": dict(help="refuse, before loading, a model and KV pool the memory model says a device "

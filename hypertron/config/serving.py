@@ -216,7 +216,7 @@ class ServeConfig:
     # path on the server); off: they answer 403 (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora: bool = False
     # the engine loop in a process of its own, the HTTP front end in this one (hypertron.serve.engine_process;
-    # vLLM's layout): they share no GIL. No LoRA adapters this way yet.
+    # vLLM's layout): they share no GIL
     engine_process: bool = False
     # A diffusers folder (model_index.json) serves POST /v1/images/generations instead:
     sizes: str | None = None  # "WxH,WxH": the image sizes served, compiled at start; None: the model's default

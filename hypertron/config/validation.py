@@ -515,9 +515,6 @@ def validate_serve(cfg: ServeConfig, name: Callable[[str], str] = lambda key: ke
                           "and at most 1 (a share of each device's memory)")
     if not cfg.serves_images:
         check_text_serve(cfg, name)
-    if cfg.engine_process and (cfg.enable_lora or cfg.lora_modules):
-        raise ConfigError(f"{name('engine_process')}: LoRA adapters are not served with the engine in a process of "
-                          f"its own yet; leave {name('engine_process')} off to serve them")
     if cfg.engine_process and cfg.serves_images:
         raise ConfigError(f"{name('engine_process')}: only a text model's engine runs in a process of its own")
 

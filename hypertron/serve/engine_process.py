@@ -21,7 +21,8 @@ for this reason; so does this module:
 The two talk over two socket pairs (one each way), one pickled tuple a message:
 
 - front end to engine: ``("submit", id, prompt, sampling, want_prompt_logprobs, cache_salt,
-  grammar)``, ``("cancel", id)``, ``("reset", call)``, ``("metrics", call)``, ``("stop",)``;
+  grammar, adapter)``, ``("cancel", id)``, ``("reset", call)``, ``("metrics", call)``,
+  ``("lora_load", call, name, path)``, ``("lora_unload", call, name)``, ``("stop",)``;
 - engine to front end: ``("ready", info)`` or ``("failed", error)`` once, then ``("out", [(id,
   token, logprobs, prompt_logprobs, finish_reason, error, cached_tokens), ...], waiting, taken)``
   per step, ``("reply", call, value, error)``, ``("stopped",)`` last.
@@ -34,7 +35,8 @@ both: the front end's checks it (a 400), the engine's keeps the request to it. M
 exports its own (:data:`~hypertron.serve.metrics.REQUEST_SIDE`: the front end's), ``GET /metrics``
 both. If the engine process ends (a crash, a kill), every open request ends with ``abort`` and the
 server's ``/health`` answers 503. The engine process ignores SIGINT (the front end stops it) and
-ends when the front end's side of the pipe closes. LoRA adapters are not served this way yet.
+ends when the front end's side of the pipe closes. LoRA adapters live in the engine process's
+slots; the front end knows which are loaded from its replies to loads and unloads.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from hypertron.serve.metrics import REQUEST_SIDE, ServeMetrics
 from hypertron.serve.orchestrator import ABORT, LoopTarget, Orchestrator, QueueFull, Submission
 from hypertron.serve.output import Generation
 from hypertron.serve.scheduler import Output, Request, check_prompt
-from hypertron.serve.types import SamplingParams, check_token_ids
+from hypertron.serve.types import LoraError, SamplingParams, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,8 @@ def _engine_main() -> None:
     try:
         conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
                              "max_top_logprobs": orch.max_top_logprobs, "vocab_size": orch.vocab_size,
-                             "kv_pool_tokens": orch.kv_pool_tokens}))
+                             "kv_pool_tokens": orch.kv_pool_tokens,
+                             "adapters": None if orch.lora is None else orch.lora.adapters()}))
     except OSError:  # the front end went away while the engine was loading
         return
     _EngineCore(orch, conn).serve()
@@ -204,13 +207,13 @@ class _EngineCore:
             taken = self.taken
         self._send(("out", wire, self.orch.waiting, taken))
 
-    def _on_submit(self, fid: int, prompt, sampling, want_prompt_logprobs, cache_salt, grammar) -> None:
+    def _on_submit(self, fid: int, prompt, sampling, want_prompt_logprobs, cache_salt, grammar, adapter) -> None:
         error = None
         try:  # checked in the front end: only a race or a bug fails here
             guide = None if grammar is None else self._grammars().guide(grammar)  # before the lock deliver takes
             with self.lock:
                 self.requests[fid] = self.orch.add(prompt, sampling, self, fid, want_prompt_logprobs=want_prompt_logprobs,
-                                                   cache_salt=cache_salt, guide=guide)
+                                                   cache_salt=cache_salt, adapter=adapter, guide=guide)
         except Exception as e:  # noqa: BLE001 - the request ends, the engine goes on
             log.warning("request %d refused by the engine process: %s", fid, e)
             error = f"the engine refused the request: {e}"
@@ -242,6 +245,27 @@ class _EngineCore:
         future.add_done_callback(lambda f: self._send(("reply", call, f.result(), None) if f.exception() is None
                                                       else ("reply", call, None, str(f.exception()))))
 
+    def _on_lora_load(self, call: int, name: str, path: str) -> None:
+        # It reads the adapter's files and writes its slot: on a thread of its own, not holding up intake.
+        threading.Thread(target=self._lora, args=(call, lambda: self.orch.lora.load(name, path)), daemon=True,
+                         name="hypertron-lora-load").start()
+
+    def _on_lora_unload(self, call: int, name: str) -> None:
+        self._lora(call, lambda: self.orch.lora.unload(name))
+
+    def _lora(self, call: int, change) -> None:
+        """Reply with ``change()``'s value and the adapters loaded after it, or its LoraError."""
+        try:
+            value = change()
+        except LoraError as e:
+            self._send(("reply", call, None, e))
+            return
+        except Exception as e:  # noqa: BLE001 - a bug: its traceback here, a 500 there
+            log.exception("a LoRA adapter's load or unload failed")
+            self._send(("reply", call, None, f"{type(e).__name__}: {e}"))
+            return
+        self._send(("reply", call, (value, self.orch.lora.adapters()), None))
+
     def _on_metrics(self, call: int) -> None:
         self.orch.count_compiles()
         self._send(("reply", call, [f for f in self.orch.metrics.registry.collect() if f.name not in REQUEST_SIDE],
@@ -261,6 +285,25 @@ class _Families:
         return self.families
 
 
+class _Adapters:
+    """The engine process's LoRA slots as the server sees them (:class:`~hypertron.serve.lora_slots.LoraSlots`'
+    ``adapters``, ``load``, ``unload``): what it has loaded, known from its replies (nothing else
+    changes them). ``load`` and ``unload`` wait for the engine: call them off the reading event loop."""
+
+    def __init__(self, client: EngineClient, adapters):
+        self._client, self._adapters = client, list(adapters)
+
+    def adapters(self) -> list:
+        return list(self._adapters)
+
+    def load(self, name: str, path: str):
+        adapter, self._adapters = self._client._call("lora_load", name, path).result()
+        return adapter
+
+    def unload(self, name: str) -> None:
+        _, self._adapters = self._client._call("lora_unload", name).result()
+
+
 class EngineClient:
     """The front end of an engine in a process of its own (see the module docstring).
 
@@ -270,8 +313,6 @@ class EngineClient:
     :class:`~hypertron.config.SchedulerConfig`'s. Then :attr:`tokenizer`, :attr:`model_name` and
     the engine's limits are the engine's.
     """
-
-    lora = None  # not served through an engine process yet
 
     def __init__(self, factory, args: Sequence = (), *, max_queue: int, registry: CollectorRegistry | None = None):
         # A new interpreter (JAX's runtime does not survive a fork), not multiprocessing's spawn,
@@ -296,6 +337,7 @@ class EngineClient:
         self.tokenizer, self.model_name = info["tokenizer"], info["model_name"]
         self.max_seq_len, self.max_top_logprobs = info["max_seq_len"], info["max_top_logprobs"]
         self.vocab_size, self.kv_pool_tokens = info["vocab_size"], info["kv_pool_tokens"]
+        self.lora = None if info["adapters"] is None else _Adapters(self, info["adapters"])
         self.max_queue = max_queue
         self.metrics = ServeMetrics(registry)
         self._lock = threading.Lock()
@@ -326,9 +368,8 @@ class EngineClient:
                want_prompt_logprobs: bool = False, cache_salt: str | None = None, adapter: str | None = None,
                guide=None) -> Generation:
         """As :meth:`Orchestrator.submit <hypertron.serve.orchestrator.Orchestrator.submit>` (the
-        same checks and errors); ``adapter`` must be None."""
-        if adapter is not None:
-            raise ValueError("LoRA adapters are not served with the engine in a process of its own")
+        same checks and errors), but for an ``adapter`` unloaded since the request was read: the
+        engine process ends that request with ``abort``."""
         prompt = list(map(int, prompt))
         check_prompt(prompt, self.max_seq_len)
         check_token_ids(prompt, self.vocab_size, "prompt")
@@ -346,7 +387,7 @@ class EngineClient:
             self._open[fid] = (loop, queue, seq)
             self._sent += 1
         self._send(("submit", fid, prompt, sampling, want_prompt_logprobs, cache_salt,
-                    None if guide is None else guide.grammar))
+                    None if guide is None else guide.grammar, adapter))
         return Generation(seq, queue, self.tokenizer, self.metrics, lambda: self._cancel(fid), stop)
 
     def reset_prefix_cache(self) -> concurrent.futures.Future:
@@ -400,7 +441,7 @@ class EngineClient:
         except OSError:  # the engine process has ended: the reader ends the requests
             pass
 
-    def _call(self, kind: str) -> concurrent.futures.Future:
+    def _call(self, kind: str, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._ended:
@@ -408,7 +449,7 @@ class EngineClient:
                 return future
             call = next(self._calls_ids)
             self._calls[call] = future
-        self._send((kind, call))
+        self._send((kind, call, *args))
         return future
 
     def _cancel(self, fid: int) -> None:
@@ -451,8 +492,12 @@ class EngineClient:
                 _, call, value, error = msg
                 with self._lock:
                     future = self._calls.pop(call, None)
-                if future is not None:
-                    future.set_result(value) if error is None else future.set_exception(RuntimeError(error))
+                if future is None:
+                    continue
+                if error is None:
+                    future.set_result(value)
+                else:
+                    future.set_exception(error if isinstance(error, Exception) else RuntimeError(error))
             elif msg[0] == "stopped":
                 ended = True
         if ended:

@@ -59,8 +59,8 @@ def add_lora_routes(router: APIRouter, slots, read, model_name: str, updates: bo
     async def unload_lora_adapter(request: Request):
         allowed()
         req = await read(request, UnloadLoraAdapter)
-        try:
-            slots.unload(req.lora_name)
+        try:  # off the event loop: an engine in a process of its own answers on it
+            await asyncio.to_thread(slots.unload, req.lora_name)
         except LoraError as e:
             raise api_error(e) from None
         return {"lora_name": req.lora_name}
