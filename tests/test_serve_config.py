@@ -205,6 +205,45 @@ def test_generate_gives_what_the_server_answers(layout, run_dir, monkeypatch):
             assert answer == text, (settings, out)
 
 
+def test_a_served_engine_process_answers_and_ctrl_c_ends_both_processes_cleanly(run_dir):
+    """``hypertron serve --engine-process`` as a user runs it: it answers; SIGINT (^C) stops the
+    server, whose engine process ends with it, and the server exits 0 without a traceback or a
+    native abort at exit (both seen before it ended the process itself: server.run)."""
+    import signal
+    import socket
+
+    import psutil
+    from support import processes  # tests/support
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = processes.start_hypertron("serve", "--checkpoint", run_dir, "--port", port, "--engine-process",
+                                     "--max-slots", "2", "--prefill-groups", "max", "--compile", "lazy",
+                                     env=processes.hypertron_env(JAX_DISABLE_MOST_OPTIMIZATIONS="true"))
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        processes.wait_for(up, proc, "the server to answer /health", timeout=120, poll_s=0.2)
+        engine = psutil.Process(proc.pid).children()
+        body = {"model": "run", "prompt": "def f", "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 4 and len(engine) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "terminate called" not in err, err[-2000:]
+        assert not engine[0].is_running()
+    finally:
+        processes.kill(proc)
+
+
 # Every engine and scheduler setting off its default (prefill_groups=max: no step is measured at start).
 OFF_DEFAULT = {"max_slots": 3, "page_size": 8, "num_pages": 40, "kv_cache_dtype": "int8", "max_top_logprobs": 7,
                "compile": "lazy", "max_num_batched_tokens": 100, "max_prefill_rows": 3, "prefill_groups": "max",

@@ -45,6 +45,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -149,8 +150,10 @@ def _engine_main() -> None:
     except BaseException as e:  # noqa: BLE001 - the front end reports it; a user's mistake in one line
         if not isinstance(e, UserError):
             log.exception("the engine process failed to start")
-        conn.send(("failed", e if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")))
-        return
+        try:
+            conn.send(("failed", e if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        finally:
+            _exit(1)
     orch.max_queue = sys.maxsize  # the front end bounds the queue: it knows what it has sent
     try:
         conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
@@ -158,8 +161,18 @@ def _engine_main() -> None:
                              "kv_pool_tokens": orch.kv_pool_tokens,
                              "adapters": None if orch.lora is None else orch.lora.adapters()}))
     except OSError:  # the front end went away while the engine was loading
-        return
+        _exit(1)
     _EngineCore(orch, conn).serve()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the engine process without the interpreter's finalization: JAX's native threads (its
+    compiler's, XLA's pools) outliving it can abort the process as it ends ("terminate called
+    ...", "pure virtual method called": seen after a clean stop), noise in the server's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _EngineCore:

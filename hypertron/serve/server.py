@@ -29,8 +29,12 @@ import hmac
 import itertools
 import json
 import logging
+import os
+import signal
+import sys
 import time
 import uuid
+from typing import NoReturn
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -510,11 +514,23 @@ def _chat_renderer(template: str | None, tokenizer):
     return render
 
 
-def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve ``app`` with uvicorn until interrupted."""
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> NoReturn:
+    """Serve ``app`` with uvicorn until interrupted (^C, SIGTERM), then end the process (status 0).
+
+    Two things a clean stop printed before: uvicorn raises the signal that stopped it again once it
+    has shut down, for the handler it found, and asyncio's own SIGINT handler turned that into a
+    KeyboardInterrupt inside the finished loop (a traceback after "Finished server process"): a
+    handler of ours, which does nothing, takes it instead. And JAX's native threads (its compiler's,
+    XLA's pools) could abort the interpreter's finalization ("terminate called ...", "pure virtual
+    method called", exit status 134): the process ends without it, logs flushed."""
     import uvicorn
 
+    signal.signal(signal.SIGINT, lambda *_: None)  # uvicorn's own handler replaces it while it serves
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator | EngineClient]:
