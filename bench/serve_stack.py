@@ -18,7 +18,8 @@ measured, the largest shape compiled, later ones in the background), run by:
   tokenizer: a one-letter-a-token decode);
 - ``http`` (``--http``): ``bench/serve_http.py --servers hypertron --workload shared-prefix
   --prefix-caching on`` in a subprocess (a real tokenizer, the server and the client on this
-  machine), its median of 3 runs.
+  machine), its median of 3 runs; then ``http-engine-process``, the same with ``hypertron serve
+  --engine-process`` (the engine loop in a process of its own: :mod:`hypertron.serve.engine_process`).
 
 Each in-process layer warms up (2 rounds, then until the compiles they queued are done; the prefix
 cached), then runs ``--repeats`` rounds of ``concurrency x requests`` requests, the layers taking
@@ -135,8 +136,9 @@ async def orchestrator_round(orch, prompts, sampling, streams: int, per_stream: 
     return ttfts, time.perf_counter() - start
 
 
-def http_figures(args) -> dict:
-    """bench/serve_http.py's shared-prefix figures for hypertron (median of 3 runs)."""
+def http_figures(args, engine_process: bool = False) -> dict:
+    """bench/serve_http.py's shared-prefix figures for hypertron (median of 3 runs), its engine in a
+    process of its own with ``engine_process``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "http.json")
         here = os.path.dirname(os.path.abspath(__file__))
@@ -145,7 +147,8 @@ def http_figures(args) -> dict:
                                str(args.concurrency), "--num-requests", str(args.concurrency * args.requests),
                                "--repeats", "3", "--no-interference", "--prefix-len", str(args.prefix_len),
                                "--suffix-len", str(args.suffix_len), "--max-tokens", str(args.max_tokens),
-                               "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               "--output", out, *(["--hypertron-args=--engine-process"] if engine_process else [])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode:
             sys.exit("error: bench/serve_http.py failed:\n" + "\n".join(done.stderr.splitlines()[-20:]))
         with open(out) as f:
@@ -206,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = " ".join(f"{k} {1e3 * (v - before[k]) / max(turns, 1):.2f}" for k, v in after.items() if k != "turns")
     print(f"stack orchestrator turn_ms: {parts}")
     print("stack compiles in the measured rounds:", json.dumps(compiles))
-    if args.http:
-        h = http_figures(args)
-        print(f"stack http: ttft_mean_ms {h['ttft_ms']:.1f} out_tok_s {h['out_tok_s']:.1f} "
+    for name, engine_process in (("http", False), ("http-engine-process", True)) if args.http else ():
+        h = http_figures(args, engine_process)
+        print(f"stack {name}: ttft_mean_ms {h['ttft_ms']:.1f} out_tok_s {h['out_tok_s']:.1f} "
               f"server_ttft_ms {h['server_ttft_ms']:.1f}")
     return 0
 
