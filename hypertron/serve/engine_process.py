@@ -14,7 +14,7 @@ for this reason; so does this module:
 - the *front end* (:class:`EngineClient`, in the server's process) offers what the server uses of
   an orchestrator (``submit`` returning a :class:`~hypertron.serve.output.Generation`,
   ``reset_prefix_cache``, ``exposition``, ``running``, ``start`` / ``stop``); the server's event
-  loop reads the pipe when it is readable (no thread of its own: the front end's Python runs on one
+  loop reads the engine's socket when it is readable (no thread of its own: the front end's Python runs on one
   thread) and hands the outputs to the requests' queues, where detokenizing and stop strings happen
   as before.
 
@@ -35,7 +35,7 @@ both: the front end's checks it (a 400), the engine's keeps the request to it. M
 exports its own (:data:`~hypertron.serve.metrics.REQUEST_SIDE`: the front end's), ``GET /metrics``
 both. If the engine process ends (a crash, a kill), every open request ends with ``abort`` and the
 server's ``/health`` answers 503. The engine process ignores SIGINT (the front end stops it) and
-ends when the front end's side of the pipe closes. LoRA adapters live in the engine process's
+ends when the front end's socket closes. LoRA adapters live in the engine process's
 slots; the front end knows which are loaded from its replies to loads and unloads.
 """
 
@@ -225,8 +225,8 @@ class _EngineCore:
         try:  # checked in the front end: only a race or a bug fails here
             guide = None if grammar is None else self._grammars().guide(grammar)  # before the lock deliver takes
             with self.lock:
-                self.requests[fid] = self.orch.add(prompt, sampling, self, fid, want_prompt_logprobs=want_prompt_logprobs,
-                                                   cache_salt=cache_salt, adapter=adapter, guide=guide)
+                self.requests[fid] = self.orch.add(prompt, sampling, self, fid, cache_salt=cache_salt, guide=guide,
+                                                   want_prompt_logprobs=want_prompt_logprobs, adapter=adapter)
         except Exception as e:  # noqa: BLE001 - the request ends, the engine goes on
             log.warning("request %d refused by the engine process: %s", fid, e)
             error = f"the engine refused the request: {e}"
@@ -359,7 +359,7 @@ class EngineClient:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._sent = self._taken = self._waiting = 0
         self._stopping = self._ended = False
-        self._reading: asyncio.AbstractEventLoop | None = None  # the event loop that reads the pipe
+        self._reading: asyncio.AbstractEventLoop | None = None  # the event loop that reads the engine's socket
         self._done = threading.Event()  # set once the engine process has stopped or gone (_end)
 
     # -- what the server uses ------------------------------------------------------------
@@ -446,7 +446,7 @@ class EngineClient:
         except subprocess.TimeoutExpired:
             return False
 
-    # -- the pipe ------------------------------------------------------------------------
+    # -- the sockets ---------------------------------------------------------------------
 
     def _send(self, msg) -> None:
         try:
@@ -474,7 +474,7 @@ class EngineClient:
             self._send(("cancel", fid))
 
     def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the pipe on ``loop`` (a callback when it is readable: no thread of its own, so no
+        """Read the engine's socket on ``loop`` (a callback when it is readable: no thread of its own, so no
         GIL to share with the event loop), unless a live loop reads it already."""
         with self._lock:
             if self._ended or (self._reading is not None and not self._reading.is_closed()):

@@ -15,7 +15,8 @@ plain loop:
    engine their grammars' masks, which needed step n's tokens, and it samples them
    (:func:`~hypertron.serve.scheduler.sample_guided`) while its forward pass runs;
 4. deliver the scheduler's outputs to each request's ``asyncio.Queue``
-   (``loop.call_soon_threadsafe``, one call per event loop per step).
+   (``loop.call_soon_threadsafe``, one call per event loop per step), or to another target
+   (:meth:`Orchestrator.add`: an engine process's socket, :mod:`hypertron.serve.engine_process`).
 
 The consumer's side, :class:`~hypertron.serve.output.Generation`, detokenises and applies stop
 strings. The thread sleeps on a condition variable when there is nothing to do.
