@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -153,7 +154,7 @@ def _engine_main() -> None:
         try:
             conn.send(("failed", e if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")))
         finally:
-            _exit(1)
+            end_process(1)
     orch.max_queue = sys.maxsize  # the front end bounds the queue: it knows what it has sent
     try:
         conn.send(("ready", {"tokenizer": orch.tokenizer, "model_name": model_name, "max_seq_len": orch.max_seq_len,
@@ -161,15 +162,17 @@ def _engine_main() -> None:
                              "kv_pool_tokens": orch.kv_pool_tokens,
                              "adapters": None if orch.lora is None else orch.lora.adapters()}))
     except OSError:  # the front end went away while the engine was loading
-        _exit(1)
+        end_process(1)
     _EngineCore(orch, conn).serve()
-    _exit(0)
+    end_process(0)
 
 
-def _exit(code: int) -> None:
-    """End the engine process without the interpreter's finalization: JAX's native threads (its
-    compiler's, XLA's pools) outliving it can abort the process as it ends ("terminate called
-    ...", "pure virtual method called": seen after a clean stop), noise in the server's log."""
+def end_process(code: int) -> NoReturn:
+    """End this serving process (the engine's, or ``hypertron serve``'s once uvicorn returns) without
+    the interpreter's finalization, logs flushed: JAX's native threads (its compiler's, XLA's pools)
+    outliving it can abort the process as it ends ("terminate called ...", "pure virtual method
+    called", status 134, seen after a clean stop)."""
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -29,9 +29,7 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import signal
-import sys
 import time
 import uuid
 from typing import NoReturn
@@ -74,7 +72,7 @@ from hypertron.serve.api import (
     schema_error,
 )
 from hypertron.serve.detokenize import detokenizer
-from hypertron.serve.engine_process import EngineClient
+from hypertron.serve.engine_process import EngineClient, end_process
 from hypertron.serve.readying import engine_side, tune_for_serving
 from hypertron.serve.lora_routes import add_lora_routes, adapter_cards, api_error
 from hypertron.serve.orchestrator import ABORT, ERROR, Generation, Orchestrator, QueueFull
@@ -521,16 +519,13 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> NoReturn:
     has shut down, for the handler it found, and asyncio's own SIGINT handler turned that into a
     KeyboardInterrupt inside the finished loop (a traceback after "Finished server process"): a
     handler of ours, which does nothing, takes it instead. And JAX's native threads (its compiler's,
-    XLA's pools) could abort the interpreter's finalization ("terminate called ...", "pure virtual
-    method called", exit status 134): the process ends without it, logs flushed."""
+    XLA's pools) could abort the interpreter's finalization: the process ends without it
+    (:func:`~hypertron.serve.engine_process.end_process`)."""
     import uvicorn
 
     signal.signal(signal.SIGINT, lambda *_: None)  # uvicorn's own handler replaces it while it serves
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 def build(serve: ServeConfig) -> tuple[FastAPI, Orchestrator | EngineClient]:
