@@ -172,6 +172,10 @@ def test_greedy_generation_with_int8_weights():
     cfg, params, q = _model("tiny")
     # float32 compute (CPU): nothing to cast, every weight is the array it was.
     assert all(a is b for a, b in zip(jax.tree.leaves(prepare_params(params, cfg, "none")), jax.tree.leaves(params)))
+    # Weights read from a file as numpy land on the device, cast or not: a numpy weight would be
+    # copied to the device by every serving step that takes it.
+    on_host = jax.tree.map(np.asarray, params)
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(prepare_params(on_host, cfg, "none")))
     assert isinstance(prepare_params(params, cfg, "int8")["layers"]["wq"], QArray)
     with pytest.raises(ValueError, match="quantize='fp4'"):
         prepare_params(params, cfg, "fp4")
