@@ -5,6 +5,7 @@
                                [--adapters 8] [--rank 8] [--targets attention all] [--repeats 3]
                                [--max-num-batched-tokens 512] [--no-peft] [--keep DIR]
                                [--model-size small|llama-1b] [--device cpu|cuda]
+                               [--hypertron-args=FLAGS]
 
 The model and prompts are ``bench/serve_http.py``'s (a random Llama in Hugging Face format with a
 BPE trained on the standard library's sources; ``hypertron convert --from-hf`` makes the bundle).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -69,6 +71,8 @@ def parse_args(argv):
     p.add_argument("--no-peft", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--hypertron-args", default="", help="more flags for every hypertron serve, one string "
+                   "(--hypertron-args=--engine-process)")
     add_model_args(p)
     return p.parse_args(argv)
 
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
         return [script("hypertron"), "serve", "--checkpoint", run_dir, "--port", str(port), "--max-slots", str(max_c),
                 "--page-size", "16", "--kv-cache-dtype", "float32" if args.device == "cpu" else "auto", "--model-name", "bench",
                 "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, max_c)), "--num-pages",
-                str(pages + 1), *more]
+                str(pages + 1), *shlex.split(args.hypertron_args), *more]
 
     port = free_ports()
     base = measure_server(server_argv(port), port, "bench", prompts, args, work, "base")
