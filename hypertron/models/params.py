@@ -213,7 +213,7 @@ def cast_params(specs: Any, params: Any, dtype: Any) -> Any:
     each weight in the compute dtype instead of casting float32 master weights every step. Every
     weight comes back a JAX array, one read from a file as numpy too (one at a time, cast before it
     leaves the host): a numpy weight would be copied to the device by every call that takes it,
-    each serving step (on the CPU, 14 % of a served step's time at the HTTP bench's model)."""
+    each serving step (on the CPU, 14 % of the engine's CPU time at the HTTP bench's model)."""
     dtype = jnp.dtype(dtype)
 
     def one(spec: ParamSpec, w: Any, path: str) -> Any:
