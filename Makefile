@@ -28,8 +28,9 @@ demo: $(VENV)/.installed
 	$(BIN)/hypertron train recipes/demo.yaml
 	$(BIN)/hypertron generate --checkpoint runs/demo --prompt "def " --max-new-tokens 160 --temperature 0.7 --top-k 40
 
-# Debian packages some tests start on loopback (installed when missing and running as root).
-SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium slurmctld=slurm-wlm munged=munge
+# Debian packages some tests start on loopback, and the C++ compiler the CPU's decode attention is
+# built with (hypertron/kernels/cpu_decode.py) (installed when missing and running as root).
+SYSTEM_PACKAGES := prometheus=prometheus chromium=chromium slurmctld=slurm-wlm munged=munge g++=g++
 
 test: $(VENV)/.test-installed
 	@sh tests/system/install.sh $(SYSTEM_PACKAGES)

@@ -14,11 +14,14 @@ int8 pages with a bfloat16 query, 2e-2 (the kernel rounds the probabilities to b
 and the output is bf16).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hypertron.kernels import cpu_decode
 from hypertron.kernels import ragged_attention as ra
 from hypertron.kernels.ragged_attention import (
     quantize_kv,
@@ -143,11 +146,35 @@ def test_reference_is_dense_attention(page_dtype, window):
         args, (q, k, v) = _case(7, kv_heads, "float32", page_dtype, LENGTHS, window)
         got = _reference(**args, window=window)
         _assert_close(got, _dense_attention(q, k, v, LENGTHS, window), 1e-5)
-    assert ra.AUTO_BACKEND["cpu"] == "reference"
-    if jax.default_backend() == "cpu":  # "auto" is the reference here, bit for bit
-        np.testing.assert_array_equal(ragged_decode_attention(**args, window=window),
-                                      ragged_decode_attention(**args, window=window,
-                                                              backend="reference"))
+    assert ra.AUTO_BACKEND["cpu"] == "native"
+
+
+needs_native = pytest.mark.skipif(cpu_decode.unavailable() is not None,
+                                  reason=f"the C++ decode kernel: {cpu_decode.unavailable()}")
+
+
+@needs_native
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+def test_native_kernel_is_dense_attention(page_dtype):
+    """The C++ kernel (``native``, the CPU's ``auto``) against dense attention in numpy: GQA 1, 2
+    and 4, with and without a window, both sets of lengths (an empty slot: zeros), pages of NaN
+    wherever nothing may be read; int8 pages with bfloat16 scales (the engine's) beside a float32
+    query. Shapes it cannot take go to the reference under ``auto`` and are refused when asked."""
+    for kv_heads in (4, 2, 1):
+        for seed, lengths in enumerate(_lengths(kv_heads)):
+            for window in (None, WINDOW):
+                args, (q, k, v) = _case(seed, kv_heads, "bfloat16" if page_dtype == "int8" else "float32",
+                                        page_dtype, lengths, window)
+                args["q"] = args["q"].astype(jnp.float32)  # bf16 scales, a float32 query
+                got = ragged_decode_attention(**args, window=window, backend="native")
+                _assert_close(got, _dense_attention(q, k, v, lengths, window), 1e-5)
+                np.testing.assert_array_equal(ragged_decode_attention(**args, window=window), got)  # auto
+                assert not np.asarray(got)[lengths == 0].any()
+    args, _ = _case(0, 2, "bfloat16", "bfloat16", LENGTHS)
+    jaxpr = str(jax.make_jaxpr(lambda a: ragged_decode_attention(**a))(args))
+    assert cpu_decode.TARGET not in jaxpr  # bfloat16 pages: the reference
+    with pytest.raises(ValueError, match="native backend runs on a CPU with float32 or int8 pages"):
+        ragged_decode_attention(**args, backend="native")
 
 
 @pytest.mark.parametrize("scale_dtype,bound", [("float32", 0.5 + 1e-5), ("bfloat16", 0.51)])
@@ -305,6 +332,23 @@ def test_paged_attention_is_dense_attention(kv_heads, page_dtype, block_q, ppb):
                                          pages_per_block=ppb)
             _assert_close(got, want, 1e-5)
             assert not np.asarray(got)[-PAD_TOKENS:].any()  # padding tokens: zeros
+
+
+@needs_native
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+def test_auto_on_the_cpu_takes_every_rows_last_query_to_the_native_kernel(page_dtype):
+    """On a CPU, ``auto`` sends every row's last query (a decode row's only one) to the C++ kernel:
+    a decode-only step whole, a step with prompts and chunks its last queries, the rest to the
+    reference's blocks. Both equal dense attention on the mix, with and without a window."""
+    decode_mix = [(37, 1), (0, 0), (80, 1), (5, 1), (CAP, 1)]
+    for mix, decode_only in [(MIX, False), (decode_mix, True)]:
+        for window in (None, WINDOW):
+            args, (q, k, v) = _paged_case(4, 2, page_dtype, mix, window)
+            call = functools.partial(ragged_paged_attention, window=window, block_q=8, decode_only=decode_only)
+            assert cpu_decode.TARGET in str(jax.make_jaxpr(lambda a: call(**a))(args))
+            got = call(**args)
+            _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)
+            assert not np.asarray(got)[-PAD_TOKENS:].any()
 
 
 def test_a_group_over_multiply_max_queries_takes_dots_and_is_dense_attention():

@@ -36,9 +36,13 @@ Backends (``backend=``):
     Positions outside ``[start, length)`` are masked in the scores and in V (and in V's scales),
     so stale or NaN rows in a partly filled page never leak. int8 pages are dequantised in the
     kernel by folding the scales into the scores (K) and into the probabilities (V).
+``"native"``
+    A C++ kernel for the CPU (:mod:`hypertron.kernels.cpu_decode`): each (sequence, kv head)
+    reads its pages straight from the pool with an online softmax, the items over XLA's thread
+    pool. Float32 or int8 pages.
 ``"reference"``
     Pure JAX: gather every page of the page table, dequantise, mask by length and window, float32
-    softmax at highest precision. The oracle for tests, and the CPU path.
+    softmax at highest precision. The oracle for tests, and the CPU path where ``native`` is not.
 ``"auto"``
     ``AUTO_BACKEND[jax.default_backend()]``.
 
@@ -68,20 +72,23 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from hypertron.kernels import cpu_decode
 from hypertron.kernels.backends import TRITON, auto_backend, interpret_default, whole
 
-BACKENDS = ("auto", "pallas", "reference")
+BACKENDS = ("auto", "native", "pallas", "reference")
 
 # Tokens per kernel block when pages_per_block is not given (the usual Triton block; untuned).
 DEFAULT_BLOCK_TOKENS = 128
 # Triton's dot wants at least 16 rows: the query heads of a GQA group are padded up to this.
 MIN_GROUP_ROWS = 16
 
-# CPU: the reference (interpret mode runs the kernel op by op, for correctness only). TPU: the
-# kernel is written for Triton, not Mosaic TPU. GPU: the kernel, measured 3.6x faster than the
-# reference (2026-11-25, one H100, JAX 0.11.2: 64 sequences of 4k-8k tokens, bf16 pages, 0.565
-# against 2.017 ms; docs/benchmarks.md t2.ragged). int8 pages there are still to be timed alone.
-AUTO_BACKEND = {"cpu": "reference", "gpu": "pallas", "cuda": "pallas",
+# CPU: the C++ kernel (hypertron.kernels.cpu_decode; the reference where it cannot be built or
+# take the shapes), measured 1.5-6x faster than the reference (docs/benchmarks.md, "A C++ decode
+# attention on the CPU"); Pallas's interpret mode runs op by op, for correctness only. TPU: the
+# Pallas kernel is written for Triton, not Mosaic TPU. GPU: the Pallas kernel, measured 3.6x faster
+# than the reference (2026-11-25, one H100, JAX 0.11.2: 64 sequences of 4k-8k tokens, bf16 pages,
+# 0.565 against 2.017 ms; docs/benchmarks.md t2.ragged). int8 pages there are still to be timed alone.
+AUTO_BACKEND = {"cpu": "native", "gpu": "pallas", "cuda": "pallas",
                 "rocm": "reference", "tpu": "reference"}
 
 
@@ -128,9 +135,10 @@ def ragged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
       ``[batch, num_heads, head_dim]`` in ``q.dtype``; softmax and accumulation in float32.
     """
     _check_shapes(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
-    head_dim = q.shape[-1]
+    head_dim, asked = q.shape[-1], backend == "native"
     backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, head_dim,
                                     k_pages.shape[2])
+    backend = native_or_reference(backend, q.shape[1], k_pages, asked)
     sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
     cfg = CallConfig(backend, sm_scale, pages_per_block, interpret)
     capacity = page_indices.shape[1] * k_pages.shape[2]
@@ -337,6 +345,9 @@ def _attention_jit(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scale
         return ragged_decode_attention_reference(
             q, k_pages, v_pages, lengths, page_indices, k_scales=k_scales, v_scales=v_scales,
             sm_scale=cfg.sm_scale, window=window)
+    if cfg.backend == "native":
+        return cpu_decode.paged_decode(q, k_pages, v_pages, lengths, page_indices, window, k_scales=k_scales,
+                                       v_scales=v_scales, sm_scale=cfg.sm_scale)
     return _pallas_attention(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales,
                              window, cfg)
 
@@ -388,6 +399,22 @@ def pallas_unfit(head_dim: int, page_size: int, pages_per_block: int | None) -> 
         if n < MIN_GROUP_ROWS:
             return f"the pallas backend wants {name} >= {MIN_GROUP_ROWS} (Triton's dot), got {n}"
     return None
+
+
+def native_or_reference(backend: str, num_heads: int, k_pages: jax.Array, asked: bool = False) -> str:
+    """``backend`` as resolved by :func:`check_call`, but ``native`` only on a CPU where the C++
+    kernel takes the call (:func:`hypertron.kernels.cpu_decode.fits`): the reference where ``auto``
+    chose it, an error where it was asked for (``asked``)."""
+    if backend != "native":
+        return backend
+    if jax.default_backend() == "cpu" and cpu_decode.fits(num_heads, k_pages.shape[3], k_pages):
+        return backend
+    if asked:
+        raise ValueError(f"the native backend runs on a CPU with float32 or int8 pages, at most "
+                         f"{cpu_decode.MAX_GROUP} query heads a KV head, head_dim <= {cpu_decode.MAX_HEAD_DIM} "
+                         f"and pages of <= {cpu_decode.MAX_PAGE_SIZE} tokens"
+                         + (f" (not built here: {cpu_decode.unavailable()})" if cpu_decode.unavailable() else ""))
+    return "reference"
 
 
 def check_call(backend: str, window, pages_per_block: int | None, interpret: bool | None,

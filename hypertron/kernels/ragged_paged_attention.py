@@ -24,7 +24,9 @@ Backends (``backend=``):
     kernel). Queries are gathered into blocks before and scattered back after, so programs never
     write the same rows.
 ``"auto"``
-    ``AUTO_BACKEND[jax.default_backend()]``: the kernel on GPUs, the reference elsewhere.
+    ``AUTO_BACKEND[jax.default_backend()]``: the kernel on GPUs, the reference elsewhere, but the
+    rows' last queries by the decode attention's kernel where its table has one: on a GPU a
+    decode-only step whole, on a CPU every step's last queries (:mod:`~hypertron.kernels.cpu_decode`).
 
 Verified (CPU, JAX 0.10.2, ``tests/test_ragged_attention.py``): the reference against dense
 attention in numpy on a mix of decode rows, new prompts, chunks after cached tokens, an empty row
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from hypertron.kernels import cpu_decode
 from hypertron.kernels.backends import auto_backend
 from hypertron.kernels.ragged_attention import AUTO_BACKEND as DECODE_AUTO_BACKEND
 from hypertron.kernels.ragged_attention import (
@@ -56,6 +59,7 @@ from hypertron.kernels.ragged_attention import (
     online_softmax_block,
     pallas_layout,
     pallas_unfit,
+    native_or_reference,
     ragged_decode_attention,
 )
 
@@ -203,10 +207,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     fits = pallas_unfit(q.shape[-1], k_pages.shape[2], pages_per_block) is None
-    if decode_only and decode_queries == 1 and backend == "auto" and fits \
-            and DECODE_AUTO_BACKEND.get(jax.default_backend()) == "pallas":
+    # The rows' last queries by the decode kernel's own table where it has one for this platform:
+    # a decode-only step whole, else (the C++ kernel) the reference's batch of last queries.
+    decode_backend = auto_backend(DECODE_AUTO_BACKEND, "reference") if backend == "auto" else None
+    decode_backend = "reference" if decode_backend == "pallas" and not fits else decode_backend
+    decode_backend = native_or_reference(decode_backend, q.shape[1], k_pages) if decode_queries == 1 else None
+    if decode_only and decode_backend in ("pallas", "native"):
         return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
-                            v_scales=v_scales, sm_scale=sm_scale, window=window,
+                            v_scales=v_scales, sm_scale=sm_scale, window=window, backend=decode_backend,
                             pages_per_block=pages_per_block, interpret=interpret)
     backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, q.shape[-1],
                                     k_pages.shape[2])
@@ -219,24 +227,25 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         block_q = reference_block_q(queries_per_row) if backend == "reference" else \
             max(1, PALLAS_BLOCK_ROWS // group)
     return _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales,
-                      window, cfg, block_q, decode_only, decode_queries)
+                      window, cfg, block_q, decode_only, decode_queries, decode_backend == "native")
 
 
 def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
-    """A decode-only call through the decode kernel: each row's one query (a row without one
-    reads as length 0: zeros), scattered back to its token; padding tokens stay zeros."""
+    """A decode-only call through a decode kernel (``backend`` in ``kw``): each row's one query (a
+    row without one reads as length 0: zeros), scattered back to its token; padding tokens stay
+    zeros."""
     n = q.shape[0]
     has = query_start[1:] > query_start[:-1]
     last = jnp.where(has, query_start[1:] - 1, n)
     out = ragged_decode_attention(q[jnp.minimum(last, n - 1)], k_pages, v_pages,
-                                  jnp.where(has, kv_lens, 0), page_table, backend="auto", **kw)
+                                  jnp.where(has, kv_lens, 0), page_table, **kw)
     return jnp.zeros_like(q).at[last].set(out, mode="drop")
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, *,
                                      k_scales=None, v_scales=None, sm_scale=None, window=None,
-                                     block_q: int = DEFAULT_BLOCK_Q,
-                                     decode_only: bool = False, decode_queries: int = 1) -> jax.Array:
+                                     block_q: int = DEFAULT_BLOCK_Q, decode_only: bool = False,
+                                     decode_queries: int = 1, native_last: bool = False) -> jax.Array:
     """:func:`ragged_paged_attention` in plain JAX (arguments as there, ``block_q`` static).
 
     Every row's last ``decode_queries`` queries (a decode row's only one, or with a verify row's
@@ -249,7 +258,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     queries and their context, not rows x queries nor the page table's width. Where the rows
     share a prefix (the same pages from the start), both parts read it once for all their rows
     first (:func:`_attend_pages`' ``shared``; :func:`_shared_prefix_first`), and each block goes on
-    from there.
+    from there. ``native_last`` (static): the rows' last queries by the C++ kernel (:func:`_last_queries`).
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -263,24 +272,18 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
     query_start = query_start.astype(jnp.int32)
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, -page_table.shape[1] % max(ppc, ppc_block))))
-    n_r = query_start[1:] - query_start[:-1]
     q_pad = jnp.pad(q.astype(jnp.float32).reshape(n, num_kv_heads, group, head_dim),
                     ((0, block_q), (0, 0), (0, 0), (0, 0)))
 
     def rows_m(x_qkgd):  # [q, k, g, d] -> [k, q * g, d]: row m is query m // g
         return x_qkgd.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
 
-    # Every row's last decode_queries queries (index n for those of the row before it, and of none:
-    # zeros, dropped).
-    last_q = decode_queries
-    idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
-    own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
-    idx_rq = jnp.where(own_rq, idx_rq, n)
-    pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
-    out_last = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm, ppc=ppc), table, shared=True)
-    rows = kv_lens.shape[0]
-    out_last = out_last.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
-    out_last, last_r = out_last.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
+    native = None if not native_last else functools.partial(
+        cpu_decode.paged_decode, k_pages=k_pages, v_pages=v_pages, page_indices=page_table,
+        window=jnp.asarray(capacity if window is None else window, jnp.int32), k_scales=k_scales,
+        v_scales=v_scales, sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
+    out_last, last_r = _last_queries(q, q_pad, kv_lens, table, query_start, functools.partial(chunks, ppc=ppc),
+                                     rows_m, decode_queries, native)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
         return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
@@ -289,8 +292,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     # queries, each from there over its row's own pages.
     chunks = functools.partial(chunks, ppc=ppc_block)
     carry, start = _shared_prefix_first(q_pad[:n], kv_lens, table, query_start, chunks, block_q=block_q,
-                                        page_size=page_size, ppc=ppc_block, batched=last_q)
-    rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=last_q)
+                                        page_size=page_size, ppc=ppc_block, batched=decode_queries)
+    rows_t, first_t, count_t, total = query_tiles(query_start, n, block_q, skip_last=decode_queries)
     out = jnp.zeros((n + block_q, num_kv_heads, group, head_dim), jnp.float32)
 
     def block(t, out):
@@ -310,6 +313,26 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     out = lax.fori_loop(0, total, block, out)[:n]
     out = out.at[last_r].set(out_last, mode="drop")
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
+
+
+def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, native=None):
+    """Every row's last ``last_q`` queries (a decode row's only one) in one batch over the rows:
+    ``[rows * last_q, kv_heads, group, head_dim]`` float32 and their tokens (``n``: none, the
+    row has fewer). By :func:`_attend_pages` (a prefix the rows share read once), or with
+    ``native`` (``last_q`` 1; :func:`hypertron.kernels.cpu_decode.paged_decode` given all but the
+    queries and lengths) by the C++ kernel, each row over its own pages."""
+    n, (rows,), (_, num_kv_heads, group, head_dim) = q.shape[0], kv_lens.shape, q_pad.shape
+    n_r = query_start[1:] - query_start[:-1]
+    idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
+    own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
+    idx_rq = jnp.where(own_rq, idx_rq, n)
+    if native is not None:
+        out = native(q[jnp.minimum(idx_rq[:, 0], n - 1)], lengths=jnp.where(own_rq[:, 0], kv_lens, 0))
+        return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
+    pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
+    out = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm), table, shared=True)
+    out = out.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
 
 
 def _shared_prefix_first(q_nkgd, kv_lens, table, query_start, chunks, *, block_q: int, page_size: int, ppc: int,
@@ -498,14 +521,14 @@ def query_tiles(query_start: jax.Array, num_tokens: int, block_q: int, skip_last
     return row_t, query_start[row_t] + j_t * block_q, count_t, ends_r[-1]
 
 
-@functools.partial(jax.jit, static_argnums=(9, 10, 11, 12))
+@functools.partial(jax.jit, static_argnums=(9, 10, 11, 12, 13))
 def _paged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales, v_scales, window,
-               cfg: CallConfig, block_q: int, decode_only: bool, decode_queries: int):
+               cfg: CallConfig, block_q: int, decode_only: bool, decode_queries: int, native_last: bool):
     if cfg.backend == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
             v_scales=v_scales, sm_scale=cfg.sm_scale, window=window, block_q=block_q,
-            decode_only=decode_only, decode_queries=decode_queries)
+            decode_only=decode_only, decode_queries=decode_queries, native_last=native_last)
     return _pallas_paged(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales,
                          v_scales, window, cfg, block_q)
 

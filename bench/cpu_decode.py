@@ -1,0 +1,126 @@
+"""The C++ decode attention (``hypertron.kernels.cpu_decode``, the CPU's ``auto``) against the JAX
+reference: one layer's call, then the engine's whole decode step.
+
+    python bench/cpu_decode.py [--rows 1 16 64] [--context 150 1100] [--repeats 30] [--steps 40]
+        [--no-engine]
+
+At the serving bench's model shape (8 query heads, 4 KV heads, head dim 32, float32; 16-token
+pages). The call: ``rows`` decode rows of about ``context`` tokens (±10, random), each over pages
+of its own spread through a pool of at least 4,096 pages a KV head (the page table a power of two wide), as
+``ragged_paged_attention(decode_only=True)`` with ``backend="reference"`` and ``"auto"`` (the
+kernel), jitted, taking turns, the median of ``--repeats`` synced calls; their largest difference
+too. The step: ``bench/decode_chunks.py``'s engines (4 layers, hidden 256, MLP 768, vocabulary
+2,048) holding ``rows`` sequences of ``context`` prompt tokens, decoding greedily, one compiled
+with ``AUTO_BACKEND["cpu"] = "reference"`` and one with the kernel, a step each in turn, the
+median of ``--steps`` after 12 warm-up steps (scheduling and the host's side included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import decode_chunks  # noqa: E402
+
+import hypertron.serve.engine as engine_module  # noqa: E402
+from hypertron.config import EngineConfig, SchedulerConfig  # noqa: E402
+from hypertron.kernels import cpu_decode  # noqa: E402
+from hypertron.kernels import ragged_attention as ra  # noqa: E402
+from hypertron.kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+from hypertron.models import init_params  # noqa: E402
+from hypertron.padding import next_pow2  # noqa: E402
+from hypertron.serve.scheduler import Request, Scheduler  # noqa: E402
+from hypertron.serve.types import SamplingParams  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, POOL = 8, 4, 32, 16, 4096  # POOL: at least, in pages a KV head
+
+
+def call_case(rows: int, context: int):
+    """The call's arguments: decode rows of about ``context`` tokens, pages spread through the pool."""
+    rng = np.random.default_rng(rows * 7 + context)
+    lens = np.clip(rng.integers(context - 10, context + 11, rows), 1, None).astype(np.int32)
+    width = next_pow2(-(-int(lens.max()) // PAGE))
+    pool = max(POOL, rows * width)
+    table = rng.permutation(pool)[: rows * width].reshape(rows, width).astype(np.int32)
+    k, v = (jnp.asarray(rng.normal(size=(KV_HEADS, pool, PAGE, HEAD_DIM)), jnp.float32) for _ in "kv")
+    q = jnp.asarray(rng.normal(size=(rows, HEADS, HEAD_DIM)), jnp.float32)
+    return q, k, v, jnp.asarray(lens), jnp.asarray(table), jnp.arange(rows + 1, dtype=jnp.int32)
+
+
+def engine_case(params, rows: int, context: int, backend: str):
+    """``(engine, scheduler)`` with ``rows`` sequences decoding, compiled with the CPU's decode
+    backend ``backend``."""
+    saved, ra.AUTO_BACKEND["cpu"] = ra.AUTO_BACKEND["cpu"], backend
+    jax.clear_caches()
+    engine_module._shared.clear()  # programs compiled for the other backend must not be reused
+    try:
+        model = decode_chunks.MODEL
+        engine = engine_module.PagedEngine(params, model, EngineConfig(max_slots=max(rows, 2), compile="lazy"))
+        sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=max(4096, rows * (context + 1))))
+        rng = np.random.default_rng(0)
+        greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=100_000, ignore_eos=True)
+        for i in range(rows):
+            sched.add(Request(i, rng.integers(3, model.vocab_size, context).tolist(), greedy))
+        for _ in range(12):  # the prompts, then decode steps: every program compiled here
+            decode_chunks.step(engine, sched)
+    finally:
+        ra.AUTO_BACKEND["cpu"] = saved
+    return engine, sched
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, nargs="+", default=[150, 1100])
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--no-engine", action="store_true", help="the call only")
+    args = p.parse_args(argv)
+    if cpu_decode.unavailable():
+        print(f"error: the C++ kernel is not available here: {cpu_decode.unavailable()}", file=sys.stderr)
+        return 2
+    print(f"# jax {jax.__version__}, {os.cpu_count()} CPUs; {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, pages of {PAGE}")
+    for rows in args.rows:
+        for context in args.context:
+            case = call_case(rows, context)
+            fns = {b: jax.jit(lambda *a, b=b: ragged_paged_attention(*a, backend=b, decode_only=True))
+                   for b in ("reference", "auto")}
+            outs = {b: fn(*case).block_until_ready() for b, fn in fns.items()}
+            times = {b: [] for b in fns}
+            for _ in range(args.repeats):
+                for b, fn in fns.items():
+                    t = time.perf_counter()
+                    fn(*case).block_until_ready()
+                    times[b].append(time.perf_counter() - t)
+            ref, nat = (np.median(times[b]) * 1e3 for b in ("reference", "auto"))
+            diff = float(jnp.max(jnp.abs(outs["reference"] - outs["auto"])))
+            print(f"call rows={rows} context={context}: reference {ref:.3f} ms, kernel {nat:.3f} ms "
+                  f"({ref / nat:.2f}x), largest difference {diff:.1e}")
+    if args.no_engine:
+        return 0
+    params = init_params(decode_chunks.MODEL, jax.random.key(1))
+    for rows in [r for r in args.rows if r > 1]:
+        for context in args.context:
+            runs = {b: engine_case(params, rows, context, b) for b in ("reference", "native")}
+            times = {b: [] for b in runs}
+            for _ in range(args.steps):
+                for b, (engine, sched) in runs.items():
+                    t = time.perf_counter()
+                    decode_chunks.step(engine, sched)
+                    times[b].append(time.perf_counter() - t)
+            ref, nat = (np.median(times[b]) * 1e3 for b in ("reference", "native"))
+            print(f"engine step rows={rows} context={context}: reference {ref:.2f} ms, kernel {nat:.2f} ms "
+                  f"({ref / nat:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
