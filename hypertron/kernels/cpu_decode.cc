@@ -8,6 +8,9 @@
 // pages, page_size, head_dim] float32 or int8; int8 pages' scales [kv_heads, pages, page_size]
 // float32 or bfloat16 (anything otherwise); lengths [rows] int32 (0: zeros out); table [rows,
 // pages_per_seq] int32; window [] int32: a row attends to its positions [length - window, length).
+// It goes on from an online softmax's state (running max, sum and output, [kv_heads, rows, group(,
+// head_dim)] float32) that has read each row's first `begin` tokens (a prefix the rows share,
+// read once for all of them; -inf, 0, 0 and begin 0 for none).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -37,6 +40,8 @@ struct Call {
   bool int8, bf16_scales;
   const int32_t* lengths;
   const int32_t* table;
+  const float *m0, *l0, *acc0;  // the online softmax's state [kv_heads, rows, group(, dim)] to go on from
+  int32_t begin;                // the tokens that state has read (a shared prefix's whole chunks)
   float* out;
   int64_t rows, heads, dim, kv_heads, pages, page_size, pages_per_seq;
   int32_t window;
@@ -81,16 +86,17 @@ void attend(const Call& c, int64_t row, int64_t kv_head) {
     std::fill(out, out + group * dim, 0.f);
     return;
   }
-  const int64_t start = std::max<int64_t>(length - c.window, 0);
+  const int64_t start = std::max<int64_t>(length - c.window, c.begin);
   const float* q = c.q + (row * c.heads + kv_head * group) * dim;
   alignas(64) float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup * kMaxDim], s[kMaxGroup * kMaxPage];
-  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + group, 0.f);
-  std::fill(acc, acc + group * dim, 0.f);
+  const int64_t state = (kv_head * c.rows + row) * group;
+  std::copy(c.m0 + state, c.m0 + state + group, m);
+  std::copy(c.l0 + state, c.l0 + state + group, l);
+  std::copy(c.acc0 + state * dim, c.acc0 + (state + group) * dim, acc);
   const T* keys = static_cast<const T*>(c.k);
   const T* values = static_cast<const T*>(c.v);
   const int64_t last_page = (length - 1) / page_size;
-  for (int64_t j = start / page_size; j <= last_page; ++j) {
+  for (int64_t j = start / page_size; j <= last_page && start < length; ++j) {
     const int64_t base = (kv_head * c.pages + c.table[row * c.pages_per_seq + j]) * page_size;
     if (j < last_page) {  // the next page's keys and values on their way while this one is read
       const int64_t next = (kv_head * c.pages + c.table[row * c.pages_per_seq + j + 1]) * page_size * dim;
@@ -165,8 +171,9 @@ struct Progress {
 
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> lengths,
-                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> window, float sm_scale,
-                       ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> m0,
+                       ffi::Buffer<ffi::F32> l0, ffi::Buffer<ffi::F32> acc0, ffi::Buffer<ffi::S32> begin,
+                       float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto td = table.dimensions();
@@ -177,9 +184,10 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     return ffi::Error::InvalidArgument("cpu paged decode: pages must be float32 or int8");
   Call c{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scales.untyped_data(), v_scales.untyped_data(),
          int8, k_scales.element_type() == ffi::DataType::BF16, lengths.typed_data(), table.typed_data(),
-         out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], window.typed_data()[0], sm_scale};
+         m0.typed_data(), l0.typed_data(), acc0.typed_data(), begin.typed_data()[0], out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], window.typed_data()[0], sm_scale};
   if (c.heads % c.kv_heads || c.heads / c.kv_heads > kMaxGroup || c.dim > kMaxDim || c.page_size > kMaxPage ||
-      kd[3] != c.dim || td[0] != c.rows)
+      kd[3] != c.dim || td[0] != c.rows || m0.element_count() != c.rows * c.heads ||
+      l0.element_count() != c.rows * c.heads || acc0.element_count() != c.rows * c.heads * c.dim)
     return ffi::Error::InvalidArgument("cpu paged decode: shapes out of range");
   const int64_t items = c.rows * c.kv_heads;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -224,5 +232,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HypertronCpuPagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // running max
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // running sum
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // running output
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tokens read before
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -64,12 +64,10 @@ from hypertron.kernels.ragged_attention import (
 )
 
 # ragged_paged_attention's reference, when block_q is not given: queries per block, and keys per
-# step of its loop over a block's pages. Measured on this project's CPU (bench/chunk_attention.py,
-# 512 queries after 1,024 tokens): 64 and 256 were fastest of 32-128 and 256-2,048 (larger steps
-# miss the cache).
-# A row whose queries fill larger blocks runs faster in them: 512 queries of one row after 1,536
-# cached tokens, 21.4 ms a layer in blocks of 64, 12.4 in blocks of 256, 12.8 in 512; 8 rows of 64
-# after 1,024, 16.1 ms in blocks of 64, 24.3 in 256 (2026-11-27): blocks follow the queries a row has.
+# step of its loop over a block's pages (bench/chunk_attention.py, 512 queries after 1,024 tokens:
+# 64 and 256 fastest of 32-128 and 256-2,048). Rows filling larger blocks run faster (2026-11-27):
+# 512 queries of one row after 1,536 cached, 21.4 ms a layer in blocks of 64, 12.4 in 256, 12.8 in
+# 512; 8 rows of 64 after 1,024, 16.1 ms in 64, 24.3 in 256: blocks follow the queries a row has.
 DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
@@ -82,17 +80,12 @@ EVERY_BLOCK_Q = 256
 EVERY_SHARED_TOKENS = 512
 # The decode batch (every row's last queries) reads its rows' own pages this many keys a step (a
 # row reads to the end of the step holding its last key), and a prefix they share this many a
-# product. The engine's decode step on the serving bench's model (4 layers, 8 / 4 heads x 32,
-# float32; 2026-11-29, this project's CPU, engines with 256, 128 and 64 stepped in turn in one
-# process, median of 40-80 steps; with V no longer masked, below): 16 rows of ~150 tokens 7.11 /
-# 6.47 / 6.48 ms, of ~1,000 tokens 15.58 / 13.18 / 14.42, 4 rows 3.40 / 3.33 / 3.12, 64 rows
-# 18.16 / 17.02 / 17.03. With V unmasked in all three, `bench/decode_chunks.py` finds the chunk
-# size itself within the runs' spread (docs/benchmarks.md): the gain was the mask's.
+# product (the C++ kernel, where it runs, reads the rows' own pages). Chunks of 256, 128, 64: within
+# the spread (2026-11-29, this project's CPU, `bench/decode_chunks.py`, docs/benchmarks.md).
 DECODE_CHUNK_TOKENS = 128
 DECODE_SHARED_TOKENS = 1024
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
-# group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
-# (2026-11-27: 64 decode rows of ~150 tokens, 8 / 4 heads x 32, one layer).
+# group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU (64 rows).
 MULTIPLY_MAX_QUERIES = 8
 
 
@@ -208,13 +201,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     fits = pallas_unfit(q.shape[-1], k_pages.shape[2], pages_per_block) is None
     # The rows' last queries by the decode kernel's own table where it has one for this platform:
-    # a decode-only step whole, else (the C++ kernel) the reference's batch of last queries.
+    # Pallas (a GPU) a decode-only step whole, the C++ kernel (a CPU) the reference's last queries.
     decode_backend = auto_backend(DECODE_AUTO_BACKEND, "reference") if backend == "auto" else None
-    decode_backend = "reference" if decode_backend == "pallas" and not fits else decode_backend
     decode_backend = native_or_reference(decode_backend, q.shape[1], k_pages) if decode_queries == 1 else None
-    if decode_only and decode_backend in ("pallas", "native"):
+    if decode_only and decode_backend == "pallas" and fits:
         return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
-                            v_scales=v_scales, sm_scale=sm_scale, window=window, backend=decode_backend,
+                            v_scales=v_scales, sm_scale=sm_scale, window=window,
                             pages_per_block=pages_per_block, interpret=interpret)
     backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, q.shape[-1],
                                     k_pages.shape[2])
@@ -231,14 +223,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
-    """A decode-only call through a decode kernel (``backend`` in ``kw``): each row's one query (a
-    row without one reads as length 0: zeros), scattered back to its token; padding tokens stay
-    zeros."""
+    """A decode-only call through the decode kernel: each row's one query (a row without one
+    reads as length 0: zeros), scattered back to its token; padding tokens stay zeros."""
     n = q.shape[0]
     has = query_start[1:] > query_start[:-1]
     last = jnp.where(has, query_start[1:] - 1, n)
     out = ragged_decode_attention(q[jnp.minimum(last, n - 1)], k_pages, v_pages,
-                                  jnp.where(has, kv_lens, 0), page_table, **kw)
+                                  jnp.where(has, kv_lens, 0), page_table, backend="auto", **kw)
     return jnp.zeros_like(q).at[last].set(out, mode="drop")
 
 
@@ -318,19 +309,22 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
 def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, native=None):
     """Every row's last ``last_q`` queries (a decode row's only one) in one batch over the rows:
     ``[rows * last_q, kv_heads, group, head_dim]`` float32 and their tokens (``n``: none, the
-    row has fewer). By :func:`_attend_pages` (a prefix the rows share read once), or with
-    ``native`` (``last_q`` 1; :func:`hypertron.kernels.cpu_decode.paged_decode` given all but the
-    queries and lengths) by the C++ kernel, each row over its own pages."""
+    row has fewer). By :func:`_attend_pages`, or with ``native`` (``last_q`` 1;
+    :func:`hypertron.kernels.cpu_decode.paged_decode` given all but the queries, lengths and state)
+    each row's own pages by the C++ kernel; a prefix the rows share is read once either way."""
     n, (rows,), (_, num_kv_heads, group, head_dim) = q.shape[0], kv_lens.shape, q_pad.shape
     n_r = query_start[1:] - query_start[:-1]
     idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
     own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
     idx_rq = jnp.where(own_rq, idx_rq, n)
-    if native is not None:
-        out = native(q[jnp.minimum(idx_rq[:, 0], n - 1)], lengths=jnp.where(own_rq[:, 0], kv_lens, 0))
-        return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
     pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
-    out = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm), table, shared=True)
+    c = chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm)
+    if native is not None:  # a shared prefix here, once for all rows; each row's own pages there
+        state, start = _shared_chunks(c, table)
+        out = native(q[jnp.minimum(idx_rq[:, 0], n - 1)], lengths=jnp.where(own_rq[:, 0], kv_lens, 0),
+                     state=state, begin=start * c.chunk_tokens)
+        return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
+    out = _attend_pages(c, table, shared=True)
     out = out.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
 
@@ -385,13 +379,19 @@ def _attend_pages(chunks: _Chunks, table_rp, *, shared: bool = False):
     one gather and one product of all the rows' queries a chunk (cascade attention), then each
     row's own chunks after them. Rows that share nothing cost one comparison of the tables."""
     carry, lo = chunks.init(), chunks.lo
-    if shared:  # a row is live by any real query (a verify row's first places may be padding), from its first
-        live = jnp.any(chunks.pos >= 0, axis=1)
-        first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
-        tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
-        carry, start = chunks.shared(carry, table_rp[first], tokens, max(1, DECODE_SHARED_TOKENS // chunks.chunk_tokens))
+    if shared:
+        carry, start = _shared_chunks(chunks, table_rp)
         lo = jnp.maximum(lo, start)
     return chunks.result(chunks.own(carry, table_rp, lo))
+
+
+def _shared_chunks(chunks: _Chunks, table_rp):
+    """The online softmax's state after the whole chunks every live row's table holds alike from its
+    start (:func:`shared_prefix`), read once for all the rows, and the chunk after them."""
+    live = jnp.any(chunks.pos >= 0, axis=1)  # by any real query (a verify row's first places may be padding)
+    first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
+    tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
+    return chunks.shared(chunks.init(), table_rp[first], tokens, max(1, DECODE_SHARED_TOKENS // chunks.chunk_tokens))
 
 
 class _Chunks:
