@@ -30,15 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode_chunks  # noqa: E402
 
-import hypertron.serve.engine as engine_module  # noqa: E402
-from hypertron.config import EngineConfig, SchedulerConfig  # noqa: E402
 from hypertron.kernels import cpu_decode  # noqa: E402
 from hypertron.kernels import ragged_attention as ra  # noqa: E402
+from hypertron.kernels import ragged_paged_attention as rpa  # noqa: E402
 from hypertron.kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from hypertron.models import init_params  # noqa: E402
 from hypertron.padding import next_pow2  # noqa: E402
-from hypertron.serve.scheduler import Request, Scheduler  # noqa: E402
-from hypertron.serve.types import SamplingParams  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, POOL = 8, 4, 32, 16, 4096  # POOL: at least, in pages a KV head
 
@@ -59,24 +56,13 @@ def call_case(rows: int, context: int, shared: bool = False):
 
 
 def engine_case(params, rows: int, context: int, backend: str):
-    """``(engine, scheduler)`` with ``rows`` sequences decoding, compiled with the CPU's decode
-    backend ``backend``."""
+    """``bench/decode_chunks.py``'s ``(engine, scheduler)`` with ``rows`` sequences decoding,
+    compiled with the CPU's decode backend ``backend``."""
     saved, ra.AUTO_BACKEND["cpu"] = ra.AUTO_BACKEND["cpu"], backend
-    jax.clear_caches()
-    engine_module._shared.clear()  # programs compiled for the other backend must not be reused
-    try:
-        model = decode_chunks.MODEL
-        engine = engine_module.PagedEngine(params, model, EngineConfig(max_slots=max(rows, 2), compile="lazy"))
-        sched = Scheduler(engine, SchedulerConfig(max_num_batched_tokens=max(4096, rows * (context + 1))))
-        rng = np.random.default_rng(0)
-        greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=100_000, ignore_eos=True)
-        for i in range(rows):
-            sched.add(Request(i, rng.integers(3, model.vocab_size, context).tolist(), greedy))
-        for _ in range(12):  # the prompts, then decode steps: every program compiled here
-            decode_chunks.step(engine, sched)
+    try:  # decoding() clears the compiled programs and compiles every one it needs
+        return decode_chunks.decoding(params, rows, context, rpa.DECODE_CHUNK_TOKENS)
     finally:
         ra.AUTO_BACKEND["cpu"] = saved
-    return engine, sched
 
 
 def main(argv: list[str] | None = None) -> int:
