@@ -485,7 +485,7 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     """Rows whose tables start with the same pages (a prefix the prefix cache shares), decode rows
     and a chunk's last query among them, one row empty: with chunks of one page the reference reads
     the three shared pages once for all rows (two, then one), and equals dense attention, with and
-    without a window."""
+    without a window; so does the C++ kernel going on from that read (``native_last``, a CPU's)."""
     mix = [(60, 1), (49, 1), (80, 1), (0, 0), (52, 4)]
     args, (q, k, v) = _paged_case(7, 2, page_dtype, mix)
     _share_three_pages(args, k, v, mix)
@@ -495,8 +495,9 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     monkeypatch.setattr(rpa, "DECODE_CHUNK_TOKENS", S)  # whole chunks of the shared prefix: 3,
     monkeypatch.setattr(rpa, "DECODE_SHARED_TOKENS", 2 * S)  # one read two at a time, then one alone
     for window in (None, WINDOW):
-        got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8)
-        _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)
+        for native_last in [False] + [True] * (cpu_decode.unavailable() is None):
+            got = rpa.ragged_paged_attention_reference(**args, window=window, block_q=8, native_last=native_last)
+            _assert_close(got, _dense_ragged(q, k, v, mix, window), 1e-5)
 
 
 def test_prompt_rows_sharing_a_prefix_read_it_once_in_blocks_across_rows_and_get_dense_attention(monkeypatch):

@@ -90,11 +90,10 @@ MULTIPLY_MAX_QUERIES = 8
 
 
 def reference_block_q(queries_per_row: int | None) -> int:
-    """The reference's queries per block for rows of about ``queries_per_row`` queries: the
-    power of two that holds all but the row's last (which goes with the decode rows). Rows of
-    65 queries (a 64-token chunk and its BOS, the HTTP bench's) fill blocks of 64, not half of
-    128: 7 such rows after a shared 1,024, one layer, 8.0 against 9.8 ms (2026-11-27, this
-    project's CPU, ``bench/chunk_attention.py --shared --block-q 64 128``)."""
+    """The reference's queries per block for rows of about ``queries_per_row`` queries: the power
+    of two that holds all but the row's last (it goes with the decode rows). Rows of 65 queries fill
+    blocks of 64, not half of 128: 7 such rows after a shared 1,024, one layer, 8.0 against 9.8 ms
+    (2026-11-27, this project's CPU, ``bench/chunk_attention.py --shared --block-q 64 128``)."""
     if queries_per_row is None:
         return DEFAULT_BLOCK_Q
     blocked = max(queries_per_row - 1, 1)
@@ -103,13 +102,10 @@ def reference_block_q(queries_per_row: int | None) -> int:
 
 def block_chunk_tokens(block_q: int) -> int:
     """Keys a block of ``block_q`` queries of one row reads a step, from its row's pages: twice its
-    queries, at most :data:`REFERENCE_CHUNK_TOKENS`. Blocks
-    of 64 queries reading 128 keys a step, not 256 (2026-11-27, this project's CPU, one layer at the
-    serving bench's heads, the two interleaved, fastest of 25 each): 7 new prompts of 65 tokens 1.7
-    against 2.6 ms, 15 rows of 33 after a shared 1,024 13.7 against 16.6, 7 of 65 after it 11.4
-    against 12.0, 8 rows of 64 after 1,024 of their own 13.9 against 13.7; an engine step of 7
-    new prompts 24.2 against 28.5 ms. One row of 512 queries (blocks of 256) ran about 10 % slower
-    reading 128, so larger blocks keep 256."""
+    queries, at most :data:`REFERENCE_CHUNK_TOKENS`. Blocks of 64 reading 128, not 256 (2026-11-27,
+    this project's CPU, one layer, fastest of 25): 7 new prompts of 65 tokens 1.7 against 2.6 ms,
+    7 of 65 after a shared 1,024 11.4 against 12.0; an engine step of 7 new prompts 24.2 against
+    28.5 ms. One row of 512 queries (blocks of 256) ran 10 % slower reading 128: larger blocks keep 256."""
     return min(REFERENCE_CHUNK_TOKENS, 2 * block_q)
 
 
@@ -223,8 +219,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
-    """A decode-only call through the decode kernel: each row's one query (a row without one
-    reads as length 0: zeros), scattered back to its token; padding tokens stay zeros."""
+    """A decode-only call through the decode kernel: each row's one query (a row without one: zeros)."""
     n = q.shape[0]
     has = query_start[1:] > query_start[:-1]
     last = jnp.where(has, query_start[1:] - 1, n)
@@ -274,7 +269,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
         window=jnp.asarray(capacity if window is None else window, jnp.int32), k_scales=k_scales,
         v_scales=v_scales, sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
     out_last, last_r = _last_queries(q, q_pad, kv_lens, table, query_start, functools.partial(chunks, ppc=ppc),
-                                     rows_m, decode_queries, native)
+                                     rows_m, decode_queries, page_size, native)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
         return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
@@ -306,25 +301,30 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
 
 
-def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, native=None):
+def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, page_size: int, native=None):
     """Every row's last ``last_q`` queries (a decode row's only one) in one batch over the rows:
-    ``[rows * last_q, kv_heads, group, head_dim]`` float32 and their tokens (``n``: none, the
-    row has fewer). By :func:`_attend_pages`, or with ``native`` (``last_q`` 1;
-    :func:`hypertron.kernels.cpu_decode.paged_decode` given all but the queries, lengths and state)
-    each row's own pages by the C++ kernel; a prefix the rows share is read once either way."""
+    ``[rows * last_q, kv_heads, group, head_dim]`` float32 and their tokens (``n``: none). By
+    :func:`_attend_pages`, or with ``native`` (``last_q`` 1; ``cpu_decode.paged_decode`` but for the
+    queries, lengths and state) each row's own pages by the C++ kernel; a shared prefix is read once."""
     n, (rows,), (_, num_kv_heads, group, head_dim) = q.shape[0], kv_lens.shape, q_pad.shape
     n_r = query_start[1:] - query_start[:-1]
     idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
     own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
     idx_rq = jnp.where(own_rq, idx_rq, n)
     pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
-    c = chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm)
-    if native is not None:  # a shared prefix here, once for all rows; each row's own pages there
+
+    def cascade():  # the kernel from a shared prefix's state, read here once for all rows
+        c = chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm)
         state, start = _shared_chunks(c, table)
-        out = native(q[jnp.minimum(idx_rq[:, 0], n - 1)], lengths=jnp.where(own_rq[:, 0], kv_lens, 0),
-                     state=state, begin=start * c.chunk_tokens)
+        return native(q_r, lengths=lens_r, state=state, begin=start * c.chunk_tokens)
+
+    if native is not None:  # the JAX side only where the rows share a chunk's worth of pages
+        q_r, lens_r = q[jnp.minimum(idx_rq[:, 0], n - 1)], jnp.where(own_rq[:, 0], kv_lens, 0)
+        chunk = max(1, DECODE_CHUNK_TOKENS // page_size) * page_size
+        out = lax.cond(shared_prefix(table, own_rq[:, 0], kv_lens - 1, page_size)[0] >= chunk, cascade,
+                       lambda: native(q_r, lengths=lens_r))
         return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
-    out = _attend_pages(c, table, shared=True)
+    out = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm), table, shared=True)
     out = out.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
 
