@@ -318,11 +318,11 @@ def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q:
         state, start = _shared_chunks(c, table)
         return native(q_r, lengths=lens_r, state=state, begin=start * c.chunk_tokens)
 
-    if native is not None:  # the JAX side only where the rows share a chunk's worth of pages
+    if native is not None:  # the JAX side only where rows (two or more) share a chunk's worth of pages
         q_r, lens_r = q[jnp.minimum(idx_rq[:, 0], n - 1)], jnp.where(own_rq[:, 0], kv_lens, 0)
         chunk = max(1, DECODE_CHUNK_TOKENS // page_size) * page_size
-        out = lax.cond(shared_prefix(table, own_rq[:, 0], kv_lens - 1, page_size)[0] >= chunk, cascade,
-                       lambda: native(q_r, lengths=lens_r))
+        sharing = (shared_prefix(table, own_rq[:, 0], kv_lens - 1, page_size)[0] >= chunk) & (jnp.sum(own_rq) > 1)
+        out = lax.cond(sharing, cascade, lambda: native(q_r, lengths=lens_r))
         return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
     out = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm), table, shared=True)
     out = out.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
