@@ -485,7 +485,7 @@ def test_rows_sharing_a_prefix_read_it_once_and_get_dense_attention(page_dtype, 
     """Rows whose tables start with the same pages (a prefix the prefix cache shares), decode rows
     and a chunk's last query among them, one row empty: with chunks of one page the reference reads
     the three shared pages once for all rows (two, then one), and equals dense attention, with and
-    without a window; so does the C++ kernel going on from that read (``native_last``, a CPU's)."""
+    without a window; so does the C++ kernel (``native_last``, a CPU's), which reads them once itself."""
     mix = [(60, 1), (49, 1), (80, 1), (0, 0), (52, 4)]
     args, (q, k, v) = _paged_case(7, 2, page_dtype, mix)
     _share_three_pages(args, k, v, mix)

@@ -8,9 +8,9 @@
 // pages, page_size, head_dim] float32 or int8; int8 pages' scales [kv_heads, pages, page_size]
 // float32 or bfloat16 (anything otherwise); lengths [rows] int32 (0: zeros out); table [rows,
 // pages_per_seq] int32; window [] int32: a row attends to its positions [length - window, length).
-// It goes on from an online softmax's state (running max, sum and output, [kv_heads, rows, group(,
-// head_dim)] float32) that has read each row's first `begin` tokens (a prefix the rows share,
-// read once for all of them; -inf, 0, 0 and begin 0 for none).
+// Where two or more rows' tables start with the same pages (a prefix the prefix cache shares) and
+// no row's window cuts into it, those pages are read once for all the rows first (cascade
+// attention: each kv head's keys against every row's queries), and each row goes on from there.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -30,6 +31,7 @@ namespace {
 constexpr int64_t kMaxGroup = 16;    // query heads a kv head
 constexpr int64_t kMaxDim = 256;     // head_dim
 constexpr int64_t kMaxPage = 64;     // page_size
+constexpr int64_t kLanes = 16;       // queries a block of the shared pages' products (one AVX-512 register)
 
 struct Call {
   const float* q;
@@ -40,8 +42,8 @@ struct Call {
   bool int8, bf16_scales;
   const int32_t* lengths;
   const int32_t* table;
-  const float *m0, *l0, *acc0;  // the online softmax's state [kv_heads, rows, group(, dim)] to go on from
-  int32_t begin;                // the tokens that state has read (a shared prefix's whole chunks)
+  float *m0, *l0, *acc0;  // the shared pages' online softmax state [kv_heads, rows, group(, dim)]
+  int64_t shared;         // tokens of those pages (0: none)
   float* out;
   int64_t rows, heads, dim, kv_heads, pages, page_size, pages_per_seq;
   int32_t window;
@@ -86,13 +88,19 @@ void attend(const Call& c, int64_t row, int64_t kv_head) {
     std::fill(out, out + group * dim, 0.f);
     return;
   }
-  const int64_t start = std::max<int64_t>(length - c.window, c.begin);
+  const int64_t start = std::max<int64_t>(length - c.window, c.shared);
   const float* q = c.q + (row * c.heads + kv_head * group) * dim;
   alignas(64) float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup * kMaxDim], s[kMaxGroup * kMaxPage];
-  const int64_t state = (kv_head * c.rows + row) * group;
-  std::copy(c.m0 + state, c.m0 + state + group, m);
-  std::copy(c.l0 + state, c.l0 + state + group, l);
-  std::copy(c.acc0 + state * dim, c.acc0 + (state + group) * dim, acc);
+  if (c.shared) {  // the shared pages' state
+    const int64_t state = (kv_head * c.rows + row) * group;
+    std::copy(c.m0 + state, c.m0 + state + group, m);
+    std::copy(c.l0 + state, c.l0 + state + group, l);
+    std::copy(c.acc0 + state * dim, c.acc0 + (state + group) * dim, acc);
+  } else {
+    std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + group, 0.f);
+    std::fill(acc, acc + group * dim, 0.f);
+  }
   const T* keys = static_cast<const T*>(c.k);
   const T* values = static_cast<const T*>(c.v);
   const int64_t last_page = (length - 1) / page_size;
@@ -151,6 +159,86 @@ void attend(const Call& c, int64_t row, int64_t kv_head) {
   }
 }
 
+// The first c.shared / page_size pages of row live[0], which every row in live holds alike and has
+// filled, for one kv head: each key read once against every live row's queries, the products
+// vectorised over the queries (a key's score for all of them at once, no sums across lanes); the
+// online softmax's state goes to c.m0, c.l0, c.acc0.
+template <typename T>
+void shared_pages(const Call& c, const std::vector<int64_t>& live, int64_t kv_head) {
+  const int64_t group = c.heads / c.kv_heads, dim = c.dim, page_size = c.page_size;
+  const int64_t nq = static_cast<int64_t>(live.size()) * group;
+  std::vector<float> m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f), top(nq), alpha(nq);
+  const int64_t nb = (nq + kLanes - 1) / kLanes;  // blocks of kLanes queries (the last padded with zeros)
+  std::vector<float> acc(nq * dim, 0.f), s(page_size * nb * kLanes), qt(nb * dim * kLanes, 0.f);
+  for (int64_t i = 0; i < nq; ++i) {  // s [token][query], qt [block][d][lane]
+    const float* qi = c.q + (live[i / group] * c.heads + kv_head * group + i % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) qt[((i / kLanes) * dim + d) * kLanes + i % kLanes] = qi[d];
+  }
+  const T* keys = static_cast<const T*>(c.k);
+  const T* values = static_cast<const T*>(c.v);
+  for (int64_t j = 0; j < c.shared / page_size; ++j) {
+    const int64_t base = (kv_head * c.pages + c.table[live[0] * c.pages_per_seq + j]) * page_size;
+    for (int64_t t = 0; t < page_size; ++t) {
+      const T* k = keys + (base + t) * dim;
+      float* st = s.data() + t * nb * kLanes;
+      const float scale = c.sm_scale * c.scale(c.k_scales, base + t);
+      for (int64_t b = 0; b < nb; ++b) {  // a block's scores in one register through the key's dims
+        float sum[kLanes] = {};
+        const float* qb = qt.data() + b * dim * kLanes;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float kd = static_cast<float>(k[d]);
+#pragma omp simd
+          for (int64_t i = 0; i < kLanes; ++i) sum[i] += qb[d * kLanes + i] * kd;
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < kLanes; ++i) st[b * kLanes + i] = sum[i] * scale;
+      }
+    }
+    std::copy(m.begin(), m.end(), top.begin());
+    for (int64_t t = 0; t < page_size; ++t) {
+      const float* st = s.data() + t * nb * kLanes;
+#pragma omp simd
+      for (int64_t i = 0; i < nq; ++i) top[i] = std::max(top[i], st[i]);
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < nq; ++i) {
+      alpha[i] = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(m[i] - top[i]);
+      l[i] *= alpha[i];
+      m[i] = top[i];
+    }
+    for (int64_t t = 0; t < page_size; ++t) {
+      float* st = s.data() + t * nb * kLanes;
+#pragma omp simd
+      for (int64_t i = 0; i < nq; ++i) {
+        st[i] = exp_nonpositive(st[i] - top[i]);
+        l[i] += st[i];
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      float* ai = acc.data() + i * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ai[d] *= alpha[i];
+    }
+    for (int64_t t = 0; t < page_size; ++t) {
+      const T* v = values + (base + t) * dim;
+      const float scale = c.scale(c.v_scales, base + t);
+      const float* st = s.data() + t * nb * kLanes;
+      for (int64_t i = 0; i < nq; ++i) {
+        const float p = st[i] * scale;
+        float* ai = acc.data() + i * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ai[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t state = (kv_head * c.rows + live[i / group]) * group + i % group;
+    c.m0[state] = m[i];
+    c.l0[state] = l[i];
+    std::copy_n(acc.data() + i * dim, dim, c.acc0 + state * dim);
+  }
+}
+
 void run(const Call& c, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
     if (c.int8) {
@@ -161,6 +249,28 @@ void run(const Call& c, int64_t lo, int64_t hi) {
   }
 }
 
+// Tokens of whole pages every live row's table starts with alike and every live row has filled,
+// when two or more rows are live and no row's window starts after 0 (else 0); `live` the live rows.
+int64_t shared_tokens(const Call& c, std::vector<int64_t>& live) {
+  int64_t filled = std::numeric_limits<int64_t>::max();
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const int64_t length = std::min<int64_t>(std::max<int32_t>(c.lengths[r], 0), c.pages_per_seq * c.page_size);
+    if (length == 0) continue;
+    if (length > c.window) return 0;
+    live.push_back(r);
+    filled = std::min(filled, length);
+  }
+  if (live.size() < 2) return 0;
+  int64_t pages = 0;
+  for (; pages < filled / c.page_size; ++pages) {
+    const int32_t page = c.table[live[0] * c.pages_per_seq + pages];
+    bool same = true;
+    for (int64_t r : live) same &= c.table[r * c.pages_per_seq + pages] == page;
+    if (!same) break;
+  }
+  return pages * c.page_size;
+}
+
 // Items handed out in grains from one counter: the calling thread takes its share too, so the
 // call finishes even when the pool's other threads are busy; it waits only for grains already taken.
 struct Progress {
@@ -169,11 +279,41 @@ struct Progress {
   std::condition_variable cv;
 };
 
+// f(lo, hi) over [0, items) in grains shared out over XLA's pool, the calling thread taking its share.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t items, F f) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t grain = std::max<int64_t>(1, items / (4 * threads));
+  if (threads == 1 || items <= grain) {
+    f(0, items);
+    return;
+  }
+  auto progress = std::make_shared<Progress>();
+  auto work = [f, progress, items, grain]() {
+    int64_t mine = 0;
+    for (int64_t lo; (lo = progress->next.fetch_add(grain)) < items;) {
+      const int64_t hi = std::min(lo + grain, items);
+      f(lo, hi);
+      mine += hi - lo;
+    }
+    if (mine && progress->done.fetch_add(mine) + mine == items) {
+      std::lock_guard<std::mutex> lock(progress->mu);
+      progress->cv.notify_all();
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, items); ++t) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  std::unique_lock<std::mutex> lock(progress->mu);
+  progress->cv.wait(lock, [&] { return progress->done.load() == items; });
+}
+
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> lengths,
-                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> m0,
-                       ffi::Buffer<ffi::F32> l0, ffi::Buffer<ffi::F32> acc0, ffi::Buffer<ffi::S32> begin,
-                       float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> window, float sm_scale,
+                       ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto td = table.dimensions();
@@ -184,38 +324,22 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     return ffi::Error::InvalidArgument("cpu paged decode: pages must be float32 or int8");
   Call c{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scales.untyped_data(), v_scales.untyped_data(),
          int8, k_scales.element_type() == ffi::DataType::BF16, lengths.typed_data(), table.typed_data(),
-         m0.typed_data(), l0.typed_data(), acc0.typed_data(), begin.typed_data()[0], out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], window.typed_data()[0], sm_scale};
+         nullptr, nullptr, nullptr, 0, out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1],
+         window.typed_data()[0], sm_scale};
   if (c.heads % c.kv_heads || c.heads / c.kv_heads > kMaxGroup || c.dim > kMaxDim || c.page_size > kMaxPage ||
-      kd[3] != c.dim || td[0] != c.rows || m0.element_count() != c.rows * c.heads ||
-      l0.element_count() != c.rows * c.heads || acc0.element_count() != c.rows * c.heads * c.dim)
+      kd[3] != c.dim || td[0] != c.rows)
     return ffi::Error::InvalidArgument("cpu paged decode: shapes out of range");
-  const int64_t items = c.rows * c.kv_heads;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t grain = std::max<int64_t>(1, items / (4 * threads));
-  if (threads == 1 || items <= grain) {
-    run(c, 0, items);
-    return ffi::Error::Success();
+  std::vector<int64_t> live;
+  std::vector<float> state;
+  if ((c.shared = shared_tokens(c, live))) {  // read once for all the rows, a kv head an item
+    const int64_t n = c.kv_heads * c.rows * (c.heads / c.kv_heads);
+    state.resize(n * (2 + c.dim));
+    c.m0 = state.data(), c.l0 = c.m0 + n, c.acc0 = c.l0 + n;
+    parallel_for(pool, c.kv_heads, [&c, &live](int64_t lo, int64_t hi) {
+      for (int64_t h = lo; h < hi; ++h) c.int8 ? shared_pages<int8_t>(c, live, h) : shared_pages<float>(c, live, h);
+    });
   }
-  auto progress = std::make_shared<Progress>();
-  auto work = [c, progress, items, grain]() {
-    int64_t mine = 0;
-    for (int64_t lo; (lo = progress->next.fetch_add(grain)) < items;) {
-      const int64_t hi = std::min(lo + grain, items);
-      run(c, lo, hi);
-      mine += hi - lo;
-    }
-    if (mine && progress->done.fetch_add(mine) + mine == items) {
-      std::lock_guard<std::mutex> lock(progress->mu);
-      progress->cv.notify_all();
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  std::unique_lock<std::mutex> lock(progress->mu);
-  progress->cv.wait(lock, [&] { return progress->done.load() == items; });
+  parallel_for(pool, c.rows * c.kv_heads, [c](int64_t lo, int64_t hi) { run(c, lo, hi); });
   return ffi::Error::Success();
 }
 
@@ -232,9 +356,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HypertronCpuPagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // running max
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // running sum
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // running output
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tokens read before
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

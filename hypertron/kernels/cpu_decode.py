@@ -6,7 +6,9 @@ Why hand-written: XLA's CPU backend has no paged attention, and the JAX referenc
 chunk of a row's pages into a copy, then runs the scores, the softmax and the values as separate
 one-threaded loops inside a ``while`` loop. The kernel reads each page once from the pool, keeps
 the online softmax in registers and shares (row, KV head) items out over XLA's own intra-op thread
-pool (``xla::ffi::ThreadPool``), as vLLM's CPU backend does its attention in C++. Measured against
+pool (``xla::ffi::ThreadPool``), as vLLM's CPU backend does its attention in C++. Pages that two
+or more rows' tables start with alike (the prefix cache's) are read once for all of them first, a
+KV head an item, their products vectorised over the rows' queries (cascade attention). Measured against
 the reference in docs/benchmarks.md ("A C++ decode attention on the CPU").
 
 It is built on first use with the machine's C++ compiler (``$CXX``, else ``c++`` or ``g++``;
@@ -117,23 +119,14 @@ def fits(num_heads: int, head_dim: int, k_pages: jax.Array) -> bool:
 
 def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                  page_indices: jax.Array, window: jax.Array, *, k_scales: jax.Array | None = None,
-                 v_scales: jax.Array | None = None, sm_scale: float, state=None, begin=0) -> jax.Array:
+                 v_scales: jax.Array | None = None, sm_scale: float) -> jax.Array:
     """:func:`~hypertron.kernels.ragged_attention.ragged_decode_attention`'s contract (``window``
     an int32 scalar, the capacity for none) by the C++ kernel; ``[batch, num_heads, head_dim]`` in
-    ``q.dtype``. Call only where :func:`fits`.
-
-    ``state``: an online softmax's ``(running max, sum, output)``, ``[kv_heads, batch, group]``
-    and ``[kv_heads, batch, group, head_dim]`` float32, that has read every row's first ``begin``
-    tokens (an int32 scalar: a prefix the rows share, read once for all of them by the caller);
-    the kernel goes on from there. None: nothing read."""
-    batch, num_heads, head_dim = q.shape
-    if state is None:
-        shape = (k_pages.shape[0], batch, num_heads // k_pages.shape[0])
-        state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    ``q.dtype``. Call only where :func:`fits`. Pages that two or more rows' tables start with
+    alike (a shared prefix, no window cutting into it) are read once for all of them."""
     none = jnp.zeros((1,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     out = call(q.astype(jnp.float32), k_pages, v_pages, none if k_scales is None else k_scales,
                none if v_scales is None else v_scales, lengths.astype(jnp.int32), page_indices.astype(jnp.int32),
-               jnp.asarray(window, jnp.int32), *(x.astype(jnp.float32) for x in state),
-               jnp.asarray(begin, jnp.int32), sm_scale=np.float32(sm_scale))
+               jnp.asarray(window, jnp.int32), sm_scale=np.float32(sm_scale))
     return out.astype(q.dtype)

@@ -197,12 +197,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     fits = pallas_unfit(q.shape[-1], k_pages.shape[2], pages_per_block) is None
     # The rows' last queries by the decode kernel's own table where it has one for this platform:
-    # Pallas (a GPU) a decode-only step whole, the C++ kernel (a CPU) the reference's last queries.
+    # a decode-only step whole, else (the C++ kernel, a CPU) the reference's batch of last queries.
     decode_backend = auto_backend(DECODE_AUTO_BACKEND, "reference") if backend == "auto" else None
     decode_backend = native_or_reference(decode_backend, q.shape[1], k_pages) if decode_queries == 1 else None
-    if decode_only and decode_backend == "pallas" and fits:
+    if decode_only and (decode_backend == "native" or decode_backend == "pallas" and fits):
         return _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, k_scales=k_scales,
-                            v_scales=v_scales, sm_scale=sm_scale, window=window,
+                            v_scales=v_scales, sm_scale=sm_scale, window=window, backend=decode_backend,
                             pages_per_block=pages_per_block, interpret=interpret)
     backend, interpret = check_call(backend, window, pages_per_block, interpret, AUTO_BACKEND, q.shape[-1],
                                     k_pages.shape[2])
@@ -224,7 +224,7 @@ def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) ->
     has = query_start[1:] > query_start[:-1]
     last = jnp.where(has, query_start[1:] - 1, n)
     out = ragged_decode_attention(q[jnp.minimum(last, n - 1)], k_pages, v_pages,
-                                  jnp.where(has, kv_lens, 0), page_table, backend="auto", **kw)
+                                  jnp.where(has, kv_lens, 0), page_table, **kw)
     return jnp.zeros_like(q).at[last].set(out, mode="drop")
 
 
@@ -269,7 +269,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
         window=jnp.asarray(capacity if window is None else window, jnp.int32), k_scales=k_scales,
         v_scales=v_scales, sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
     out_last, last_r = _last_queries(q, q_pad, kv_lens, table, query_start, functools.partial(chunks, ppc=ppc),
-                                     rows_m, decode_queries, page_size, native)
+                                     rows_m, decode_queries, native)
     if decode_only:
         out = jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32)
         return out.at[last_r].set(out_last, mode="drop").reshape(q.shape).astype(q.dtype)
@@ -301,29 +301,20 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
 
 
-def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, page_size: int, native=None):
+def _last_queries(q, q_pad, kv_lens, table, query_start, chunks, rows_m, last_q: int, native=None):
     """Every row's last ``last_q`` queries (a decode row's only one) in one batch over the rows:
     ``[rows * last_q, kv_heads, group, head_dim]`` float32 and their tokens (``n``: none). By
     :func:`_attend_pages`, or with ``native`` (``last_q`` 1; ``cpu_decode.paged_decode`` but for the
-    queries, lengths and state) each row's own pages by the C++ kernel; a shared prefix is read once."""
+    queries and lengths) by the C++ kernel; a prefix the rows share is read once either way."""
     n, (rows,), (_, num_kv_heads, group, head_dim) = q.shape[0], kv_lens.shape, q_pad.shape
     n_r = query_start[1:] - query_start[:-1]
     idx_rq = query_start[1:, None] - last_q + jnp.arange(last_q, dtype=jnp.int32)
     own_rq = (idx_rq >= query_start[:-1, None]) & (n_r[:, None] > 0)
     idx_rq = jnp.where(own_rq, idx_rq, n)
-    pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
-
-    def cascade():  # the kernel from a shared prefix's state, read here once for all rows
-        c = chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm)
-        state, start = _shared_chunks(c, table)
-        return native(q_r, lengths=lens_r, state=state, begin=start * c.chunk_tokens)
-
-    if native is not None:  # the JAX side only where rows (two or more) share a chunk's worth of pages
-        q_r, lens_r = q[jnp.minimum(idx_rq[:, 0], n - 1)], jnp.where(own_rq[:, 0], kv_lens, 0)
-        chunk = max(1, DECODE_CHUNK_TOKENS // page_size) * page_size
-        sharing = (shared_prefix(table, own_rq[:, 0], kv_lens - 1, page_size)[0] >= chunk) & (jnp.sum(own_rq) > 1)
-        out = lax.cond(sharing, cascade, lambda: native(q_r, lengths=lens_r))
+    if native is not None:
+        out = native(q[jnp.minimum(idx_rq[:, 0], n - 1)], lengths=jnp.where(own_rq[:, 0], kv_lens, 0))
         return out.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim), idx_rq[:, 0]
+    pos_rm = jnp.repeat(jnp.where(own_rq, kv_lens[:, None] - (query_start[1:, None] - idx_rq), -1), group, axis=1)
     out = _attend_pages(chunks(jax.vmap(rows_m)(q_pad[idx_rq]), pos_rm), table, shared=True)
     out = out.reshape(rows, num_kv_heads, last_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(-1, num_kv_heads, group, head_dim), idx_rq.reshape(-1)
@@ -379,19 +370,13 @@ def _attend_pages(chunks: _Chunks, table_rp, *, shared: bool = False):
     one gather and one product of all the rows' queries a chunk (cascade attention), then each
     row's own chunks after them. Rows that share nothing cost one comparison of the tables."""
     carry, lo = chunks.init(), chunks.lo
-    if shared:
-        carry, start = _shared_chunks(chunks, table_rp)
+    if shared:  # a row is live by any real query (a verify row's first places may be padding), from its first
+        live = jnp.any(chunks.pos >= 0, axis=1)
+        first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
+        tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
+        carry, start = chunks.shared(carry, table_rp[first], tokens, max(1, DECODE_SHARED_TOKENS // chunks.chunk_tokens))
         lo = jnp.maximum(lo, start)
     return chunks.result(chunks.own(carry, table_rp, lo))
-
-
-def _shared_chunks(chunks: _Chunks, table_rp):
-    """The online softmax's state after the whole chunks every live row's table holds alike from its
-    start (:func:`shared_prefix`), read once for all the rows, and the chunk after them."""
-    live = jnp.any(chunks.pos >= 0, axis=1)  # by any real query (a verify row's first places may be padding)
-    first_pos = jnp.min(jnp.where(chunks.pos >= 0, chunks.pos, 2 ** 30), axis=1)
-    tokens, first = shared_prefix(table_rp, live, first_pos, chunks.page_size)
-    return chunks.shared(chunks.init(), table_rp[first], tokens, max(1, DECODE_SHARED_TOKENS // chunks.chunk_tokens))
 
 
 class _Chunks:
