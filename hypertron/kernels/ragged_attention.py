@@ -83,7 +83,7 @@ DEFAULT_BLOCK_TOKENS = 128
 MIN_GROUP_ROWS = 16
 
 # CPU: the C++ kernel (hypertron.kernels.cpu_decode; the reference where it cannot be built or
-# take the shapes), measured 1.5-6x faster than the reference (docs/benchmarks.md, "A C++ decode
+# take the shapes), measured 1.5-8x faster than the reference (docs/benchmarks.md, "A C++ decode
 # attention on the CPU"); Pallas's interpret mode runs op by op, for correctness only. TPU: the
 # Pallas kernel is written for Triton, not Mosaic TPU. GPU: the Pallas kernel, measured 3.6x faster
 # than the reference (2026-11-25, one H100, JAX 0.11.2: 64 sequences of 4k-8k tokens, bf16 pages,
