@@ -9,7 +9,8 @@ pages). The call: ``rows`` decode rows of about ``context`` tokens (±10, random
 of its own spread through a pool of at least 4,096 pages a KV head (the page table a power of two wide), as
 ``ragged_paged_attention(decode_only=True)`` with ``backend="reference"`` and ``"auto"`` (the
 kernel), jitted, taking turns, the median of ``--repeats`` synced calls; their largest difference
-too (``--shared``: the rows share all but their last 64 tokens' pages, a prefix cache's). The step: ``bench/decode_chunks.py``'s engines (4 layers, hidden 256, MLP 768, vocabulary
+too (``--shared``: the rows share all but their last 64 tokens' pages, a prefix cache's). The
+step: ``bench/decode_chunks.py``'s engines (4 layers, hidden 256, MLP 768, vocabulary
 2,048) holding ``rows`` sequences of ``context`` prompt tokens, decoding greedily, one compiled
 with ``AUTO_BACKEND["cpu"] = "reference"`` and one with the kernel, a step each in turn, the
 median of ``--steps`` after 12 warm-up steps (scheduling and the host's side included).
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                     times[b].append(time.perf_counter() - t)
             ref, nat = (np.median(times[b]) * 1e3 for b in ("reference", "auto"))
             diff = float(jnp.max(jnp.abs(outs["reference"] - outs["auto"])))
-            print(f"call rows={rows} context={context}{' shared' if args.shared else ''}: reference {ref:.3f} ms, kernel {nat:.3f} ms "
+            shared = " shared" if args.shared else ""
+            print(f"call rows={rows} context={context}{shared}: reference {ref:.3f} ms, kernel {nat:.3f} ms "
                   f"({ref / nat:.2f}x), largest difference {diff:.1e}")
     if args.no_engine:
         return 0

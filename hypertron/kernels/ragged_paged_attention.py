@@ -64,10 +64,12 @@ from hypertron.kernels.ragged_attention import (
 )
 
 # ragged_paged_attention's reference, when block_q is not given: queries per block, and keys per
-# step of its loop over a block's pages (bench/chunk_attention.py, 512 queries after 1,024 tokens:
-# 64 and 256 fastest of 32-128 and 256-2,048). Rows filling larger blocks run faster (2026-11-27):
-# 512 queries of one row after 1,536 cached, 21.4 ms a layer in blocks of 64, 12.4 in 256, 12.8 in
-# 512; 8 rows of 64 after 1,024, 16.1 ms in 64, 24.3 in 256: blocks follow the queries a row has.
+# step of its loop over a block's pages. Measured on this project's CPU (bench/chunk_attention.py,
+# 512 queries after 1,024 tokens): 64 and 256 were fastest of 32-128 and 256-2,048 (larger steps
+# miss the cache).
+# A row whose queries fill larger blocks runs faster in them: 512 queries of one row after 1,536
+# cached tokens, 21.4 ms a layer in blocks of 64, 12.4 in blocks of 256, 12.8 in 512; 8 rows of 64
+# after 1,024, 16.1 ms in blocks of 64, 24.3 in 256 (2026-11-27): blocks follow the queries a row has.
 DEFAULT_BLOCK_Q = 64
 MAX_REFERENCE_BLOCK_Q = 256
 REFERENCE_CHUNK_TOKENS = 256
@@ -80,20 +82,27 @@ EVERY_BLOCK_Q = 256
 EVERY_SHARED_TOKENS = 512
 # The decode batch (every row's last queries) reads its rows' own pages this many keys a step (a
 # row reads to the end of the step holding its last key), and a prefix they share this many a
-# product (the C++ kernel, where it runs, reads the rows' own pages). Chunks of 256, 128, 64: within
-# the spread (2026-11-29, this project's CPU, `bench/decode_chunks.py`, docs/benchmarks.md).
+# product. The engine's decode step on the serving bench's model (4 layers, 8 / 4 heads x 32,
+# float32; 2026-11-29, this project's CPU, engines with 256, 128 and 64 stepped in turn in one
+# process, median of 40-80 steps; with V no longer masked, below): 16 rows of ~150 tokens 7.11 /
+# 6.47 / 6.48 ms, of ~1,000 tokens 15.58 / 13.18 / 14.42, 4 rows 3.40 / 3.33 / 3.12, 64 rows
+# 18.16 / 17.02 / 17.03. With V unmasked in all three, `bench/decode_chunks.py` finds the chunk
+# size itself within the runs' spread (docs/benchmarks.md): the gain was the mask's. (Where the
+# C++ decode kernel runs, a CPU's default, it reads the rows' pages itself.)
 DECODE_CHUNK_TOKENS = 128
 DECODE_SHARED_TOKENS = 1024
 # The reference's products for at most this many queries a row and KV head (decode rows: the GQA
-# group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU (64 rows).
+# group) are multiplies and sums; dots of so few rows were 1.7x slower on this project's CPU
+# (2026-11-27: 64 decode rows of ~150 tokens, 8 / 4 heads x 32, one layer).
 MULTIPLY_MAX_QUERIES = 8
 
 
 def reference_block_q(queries_per_row: int | None) -> int:
-    """The reference's queries per block for rows of about ``queries_per_row`` queries: the power
-    of two that holds all but the row's last (it goes with the decode rows). Rows of 65 queries fill
-    blocks of 64, not half of 128: 7 such rows after a shared 1,024, one layer, 8.0 against 9.8 ms
-    (2026-11-27, this project's CPU, ``bench/chunk_attention.py --shared --block-q 64 128``)."""
+    """The reference's queries per block for rows of about ``queries_per_row`` queries: the
+    power of two that holds all but the row's last (which goes with the decode rows). Rows of
+    65 queries (a 64-token chunk and its BOS, the HTTP bench's) fill blocks of 64, not half of
+    128: 7 such rows after a shared 1,024, one layer, 8.0 against 9.8 ms (2026-11-27, this
+    project's CPU, ``bench/chunk_attention.py --shared --block-q 64 128``)."""
     if queries_per_row is None:
         return DEFAULT_BLOCK_Q
     blocked = max(queries_per_row - 1, 1)
@@ -102,10 +111,13 @@ def reference_block_q(queries_per_row: int | None) -> int:
 
 def block_chunk_tokens(block_q: int) -> int:
     """Keys a block of ``block_q`` queries of one row reads a step, from its row's pages: twice its
-    queries, at most :data:`REFERENCE_CHUNK_TOKENS`. Blocks of 64 reading 128, not 256 (2026-11-27,
-    this project's CPU, one layer, fastest of 25): 7 new prompts of 65 tokens 1.7 against 2.6 ms,
-    7 of 65 after a shared 1,024 11.4 against 12.0; an engine step of 7 new prompts 24.2 against
-    28.5 ms. One row of 512 queries (blocks of 256) ran 10 % slower reading 128: larger blocks keep 256."""
+    queries, at most :data:`REFERENCE_CHUNK_TOKENS`. Blocks
+    of 64 queries reading 128 keys a step, not 256 (2026-11-27, this project's CPU, one layer at the
+    serving bench's heads, the two interleaved, fastest of 25 each): 7 new prompts of 65 tokens 1.7
+    against 2.6 ms, 15 rows of 33 after a shared 1,024 13.7 against 16.6, 7 of 65 after it 11.4
+    against 12.0, 8 rows of 64 after 1,024 of their own 13.9 against 13.7; an engine step of 7
+    new prompts 24.2 against 28.5 ms. One row of 512 queries (blocks of 256) ran about 10 % slower
+    reading 128, so larger blocks keep 256."""
     return min(REFERENCE_CHUNK_TOKENS, 2 * block_q)
 
 
@@ -219,7 +231,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, query_start, **kw) -> jax.Array:
-    """A decode-only call through the decode kernel: each row's one query (a row without one: zeros)."""
+    """A decode-only call through a decode kernel (``backend`` in ``kw``): each row's one query
+    (a row without one reads as length 0: zeros), scattered back to its token; padding tokens stay
+    zeros."""
     n = q.shape[0]
     has = query_start[1:] > query_start[:-1]
     last = jnp.where(has, query_start[1:] - 1, n)
